@@ -1,0 +1,32 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv and install first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[cpu,test,dev]"
+	@command -v dot >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && (apt-get install -y -q graphviz >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1)) || echo "note: graphviz 'dot' not installed; dumps will write .dot files only"; }
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/simple_net_propagation.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check autopar passes cost_model tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_propagation.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,23 @@
+"""User-facing errors.
+
+Every error autopar raises on bad input derives from :class:`AutoparError` and names the
+tensor, op or mesh at fault, so a user never has to read a Paddle stack trace to find it.
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base of every error autopar raises for bad input or an unsupported request."""
+
+
+class MeshError(AutoparError):
+    """A ProcessMesh is malformed (duplicate ranks, ragged shape, empty dim, bad names)."""
+
+
+class PlacementError(AutoparError):
+    """A DistAttr / dims_mapping does not fit its tensor or mesh."""
+
+
+class AnnotationError(AutoparError):
+    """An annotation (shard_tensor / shard_op) does not fit the program being compiled."""

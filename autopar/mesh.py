@@ -1,0 +1,185 @@
+"""ProcessMesh: an n-d array of ranks with named dims (stage: annotate).
+
+A mesh is a value: frozen, hashable, printed as ``mesh(dp=2,mp=2)[0,1,2,3]``. ``mesh[i]``
+is the sub-mesh at index ``i`` of the first mesh dim (a pipeline stage); ``groups(mesh_dim)``
+lists the rank groups that communicate along one mesh dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.errors import MeshError
+
+
+def _shape_and_ranks(nested: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Flatten a nested list of ranks, checking it is rectangular (not ragged)."""
+    if isinstance(nested, int) or not isinstance(nested, Sequence):
+        if isinstance(nested, bool) or not isinstance(nested, int):
+            raise MeshError(f"mesh entries must be integer ranks, got {nested!r}")
+        return (), (nested,)
+    if len(nested) == 0:
+        raise MeshError("mesh has an empty dim")
+    parts = [_shape_and_ranks(item) for item in nested]
+    inner = {shape for shape, _ in parts}
+    if len(inner) != 1:
+        raise MeshError(f"mesh is ragged: sub-lists have shapes {sorted(inner)}")
+    return (len(nested), *parts[0][0]), tuple(r for _, ranks in parts for r in ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessMesh:
+    """Ranks laid out in an n-d grid; ``dim_names`` name the mesh dims (``dp``, ``mp``, ...)."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    dim_names: tuple[str, ...]
+
+    def __init__(
+        self,
+        mesh: Any = None,
+        dim_names: Sequence[str] | None = None,
+        *,
+        shape: Sequence[int] | None = None,
+        process_ids: Sequence[int] | None = None,
+    ) -> None:
+        if mesh is None:
+            if shape is None or process_ids is None:
+                raise MeshError("ProcessMesh needs a nested rank list, or shape= and process_ids=")
+            if math.prod(shape) != len(process_ids) or any(s <= 0 for s in shape):
+                raise MeshError(f"mesh shape {list(shape)} does not hold {len(process_ids)} ranks")
+            mesh_shape, ranks = tuple(int(s) for s in shape), tuple(int(r) for r in process_ids)
+        else:
+            if hasattr(mesh, "tolist"):
+                mesh = mesh.tolist()
+            mesh_shape, ranks = _shape_and_ranks(mesh)
+        if not mesh_shape:
+            raise MeshError(f"mesh must have at least one dim, got the scalar {mesh!r}")
+        if len(set(ranks)) != len(ranks):
+            dup = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise MeshError(f"mesh has duplicate ranks {dup}")
+        if any(r < 0 for r in ranks):
+            raise MeshError(f"mesh ranks must be >= 0, got {list(ranks)}")
+        names = tuple(dim_names) if dim_names is not None else tuple(f"d{i}" for i in range(len(mesh_shape)))
+        if len(names) != len(mesh_shape):
+            raise MeshError(f"mesh of shape {list(mesh_shape)} needs {len(mesh_shape)} dim names, got {list(names)}")
+        if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+            raise MeshError(f"mesh dim names must be distinct non-empty strings, got {list(names)}")
+        object.__setattr__(self, "shape", mesh_shape)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "dim_names", names)
+
+    # ---- structure -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def process_ids(self) -> list[int]:
+        """Paddle's name for :attr:`ranks`."""
+        return list(self.ranks)
+
+    def mesh_dim(self, name_or_index: str | int) -> int:
+        """The index of a mesh dim given by name or (possibly negative) index."""
+        if isinstance(name_or_index, str):
+            if name_or_index not in self.dim_names:
+                raise MeshError(f"unknown mesh dim {name_or_index!r}; {self} has dims {list(self.dim_names)}")
+            return self.dim_names.index(name_or_index)
+        if isinstance(name_or_index, bool) or not isinstance(name_or_index, int):
+            raise MeshError(f"mesh dim must be a name or an index, got {name_or_index!r}")
+        if not -self.ndim <= name_or_index < self.ndim:
+            raise MeshError(f"mesh dim {name_or_index} out of range for {self}")
+        return name_or_index % self.ndim
+
+    def dim_size(self, name_or_index: str | int) -> int:
+        return self.shape[self.mesh_dim(name_or_index)]
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """The position of ``rank`` in the grid (row-major, last mesh dim innermost)."""
+        if rank not in self.ranks:
+            raise MeshError(f"rank {rank} is not in {self}")
+        flat = self.ranks.index(rank)
+        coord = []
+        for extent in reversed(self.shape):
+            coord.append(flat % extent)
+            flat //= extent
+        return tuple(reversed(coord))
+
+    def rank_at(self, coordinate: Sequence[int]) -> int:
+        flat = 0
+        for index, extent in zip(coordinate, self.shape, strict=True):
+            flat = flat * extent + index
+        return self.ranks[flat]
+
+    def groups(self, mesh_dims: str | int | Sequence[str | int]) -> list[tuple[int, ...]]:
+        """Rank groups that vary along ``mesh_dims`` (all other coordinates fixed), in order."""
+        if isinstance(mesh_dims, (str, int)):
+            mesh_dims = [mesh_dims]
+        along = [self.mesh_dim(d) for d in mesh_dims]
+        fixed = [d for d in range(self.ndim) if d not in along]
+        result = []
+        for outer in itertools.product(*(range(self.shape[d]) for d in fixed)):
+            group = []
+            for inner in itertools.product(*(range(self.shape[d]) for d in along)):
+                coord = [0] * self.ndim
+                for d, i in zip(fixed, outer):
+                    coord[d] = i
+                for d, i in zip(along, inner):
+                    coord[d] = i
+                group.append(self.rank_at(coord))
+            result.append(tuple(group))
+        return result
+
+    def group_of(self, rank: int, mesh_dims: str | int | Sequence[str | int]) -> tuple[int, ...]:
+        """The group along ``mesh_dims`` that contains ``rank``."""
+        for group in self.groups(mesh_dims):
+            if rank in group:
+                return group
+        raise MeshError(f"rank {rank} is not in {self}")
+
+    def __getitem__(self, index: int) -> ProcessMesh:
+        """The sub-mesh at ``index`` of the first mesh dim (keeps the remaining dims)."""
+        if not -self.shape[0] <= index < self.shape[0]:
+            raise MeshError(f"{self}[{index}] is out of range (first dim has {self.shape[0]} entries)")
+        index %= self.shape[0]
+        if self.ndim == 1:
+            return ProcessMesh([self.ranks[index]], [self.dim_names[0]])
+        step = self.size // self.shape[0]
+        sub = self.ranks[index * step : (index + 1) * step]
+        return ProcessMesh(shape=self.shape[1:], process_ids=sub, dim_names=self.dim_names[1:])
+
+    def contains(self, other: ProcessMesh) -> bool:
+        return set(other.ranks) <= set(self.ranks)
+
+    def tolist(self) -> Any:
+        def build(offset: int, dims: tuple[int, ...]) -> Any:
+            if len(dims) == 1:
+                return list(self.ranks[offset : offset + dims[0]])
+            step = math.prod(dims[1:])
+            return [build(offset + i * step, dims[1:]) for i in range(dims[0])]
+
+        return build(0, self.shape)
+
+    # ---- conversions -----------------------------------------------------------------
+    def to_paddle(self) -> Any:
+        import paddle.distributed as pdist
+
+        return pdist.ProcessMesh(self.tolist(), dim_names=list(self.dim_names))
+
+    @classmethod
+    def from_paddle(cls, mesh: Any) -> ProcessMesh:
+        return cls(shape=list(mesh.shape), process_ids=list(mesh.process_ids), dim_names=list(mesh.dim_names))
+
+    def __str__(self) -> str:
+        dims = ",".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
+        return f"mesh({dims})[{','.join(map(str, self.ranks))}]"
+
+    __repr__ = __str__

@@ -1,0 +1,10 @@
+"""SPMD rules: one module per op family, all registered in :mod:`autopar.spmd.registry`.
+
+Import order does not matter; each module registers its own op names once.
+"""
+
+from autopar.spmd import elementwise, matmul  # noqa: F401  (registration)
+from autopar.spmd.base import Conflict, RuleContext, RuleResult, SpmdRule, TensorSpec
+from autopar.spmd.registry import RULES, get_rule, register, register_rule
+
+__all__ = ["RULES", "Conflict", "RuleContext", "RuleResult", "SpmdRule", "TensorSpec", "get_rule", "register", "register_rule"]

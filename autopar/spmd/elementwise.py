@@ -1,0 +1,98 @@
+"""Elementwise ops: binary with broadcasting, unary, and their grads (``ab,b->ab``).
+
+Sharded dims must line up across operands; a broadcast dim of size 1 is never split, and its
+gradient is partial over the mesh dims the broadcast dim's partner was split over.
+add / subtract may take all operands partial alike; multiply / divide-by-whole may take one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
+from autopar.spmd.letters import broadcast_letters, equation
+from autopar.spmd.registry import register_rule
+
+
+def _broadcast_equation(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    operands, out = broadcast_letters([s.shape for s in specs])
+    return equation(operands, [out])
+
+
+class BroadcastGradRule(SpmdRule):
+    """``(x, y, out_grad) -> (x_grad, y_grad)`` for a broadcasting binary op."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        operands, out = broadcast_letters([inputs[0].shape, inputs[1].shape, inputs[-1].shape])
+        letters = [operands[0], operands[1]] + [operands[2]] * (len(inputs) - 2)
+        # extra grad-op operands (divide_grad reads out) share out's letters
+        if len(inputs) == 4:
+            letters = [operands[0], operands[1], out, out]
+        return einsum_grad(equation(letters, operands[:2]), inputs, ctx, grad_operands=[len(inputs) - 1])
+
+
+class SameShapeGradRule(SpmdRule):
+    """Unary grads: every operand has the output's shape (``x/out, out_grad -> x_grad``)."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        tensors = [i for i, s in enumerate(inputs) if s.ndim == inputs[-1].ndim]
+        letters = "".join(chr(ord("a") + i) for i in range(inputs[-1].ndim))
+        sub = [inputs[i] for i in tensors]
+        result = einsum_grad(equation([letters] * len(sub), [letters]), sub, ctx, grad_operands=[len(sub) - 1])
+        return _spread(result, tensors, inputs, ctx)
+
+
+def _spread(result: RuleResult, tensors: list[int], inputs: Sequence[TensorSpec], ctx: RuleContext) -> RuleResult:
+    """Put the tensor operands' requirements back in place; scalars/attrs stay replicated."""
+    from autopar.dist_attr import DistAttr
+
+    required = [DistAttr.replicated(ctx.mesh, s.ndim) for s in inputs]
+    for pos, i in enumerate(tensors):
+        required[i] = result.inputs[pos]
+    return RuleResult(tuple(required), result.outputs, result.conflicts)
+
+
+class UnaryRule(SpmdRule):
+    """``abc->abc``: output lies like the input; extra scalar operands stay whole."""
+
+    def __init__(self, linearity: str | None = None) -> None:
+        self.linearity = linearity
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        from autopar.spmd.base import einsum_forward
+
+        letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
+        result = einsum_forward(f"{letters}->{letters}", inputs[:1], ctx, linearity=self.linearity)
+        return _spread(result, [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        from autopar.spmd.base import einsum_backward
+
+        letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
+        result = einsum_backward(f"{letters}->{letters}", inputs[:1], outputs[:1], ctx)
+        return _spread(result, [0], inputs, ctx)
+
+
+ADDITIVE = ("add", "subtract")
+MULTILINEAR = ("multiply",)
+NONLINEAR_BINARY = ("divide", "maximum", "minimum", "elementwise_pow", "greater_than", "less_than", "equal", "not_equal")
+for _name in ADDITIVE:
+    register_rule(EinsumRule(_broadcast_equation, linearity="additive"), _name)
+for _name in MULTILINEAR:
+    register_rule(EinsumRule(_broadcast_equation, linearity="multi"), _name)
+for _name in NONLINEAR_BINARY:
+    register_rule(EinsumRule(_broadcast_equation), _name)
+register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in ADDITIVE + MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
+
+LINEAR_UNARY = ("cast", "assign", "share_data", "neg")
+NONLINEAR_UNARY = (
+    "relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu",
+    "dropout", "pow", "scale", "clip", "sin", "cos", "logical_not", "isfinite", "erf", "floor",
+)  # fmt: skip
+register_rule(UnaryRule(linearity="multi"), *LINEAR_UNARY)
+register_rule(UnaryRule(), *NONLINEAR_UNARY)
+register_rule(
+    SameShapeGradRule(),
+    *(f"{n}_grad" for n in ("relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu", "dropout", "pow", "clip", "sin", "cos", "erf")),
+)

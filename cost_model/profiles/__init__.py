@@ -1,0 +1,1 @@
+"""Shipped cluster profiles (JSON)."""

@@ -1,0 +1,1 @@
+"""Program rewrites, one pass per module (installed as ``autopar.passes``)."""
