@@ -101,7 +101,9 @@ def check_rule(
 ) -> RuleCheck:
     """Check the rule registered for ``op_name`` on these inputs; raise RuleCheckError if wrong.
 
-    ``dists`` are the given input placements (None: no opinion). With ``backward`` (output
+    ``inputs`` mirror the op's operands (int-array operands such as ``axis`` as int64 arrays,
+    absent optional operands as None); ``dists`` are the given input placements (None: no
+    opinion). With ``backward`` (output
     placements), the rule's ``infer_backward`` is checked instead of ``infer_forward``.
     """
     attrs = dict(attrs or {})
@@ -110,7 +112,7 @@ def check_rule(
     if rule is None:
         raise RuleCheckError(f"no SPMD rule registered for {op_name!r}")
     rng = np.random.default_rng(seed)
-    specs = [TensorSpec(tuple(x.shape), d, str(x.dtype)) for x, d in zip(inputs, dists)]
+    specs = [None if x is None else TensorSpec(tuple(x.shape), d, str(x.dtype)) for x, d in zip(inputs, dists)]
     ctx = RuleContext(mesh, op_name=op_name)
     expected = [np.asarray(o) for o in fn(list(inputs), attrs)]
     if backward is None:
@@ -119,12 +121,13 @@ def check_rule(
         out_specs = [TensorSpec(tuple(e.shape), d, str(e.dtype)) for e, d in zip(expected, backward)]
         result = rule.infer_backward(specs, out_specs, attrs, ctx)
     _check_arity(op_name, result, inputs, expected)
-    local_inputs = [scatter(x, d, rng) for x, d in zip(inputs, result.inputs)]
+    local_inputs = [{r: None for r in mesh.ranks} if x is None else scatter(x, d, rng) for x, d in zip(inputs, result.inputs)]
     local_specs = specs
     local_outputs: list[dict[int, np.ndarray]] = [dict() for _ in expected]
     for rank in mesh.ranks:
         outs = fn([pieces[rank] for pieces in local_inputs], attrs)
-        scale = rule.local_scale([TensorSpec(s.shape, d, s.dtype) for s, d in zip(local_specs, result.inputs)], attrs, rank)
+        required = [None if s is None else TensorSpec(s.shape, d, s.dtype) for s, d in zip(local_specs, result.inputs)]
+        scale = rule.local_scale(required, attrs, rank)
         for j, out in enumerate(outs):
             out = np.asarray(out)
             local_outputs[j][rank] = out * scale if scale != 1.0 else out
@@ -143,7 +146,9 @@ def _check_arity(op_name: str, result: RuleResult, inputs: Sequence[np.ndarray],
             f"the op has {len(inputs)} / {len(outputs)}"
         )
     for i, (x, d) in enumerate(zip(inputs, result.inputs)):
-        if d is not None and d.ndim != x.ndim:
+        if x is not None and d is None:
+            raise RuleCheckError(f"{op_name}: rule gave no placement for input {i}")
+        if x is not None and d.ndim != x.ndim:
             raise RuleCheckError(f"{op_name}: input {i} placement {d} has {d.ndim} dims, tensor has {x.ndim}")
 
 
