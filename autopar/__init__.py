@@ -1,8 +1,21 @@
-"""autopar: semi-automatic parallelism for PaddlePaddle static (PIR) programs."""
+"""autopar: semi-automatic parallelism for PaddlePaddle static (PIR) programs.
+
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    autopar.shard_tensor(x, mesh, ["dp", None])
+    dist = autopar.compile(main_program, mesh, startup_program=startup)
+    dist.dist_attr("linear_0.w_0")
+"""
 
 from autopar import errors
+from autopar.annotate import shard_op, shard_tensor
+from autopar.compile import compile  # noqa: A004
 from autopar.dist_attr import DistAttr
+from autopar.distributed_program import CompileReport, DistributedProgram
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
+from autopar.strategy import PipelineConfig, Strategy
 
-__all__ = ["AutoparError", "DistAttr", "ProcessMesh", "errors"]
+__all__ = [
+    "AutoparError", "CompileReport", "DistAttr", "DistributedProgram", "PipelineConfig", "ProcessMesh",
+    "Strategy", "compile", "errors", "shard_op", "shard_tensor",
+]  # fmt: skip

@@ -1,0 +1,90 @@
+"""DistributedProgram: everything compile produced, queried by later stages and users.
+
+So far: the placement of every serial value, the ops each runs on, what needs resharding,
+and the compile report (conflicts, ops without a rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import ProgramGraph, ValueKey
+from autopar.mesh import ProcessMesh
+from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
+from autopar.strategy import Strategy
+
+
+@dataclass
+class CompileReport:
+    """What a user should read after compile: conflicts, unsupported ops, reshards needed."""
+
+    conflicts: list[ConflictRecord]
+    unsupported_ops: list[str]
+    reshards: list[ReshardNeed]
+    rounds: int
+
+    def __str__(self) -> str:
+        lines = [f"propagation converged in {self.rounds} round(s)"]
+        lines.append(f"ops without an SPMD rule (computed replicated): {len(self.unsupported_ops)}")
+        lines += [f"  {name}" for name in self.unsupported_ops]
+        lines.append(f"conflicts: {len(self.conflicts)}")
+        lines += [f"  {c}" for c in self.conflicts]
+        lines.append(f"reshards needed: {len(self.reshards)}")
+        return "\n".join(lines)
+
+
+class DistributedProgram:
+    """The result of :func:`autopar.compile` (see DESIGN.md, public API contract)."""
+
+    def __init__(
+        self,
+        program: Any,
+        startup_program: Any,
+        mesh: ProcessMesh,
+        strategy: Strategy,
+        graph: ProgramGraph,
+        propagation: PropagationResult,
+    ) -> None:
+        self.serial_program = program
+        self.serial_startup_program = startup_program
+        self.mesh = mesh
+        self.strategy = strategy
+        self.graph = graph
+        self.propagation = propagation
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size
+
+    @property
+    def report(self) -> CompileReport:
+        p = self.propagation
+        return CompileReport(p.conflicts, p.unsupported, p.reshards, p.rounds)
+
+    def key(self, name_or_value: Any) -> ValueKey:
+        if isinstance(name_or_value, str):
+            key = self.graph.by_name.get(name_or_value)
+            if key is None:
+                raise AutoparError(f"no parameter, feed or state named {name_or_value!r} in the compiled program")
+            return key
+        key = self.graph.key_of(name_or_value)
+        if key is None:
+            raise AutoparError(f"{name_or_value!r} is not a value of the compiled program")
+        return key
+
+    def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
+        """Placement of a serial value (parameters, feeds and states also by name).
+
+        A vector value (``builtin.combine`` / ``split`` plumbing) answers with its members'.
+        """
+        key = self.key(name_or_value)
+        members = self.graph.vectors.get(key)
+        if self.graph.values[key].kind == "vector" and members is not None:
+            return tuple(self.propagation.dist(k) for k in members)
+        return self.propagation.dist(key)
+
+    def op_mesh(self, op_index: int) -> ProcessMesh:
+        return self.propagation.op_meshes.get(op_index, self.mesh)

@@ -1,0 +1,265 @@
+"""ProgramGraph: a read-only networkx view of a PIR program (stage: graph).
+
+Nodes are ops (``("op", i)``, ``i`` = position in the global block) and values
+(``("v", i, j)`` = result ``j`` of op ``i``); edges run value -> op (operand position) and
+op -> value (result position). Every op carries its role (forward, backward, optimizer) and
+every grad op the index of its forward op.
+
+Paddle's vector plumbing is flattened: an op reading a ``builtin.combine`` reads the combined
+tensors, an op whose vector result feeds ``builtin.split`` produces the split tensors, so rules
+see plain tensor lists (``concat([x, y], axis)``). Building the view never touches the program.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+ValueKey = tuple[int, int]  # (op index, result index)
+
+VECTOR_OPS = ("builtin.combine", "builtin.split")
+OPTIMIZER_OPS = frozenset(
+    {"pd_op.sgd_", "pd_op.momentum_", "pd_op.adam_", "pd_op.adamw_", "pd_op.lamb_", "pd_op.adagrad_", "pd_op.rmsprop_"}
+)
+CONSTANT_OPS = ("pd_op.full_int_array", "pd_op.full")
+SOURCE_OPS = ("builtin.parameter", "pd_op.data")
+
+
+class Role(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass
+class OpNode:
+    """One op: name, attrs, logical operand/result value keys (vectors flattened)."""
+
+    index: int
+    name: str
+    attrs: dict[str, Any]
+    inputs: list[ValueKey | None]  # None: an absent optional operand
+    input_names: list[str]
+    outputs: list[ValueKey | None]  # None: a null result (e.g. a grad nobody needs)
+    role: Role = Role.FORWARD
+    forward_op: int | None = None  # for grad ops: the forward op they differentiate
+    op_id: int = 0
+
+    @property
+    def short_name(self) -> str:
+        return self.name.split(".", 1)[-1]
+
+    def __str__(self) -> str:
+        return f"{self.name}#{self.index}"
+
+
+@dataclass
+class ValueNode:
+    """One tensor value: global shape, dtype, and its name where it has one."""
+
+    key: ValueKey
+    shape: tuple[int, ...]
+    dtype: str
+    name: str | None = None  # parameter / feed / persistable data name
+    kind: str = "activation"  # "parameter", "feed", "state" (persistable data), "constant", "activation"
+    const: Any = None  # value of a full_int_array / full constant
+    users: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"%{self.key[0]}.{self.key[1]}"
+
+
+class ProgramGraph:
+    """The view compile works on; ``graph.nx`` is the underlying ``networkx.DiGraph``."""
+
+    def __init__(self, program: Any) -> None:
+        self.program = program
+        self.ops: list[OpNode] = []
+        self.values: dict[ValueKey, ValueNode] = {}
+        self.by_name: dict[str, ValueKey] = {}
+        self._by_impl: dict[str, ValueKey] = {}
+        self.vectors: dict[ValueKey, list[ValueKey]] = {}  # vector value -> member tensors
+        self.nx = nx.DiGraph()
+        self._build(list(program.global_block().ops))
+        assign_roles(self)
+
+    # ---- construction ----------------------------------------------------------------
+    def _build(self, raw_ops: list[Any]) -> None:
+        keys: dict[str, ValueKey] = {}
+        for index, op in enumerate(raw_ops):
+            for j, result in enumerate(op.results()):
+                if result.initialized():
+                    keys[result.id] = (index, j)
+        self._by_impl = keys
+        for index, op in enumerate(raw_ops):
+            name = op.name()
+            if name == "builtin.combine":
+                self.vectors[(index, 0)] = [keys[s.id] for s in op.operands_source()]
+        for index, op in enumerate(raw_ops):
+            if op.name() == "builtin.split":
+                source = keys[op.operand_source(0).id]
+                self.vectors[source] = [(index, j) for j in range(op.num_results())]
+        for index, op in enumerate(raw_ops):
+            self._add_op(index, op, keys)
+
+    def _add_op(self, index: int, op: Any, keys: dict[str, ValueKey]) -> None:
+        name = op.name()
+        attrs = {k: v for k, v in op.attrs().items() if k != "op_callstack"}
+        try:
+            input_names = list(op.get_input_names())
+        except ValueError:
+            input_names = [f"operand{i}" for i in range(op.num_operands())]
+        inputs: list[ValueKey | None] = []
+        names: list[str] = []
+        for pos, source in enumerate(op.operands_source()):
+            label = input_names[pos] if pos < len(input_names) else f"operand{pos}"
+            if not source.initialized():
+                inputs.append(None)
+                names.append(label)
+                continue
+            key = keys[source.id]
+            members = self.vectors.get(key) if name not in VECTOR_OPS else None
+            if members is not None and self.values.get(key) is not None and self.values[key].kind == "vector":
+                inputs.extend(members)
+                names.extend(f"{label}[{i}]" for i in range(len(members)))
+            else:
+                inputs.append(key)
+                names.append(label)
+        outputs: list[ValueKey | None] = []
+        for j, result in enumerate(op.results()):
+            if not result.initialized():
+                outputs.append(None)
+                continue
+            node = self._value_node((index, j), result, op, name, attrs)
+            self.values[node.key] = node
+            members = self.vectors.get(node.key)
+            if members is not None and name not in VECTOR_OPS and node.kind == "vector":
+                outputs.extend(members)
+            else:
+                outputs.append(node.key)
+        node = OpNode(index, name, attrs, inputs, names, outputs, op_id=op.id())
+        self.ops.append(node)
+        self.nx.add_node(("op", index), kind="op", name=name)
+        for pos, key in enumerate(inputs):
+            if key is not None:
+                self.values[key].users.append(index)
+                self.nx.add_edge(("v", *key), ("op", index), position=pos)
+        for pos, key in enumerate(node.outputs):
+            if key is not None:
+                self.nx.add_edge(("op", index), ("v", *key), position=pos)
+        for name_attr, key in _constant_inputs(node, self.values):
+            node.attrs.setdefault(name_attr, self.values[key].const)
+
+    def _value_node(self, key: ValueKey, result: Any, op: Any, op_name: str, attrs: dict[str, Any]) -> ValueNode:
+        if not result.is_dense_tensor_type():
+            self.nx.add_node(("v", *key), kind="value")
+            return ValueNode(key, (), "vector", kind="vector")
+        shape = tuple(int(s) for s in result.shape)
+        dtype = str(result.dtype).replace("paddle.", "")
+        name, kind, const = None, "activation", None
+        if op_name == "builtin.parameter":
+            name, kind = attrs["parameter_name"], "parameter"
+        elif op_name == "pd_op.data":
+            name = attrs["name"]
+            kind = "state" if attrs.get("persistable", [False])[0] else "feed"
+        elif op_name == "pd_op.full_int_array":
+            kind, const = "constant", list(attrs["value"])
+        elif op_name == "pd_op.full":
+            kind, const = "constant", attrs["value"]
+        if name is not None:
+            self.by_name[name] = key
+        self.nx.add_node(("v", *key), kind="value", shape=shape, dtype=dtype)
+        return ValueNode(key, shape, dtype, name, kind, const)
+
+    # ---- queries ---------------------------------------------------------------------
+    def key_of(self, value: Any) -> ValueKey | None:
+        """The key of a PIR Value of this program (None if it belongs elsewhere)."""
+        try:
+            return self._by_impl.get(value.id)
+        except (ValueError, AttributeError):
+            return None
+
+    def producer(self, key: ValueKey) -> OpNode:
+        return self.ops[key[0]]
+
+    def tensor_keys(self) -> Iterator[ValueKey]:
+        return (k for k, v in self.values.items() if v.kind != "vector")
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def _constant_inputs(op: OpNode, values: dict[ValueKey, ValueNode]) -> Iterator[tuple[str, ValueKey]]:
+    for label, key in zip(op.input_names, op.inputs):
+        if key is not None and values[key].kind == "constant":
+            yield label, key
+
+
+def assign_roles(graph: ProgramGraph) -> None:
+    """Forward / backward / optimizer roles, and each grad op's forward op.
+
+    Backward: ``*_grad`` ops, and ops that read a gradient to make another gradient
+    (accumulation, the loss-gradient seed feeding the first grad op). Optimizer: the update
+    ops and the ops whose results only feed them (regularization, clipping).
+    """
+    grads: set[ValueKey] = set()
+    first_grad = next((op.index for op in graph.ops if op.name.endswith("_grad")), None)
+    if first_grad is None:
+        return
+    for op in graph.ops:
+        if op.name in OPTIMIZER_OPS:
+            op.role = Role.OPTIMIZER
+        elif op.name.endswith("_grad") or (op.index > first_grad and any(k in grads for k in op.inputs)):
+            op.role = Role.BACKWARD
+            grads.update(k for k in op.outputs if k is not None)
+    _seed_ops(graph, first_grad)
+    _optimizer_feeders(graph)
+    _link_forward_ops(graph)
+
+
+SEED_OPS = ("pd_op.full", "pd_op.full_like", "pd_op.ones_like", "pd_op.fill_constant")
+
+
+def _seed_ops(graph: ProgramGraph, first_grad: int) -> None:
+    """The constant ops just before the first grad op that only feed backward ops (the loss seed)."""
+    for op in reversed(graph.ops[:first_grad]):
+        users = [u for k in op.outputs if k is not None for u in graph.values[k].users]
+        if op.name not in SEED_OPS or not users or any(graph.ops[u].role is Role.FORWARD for u in users):
+            break
+        op.role = Role.BACKWARD
+
+
+def _optimizer_feeders(graph: ProgramGraph) -> None:
+    for op in reversed(graph.ops):
+        if op.role is Role.OPTIMIZER or op.name in SOURCE_OPS:
+            continue
+        users = [u for k in op.outputs if k is not None for u in graph.values[k].users]
+        if users and all(graph.ops[u].role is Role.OPTIMIZER for u in users) and op.role is Role.BACKWARD:
+            if not op.name.endswith("_grad"):
+                op.role = Role.OPTIMIZER
+
+
+def _link_forward_ops(graph: ProgramGraph) -> None:
+    """A grad op's forward op: the op of the matching name whose operands/results it reads most."""
+    by_name: dict[str, list[OpNode]] = {}
+    for op in graph.ops:
+        if op.role is Role.FORWARD:
+            by_name.setdefault(op.name, []).append(op)
+    for op in graph.ops:
+        if not op.name.endswith("_grad"):
+            continue
+        candidates = by_name.get(op.name[: -len("_grad")], []) + by_name.get(op.name[: -len("_grad")] + "_", [])
+        reads = {k for k in op.inputs if k is not None}
+        best, best_overlap = None, 0
+        for fwd in candidates:
+            if fwd.index >= op.index:
+                continue
+            overlap = len(reads & ({k for k in fwd.inputs if k} | {k for k in fwd.outputs if k}))
+            if overlap > best_overlap or (overlap == best_overlap and overlap and best is not None and fwd.index > best.index):
+                best, best_overlap = fwd, overlap
+        op.forward_op = best.index if best is not None else None

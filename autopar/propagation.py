@@ -1,0 +1,321 @@
+"""Sharding propagation: a placement for every value of the program (stage: propagate).
+
+Two phases, both deterministic (program order, no set iteration):
+
+1. **Fixed point** over the graph, forward and backward, to decide the placement of every
+   *source* tensor (parameters, feeds, optimizer states) and seed the rest. Each value's
+   state carries a priority: ``USER`` (annotation) > ``DERIVED`` (a rule produced it from
+   known inputs, or inferred it back from known outputs) > ``REQUIRED`` (a consumer needs it
+   so, and nothing better is known) > ``DEFAULT`` (replicated on the op's mesh). A state is
+   only replaced by a strictly higher priority, so the iteration terminates.
+2. **Materialization** walks the ops once in order: each op's rule, given its inputs' final
+   placements, says which placement it needs for each input (a reshard where it differs) and
+   which it produces. Outputs take what their op produces — except user-annotated values,
+   which keep the annotation (a reshard right after the producer).
+
+Every place where placements compete is recorded as a conflict (op, values, candidates,
+resolution): a rule's merge disagreement, a user annotation that differs from what its
+producer makes, a source tensor whose consumers need different placements.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autopar.dist_attr import DistAttr
+from autopar.graph import SOURCE_OPS, VECTOR_OPS, OpNode, ProgramGraph, ValueKey
+from autopar.mesh import ProcessMesh
+from autopar.spmd import Conflict, RuleContext, RuleResult, TensorSpec, get_rule
+
+
+class Priority(enum.IntEnum):
+    DEFAULT = 0
+    REQUIRED = 1
+    DERIVED = 2
+    USER = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ValueState:
+    dist: DistAttr
+    priority: Priority
+    source: str  # "user", "default", or the op that decided it
+
+
+@dataclass(frozen=True, slots=True)
+class ConflictRecord:
+    """One place where placements competed, and how it was resolved."""
+
+    op: str
+    values: tuple[str, ...]
+    candidates: tuple[tuple[str, str], ...]  # (who, placement)
+    chosen: str
+    reason: str
+
+    def __str__(self) -> str:
+        cands = "; ".join(f"{who} wants {what}" for who, what in self.candidates)
+        return f"{self.op} [{', '.join(self.values)}]: {cands} -> {self.chosen} ({self.reason})"
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardNeed:
+    """A value must change placement: before op ``op`` reads it, or right after it is made."""
+
+    op: int
+    position: int  # operand position, or -1 - result position for an after-producer reshard
+    value: ValueKey
+    have: DistAttr
+    need: DistAttr
+
+
+@dataclass
+class PropagationResult:
+    states: dict[ValueKey, ValueState]
+    op_results: dict[int, RuleResult]
+    op_meshes: dict[int, ProcessMesh]
+    conflicts: list[ConflictRecord] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    reshards: list[ReshardNeed] = field(default_factory=list)
+    rounds: int = 0
+
+    def dist(self, key: ValueKey) -> DistAttr:
+        return self.states[key].dist
+
+
+def transplant(dist: DistAttr, mesh: ProcessMesh) -> DistAttr | None:
+    """``dist`` re-expressed on ``mesh`` by mesh dim name (a stage's tensor read on another)."""
+    if dist.mesh == mesh:
+        return dist
+    same = {
+        d: mesh.dim_names.index(name)
+        for d, name in enumerate(dist.mesh.dim_names)
+        if name in mesh.dim_names and mesh.dim_size(name) == dist.mesh.shape[d]
+    }
+    mapping = [tuple(sorted(same[d] for d in dims if d in same)) for dims in dist.mapping]
+    partial = {same[d]: k for d, k in dist.partial if d in same}
+    return DistAttr(mesh, mapping, partial)
+
+
+class Propagator:
+    """Runs both phases over one graph; see the module docstring."""
+
+    def __init__(
+        self,
+        graph: ProgramGraph,
+        mesh: ProcessMesh,
+        user: dict[ValueKey, DistAttr],
+        op_meshes: dict[int, ProcessMesh],
+        resolve_factory: Callable[[OpNode], Callable | None] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.mesh = mesh
+        self.user_op_meshes = op_meshes
+        self.resolve_factory = resolve_factory
+        self.states: dict[ValueKey, ValueState] = {k: ValueState(d, Priority.USER, "user") for k, d in user.items()}
+        self.ops = [op for op in graph.ops if op.name not in VECTOR_OPS and op.name not in SOURCE_OPS]
+
+    # ---- shared pieces ---------------------------------------------------------------
+    def op_mesh(self, op: OpNode) -> ProcessMesh:
+        """Annotated mesh; else the forward op's (grad ops); else the first known input's."""
+        if op.index in self.user_op_meshes:
+            return self.user_op_meshes[op.index]
+        if op.forward_op is not None:
+            return self.op_mesh(self.graph.ops[op.forward_op])
+        for key in op.inputs:
+            state = self.states.get(key) if key is not None else None
+            if state is not None and self.graph.values[key].kind not in ("constant",):
+                return state.dist.mesh
+        return self.mesh
+
+    def specs(self, op: OpNode, mesh: ProcessMesh) -> list[TensorSpec | None]:
+        out: list[TensorSpec | None] = []
+        for key in op.inputs:
+            if key is None:
+                out.append(None)
+                continue
+            value = self.graph.values[key]
+            state = self.states.get(key)
+            dist = transplant(state.dist, mesh) if state is not None else None
+            out.append(TensorSpec(value.shape, dist, value.dtype, int(state.priority) if state else 0))
+        return out
+
+    def infer(self, op: OpNode, mesh: ProcessMesh, specs: list[TensorSpec | None]) -> RuleResult | None:
+        rule = get_rule(op.name)
+        if rule is None:
+            return None
+        resolve = self.resolve_factory(op) if self.resolve_factory else None
+        ctx = RuleContext(mesh, resolve=resolve, op_name=op.name)
+        return rule.infer_forward(specs, op.attrs, ctx)
+
+    def replicated(self, op: OpNode, mesh: ProcessMesh) -> RuleResult:
+        """An op without a rule runs whole on every rank of its mesh."""
+
+        def whole(key: ValueKey | None) -> DistAttr | None:
+            return None if key is None else DistAttr.replicated(mesh, len(self.graph.values[key].shape))
+
+        return RuleResult(tuple(map(whole, op.inputs)), tuple(map(whole, op.outputs)))
+
+    def _informative(self, op: OpNode) -> list[ValueKey]:
+        return [k for k in op.inputs if k is not None and self.graph.values[k].kind != "constant"]
+
+    def propose(self, key: ValueKey, dist: DistAttr | None, priority: Priority, source: str) -> bool:
+        if dist is None or self.graph.values[key].kind == "vector":
+            return False
+        state = self.states.get(key)
+        if state is not None and (priority <= state.priority or state.dist == dist):
+            return False
+        self.states[key] = ValueState(dist, priority, source)
+        return True
+
+    # ---- phase 1: fixed point --------------------------------------------------------
+    def fixed_point(self, max_rounds: int = 50) -> int:
+        dirty_fwd = {op.index for op in self.ops}
+        dirty_bwd = set(dirty_fwd)
+        for rounds in range(1, max_rounds + 1):
+            changed: set[ValueKey] = set()
+            for op in self.ops:
+                if op.index in dirty_fwd:
+                    changed |= self.forward_step(op)
+            for op in reversed(self.ops):
+                if op.index in dirty_bwd:
+                    changed |= self.backward_step(op)
+            if not changed:
+                return rounds
+            dirty_fwd = {u for k in changed for u in self.graph.values[k].users}
+            dirty_fwd |= {k[0] for k in changed}
+            dirty_bwd = {k[0] for k in changed} | dirty_fwd
+        return max_rounds
+
+    def forward_step(self, op: OpNode) -> set[ValueKey]:
+        informative = self._informative(op)
+        if informative and not any(k in self.states for k in informative):
+            return set()
+        mesh = self.op_mesh(op)
+        result = self.infer(op, mesh, self.specs(op, mesh))
+        if result is None:
+            result = self.replicated(op, mesh)
+        changed = set()
+        for key, dist in zip(op.outputs, result.outputs):
+            if key is not None and self.propose(key, dist, Priority.DERIVED, str(op)):
+                changed.add(key)
+        for key, dist in zip(op.inputs, result.inputs):
+            if key is not None and self.propose(key, _complete(dist), Priority.REQUIRED, str(op)):
+                changed.add(key)
+        return changed
+
+    def backward_step(self, op: OpNode) -> set[ValueKey]:
+        outs = [self.states.get(k) if k is not None else None for k in op.outputs]
+        known = [s for s in outs if s is not None]
+        if not known or get_rule(op.name) is None:
+            return set()
+        if all(k in self.states and self.states[k].priority >= Priority.DERIVED for k in self._informative(op)):
+            return set()
+        mesh = self.op_mesh(op)
+        level = Priority.DERIVED if any(s.priority >= Priority.DERIVED for s in known) else Priority.REQUIRED
+        out_specs = [
+            TensorSpec(self.graph.values[k].shape, transplant(s.dist, mesh), self.graph.values[k].dtype, int(s.priority))
+            if s is not None
+            else (TensorSpec(self.graph.values[k].shape) if k is not None else None)
+            for k, s in zip(op.outputs, outs)
+        ]
+        ctx = RuleContext(mesh, op_name=op.name)
+        result = get_rule(op.name).infer_backward(self.specs(op, mesh), out_specs, op.attrs, ctx)
+        changed = set()
+        for key, dist in zip(op.inputs, result.inputs):
+            if key is not None and self.graph.values[key].kind != "constant":
+                if self.propose(key, _complete(dist), level, f"{op} (from its outputs)"):
+                    changed.add(key)
+        return changed
+
+    # ---- phase 2: materialization ----------------------------------------------------
+    def materialize(self) -> PropagationResult:
+        for key, value in self.graph.values.items():
+            if key not in self.states and value.kind != "vector" and self.graph.ops[key[0]].name in SOURCE_OPS:
+                op = self.graph.ops[key[0]]
+                mesh = self.user_op_meshes.get(op.index, self.mesh)
+                self.states[key] = ValueState(DistAttr.replicated(mesh, len(value.shape)), Priority.DEFAULT, "default")
+        result = PropagationResult(self.states, {}, {})
+        requirements: dict[ValueKey, list[tuple[str, DistAttr]]] = {}
+        for op in self.ops:
+            mesh = self.op_mesh(op)
+            result.op_meshes[op.index] = mesh
+            specs = self.specs(op, mesh)
+            inferred = self.infer(op, mesh, specs)
+            if inferred is None:
+                result.unsupported.append(str(op))
+                inferred = self.replicated(op, mesh)
+            result.op_results[op.index] = inferred
+            self._record_rule_conflicts(result, op, inferred.conflicts)
+            self._settle_outputs(result, op, inferred)
+            for pos, (key, need) in enumerate(zip(op.inputs, inferred.inputs)):
+                if key is None or need is None:
+                    continue
+                have = self.states[key].dist
+                requirements.setdefault(key, []).append((str(op), need))
+                if have != need:
+                    result.reshards.append(ReshardNeed(op.index, pos, key, have, need))
+        self._record_source_conflicts(result, requirements)
+        return result
+
+    def _settle_outputs(self, result: PropagationResult, op: OpNode, inferred: RuleResult) -> None:
+        for pos, (key, produced) in enumerate(zip(op.outputs, inferred.outputs)):
+            if key is None or produced is None or self.graph.values[key].kind == "vector":
+                continue
+            state = self.states.get(key)
+            if state is not None and state.priority is Priority.USER:
+                if state.dist != produced:
+                    result.reshards.append(ReshardNeed(op.index, -1 - pos, key, produced, state.dist))
+                    result.conflicts.append(
+                        ConflictRecord(
+                            str(op), (self.graph.values[key].label,),
+                            (("rule", str(produced)), ("user annotation", str(state.dist))),
+                            str(state.dist), "user annotation wins; reshard after the producer",
+                        )
+                    )  # fmt: skip
+                continue
+            self.states[key] = ValueState(produced, Priority.DERIVED, str(op))
+
+    def _record_rule_conflicts(self, result: PropagationResult, op: OpNode, conflicts: tuple[Conflict, ...]) -> None:
+        names = tuple(self.graph.values[k].label for k in op.inputs if k is not None)
+        for c in conflicts:
+            result.conflicts.append(ConflictRecord(str(op), names, c.candidates, c.chosen, f"{c.where}: {c.reason}"))
+
+    def _record_source_conflicts(self, result: PropagationResult, requirements: dict[ValueKey, list[tuple[str, DistAttr]]]) -> None:
+        """A parameter / feed / state whose consumers need different placements."""
+        for key, wants in requirements.items():
+            value = self.graph.values[key]
+            if value.kind not in ("parameter", "feed", "state"):
+                continue
+            distinct = list(dict.fromkeys(str(d) for _, d in wants))
+            if len(distinct) < 2:
+                continue
+            state = self.states[key]
+            result.conflicts.append(
+                ConflictRecord(
+                    "consumers of " + value.label, (value.label,),
+                    tuple((who, str(d)) for who, d in wants),
+                    str(state.dist), f"decided by {state.source} ({state.priority.name.lower()}); the others reshard",
+                )
+            )  # fmt: skip
+
+
+def _complete(dist: DistAttr | None) -> DistAttr | None:
+    """A requirement proposed to an unknown tensor never makes it partial."""
+    return dist.with_partial(None) if dist is not None and dist.partial else dist
+
+
+def propagate(
+    graph: ProgramGraph,
+    mesh: ProcessMesh,
+    user: dict[ValueKey, DistAttr],
+    op_meshes: dict[int, ProcessMesh] | None = None,
+    resolve_factory: Callable[[OpNode], Callable | None] | None = None,
+) -> PropagationResult:
+    """Placement of every value of ``graph``: see the module docstring."""
+    propagator = Propagator(graph, mesh, user, op_meshes or {}, resolve_factory)
+    rounds = propagator.fixed_point()
+    result = propagator.materialize()
+    result.rounds = rounds
+    return result

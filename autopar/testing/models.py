@@ -1,0 +1,116 @@
+"""Seed programs used by tests, examples and benchmarks (built with Paddle's static API).
+
+Each builder returns a :class:`SeedProgram`: the main and startup programs, the feeds, the
+loss, and the layers whose parameters a test annotates. Nothing here is annotated: callers
+annotate, so the same program serves serial and every parallel strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SeedProgram:
+    main: Any
+    startup: Any
+    feeds: dict[str, Any]
+    loss: Any
+    layers: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)  # named intermediates
+
+
+def _static():
+    import paddle
+
+    paddle.enable_static()
+    return paddle, paddle.static.Program(), paddle.static.Program()
+
+
+def make_optimizer(name: str, lr: float = 0.1) -> Any:
+    import paddle
+
+    if name == "sgd":
+        return paddle.optimizer.SGD(lr)
+    if name == "momentum":
+        return paddle.optimizer.Momentum(lr, momentum=0.9, weight_decay=paddle.regularizer.L2Decay(1e-4))
+    if name == "adam":
+        return paddle.optimizer.Adam(lr)
+    if name == "adamw":
+        return paddle.optimizer.AdamW(lr, weight_decay=0.01)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def simple_net(batch: int = 8, sizes: tuple[int, ...] = (256, 512, 256, 10), optimizer: str = "momentum", seed: int = 7) -> SeedProgram:
+    """The primer's SimpleNet: Linear 256->H->256->10 with ReLU, cross-entropy, Momentum + L2."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, sizes[0]], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        layers, values, h = {}, {}, x
+        for i in range(len(sizes) - 1):
+            layer = paddle.nn.Linear(sizes[i], sizes[i + 1])
+            layers[f"linear{i + 1}"] = layer
+            h = layer(h)
+            values[f"linear{i + 1}"] = h
+            if i < len(sizes) - 2:
+                h = paddle.nn.functional.relu(h)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(h, label))
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers, values)
+
+
+def gpt_block_program(
+    batch: int = 2, seq: int = 8, hidden: int = 64, heads: int = 4, vocab: int = 128, layers: int = 1,
+    optimizer: str = "adamw", seed: int = 7,
+) -> SeedProgram:  # fmt: skip
+    """GPT-style: embedding, ``layers`` x (attention with softmax + MLP, layer_norm), LM head."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+    head_dim = hidden // heads
+    with paddle.static.program_guard(main, startup):
+        ids = paddle.static.data("ids", [batch, seq], "int64")
+        label = paddle.static.data("label", [batch, seq, 1], "int64")
+        mods: dict[str, Any] = {"embedding": nn.Embedding(vocab, hidden)}
+        h = mods["embedding"](ids)
+        for i in range(layers):
+            qkv, proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+            fc1, fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+            ln1, ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            mods.update({f"qkv{i}": qkv, f"proj{i}": proj, f"fc1_{i}": fc1, f"fc2_{i}": fc2, f"ln1_{i}": ln1, f"ln2_{i}": ln2})
+            x = paddle.reshape(qkv(h), [batch, seq, 3 * heads, head_dim])
+            x = paddle.transpose(x, [0, 2, 1, 3])
+            q, k, v = paddle.split(x, 3, axis=1)
+            scores = paddle.matmul(q, k, transpose_y=True) * (head_dim**-0.5)
+            ctx = paddle.matmul(F.softmax(scores, axis=-1), v)
+            ctx = paddle.reshape(paddle.transpose(ctx, [0, 2, 1, 3]), [batch, seq, hidden])
+            h = ln1(h + proj(ctx))
+            h = ln2(h + fc2(F.gelu(fc1(h))))
+        mods["head"] = nn.Linear(hidden, vocab)
+        logits = mods["head"](h)
+        loss = paddle.mean(F.cross_entropy(logits, label))
+        make_optimizer(optimizer, lr=0.01).minimize(loss)
+    return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)
+
+
+def alexnet_program(batch: int = 4, image: int = 16, classes: int = 10, optimizer: str = "momentum", seed: int = 7) -> SeedProgram:
+    """AlexNet-style: two conv-relu-pool stages, then a 2-layer classifier."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, 3, image, image], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        mods = {"conv1": nn.Conv2D(3, 8, 3, padding=1), "conv2": nn.Conv2D(8, 16, 3, padding=1)}
+        h = F.max_pool2d(F.relu(mods["conv1"](x)), 2)
+        h = F.max_pool2d(F.relu(mods["conv2"](h)), 2)
+        h = paddle.flatten(h, 1)
+        mods["fc1"] = nn.Linear(16 * (image // 4) ** 2, 64)
+        mods["fc2"] = nn.Linear(64, classes)
+        logits = mods["fc2"](F.relu(mods["fc1"](h)))
+        loss = paddle.mean(F.cross_entropy(logits, label))
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
