@@ -104,29 +104,19 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
 
 
 def _check_current_program(program: Any, label: str) -> None:
-    """Annotating a value of program A while building program B is a mistake worth naming."""
+    """Annotating a value of program A while program B is being built is a mistake worth naming.
+
+    Paddle keeps no record of an active ``program_guard``; a non-empty default main program
+    other than the value's own is the sign that the user is building something else.
+    """
     import paddle
 
     current = paddle.static.default_main_program()
-    if current is not program and _guard_active():
+    if current is not program and current.num_ops() > 0:
         raise AnnotationError(
-            f"tensor {label!r} belongs to another program than the one being built "
-            "(shard_tensor was called inside program_guard of a different program)"
+            f"tensor {label!r} belongs to another program than the current default main program "
+            f"({current.num_ops()} ops); call shard_tensor inside program_guard of the tensor's own program"
         )
-
-
-def _guard_active() -> bool:
-    import paddle
-    from paddle.base import framework
-
-    default = getattr(framework, "_main_program_", None)
-    try:
-        import paddle.pir.core as pir_core
-
-        default = pir_core._main_program_
-    except (ImportError, AttributeError):
-        pass
-    return default is not None and paddle.static.default_main_program() is not default
 
 
 def shard_op(layer_or_fn: Callable[..., Any], mesh: ProcessMesh) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.errors import PlacementError
+from autopar.errors import MeshError, PlacementError
 from autopar.mesh import ProcessMesh
 
 REDUCE_KINDS = ("sum", "avg", "max", "min")
@@ -250,6 +250,13 @@ class DistAttr:
 
 def _normalize_entry(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
     """One dims_mapping entry -> ascending tuple of mesh dim indices."""
+    try:
+        return _entry_dims(entry, mesh)
+    except MeshError as err:
+        raise PlacementError(str(err)) from err
+
+
+def _entry_dims(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
     if entry is None or (isinstance(entry, int) and not isinstance(entry, bool) and entry == -1):
         return ()
     if isinstance(entry, (str, int)) and not isinstance(entry, bool):

@@ -229,13 +229,21 @@ class Propagator:
                     changed.add(key)
         return changed
 
+    def seed_defaults(self) -> bool:
+        """Sources nothing decided: replicated on the mesh of their first consumer."""
+        seeded = False
+        for key, value in self.graph.values.items():
+            op = self.graph.ops[key[0]]
+            if key in self.states or value.kind == "vector" or (op.name not in SOURCE_OPS and op.inputs):
+                continue
+            users = value.users
+            mesh = self.op_mesh(self.graph.ops[users[0]]) if users else self.user_op_meshes.get(op.index, self.mesh)
+            self.states[key] = ValueState(DistAttr.replicated(mesh, len(value.shape)), Priority.DEFAULT, "default")
+            seeded = True
+        return seeded
+
     # ---- phase 2: materialization ----------------------------------------------------
     def materialize(self) -> PropagationResult:
-        for key, value in self.graph.values.items():
-            if key not in self.states and value.kind != "vector" and self.graph.ops[key[0]].name in SOURCE_OPS:
-                op = self.graph.ops[key[0]]
-                mesh = self.user_op_meshes.get(op.index, self.mesh)
-                self.states[key] = ValueState(DistAttr.replicated(mesh, len(value.shape)), Priority.DEFAULT, "default")
         result = PropagationResult(self.states, {}, {})
         requirements: dict[ValueKey, list[tuple[str, DistAttr]]] = {}
         for op in self.ops:
@@ -316,6 +324,8 @@ def propagate(
     """Placement of every value of ``graph``: see the module docstring."""
     propagator = Propagator(graph, mesh, user, op_meshes or {}, resolve_factory)
     rounds = propagator.fixed_point()
+    if propagator.seed_defaults():
+        rounds += propagator.fixed_point()
     result = propagator.materialize()
     result.rounds = rounds
     return result

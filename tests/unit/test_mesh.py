@@ -1,0 +1,58 @@
+import pytest
+
+from autopar import ProcessMesh
+from autopar.errors import AutoparError, MeshError
+
+
+def test_structure_and_groups():
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    assert mesh.shape == (2, 2) and mesh.ranks == (0, 1, 2, 3) and mesh.ndim == 2
+    assert mesh.groups("dp") == [(0, 2), (1, 3)]
+    assert mesh.groups("mp") == [(0, 1), (2, 3)]
+    assert mesh.groups(["dp", "mp"]) == [(0, 1, 2, 3)]
+    assert mesh.group_of(3, "dp") == (1, 3)
+    assert mesh.coordinate(2) == (1, 0) and mesh.rank_at((1, 0)) == 2
+    assert str(mesh) == "mesh(dp=2,mp=2)[0,1,2,3]"
+
+
+def test_sub_mesh_indexes_first_dim():
+    mesh = ProcessMesh([[4, 5, 6], [7, 8, 9]], ["pp", "dp"])
+    stage = mesh[1]
+    assert stage.ranks == (7, 8, 9) and stage.dim_names == ("dp",) and stage.shape == (3,)
+    assert mesh.contains(stage) and not stage.contains(mesh)
+    assert ProcessMesh([3, 1], ["x"])[0].ranks == (3,)
+
+
+def test_value_semantics():
+    a = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    b = ProcessMesh(shape=[2, 2], process_ids=[0, 1, 2, 3], dim_names=["dp", "mp"])
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(AttributeError):
+        a.shape = (4,)
+
+
+def test_paddle_round_trip():
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    assert ProcessMesh.from_paddle(mesh.to_paddle()) == mesh
+
+
+@pytest.mark.parametrize(
+    "ranks, names, message",
+    [
+        ([0, 1, 1], ["x"], "duplicate ranks"),
+        ([[0, 1], [2]], ["x", "y"], "ragged"),
+        ([], ["x"], "empty dim"),
+        ([[0, 1], [2, 3]], ["x"], "needs 2 dim names"),
+        ([[0, 1], [2, 3]], ["x", "x"], "distinct"),
+    ],
+)
+def test_bad_meshes(ranks, names, message):
+    with pytest.raises(MeshError, match=message) as info:
+        ProcessMesh(ranks, names)
+    assert isinstance(info.value, AutoparError)
+
+
+def test_unknown_dim_name_is_named():
+    mesh = ProcessMesh([0, 1], ["dp"])
+    with pytest.raises(MeshError, match="unknown mesh dim 'mp'"):
+        mesh.groups("mp")
