@@ -16,6 +16,7 @@ the one definition every pass and the runtime use.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -135,13 +136,20 @@ class DistAttr:
     # ---- derived values --------------------------------------------------------------
     @classmethod
     def replicated(cls, mesh: ProcessMesh, ndim: int) -> DistAttr:
-        return cls(mesh, [-1] * ndim)
+        return _cached(mesh, ((),) * ndim, ())
+
+    @classmethod
+    def of(cls, mesh: ProcessMesh, mapping: tuple[tuple[int, ...], ...], partial: Any = None) -> DistAttr:
+        """Fast, cached constructor for the normalized form rules produce (hot in propagation)."""
+        if partial and not isinstance(partial, tuple):
+            partial = tuple(sorted(partial.items())) if isinstance(partial, Mapping) else _normalize_partial(partial)
+        return _cached(mesh, tuple(tuple(d) for d in mapping), partial or ())
 
     def with_mapping(self, mapping: Sequence[Any]) -> DistAttr:
         return DistAttr(self.mesh, mapping, self.partial)
 
     def with_partial(self, partial: Any) -> DistAttr:
-        return DistAttr(self.mesh, self.mapping, partial)
+        return DistAttr.of(self.mesh, self.mapping, _normalize_partial(partial))
 
     @classmethod
     def parse(cls, text: str, mesh: ProcessMesh, ndim: int) -> DistAttr:
@@ -246,6 +254,11 @@ class DistAttr:
         mesh = ProcessMesh.from_paddle(attr.process_mesh)
         partial = attr._partial_dims() if attr._is_partial() else ()
         return cls(mesh, list(attr.dims_mapping), set(partial))
+
+
+@functools.lru_cache(maxsize=65536)
+def _cached(mesh: ProcessMesh, mapping: tuple[tuple[int, ...], ...], partial: tuple[tuple[int, str], ...]) -> DistAttr:
+    return DistAttr(mesh, mapping, partial)
 
 
 def _normalize_entry(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:

@@ -245,21 +245,24 @@ def _optimizer_feeders(graph: ProgramGraph) -> None:
 
 
 def _link_forward_ops(graph: ProgramGraph) -> None:
-    """A grad op's forward op: the op of the matching name whose operands/results it reads most."""
-    by_name: dict[str, list[OpNode]] = {}
-    for op in graph.ops:
-        if op.role is Role.FORWARD:
-            by_name.setdefault(op.name, []).append(op)
+    """A grad op's forward op: the op of the matching name whose operands/results it reads most.
+
+    Candidates are only the producers and forward users of the values the grad op reads, so
+    linking stays linear in the program size.
+    """
     for op in graph.ops:
         if not op.name.endswith("_grad"):
             continue
-        candidates = by_name.get(op.name[: -len("_grad")], []) + by_name.get(op.name[: -len("_grad")] + "_", [])
+        names = (op.name[: -len("_grad")], op.name[: -len("_grad")] + "_")
         reads = {k for k in op.inputs if k is not None}
-        best, best_overlap = None, 0
-        for fwd in candidates:
-            if fwd.index >= op.index:
+        near = {k[0] for k in reads} | {u for k in reads for u in graph.values[k].users}
+        best, best_key = None, (0, 0)
+        for index in sorted(near):
+            fwd = graph.ops[index]
+            if fwd.index >= op.index or fwd.role is not Role.FORWARD or fwd.name not in names:
                 continue
-            overlap = len(reads & ({k for k in fwd.inputs if k} | {k for k in fwd.outputs if k}))
-            if overlap > best_overlap or (overlap == best_overlap and overlap and best is not None and fwd.index > best.index):
-                best, best_overlap = fwd, overlap
+            touched = {k for k in fwd.inputs if k} | {k for k in fwd.outputs if k}
+            key = (len(reads & touched), fwd.index)
+            if key > best_key:
+                best, best_key = fwd, key
         op.forward_op = best.index if best is not None else None

@@ -175,7 +175,7 @@ def _conflict(letter: str, candidates: list[tuple[int, tuple[int, ...]]], chosen
 
 
 def attr_from_letters(mesh: ProcessMesh, letters: str, merged: Mapping[str, tuple[int, ...]], partial: Any = None) -> DistAttr:
-    return DistAttr(mesh, [merged.get(c, ()) if c != "1" else () for c in letters], partial)
+    return DistAttr.of(mesh, tuple(merged.get(c, ()) if c != "1" else () for c in letters), partial)
 
 
 def _partial_passthrough(
