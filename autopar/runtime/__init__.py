@@ -1,0 +1,1 @@
+"""Runtime: per-rank job lists, communicators, program segments (stage: runtime)."""
