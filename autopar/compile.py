@@ -1,7 +1,8 @@
 """``autopar.compile``: the driver from an annotated serial program to a DistributedProgram.
 
-Stages run in order: graph -> propagate (later issues add: plan reshards -> partition ->
-comm insertion -> schedule). The user's program is only read, never modified.
+Stages run in order: graph -> propagate -> partition -> reshard insertion (later issues add
+ZeRO, pipeline split and schedules, backend lowering). The user's program is only read,
+never modified: every rank program is a clone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.passes.base import CompileState, PassPipeline
+from autopar.passes.partition import PartitionPass
+from autopar.passes.reshard_insertion import ReshardInsertionPass
 from autopar.propagation import propagate
 from autopar.strategy import Strategy
 
@@ -34,7 +38,15 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     user = _user_placements(program, graph, mesh)
     op_meshes = _op_meshes(program, graph, mesh)
     result = propagate(graph, mesh, user, op_meshes)
-    return DistributedProgram(program, startup_program, mesh, strategy, graph, result)
+    state = CompileState(graph, result, mesh, strategy, cluster=_cluster(strategy))
+    PassPipeline([PartitionPass(), ReshardInsertionPass()]).run(state)
+    return DistributedProgram(program, startup_program, state)
+
+
+def _cluster(strategy: Strategy) -> Any:
+    from autopar.cost_model.cluster import default_cluster, load_cluster
+
+    return load_cluster(strategy.cluster) if strategy.cluster else default_cluster()
 
 
 def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[ValueKey, DistAttr]:

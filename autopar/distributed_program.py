@@ -13,6 +13,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.passes.base import CommOp, CompileState, RankProgram
 from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
 from autopar.strategy import Strategy
 
@@ -39,21 +40,14 @@ class CompileReport:
 class DistributedProgram:
     """The result of :func:`autopar.compile` (see DESIGN.md, public API contract)."""
 
-    def __init__(
-        self,
-        program: Any,
-        startup_program: Any,
-        mesh: ProcessMesh,
-        strategy: Strategy,
-        graph: ProgramGraph,
-        propagation: PropagationResult,
-    ) -> None:
+    def __init__(self, program: Any, startup_program: Any, state: CompileState) -> None:
         self.serial_program = program
         self.serial_startup_program = startup_program
-        self.mesh = mesh
-        self.strategy = strategy
-        self.graph = graph
-        self.propagation = propagation
+        self.state = state
+        self.mesh: ProcessMesh = state.mesh
+        self.strategy: Strategy = state.strategy
+        self.graph: ProgramGraph = state.graph
+        self.propagation: PropagationResult = state.propagation
 
     @property
     def world_size(self) -> int:
@@ -85,6 +79,22 @@ class DistributedProgram:
         if self.graph.values[key].kind == "vector" and members is not None:
             return tuple(self.propagation.dist(k) for k in members)
         return self.propagation.dist(key)
+
+    def _rank(self, rank: int) -> RankProgram:
+        if rank not in self.state.ranks:
+            raise AutoparError(f"rank {rank} is not in {self.mesh}")
+        return self.state.ranks[rank]
+
+    def rank_program(self, rank: int) -> Any:
+        """The PIR program rank ``rank`` runs (local shapes, inserted collectives)."""
+        return self._rank(rank).program
+
+    def comm_ops(self, rank: int) -> list[CommOp]:
+        """The collectives inserted for ``rank``, in program order: kind, group, bytes, reason, time."""
+        return list(self._rank(rank).comm_ops)
+
+    def local_shape(self, name_or_value: Any, rank: int) -> tuple[int, ...]:
+        return self._rank(rank).local_shapes[self.key(name_or_value)]
 
     def op_mesh(self, op_index: int) -> ProcessMesh:
         return self.propagation.op_meshes.get(op_index, self.mesh)

@@ -1,0 +1,118 @@
+"""Partition pass: every rank's program with local shapes (stage: propagated -> partitioned).
+
+For each rank, a clone of the serial program where every value carries its local shape
+(uneven splits included), feeds (``pd_op.data``) declare local shapes, shape constants that
+the executor would otherwise apply globally (reshape targets, ``full`` shapes) are rewritten,
+and ops whose local kernel is not the exact partial (a mean over a split dim divides by the
+local count) get the rule's ``local_scale`` applied right after them.
+
+The serial program is only cloned, never modified.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from autopar.errors import AutoparError
+from autopar.graph import VECTOR_OPS, OpNode
+from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.spmd import TensorSpec, get_rule
+
+RESHAPE_OPS = ("pd_op.reshape", "pd_op.reshape_")
+
+
+class PartitionPass(Pass):
+    name: ClassVar[str] = "partition"
+    requires_stage: ClassVar[str] = "propagated"
+    ensures_stage: ClassVar[str] = "partitioned"
+
+    def run(self, state: CompileState) -> None:
+        import paddle
+
+        for rank in state.mesh.ranks:
+            clone = state.graph.program.clone()
+            rank_program = RankProgram(rank, clone, list(clone.global_block().ops))
+            with paddle.static.program_guard(clone):
+                self._local_shapes(state, rank_program)
+                self._shape_constants(state, rank_program)
+                self._local_scales(state, rank_program)
+                paddle.pir.reset_insertion_point_to_end()
+            state.ranks[rank] = rank_program
+
+    def _local_shapes(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        for key in state.graph.tensor_keys():
+            value = state.graph.values[key]
+            dist = state.propagation.dist(key)
+            if rp.rank not in dist.mesh.ranks:
+                raise AutoparError(
+                    f"{value.label} lies on {dist.mesh}, which does not hold rank {rp.rank}; "
+                    "ops on sub-meshes (pipeline stages) are partitioned by the pipeline pass"
+                )
+            local = dist.local_shape(value.shape, rp.rank)
+            rp.local_shapes[key] = local
+            if local == value.shape:
+                continue
+            pir_value = rp.value(key)
+            pir_value.set_type(paddle.pir.create_shaped_type(pir_value.type(), list(local)))
+            op = state.graph.ops[key[0]]
+            if op.name == "pd_op.data":
+                rp.ops[key[0]].set_int_array_attr("shape", list(local))
+
+    def _shape_constants(self, state: CompileState, rp: RankProgram) -> None:
+        """Reshape targets and ``full`` shapes name global sizes: give them the local ones."""
+        import paddle
+
+        for op in state.graph.ops:
+            if op.name in RESHAPE_OPS:
+                out = op.outputs[0]
+                local = rp.local_shapes[out]
+                if local == state.graph.values[out].shape:
+                    continue
+                pir_op = rp.ops[op.index]
+                paddle.pir.set_insertion_point(pir_op)
+                target = paddle._pir_ops.full_int_array(list(local), paddle.int64, paddle.CPUPlace())
+                pir_op.operand(1).set_source(target)
+            elif op.name == "pd_op.full" and op.outputs[0] is not None:
+                local = rp.local_shapes[op.outputs[0]]
+                if local != state.graph.values[op.outputs[0]].shape:
+                    rp.ops[op.index].set_int_array_attr("shape", list(local))
+
+    def _local_scales(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        for op in state.graph.ops:
+            if op.name in VECTOR_OPS or op.index not in state.propagation.op_results:
+                continue
+            factor = local_scale(state, op, rp.rank)
+            if factor == 1.0:
+                continue
+            pir_op = rp.ops[op.index]
+            paddle.pir.set_insertion_point_after(pir_op)
+            for key in op.outputs:
+                if key is None or not state.graph.values[key].dtype.startswith(("float", "bfloat")):
+                    continue
+                produced = rp.value(key)
+                scaled = paddle._C_ops.scale(produced, float(factor), 0.0, True)
+                users = [u for u in produced.all_used_ops() if u.id() != scaled.get_defining_op().id()]
+                for user in users:
+                    for i in range(user.num_operands()):
+                        if user.operand_source(i).is_same(produced):
+                            user.operand(i).set_source(scaled)
+
+
+def local_scale(state: CompileState, op: OpNode, rank: int) -> float:
+    """The rule's correction factor for ``op``'s local result on ``rank`` (1.0 for most ops)."""
+    rule = get_rule(op.name)
+    if rule is None:
+        return 1.0
+    required = state.propagation.op_results[op.index].inputs
+    specs: list[Any] = []
+    for key, dist in zip(op.inputs, required):
+        if key is None:
+            specs.append(None)
+            continue
+        value = state.graph.values[key]
+        specs.append(TensorSpec(value.shape, dist, value.dtype))
+    return float(rule.local_scale(specs, op.attrs, rank))
