@@ -81,9 +81,10 @@ def gpt_block_program(
             fc1, fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
             ln1, ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
             mods.update({f"qkv{i}": qkv, f"proj{i}": proj, f"fc1_{i}": fc1, f"fc2_{i}": fc2, f"ln1_{i}": ln1, f"ln2_{i}": ln2})
-            x = paddle.reshape(qkv(h), [batch, seq, 3 * heads, head_dim])
+            # per-head [q | k | v] layout (Megatron's): splitting heads keeps q, k, v together
+            x = paddle.reshape(qkv(h), [batch, seq, heads, 3 * head_dim])
             x = paddle.transpose(x, [0, 2, 1, 3])
-            q, k, v = paddle.split(x, 3, axis=1)
+            q, k, v = paddle.split(x, 3, axis=-1)
             scores = paddle.matmul(q, k, transpose_y=True) * (head_dim**-0.5)
             ctx = paddle.matmul(F.softmax(scores, axis=-1), v)
             ctx = paddle.reshape(paddle.transpose(ctx, [0, 2, 1, 3]), [batch, seq, hidden])
