@@ -38,7 +38,7 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     user = _user_placements(program, graph, mesh)
     op_meshes = _op_meshes(program, graph, mesh)
     result = propagate(graph, mesh, user, op_meshes)
-    state = CompileState(graph, result, mesh, strategy, cluster=_cluster(strategy))
+    state = CompileState(graph, result, mesh, strategy, cluster=_cluster(strategy), startup=startup_program)
     PassPipeline([PartitionPass(), ReshardInsertionPass()]).run(state)
     return DistributedProgram(program, startup_program, state)
 

@@ -89,6 +89,13 @@ class DistributedProgram:
         """The PIR program rank ``rank`` runs (local shapes, inserted collectives)."""
         return self._rank(rank).program
 
+    def rank_startup_program(self, rank: int) -> Any:
+        """The startup program of ``rank``: the serial initial values, sliced to its pieces."""
+        startup = self._rank(rank).startup
+        if startup is None:
+            raise AutoparError("compile was called without startup_program=; there is no startup to partition")
+        return startup
+
     def comm_ops(self, rank: int) -> list[CommOp]:
         """The collectives inserted for ``rank``, in program order: kind, group, bytes, reason, time."""
         return list(self._rank(rank).comm_ops)

@@ -58,6 +58,7 @@ class RankProgram:
     program: Any
     ops: list[Any]  # serial op index -> op of the clone (erased ops stay listed; check erased)
     erased: set[int] = field(default_factory=set)
+    startup: Any = None  # the rank's startup program: serial initial values, sliced
     comm_ops: list[CommOp] = field(default_factory=list)
     local_shapes: dict[ValueKey, tuple[int, ...]] = field(default_factory=dict)
     replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after an after-producer reshard
@@ -75,6 +76,7 @@ class CompileState:
     mesh: ProcessMesh
     strategy: Any
     cluster: Any = None
+    startup: Any = None  # the serial startup program (read only)
     ranks: dict[int, RankProgram] = field(default_factory=dict)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
 

@@ -37,7 +37,39 @@ class PartitionPass(Pass):
                 self._shape_constants(state, rank_program)
                 self._local_scales(state, rank_program)
                 paddle.pir.reset_insertion_point_to_end()
+            if state.startup is not None:
+                rank_program.startup = self._rank_startup(state, rank)
             state.ranks[rank] = rank_program
+
+    def _rank_startup(self, state: CompileState, rank: int) -> Any:
+        """The serial startup with each sharded tensor sliced right before it is stored.
+
+        The initializers still draw the full tensor (same seed, same values as serial); each
+        rank keeps its own piece, so initial values equal the serial ones exactly.
+        """
+        import paddle
+
+        startup = state.startup.clone()
+        with paddle.static.program_guard(startup):
+            for op in list(startup.global_block().ops):
+                name = _stored_name(op)
+                key = state.graph.by_name.get(name) if name else None
+                if key is None:
+                    continue
+                dist = state.propagation.dist(key)
+                shape = state.graph.values[key].shape
+                slices = dist.local_slices(shape, rank)
+                axes = [t for t, s in enumerate(slices) if (s.start, s.stop) != (0, shape[t])]
+                if not axes:
+                    continue
+                paddle.pir.set_insertion_point(op)
+                piece = paddle._C_ops.slice(
+                    op.operand_source(0), axes, [slices[t].start for t in axes], [slices[t].stop for t in axes], [1] * len(axes), []
+                )
+                piece.persistable = True  # set_parameter / shadow_output store a persistable var
+                op.operand(0).set_source(piece)
+            paddle.pir.reset_insertion_point_to_end()
+        return startup
 
     def _local_shapes(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
@@ -100,6 +132,15 @@ class PartitionPass(Pass):
                     for i in range(user.num_operands()):
                         if user.operand_source(i).is_same(produced):
                             user.operand(i).set_source(scaled)
+
+
+def _stored_name(op: Any) -> str | None:
+    """The scope name a startup op stores its operand under (parameters and states)."""
+    if op.name() == "builtin.set_parameter":
+        return str(op.attrs()["parameter_name"])
+    if op.name() == "builtin.shadow_output":
+        return str(op.attrs()["output_name"])
+    return None
 
 
 def local_scale(state: CompileState, op: OpNode, rank: int) -> float:
