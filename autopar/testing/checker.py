@@ -19,10 +19,10 @@ import numpy as np
 
 from autopar.dist_attr import DistAttr
 from autopar.mesh import ProcessMesh
+from autopar.pieces import reduce_partials, scatter
 from autopar.spmd import RuleContext, RuleResult, TensorSpec, get_rule
 
 OpFn = Callable[[Sequence[np.ndarray], Mapping[str, Any]], Sequence[np.ndarray]]
-_REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
 
 
 class RuleCheckError(AssertionError):
@@ -35,55 +35,6 @@ class RuleCheck:
 
     result: RuleResult
     max_error: float
-
-
-def split_partial(value: np.ndarray, kind: str, parts: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """``parts`` random pieces whose reduction by ``kind`` is exactly ``value`` (up to fp)."""
-    if parts == 1:
-        return [value.copy()]
-    noise = [rng.standard_normal(value.shape).astype(value.dtype) for _ in range(parts - 1)]
-    if kind == "sum":
-        return noise + [value - sum(noise)]
-    if kind == "avg":
-        return noise + [value * parts - sum(noise)]
-    winner = rng.integers(parts)
-    sign = -1 if kind == "max" else 1
-    pieces = [value + sign * (np.abs(n) + 0.1) for n in noise]
-    pieces.insert(int(winner), value.copy())
-    return pieces
-
-
-def scatter(value: np.ndarray, dist: DistAttr, rng: np.random.Generator) -> dict[int, np.ndarray]:
-    """Each rank's local piece of a global ``value`` lying as ``dist`` (partials made up)."""
-    dist.check_shape(value.shape)
-    mesh = dist.mesh
-    pieces = {}
-    partial = sorted(dist.partial_dims.items())
-    for rank in mesh.ranks:
-        pieces[rank] = value[dist.local_slices(value.shape, rank)]
-    if not partial:
-        return pieces
-    # split in reverse of the rebuild order: the last-reduced mesh dim splits first
-    for mesh_dim, kind in reversed(partial):
-        for group in mesh.groups(mesh_dim):
-            split = split_partial(pieces[group[0]], kind, len(group), rng)
-            for rank, piece in zip(group, split):
-                pieces[rank] = piece
-    return pieces
-
-
-def reduce_partials(pieces: Mapping[int, np.ndarray], dist: DistAttr) -> dict[int, np.ndarray]:
-    """Reduce every rank's piece over the partial mesh dims (ascending mesh dim order)."""
-    out = dict(pieces)
-    for mesh_dim, kind in sorted(dist.partial_dims.items()):
-        for group in dist.mesh.groups(mesh_dim):
-            shapes = {out[r].shape for r in group}
-            if len(shapes) != 1:
-                raise RuleCheckError(f"partial pieces over mesh dim {mesh_dim} differ in shape: {shapes}")
-            reduced = _REDUCE[kind](np.stack([out[r] for r in group]), axis=0)
-            for rank in group:
-                out[rank] = reduced
-    return out
 
 
 def check_rule(

@@ -1,0 +1,74 @@
+"""Global tensor <-> per-rank pieces, by a DistAttr (used by the runtime and the rule checker).
+
+``scatter`` cuts a global array into each rank's piece (a partial placement is made up: the
+group's first rank holds the value and the others the reduction's identity, or random pieces
+that reduce back to it when an ``rng`` is given); ``assemble`` is its inverse: partial pieces
+are reduced over their mesh dims (ascending), then shards are placed by their bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+
+REDUCERS = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
+
+
+def split_partial(value: np.ndarray, kind: str, parts: int, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """``parts`` pieces whose reduction by ``kind`` is ``value`` (random if ``rng``)."""
+    if parts == 1:
+        return [value.copy()]
+    if rng is None:
+        if kind in ("max", "min", "avg"):
+            return [value.copy() for _ in range(parts)]
+        return [value.copy()] + [np.zeros_like(value) for _ in range(parts - 1)]
+    noise = [rng.standard_normal(value.shape).astype(value.dtype) for _ in range(parts - 1)]
+    if kind == "sum":
+        return noise + [value - sum(noise)]
+    if kind == "avg":
+        return noise + [value * parts - sum(noise)]
+    sign = -1 if kind == "max" else 1
+    pieces = [value + sign * (np.abs(n) + 0.1) for n in noise]
+    pieces.insert(int(rng.integers(parts)), value.copy())
+    return pieces
+
+
+def scatter(value: np.ndarray, dist: DistAttr, rng: np.random.Generator | None = None) -> dict[int, np.ndarray]:
+    """Each rank's local piece of a global ``value`` lying as ``dist``."""
+    dist.check_shape(value.shape)
+    mesh = dist.mesh
+    pieces = {rank: value[dist.local_slices(value.shape, rank)] for rank in mesh.ranks}
+    # split in reverse of the assemble order: the last-reduced mesh dim splits first
+    for mesh_dim, kind in reversed(sorted(dist.partial_dims.items())):
+        for group in mesh.groups(mesh_dim):
+            for rank, piece in zip(group, split_partial(pieces[group[0]], kind, len(group), rng)):
+                pieces[rank] = piece
+    return pieces
+
+
+def reduce_partials(pieces: Mapping[int, np.ndarray], dist: DistAttr) -> dict[int, np.ndarray]:
+    """Reduce every rank's piece over the partial mesh dims (ascending mesh dim order)."""
+    out = dict(pieces)
+    for mesh_dim, kind in sorted(dist.partial_dims.items()):
+        for group in dist.mesh.groups(mesh_dim):
+            shapes = {out[r].shape for r in group}
+            if len(shapes) != 1:
+                raise AutoparError(f"partial pieces over mesh dim {mesh_dim} differ in shape: {shapes}")
+            reduced = REDUCERS[kind](np.stack([out[r] for r in group]), axis=0)
+            for rank in group:
+                out[rank] = reduced
+    return out
+
+
+def assemble(pieces: Mapping[int, np.ndarray], dist: DistAttr, shape: Sequence[int]) -> np.ndarray:
+    """The global array from every rank's piece (partials reduced, shards placed)."""
+    reduced = reduce_partials(pieces, dist)
+    first = next(iter(reduced.values()))
+    out = np.empty(tuple(shape), dtype=first.dtype)
+    for rank, piece in reduced.items():
+        out[dist.local_slices(shape, rank)] = piece
+    return out
