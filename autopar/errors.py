@@ -21,3 +21,7 @@ class PlacementError(AutoparError):
 
 class AnnotationError(AutoparError):
     """An annotation (shard_tensor / shard_op) does not fit the program being compiled."""
+
+
+class CostModelError(AutoparError):
+    """A cluster profile, dtype or reshard request the cost model cannot price (names the field)."""

@@ -1,0 +1,244 @@
+"""Cluster description: nodes, links and devices (stage: plan reshards / cost report).
+
+A :class:`Cluster` is ``nodes`` x ``devices_per_node`` devices, one intra-node and one
+inter-node :class:`Link` (alpha = latency per message step in seconds, bandwidth in bytes/s
+per direction per device) and a :class:`Device` (peak FLOP/s per dtype, memory bandwidth,
+memory size). Profiles are JSON files (:func:`load_cluster` / :meth:`Cluster.save`); the
+shipped ones are ``h100-node`` (8 x H100 SXM per node, NVLink + 400 Gb/s InfiniBand, figures
+cited in the file) and ``cpu-gloo`` (this machine, written by ``python -m
+autopar.cost_model.calibrate``).
+
+Placement: rank ``r`` lives on node ``r // devices_per_node`` (launcher order). A mesh whose
+ranks are numbered row-major (``ProcessMesh([[0,1,2,3],[4,5,6,7]])``) therefore keeps its
+last mesh dim innermost, inside a node; a group along an outer mesh dim crosses nodes, and
+:meth:`Cluster.link_for` returns the slowest link a group crosses.
+
+A calibrated profile may carry per-collective fits (``collectives``: kind -> latency and
+bandwidth of the link as seen by that collective's implementation) and ``emulated`` kinds
+(gloo has no reduce_scatter / all_to_all: they run as all_reduce / all_gather plus a slice,
+see :mod:`autopar.cost_model.comm`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import CostModelError
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+}  # fmt: skip
+EMULATIONS = {"reduce_scatter": "all_reduce", "all_to_all": "all_gather"}
+PROFILES = {"h100-node": "h100_node.json", "cpu-gloo": "cpu_gloo.json"}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (Paddle / numpy names; ``paddle.float32`` works too)."""
+    name = str(dtype).removeprefix("paddle.").removeprefix("pd_op.")
+    if name not in DTYPE_BYTES:
+        raise CostModelError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def _figure(data: Mapping[str, Any], key: str, where: str, *, allow_zero: bool = True) -> float:
+    if key not in data:
+        raise CostModelError(f"cluster profile: missing field {where}.{key}")
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CostModelError(f"cluster profile: field {where}.{key} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise CostModelError(
+            f"cluster profile: field {where}.{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Alpha-beta link: ``latency`` seconds per message step, ``bandwidth`` bytes/s per direction."""
+
+    latency: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        _figure({"latency": self.latency}, "latency", "link")
+        _figure({"bandwidth": self.bandwidth}, "bandwidth", "link", allow_zero=False)
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / self.bandwidth
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str) -> Link:
+        if not isinstance(data, Mapping):
+            raise CostModelError(f"cluster profile: field {where} must be an object, got {data!r}")
+        return cls(_figure(data, "latency", where), _figure(data, "bandwidth", where, allow_zero=False))
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One accelerator (or one CPU process): peak FLOP/s per dtype, memory bandwidth and size."""
+
+    peak_flops: tuple[tuple[str, float], ...]  # (dtype, FLOP/s); "float32" is the fallback
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float
+
+    def flops_for(self, dtype: str) -> float:
+        table = dict(self.peak_flops)
+        return table.get(str(dtype).removeprefix("paddle."), table["float32"])
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "device") -> Device:
+        if not isinstance(data, Mapping):
+            raise CostModelError(f"cluster profile: field {where} must be an object")
+        flops = data.get("peak_flops")
+        if not isinstance(flops, Mapping) or "float32" not in flops:
+            raise CostModelError(f"cluster profile: missing field {where}.peak_flops.float32")
+        peak = tuple(sorted((k, _figure(flops, k, f"{where}.peak_flops", allow_zero=False)) for k in flops))
+        return cls(
+            peak,
+            _figure(data, "memory_bandwidth", where, allow_zero=False),
+            _figure(data, "memory_bytes", where, allow_zero=False),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Nodes x devices per node, intra / inter links, the device, optional calibrated fits."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    device: Device
+    collectives: tuple[tuple[str, Link], ...] = ()  # kind or kind@p -> link as that collective sees it
+    emulated: tuple[str, ...] = ()  # kinds run as their EMULATIONS entry plus a local slice
+    tree: bool = True  # whether tree algorithms (all_reduce, broadcast) are available
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "devices_per_node"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CostModelError(f"cluster profile: field {key} must be a positive integer, got {value!r}")
+        for kind in self.emulated:
+            if kind not in EMULATIONS:
+                raise CostModelError(
+                    f"cluster profile: field emulated lists {kind!r}; only {sorted(EMULATIONS)} can be emulated"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise CostModelError(f"rank {rank} does not fit cluster {self.name!r} of {self.world_size} devices")
+        return rank // self.devices_per_node
+
+    def crosses_nodes(self, group: Sequence[int]) -> bool:
+        return len({self.node_of(r) for r in group}) > 1
+
+    def link_for(self, group: Sequence[int], kind: str | None = None) -> Link:
+        """The slowest link ``group`` crosses; for intra-node groups a calibrated fit if there is
+        one: ``kind@p`` (fitted on groups of ``p`` ranks), else ``kind``, else ``intra``."""
+        if self.crosses_nodes(group):
+            return self.inter
+        fits = dict(self.collectives)
+        if kind is None:
+            return self.intra
+        return fits.get(f"{kind}@{len(group)}", fits.get(kind, self.intra))
+
+    def fitted(self, ranks: Sequence[int]) -> Cluster:
+        """This cluster with enough nodes to hold ``ranks`` (used for the default profile)."""
+        need = max(ranks, default=0) // self.devices_per_node + 1
+        return self if need <= self.nodes else _replace_nodes(self, need)
+
+    # ---- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "intra": asdict(self.intra),
+            "inter": asdict(self.inter),
+            "device": {
+                "peak_flops": dict(self.device.peak_flops),
+                "memory_bandwidth": self.device.memory_bandwidth,
+                "memory_bytes": self.device.memory_bytes,
+            },
+            "collectives": {k: asdict(v) for k, v in self.collectives},
+            "emulated": list(self.emulated),
+            "tree": self.tree,
+            "sources": dict(self.sources),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        if not isinstance(data, Mapping):
+            raise CostModelError("cluster profile must be a JSON object")
+        for key in ("name", "nodes", "devices_per_node", "intra", "inter", "device"):
+            if key not in data:
+                raise CostModelError(f"cluster profile: missing field {key}")
+        fits = data.get("collectives", {})
+        return cls(
+            name=str(data["name"]),
+            nodes=data["nodes"],
+            devices_per_node=data["devices_per_node"],
+            intra=Link.from_dict(data["intra"], "intra"),
+            inter=Link.from_dict(data["inter"], "inter"),
+            device=Device.from_dict(data["device"]),
+            collectives=tuple(sorted((k, Link.from_dict(v, f"collectives.{k}")) for k, v in fits.items())),
+            emulated=tuple(data.get("emulated", ())),
+            tree=bool(data.get("tree", True)),
+            sources=tuple(sorted((str(k), str(v)) for k, v in data.get("sources", {}).items())),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+
+    def __str__(self) -> str:
+        return f"cluster {self.name}: {self.nodes} x {self.devices_per_node} devices"
+
+
+def _replace_nodes(cluster: Cluster, nodes: int) -> Cluster:
+    import dataclasses
+
+    return dataclasses.replace(cluster, nodes=nodes)
+
+
+def load_cluster(path_or_name: str | Path) -> Cluster:
+    """A cluster from a JSON file, or a shipped profile by name (``"h100-node"``, ``"cpu-gloo"``)."""
+    if str(path_or_name) in PROFILES:
+        return shipped_profile(str(path_or_name))
+    path = Path(path_or_name)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise CostModelError(f"cluster profile {str(path)!r} not found; shipped: {sorted(PROFILES)}") from err
+    except json.JSONDecodeError as err:
+        raise CostModelError(f"cluster profile {str(path)!r} is not valid JSON: {err}") from err
+    return Cluster.from_dict(data)
+
+
+@cache
+def shipped_profile(name: str) -> Cluster:
+    if name not in PROFILES:
+        raise CostModelError(f"no shipped cluster profile {name!r}; shipped: {sorted(PROFILES)}")
+    text = resources.files("autopar.cost_model.profiles").joinpath(PROFILES[name]).read_text()
+    return Cluster.from_dict(json.loads(text))
+
+
+def default_cluster() -> Cluster:
+    """The profile used when none is given: one H100 node (grown to as many nodes as needed)."""
+    return shipped_profile("h100-node")

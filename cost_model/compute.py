@@ -1,0 +1,152 @@
+"""Compute costs: FLOPs and memory traffic per op, roofline time (stage: cost report, choices).
+
+:func:`op_cost` prices one op on given (local) shapes: ``flops`` counts multiply and add as
+two, ``bytes`` is every input read once plus every output written once. :meth:`OpCost.time`
+is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)`` on a cluster's
+device. Covered: the ops with SPMD rules — matmul, conv2d, elementwise and activations,
+reductions, softmax, layer_norm, embedding, optimizer updates (sgd, momentum, adam, adamw) —
+and their grad ops (matmul / conv grads cost twice the forward FLOPs: one product per input
+gradient; other grads once). Shapes are per rank: pass ``DistAttr.local_shape(...)`` to
+price a shard. An op outside the table raises :class:`CostModelError` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cost_model.cluster import Cluster, dtype_bytes
+from autopar.errors import CostModelError
+
+Shape = Sequence[int]
+
+ELEMENTWISE = {  # FLOPs per output element
+    "add": 1, "subtract": 1, "multiply": 1, "divide": 1, "maximum": 1, "minimum": 1, "scale": 2,
+    "relu": 1, "sigmoid": 4, "tanh": 4, "exp": 1, "sqrt": 1, "square": 1, "gelu": 8, "silu": 5,
+    "dropout": 2, "cast": 0, "assign": 0, "full_like": 0,
+}  # fmt: skip
+REDUCTIONS = ("sum", "mean", "max", "min", "reduce_sum", "reduce_mean", "prod")
+OPTIMIZERS = {"sgd": (2, 0), "momentum": (4, 1), "adam": (12, 2), "adamw": (14, 2)}  # FLOPs/elem, states
+
+
+@dataclass(frozen=True, slots=True)
+class OpCost:
+    """FLOPs and bytes of memory traffic of one op on one rank."""
+
+    flops: float
+    bytes: float
+
+    def time(self, cluster: Cluster, dtype: str = "float32") -> float:
+        """Roofline seconds on ``cluster``'s device."""
+        device = cluster.device
+        return max(self.flops / device.flops_for(dtype), self.bytes / device.memory_bandwidth)
+
+    def __add__(self, other: OpCost) -> OpCost:
+        return OpCost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+def _numel(shape: Shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _traffic(inputs: Sequence[Shape], outputs: Sequence[Shape], itemsize: int) -> float:
+    return float(sum(_numel(s) for s in [*inputs, *outputs]) * itemsize)
+
+
+def base_name(op_name: str) -> str:
+    """``pd_op.matmul_grad`` -> ``matmul_grad``; in-place ``adam_`` -> ``adam``."""
+    name = op_name.split(".")[-1]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def matmul_flops(x: Shape, y: Shape, attrs: Mapping[str, Any] | None = None) -> float:
+    """``2 * batch * m * k * n`` (``transpose_x`` / ``transpose_y`` honoured, batch dims broadcast)."""
+    attrs = attrs or {}
+    x, y = list(x), list(y)
+    if len(x) == 1:
+        x = [1, *x]
+    if len(y) == 1:
+        y = [*y, 1]
+    m, k = (x[-1], x[-2]) if attrs.get("transpose_x") else (x[-2], x[-1])
+    k2, n = (y[-1], y[-2]) if attrs.get("transpose_y") else (y[-2], y[-1])
+    if k != k2:
+        raise CostModelError(f"matmul: contracted sizes differ ({k} vs {k2}) for shapes {list(x)} x {list(y)}")
+    batch = [max(a, b) for a, b in _align(x[:-2], y[:-2])]
+    return 2.0 * _numel(batch) * m * k * n
+
+
+def _align(a: list[int], b: list[int]) -> list[tuple[int, int]]:
+    width = max(len(a), len(b))
+    return list(zip([1] * (width - len(a)) + a, [1] * (width - len(b)) + b))
+
+
+def conv2d_flops(x: Shape, w: Shape, out: Shape) -> float:
+    """``2 * N * O * Ho * Wo * (C / groups) * kh * kw`` (NCHW input, OIHW filter)."""
+    n, o = out[0], out[1]
+    return 2.0 * n * o * _numel(out[2:]) * _numel(w[1:])
+
+
+def op_cost(
+    op_name: str,
+    inputs: Sequence[Shape],
+    outputs: Sequence[Shape],
+    attrs: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+) -> OpCost:
+    """FLOPs and bytes of ``op_name`` (Paddle name, ``pd_op.`` prefix optional) on these shapes."""
+    name = base_name(op_name)
+    grad = name.endswith("_grad")
+    fwd = name.removesuffix("_grad")
+    itemsize = dtype_bytes(dtype)
+    traffic = _traffic(inputs, outputs, itemsize)
+    out_elems = sum(_numel(s) for s in outputs)
+    if fwd == "matmul":
+        flops = matmul_flops(inputs[0], inputs[1], attrs)
+        return OpCost(flops * (2 if grad else 1), traffic)
+    if fwd in ("conv2d", "depthwise_conv2d"):
+        flops = conv2d_flops(inputs[0], inputs[1], inputs[-1] if grad else outputs[0])
+        return OpCost(flops * (2 if grad else 1), traffic)
+    if fwd in ELEMENTWISE:
+        return OpCost(float(ELEMENTWISE[fwd] * out_elems), traffic)
+    if fwd in REDUCTIONS:
+        return OpCost(float(_numel(inputs[0])), traffic)
+    if fwd in ("softmax", "log_softmax", "cross_entropy_with_softmax"):
+        return OpCost(5.0 * _numel(inputs[0]), traffic)
+    if fwd == "layer_norm":
+        return OpCost(8.0 * _numel(inputs[0]), traffic)
+    if fwd == "embedding":
+        return OpCost(float(out_elems if grad else 0), float((sum(map(_numel, outputs)) * 2) * itemsize))
+    if fwd in OPTIMIZERS:
+        per_elem, _ = OPTIMIZERS[fwd]
+        return OpCost(float(per_elem * _numel(inputs[0])), traffic)
+    raise CostModelError(f"no compute cost for op {op_name!r}; known: matmul, conv2d, {', '.join(sorted(ELEMENTWISE))}, "
+                         f"{', '.join(REDUCTIONS)}, softmax, layer_norm, embedding, {', '.join(OPTIMIZERS)} (and _grad)")  # fmt: skip
+
+
+def einsum_cost(
+    equation: str, sizes: Mapping[str, int], dtype: str = "float32", splits: Mapping[str, int] | None = None
+) -> OpCost:
+    """Cost of an op described by an einsum-like equation (``"mk,kn->mn"``) on one rank.
+
+    ``sizes``: global size per letter; ``splits``: parts each letter is split into (the
+    product of its mesh dims' sizes). A contraction (a letter missing from every output)
+    costs ``2 * prod(all letters)``; otherwise one FLOP per output element.
+    """
+    splits = splits or {}
+    lhs, rhs = equation.split("->")
+    local = {c: math.ceil(sizes[c] / splits.get(c, 1)) for c in sizes}
+    letters = {c for c in lhs + rhs if c.isalpha()}
+    outs = rhs.split(",")
+    contracted = {c for c in letters if all(c not in o for o in outs)}
+
+    def elems(term: str) -> int:
+        return math.prod(local.get(c, 1) for c in term if c.isalpha())
+
+    if contracted:
+        flops = 2.0 * math.prod(local.get(c, 1) for c in letters)
+    else:
+        flops = float(sum(elems(o) for o in outs))
+    traffic = sum(elems(t) for t in [*lhs.split(","), *outs]) * dtype_bytes(dtype)
+    return OpCost(flops, float(traffic))

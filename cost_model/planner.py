@@ -1,0 +1,392 @@
+"""Reshard planner: the cheapest steps from one placement to another (stage: plan reshards).
+
+A *state* is a placement of the tensor on a mesh (a :class:`DistAttr`). An *edge* is one step
+over a set of mesh dims ``D`` (each step runs concurrently in every group ``mesh.groups(D)``):
+
+- ``all_reduce``: ``P(k)`` on every dim of D -> ``R``;
+- ``reduce_scatter``: ``P(k)`` -> ``S(t)`` (never all_reduce + slice: it moves less);
+- ``all_gather``: ``S(t)`` -> ``R``;  ``all_to_all``: ``S(t)`` -> ``S(u)`` on the same dims;
+- ``slice``: ``R`` -> ``S(t)``, local;  ``make_partial``: ``R`` -> ``P(k)``, local (sum/avg:
+  every rank but the group's first zeroes its copy; max/min: nothing to do).
+
+An edge exists only if every rank's new piece can be built from what its group holds, checked
+on the concrete ``numpy.array_split`` bounds: with uneven shards, splitting a split dim
+further only nests when the bounds nest, and a multi-dim split must be undone over the
+combined group. Dijkstra over these states, with edge costs from :mod:`comm` quantized to
+picoseconds (+1 ps per step) and ties broken by fewer steps, gives the plan; an identity
+reshard is empty.
+
+Different meshes (pipeline stages): reshard on the source mesh to some placement X, send each
+rank's piece to the rank at the same mesh coordinate of the destination mesh (same mesh shape
+only), reshard there. X is chosen over every placement; the fallback for any pair of meshes
+goes through Replicate: send_recv of the whole tensor to every destination rank, or to one
+followed by a broadcast, whichever is cheaper.
+
+``bytes`` of a step is its nccl-tests *size* on the rank where it is largest: the all_reduce /
+broadcast buffer, the all_gather output, the reduce_scatter input, the all_to_all send buffer,
+the send_recv message, the slice's output, the make_partial's zeroed buffer. ``time`` is the
+predicted seconds of the step (the slowest group); ``plan.time`` is the sum over steps.
+Reductions use the partial's kind; ``avg`` is a sum followed by a scale by 1/|group|.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopar.cost_model import comm
+from autopar.cost_model.cluster import Cluster, default_cluster, dtype_bytes
+from autopar.dist_attr import DistAttr
+from autopar.errors import CostModelError
+from autopar.mesh import ProcessMesh
+
+STEP_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "slice",
+    "send_recv",
+    "broadcast",
+    "make_partial",
+)
+_PS = 1e12  # search costs are integer picoseconds: exact sums, exact ties
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardStep:
+    """One collective or local step of a plan; enough to emit the op without re-deriving it.
+
+    ``mesh_dims``: the mesh dims of ``src.mesh`` the step runs along (() for send_recv);
+    ``groups``: the rank groups (send_recv: ``(from, to)`` pairs; broadcast: root first);
+    ``tensor_dims``: gathered / scattered / sliced tensor dim, ``(from, to)`` for all_to_all;
+    ``reduce``: the reduction of all_reduce / reduce_scatter / make_partial.
+    """
+
+    kind: str
+    mesh_dims: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    bytes: int
+    time: float
+    src: DistAttr
+    dst: DistAttr
+    tensor_dims: tuple[int, ...] = ()
+    reduce: str | None = None
+
+    def __str__(self) -> str:
+        names = "/".join(self.src.mesh.dim_names[d] for d in self.mesh_dims)
+        where = f"{names} over ranks " if names else ""
+        group = ",".join(map(str, self.groups[0])) if self.groups else ""
+        more = f" (+{len(self.groups) - 1} groups)" if len(self.groups) > 1 else ""
+        op = f"{self.kind}[{self.reduce}]" if self.reduce and self.reduce != "sum" else self.kind
+        meshes = "" if self.src.mesh == self.dst.mesh else f" {self.src.mesh} -> {self.dst.mesh}"
+        return f"{op}({where}({group}){more}, {format_bytes(self.bytes)}, {format_time(self.time)}): {self.src} -> {self.dst}{meshes}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardPlan:
+    """Steps from ``src`` to ``dst`` for a tensor of ``shape`` and ``dtype``; ``time`` = sum of steps."""
+
+    src: DistAttr
+    dst: DistAttr
+    shape: tuple[int, ...]
+    dtype: str
+    steps: tuple[ReshardStep, ...]
+
+    @property
+    def time(self) -> float:
+        return sum(step.time for step in self.steps)
+
+    @property
+    def bytes(self) -> int:
+        return sum(step.bytes for step in self.steps if step.kind not in ("slice", "make_partial"))
+
+    def kinds(self) -> list[str]:
+        return [step.kind for step in self.steps]
+
+    def __str__(self) -> str:
+        head = f"reshard {self.dtype}{list(self.shape)} {self.src} -> {self.dst}: {format_time(self.time)}"
+        return "\n".join([head, *(f"  {step}" for step in self.steps)]) if self.steps else head + " (identity)"
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_time(t: float) -> str:
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f}ms"
+    return f"{t * 1e6:.1f}us"
+
+
+# ---- the problem: one mesh, one tensor ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    mesh: ProcessMesh
+    shape: tuple[int, ...]
+    itemsize: int
+    kinds: tuple[str, ...]  # partial kinds a state may carry
+    cluster: Cluster
+
+
+@lru_cache(maxsize=65536)
+def _boxes(attr: DistAttr, shape: tuple[int, ...]) -> dict[int, Box]:
+    return {r: tuple((s.start, s.stop) for s in attr.local_slices(shape, r)) for r in attr.mesh.ranks}
+
+
+def _piece_bytes(p: _Problem, attr: DistAttr) -> int:
+    return max(math.prod(b - a for a, b in box) for box in _boxes(attr, p.shape).values()) * p.itemsize
+
+
+def _assignment(attr: DistAttr) -> list[tuple]:
+    """Per mesh dim: ("R",), ("S", tensor_dim) or ("P", kind)."""
+    out: list[tuple] = [("R",)] * attr.mesh.ndim
+    for t, dims in enumerate(attr.mapping):
+        for d in dims:
+            out[d] = ("S", t)
+    for d, kind in attr.partial:
+        out[d] = ("P", kind)
+    return out
+
+
+def _from_assignment(mesh: ProcessMesh, ndim: int, assign: Sequence[tuple]) -> DistAttr:
+    mapping: list[list[int]] = [[] for _ in range(ndim)]
+    partial = {}
+    for d, item in enumerate(assign):
+        if item[0] == "S":
+            mapping[item[1]].append(d)
+        elif item[0] == "P":
+            partial[d] = item[1]
+    return DistAttr(mesh, [tuple(m) for m in mapping], partial)
+
+
+def _contained(p: _Problem, new: DistAttr, old: DistAttr) -> bool:
+    """Every rank's new piece lies inside its old piece (slice, reduce_scatter)."""
+    nb, ob = _boxes(new, p.shape), _boxes(old, p.shape)
+    return all(all(oa <= na and nz <= oz for (na, nz), (oa, oz) in zip(nb[r], ob[r])) for r in p.mesh.ranks)
+
+
+def _gathered(p: _Problem, new: DistAttr, old: DistAttr, dims: tuple[int, ...], t: int) -> bool:
+    """Every rank's new piece along ``t`` is exactly its group's old pieces (all_gather, all_to_all)."""
+    nb, ob = _boxes(new, p.shape), _boxes(old, p.shape)
+    for group in p.mesh.groups(list(dims)):
+        for r in group:
+            lo, hi = nb[r][t]
+            if sum(ob[g][t][1] - ob[g][t][0] for g in group) != hi - lo:
+                return False
+            if any(not (lo <= ob[g][t][0] and ob[g][t][1] <= hi) for g in group if ob[g][t][1] > ob[g][t][0]):
+                return False
+            others = [i for i in range(len(p.shape)) if i != t]
+            if any(not (ob[r][i][0] <= nb[r][i][0] and nb[r][i][1] <= ob[r][i][1]) for i in others):
+                return False
+    return True
+
+
+def _step(p: _Problem, kind: str, dims: tuple[int, ...], src: DistAttr, dst: DistAttr, **extra) -> ReshardStep:
+    groups = tuple(p.mesh.groups(list(dims)))
+    if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
+        nbytes = _piece_bytes(p, src)
+    else:  # all_gather output, slice output, make_partial buffer
+        nbytes = _piece_bytes(p, dst)
+    if kind == "slice":
+        time = comm.local_copy_time(nbytes, p.cluster)
+    elif kind == "make_partial":
+        if extra.get("reduce") in ("max", "min"):
+            nbytes, time = 0, 0.0
+        else:
+            time = nbytes / p.cluster.device.memory_bandwidth
+    else:
+        time = comm.groups_time(kind, groups, nbytes, p.cluster)
+    return ReshardStep(kind, dims, groups, int(nbytes), time, src, dst, **extra)
+
+
+def _edges(p: _Problem, attr: DistAttr) -> list[ReshardStep]:
+    """Every valid single step out of ``attr`` (deterministic order)."""
+    return list(_edges_cached(p, attr))
+
+
+@lru_cache(maxsize=65536)
+def _edges_cached(p: _Problem, attr: DistAttr) -> tuple[ReshardStep, ...]:
+    assign = _assignment(attr)
+    ndim = len(p.shape)
+    out: list[ReshardStep] = []
+
+    def to(dims: tuple[int, ...], item: tuple) -> DistAttr:
+        new = list(assign)
+        for d in dims:
+            new[d] = item
+        return _from_assignment(p.mesh, ndim, new)
+
+    for size in range(1, p.mesh.ndim + 1):
+        for dims in itertools.combinations(range(p.mesh.ndim), size):
+            items = {assign[d] for d in dims}
+            if len(items) != 1:
+                continue
+            (item,) = items
+            if item[0] == "P":
+                kind = item[1]
+                out.append(_step(p, "all_reduce", dims, attr, to(dims, ("R",)), reduce=kind))
+                for t in range(ndim):
+                    new = to(dims, ("S", t))
+                    if _contained(p, new, attr):
+                        out.append(_step(p, "reduce_scatter", dims, attr, new, tensor_dims=(t,), reduce=kind))
+            elif item[0] == "S":
+                t = item[1]
+                new = to(dims, ("R",))
+                if _gathered(p, new, attr, dims, t):
+                    out.append(_step(p, "all_gather", dims, attr, new, tensor_dims=(t,)))
+                for u in range(ndim):
+                    new = to(dims, ("S", u))
+                    if u != t and _gathered(p, new, attr, dims, t):
+                        out.append(_step(p, "all_to_all", dims, attr, new, tensor_dims=(t, u)))
+            else:
+                for t in range(ndim):
+                    new = to(dims, ("S", t))
+                    if _contained(p, new, attr):
+                        out.append(_step(p, "slice", dims, attr, new, tensor_dims=(t,)))
+                for kind in (k for k in p.kinds if set(attr.partial_dims.values()) <= {k}):
+                    out.append(_step(p, "make_partial", dims, attr, to(dims, ("P", kind)), reduce=kind))
+    return tuple(out)
+
+
+def _cost(step: ReshardStep) -> int:
+    """Search cost of a step: integer picoseconds, plus 1 ps per step so that a rounding
+    difference never lets more steps beat fewer at an equal time (RS + AG vs a ring all_reduce)."""
+    return round(step.time * _PS) + 1
+
+
+def _shortest(p: _Problem, src: DistAttr, dst: DistAttr) -> tuple[ReshardStep, ...]:
+    """Dijkstra on (picoseconds, steps); deterministic: ties keep the first path found."""
+    if src == dst:
+        return ()
+    best: dict[DistAttr, tuple[int, int]] = {src: (0, 0)}
+    back: dict[DistAttr, ReshardStep] = {}
+    order = itertools.count()
+    heap = [(0, 0, next(order), src)]
+    done: set[DistAttr] = set()
+    while heap:
+        cost, nsteps, _, state = heapq.heappop(heap)
+        if state in done:
+            continue
+        if state == dst:
+            break
+        done.add(state)
+        for step in _edges(p, state):
+            key = (cost + _cost(step), nsteps + 1)
+            if step.dst not in done and key < best.get(step.dst, (math.inf, math.inf)):
+                best[step.dst] = key
+                back[step.dst] = step
+                heapq.heappush(heap, (*key, next(order), step.dst))
+    if dst not in back:
+        raise CostModelError(f"no reshard path from {src} to {dst} (planner bug: Replicate always reaches)")
+    steps = []
+    state = dst
+    while state != src:
+        steps.append(back[state])
+        state = back[state].src
+    return tuple(reversed(steps))
+
+
+# ---- public entry points ----------------------------------------------------------------
+
+
+def plan_reshard(
+    src: DistAttr, dst: DistAttr, shape: Sequence[int], dtype: str = "float32", cluster: Cluster | None = None
+) -> ReshardPlan:
+    """The cheapest plan from ``src`` to ``dst`` for a tensor of global ``shape`` and ``dtype``.
+
+    ``cluster`` defaults to the shipped ``h100-node`` profile (grown to as many nodes as the
+    meshes need). Pure and deterministic; results are cached on the (frozen) inputs.
+    """
+    shape_t = _check(src, dst, shape, dtype, cluster)
+    if cluster is None:
+        cluster = default_cluster().fitted(src.mesh.ranks + dst.mesh.ranks)
+    return _plan_cached(src, dst, shape_t, str(dtype).removeprefix("paddle."), cluster)
+
+
+def _check(src: DistAttr, dst: DistAttr, shape: Sequence[int], dtype: str, cluster: Cluster | None) -> tuple[int, ...]:
+    for name, attr in (("src", src), ("dst", dst)):
+        if not isinstance(attr, DistAttr):
+            raise CostModelError(f"{name} must be an autopar.DistAttr, got {type(attr).__name__}")
+    try:
+        shape_t = tuple(int(s) for s in shape)
+    except (TypeError, ValueError) as err:
+        raise CostModelError(f"shape must be a sequence of ints, got {shape!r}") from err
+    if any(s < 0 for s in shape_t):
+        raise CostModelError(f"shape {list(shape_t)} has a negative dim")
+    for name, attr in (("src", src), ("dst", dst)):
+        if attr.ndim != len(shape_t):
+            raise CostModelError(
+                f"{name}.dims_mapping {attr.dims_mapping_text} has {attr.ndim} entries, shape {list(shape_t)} has {len(shape_t)} dims"
+            )
+    dtype_bytes(dtype)
+    if cluster is not None:
+        for name, attr in (("src", src), ("dst", dst)):
+            if max(attr.mesh.ranks) >= cluster.world_size:
+                raise CostModelError(f"{name}.mesh {attr.mesh} does not fit {cluster} ({cluster.world_size} devices)")
+    return shape_t
+
+
+@lru_cache(maxsize=4096)
+def _plan_cached(src: DistAttr, dst: DistAttr, shape: tuple[int, ...], dtype: str, cluster: Cluster) -> ReshardPlan:
+    kinds = tuple(sorted(set(src.partial_dims.values()) | set(dst.partial_dims.values())))
+    if src.mesh == dst.mesh:
+        problem = _Problem(src.mesh, shape, dtype_bytes(dtype), kinds, cluster)
+        return ReshardPlan(src, dst, shape, dtype, _shortest(problem, src, dst))
+    return ReshardPlan(src, dst, shape, dtype, _plan_cross(src, dst, shape, dtype, kinds, cluster))
+
+
+def _plan_cross(
+    src: DistAttr, dst: DistAttr, shape: tuple[int, ...], dtype: str, kinds: tuple[str, ...], cluster: Cluster
+) -> tuple[ReshardStep, ...]:
+    itemsize = dtype_bytes(dtype)
+    here = _Problem(src.mesh, shape, itemsize, kinds, cluster)
+    there = _Problem(dst.mesh, shape, itemsize, kinds, cluster)
+    options: list[tuple[ReshardStep, ...]] = []
+    if src.mesh.shape == dst.mesh.shape:
+        for assign in itertools.product(*(_choices(len(shape), kinds) for _ in range(src.mesh.ndim))):
+            x = _from_assignment(src.mesh, len(shape), assign)
+            x_there = DistAttr(dst.mesh, x.mapping, x.partial)
+            pairs = tuple(zip(src.mesh.ranks, dst.mesh.ranks))
+            move = _send(here, x, x_there, pairs)
+            options.append(_shortest(here, src, x) + (move,) + _shortest(there, x_there, dst))
+    whole_here = DistAttr.replicated(src.mesh, len(shape))
+    whole_there = DistAttr.replicated(dst.mesh, len(shape))
+    before, after = _shortest(here, src, whole_here), _shortest(there, whole_there, dst)
+    senders = src.mesh.ranks
+    direct = tuple((senders[j % len(senders)], r) for j, r in enumerate(dst.mesh.ranks))
+    options.append(before + (_send(here, whole_here, whole_there, direct),) + after)
+    root = dst.mesh.ranks[0]
+    first = _send(here, whole_here, whole_there, ((senders[0], root),))
+    nbytes = first.bytes
+    spread = ReshardStep(
+        "broadcast", tuple(range(dst.mesh.ndim)), (dst.mesh.ranks,), nbytes,
+        comm.collective_time("broadcast", dst.mesh.ranks, nbytes, cluster), whole_there, whole_there,
+    )  # fmt: skip
+    options.append(before + (first, spread) + after)
+    return min(options, key=lambda steps: (sum(_cost(s) for s in steps), len(steps)))
+
+
+def _choices(ndim: int, kinds: tuple[str, ...]) -> list[tuple]:
+    return [("R",), *(("S", t) for t in range(ndim)), *(("P", k) for k in kinds)]
+
+
+def _send(p: _Problem, src: DistAttr, dst: DistAttr, pairs: tuple[tuple[int, int], ...]) -> ReshardStep:
+    """Point-to-point moves of each piece; a sender with several receivers sends in turn."""
+    nbytes = _piece_bytes(p, src)
+    moving = tuple(pair for pair in pairs if pair[0] != pair[1])
+    per_sender: dict[int, float] = {}
+    for a, b in moving:
+        per_sender[a] = per_sender.get(a, 0.0) + comm.collective_time("send_recv", (a, b), nbytes, p.cluster)
+    return ReshardStep("send_recv", (), moving, nbytes, max(per_sender.values(), default=0.0), src, dst)

@@ -1,0 +1,29 @@
+import pytest
+
+from autopar.cost_model.calibrate import Sample, build_profile, fit_link, fit_links, measure
+from autopar.cost_model.comm import collective_time
+
+
+def test_fit_recovers_a_known_link():
+    alpha, beta = 2e-4, 1e-9
+    samples = [
+        Sample("all_reduce", p, n, 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta)
+        for p in (2, 4) for n in (4096, 1 << 20, 16 << 20)
+    ]  # fmt: skip
+    link = fit_link(samples, "all_reduce")
+    assert link.latency == pytest.approx(alpha, rel=1e-6) and link.bandwidth == pytest.approx(1 / beta, rel=1e-6)
+    assert set(fit_links(samples)) == {"all_reduce", "all_reduce@2", "all_reduce@4"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_gloo_measurement_smoke():
+    sizes = [4096, 1 << 20]
+    samples = measure(2, sizes, ["all_reduce", "all_gather", "broadcast", "send_recv"], timeout=120)
+    assert {(s.kind, s.nbytes) for s in samples} == {
+        (k, n) for k in ("all_reduce", "all_gather", "broadcast", "send_recv") for n in sizes
+    }
+    assert all(s.world == 2 and s.seconds > 0 for s in samples)
+    cluster = build_profile(samples, [2], sizes)
+    assert cluster.name == "cpu-gloo" and "reduce_scatter" in cluster.emulated
+    assert collective_time("all_reduce", (0, 1), 1 << 20, cluster) > 0

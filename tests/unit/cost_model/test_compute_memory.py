@@ -1,0 +1,58 @@
+import pytest
+
+from autopar import DistAttr, ProcessMesh
+from autopar.cost_model import shipped_profile
+from autopar.cost_model.compute import OpCost, einsum_cost, op_cost
+from autopar.cost_model.memory import TensorInfo, memory_per_rank, tensor_bytes
+from autopar.errors import CostModelError
+
+
+def test_matmul_flops_bytes_and_roofline():
+    cost = op_cost("pd_op.matmul", [(64, 128), (128, 32)], [(64, 32)])
+    assert cost.flops == 2 * 64 * 128 * 32
+    assert cost.bytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
+    t = op_cost("matmul", [(4, 64, 128), (32, 128)], [(4, 64, 32)], {"transpose_y": True})
+    assert t.flops == 2 * 4 * 64 * 128 * 32
+    assert (
+        op_cost("pd_op.matmul_grad", [(64, 128), (128, 32), (64, 32)], [(64, 128), (128, 32)]).flops == 2 * cost.flops
+    )
+    h100 = shipped_profile("h100-node")
+    big = OpCost(2e12, 1e6)
+    assert big.time(h100, "bfloat16") == pytest.approx(2e12 / 9.894e14)  # compute bound
+    assert OpCost(1e3, 3.35e9).time(h100) == pytest.approx(1e-3)  # memory bound
+
+
+def test_other_ops():
+    assert op_cost("conv2d", [(2, 3, 8, 8), (16, 3, 3, 3)], [(2, 16, 6, 6)]).flops == 2 * 2 * 16 * 36 * 27
+    assert op_cost("pd_op.relu", [(10, 10)], [(10, 10)]).flops == 100
+    assert op_cost("pd_op.sum", [(10, 10)], [(10,)]).flops == 100
+    assert op_cost("softmax", [(4, 5)], [(4, 5)]).flops == 100
+    assert op_cost("layer_norm", [(4, 5), (5,), (5,)], [(4, 5)]).flops == 160
+    assert op_cost("embedding", [(8,), (100, 16)], [(8, 16)]).flops == 0
+    adam = op_cost("pd_op.adam_", [(10, 10), (10, 10)], [(10, 10)])
+    assert adam.flops == 1200
+    with pytest.raises(CostModelError, match="'pd_op.frobnicate'"):
+        op_cost("pd_op.frobnicate", [(1,)], [(1,)])
+
+
+def test_einsum_cost_with_split():
+    full = einsum_cost("mk,kn->mn", {"m": 8, "k": 4, "n": 2})
+    assert full.flops == 2 * 8 * 4 * 2
+    assert einsum_cost("mk,kn->mn", {"m": 8, "k": 4, "n": 2}, splits={"m": 2}).flops == full.flops / 2
+    assert einsum_cost("mn,mn->mn", {"m": 8, "n": 2}).flops == 16
+
+
+def test_memory_per_rank():
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    w = TensorInfo("w", (10, 8), "float32", DistAttr(mesh, [-1, 1]))
+    b = TensorInfo("b", (8,), "float32", None)
+    act = TensorInfo("h", (6, 8), "float32", DistAttr(mesh, [0, 1]))
+    mem = memory_per_rank(mesh.ranks, [w, b], [act], optimizer="adam")
+    m0 = mem[0]
+    assert m0.parameters == 4 * (40 + 8) and m0.gradients == m0.parameters
+    assert m0.optimizer_states == 2 * m0.parameters and m0.activations == 4 * 12
+    assert m0.total == 4 * 48 * 4 + 48
+    zero = memory_per_rank([0], [w], optimizer="sgd", grad_dists={"w": DistAttr(mesh, [0, 1])})
+    assert zero[0].gradients == 4 * 20 and zero[0].optimizer_states == 0
+    assert tensor_bytes((7,), "float16", DistAttr(ProcessMesh([0, 1]), [0]), 1) == 6
+    assert tensor_bytes((7,), "float16", DistAttr(ProcessMesh([0, 1]), [0]), 5) == 0
