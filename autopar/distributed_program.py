@@ -81,6 +81,8 @@ class DistributedProgram:
         return self.propagation.dist(key)
 
     def _rank(self, rank: int) -> RankProgram:
+        if self.state.unavailable:
+            raise AutoparError(self.state.unavailable)
         if rank not in self.state.ranks:
             raise AutoparError(f"rank {rank} is not in {self.mesh}")
         return self.state.ranks[rank]

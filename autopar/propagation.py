@@ -21,8 +21,8 @@ producer makes, a source tensor whose consumers need different placements.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.dist_attr import DistAttr
 from autopar.graph import SOURCE_OPS, VECTOR_OPS, OpNode, ProgramGraph, ValueKey
@@ -107,14 +107,15 @@ class Propagator:
         mesh: ProcessMesh,
         user: dict[ValueKey, DistAttr],
         op_meshes: dict[int, ProcessMesh],
-        resolve_factory: Callable[[OpNode], Callable | None] | None = None,
+        cluster: Any = None,
     ) -> None:
         self.graph = graph
         self.mesh = mesh
         self.user_op_meshes = op_meshes
-        self.resolve_factory = resolve_factory
+        self.cluster = cluster
         self.states: dict[ValueKey, ValueState] = {k: ValueState(d, Priority.USER, "user") for k, d in user.items()}
         self.ops = [op for op in graph.ops if op.name not in VECTOR_OPS and op.name not in SOURCE_OPS]
+        self.choice_reasons: dict[ValueKey, str] = {}
 
     # ---- shared pieces ---------------------------------------------------------------
     def op_mesh(self, op: OpNode) -> ProcessMesh:
@@ -145,9 +146,20 @@ class Propagator:
         rule = get_rule(op.name)
         if rule is None:
             return None
-        resolve = self.resolve_factory(op) if self.resolve_factory else None
-        ctx = RuleContext(mesh, resolve=resolve, op_name=op.name)
-        return rule.infer_forward(specs, op.attrs, ctx)
+        return rule.infer_forward(specs, op.attrs, self.context(op, mesh))
+
+    def context(self, op: OpNode, mesh: ProcessMesh) -> RuleContext:
+        """Rule context; with a cluster, competing splits are settled by the cost model."""
+        if self.cluster is None:
+            return RuleContext(mesh, op_name=op.name)
+        from autopar.cost_model import make_resolver
+
+        cluster = self.cluster
+
+        def factory(equation: str, specs: Any, op_mesh: ProcessMesh) -> Any:
+            return make_resolver(equation, specs, op_mesh, cluster)
+
+        return RuleContext(mesh, op_name=op.name, resolver_factory=factory)
 
     def replicated(self, op: OpNode, mesh: ProcessMesh) -> RuleResult:
         """An op without a rule runs whole on every rank of its mesh."""
@@ -220,8 +232,7 @@ class Propagator:
             else (TensorSpec(self.graph.values[k].shape) if k is not None else None)
             for k, s in zip(op.outputs, outs)
         ]
-        ctx = RuleContext(mesh, op_name=op.name)
-        result = get_rule(op.name).infer_backward(self.specs(op, mesh), out_specs, op.attrs, ctx)
+        result = get_rule(op.name).infer_backward(self.specs(op, mesh), out_specs, op.attrs, self.context(op, mesh))
         changed = set()
         for key, dist in zip(op.inputs, result.inputs):
             if key is not None and self.graph.values[key].kind != "constant":
@@ -245,7 +256,6 @@ class Propagator:
     # ---- phase 2: materialization ----------------------------------------------------
     def materialize(self) -> PropagationResult:
         result = PropagationResult(self.states, {}, {})
-        requirements: dict[ValueKey, list[tuple[str, DistAttr]]] = {}
         for op in self.ops:
             mesh = self.op_mesh(op)
             result.op_meshes[op.index] = mesh
@@ -261,10 +271,9 @@ class Propagator:
                 if key is None or need is None:
                     continue
                 have = self.states[key].dist
-                requirements.setdefault(key, []).append((str(op), need))
                 if have != need:
                     result.reshards.append(ReshardNeed(op.index, pos, key, have, need))
-        self._record_source_conflicts(result, requirements)
+        self._record_source_conflicts(result)
         return result
 
     def _settle_outputs(self, result: PropagationResult, op: OpNode, inferred: RuleResult) -> None:
@@ -290,21 +299,52 @@ class Propagator:
         for c in conflicts:
             result.conflicts.append(ConflictRecord(str(op), names, c.candidates, c.chosen, f"{c.where}: {c.reason}"))
 
-    def _record_source_conflicts(self, result: PropagationResult, requirements: dict[ValueKey, list[tuple[str, DistAttr]]]) -> None:
-        """A parameter / feed / state whose consumers need different placements."""
-        for key, wants in requirements.items():
-            value = self.graph.values[key]
-            if value.kind not in ("parameter", "feed", "state"):
-                continue
-            distinct = list(dict.fromkeys(str(d) for _, d in wants))
-            if len(distinct) < 2:
-                continue
+    def competing_sources(self, result: PropagationResult) -> dict[ValueKey, list[tuple[str, DistAttr]]]:
+        """Parameters / feeds / states whose consumers need different placements."""
+        wants: dict[ValueKey, list[tuple[str, DistAttr]]] = {}
+        for op_index, inferred in result.op_results.items():
+            op = self.graph.ops[op_index]
+            for key, need in zip(op.inputs, inferred.inputs):
+                if key is not None and need is not None and self.graph.values[key].kind in ("parameter", "feed", "state"):
+                    wants.setdefault(key, []).append((str(op), need))
+        return {k: w for k, w in wants.items() if len({d for _, d in w}) > 1}
+
+    def choose_sources(self, result: PropagationResult) -> bool:
+        """Re-decide competing sources not fixed by the user: the cheapest placement wins."""
+        if self.cluster is None:
+            return False
+        from autopar.cost_model import PlacementOption, choose_placement
+
+        changed = False
+        for key, wants in self.competing_sources(result).items():
             state = self.states[key]
+            if state.priority is Priority.USER:
+                continue
+            value = self.graph.values[key]
+            candidates = list(dict.fromkeys(_complete(d) for _, d in wants))
+            options = [
+                PlacementOption(str(c), tuple((c, need, value.shape, value.dtype) for _, need in wants if need != c))
+                for c in candidates
+            ]
+            choice = choose_placement(options, self.cluster)
+            self.choice_reasons[key] = choice.reason
+            if candidates[choice.index] != state.dist:
+                self.states[key] = ValueState(candidates[choice.index], Priority.DERIVED, "cost model")
+                changed = True
+        return changed
+
+    def _record_source_conflicts(self, result: PropagationResult) -> None:
+        """A parameter / feed / state whose consumers need different placements."""
+        for key, wants in self.competing_sources(result).items():
+            value = self.graph.values[key]
+            state = self.states[key]
+            how = self.choice_reasons.get(key) if state.priority is not Priority.USER else None
+            reason = how or f"decided by {state.source} ({state.priority.name.lower()})"
             result.conflicts.append(
                 ConflictRecord(
                     "consumers of " + value.label, (value.label,),
                     tuple((who, str(d)) for who, d in wants),
-                    str(state.dist), f"decided by {state.source} ({state.priority.name.lower()}); the others reshard",
+                    str(state.dist), reason + "; the others reshard",
                 )
             )  # fmt: skip
 
@@ -319,13 +359,20 @@ def propagate(
     mesh: ProcessMesh,
     user: dict[ValueKey, DistAttr],
     op_meshes: dict[int, ProcessMesh] | None = None,
-    resolve_factory: Callable[[OpNode], Callable | None] | None = None,
+    cluster: Any = None,
 ) -> PropagationResult:
-    """Placement of every value of ``graph``: see the module docstring."""
-    propagator = Propagator(graph, mesh, user, op_meshes or {}, resolve_factory)
+    """Placement of every value of ``graph``: see the module docstring.
+
+    With a ``cluster`` (a cost_model profile), competing placements are settled by cost:
+    inside a rule (which operand's split a dim takes) and for a source tensor whose
+    consumers need different placements; without one, by the fixed priority order.
+    """
+    propagator = Propagator(graph, mesh, user, op_meshes or {}, cluster)
     rounds = propagator.fixed_point()
     if propagator.seed_defaults():
         rounds += propagator.fixed_point()
     result = propagator.materialize()
+    if propagator.choose_sources(result):
+        result = propagator.materialize()
     result.rounds = rounds
     return result

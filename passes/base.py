@@ -78,6 +78,7 @@ class CompileState:
     cluster: Any = None
     startup: Any = None  # the serial startup program (read only)
     ranks: dict[int, RankProgram] = field(default_factory=dict)
+    unavailable: str = ""  # why no rank programs were built (empty: they were)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
 
 

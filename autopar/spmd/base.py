@@ -19,6 +19,7 @@ inputs complete, so the planner inserts the reduction in front of it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,14 @@ class RuleContext:
     mesh: ProcessMesh
     resolve: Resolver | None = None
     op_name: str = ""
+    # builds a resolver for one einsum op: (equation, operand specs, mesh) -> Resolver
+    resolver_factory: Callable[[str, Sequence[TensorSpec | None], ProcessMesh], Resolver] | None = None
+
+    def for_equation(self, equation: str, specs: Sequence[TensorSpec | None]) -> RuleContext:
+        """This context with a resolver made for ``equation`` (when a factory is set)."""
+        if self.resolve is not None or self.resolver_factory is None:
+            return self
+        return dataclasses.replace(self, resolve=self.resolver_factory(equation, specs, self.mesh))
 
 
 class SpmdRule:
@@ -152,7 +161,9 @@ def merge_letters(
             pick = 0
             reason = "" if len(distinct) == 1 else "mesh dims already split another dim"
         elif ctx.resolve is not None:
-            pick, reason = ctx.resolve(letter, choices), "lower cost"
+            pick = ctx.resolve(letter, choices)
+            log = getattr(ctx.resolve, "choices", None)  # the cost model's resolver explains itself
+            reason = log[-1][1].reason if log else "lower cost"
         else:
             pick, reason = _default_winner(ctx.mesh, choices, specs), "priority, then more ranks, then operand order"
         merged[letter] = options[pick]
@@ -221,6 +232,7 @@ def einsum_forward(
     lhs, rhs = equation.split("->")
     in_letters, out_letters = lhs.split(","), rhs.split(",")
     _check_arity(equation, in_letters, specs)
+    ctx = ctx.for_equation(equation, specs)
     merged, conflicts = merge_letters(in_letters, specs, ctx)
     used = {d for dims in merged.values() for d in dims}
     kept, passthrough = _partial_passthrough(specs, used, linearity)
@@ -266,6 +278,7 @@ def einsum_grad(
     operand_letters = lhs.split(",")
     out_letters = rhs.split(",")
     _check_arity(equation, operand_letters, specs)
+    ctx = ctx.for_equation(equation, specs)
     merged, conflicts = merge_letters(operand_letters, specs, ctx)
     used = {d for dims in merged.values() for d in dims}
     grad_inputs = list(grad_operands)
