@@ -150,8 +150,9 @@ class Propagator:
 
     def context(self, op: OpNode, mesh: ProcessMesh) -> RuleContext:
         """Rule context; with a cluster, competing splits are settled by the cost model."""
+        live = tuple(k is not None and bool(self.graph.values[k].users) for k in op.outputs)
         if self.cluster is None:
-            return RuleContext(mesh, op_name=op.name)
+            return RuleContext(mesh, op_name=op.name, live_outputs=live)
         from autopar.cost_model import make_resolver
 
         cluster = self.cluster
@@ -159,7 +160,7 @@ class Propagator:
         def factory(equation: str, specs: Any, op_mesh: ProcessMesh) -> Any:
             return make_resolver(equation, specs, op_mesh, cluster)
 
-        return RuleContext(mesh, op_name=op.name, resolver_factory=factory)
+        return RuleContext(mesh, op_name=op.name, resolver_factory=factory, live_outputs=live)
 
     def replicated(self, op: OpNode, mesh: ProcessMesh) -> RuleResult:
         """An op without a rule runs whole on every rank of its mesh."""

@@ -84,6 +84,8 @@ class RuleContext:
     op_name: str = ""
     # builds a resolver for one einsum op: (equation, operand specs, mesh) -> Resolver
     resolver_factory: Callable[[str, Sequence[TensorSpec | None], ProcessMesh], Resolver] | None = None
+    # which results of the op someone reads (None: unknown); grad rules use it, see einsum_grad
+    live_outputs: tuple[bool, ...] | None = None
 
     def for_equation(self, equation: str, specs: Sequence[TensorSpec | None]) -> RuleContext:
         """This context with a resolver made for ``equation`` (when a factory is set)."""
@@ -272,7 +274,8 @@ def einsum_grad(
     gradient(s) (their positions are ``grad_operands``); each grad op output is written with
     the letters of the forward input it is the gradient of. An input gradient keeps its input's
     letters and is partial (sum) over the mesh dims of sharded letters the input lacks; a
-    partial output gradient passes through (backprop is linear in the incoming gradient).
+    partial output gradient passes through (backprop is linear in the incoming gradient) when
+    the op has at most one live gradient, else it is reduced once up front.
     """
     lhs, rhs = equation.split("->")
     operand_letters = lhs.split(",")
@@ -283,6 +286,10 @@ def einsum_grad(
     used = {d for dims in merged.values() for d in dims}
     grad_inputs = list(grad_operands)
     passthrough = _grad_partials(specs, grad_inputs, used)
+    if passthrough and ctx.live_outputs is not None and sum(ctx.live_outputs) > 1:
+        # a pending sum kept through an op with several live gradients needs one reduction
+        # per gradient later; reducing the incoming gradient once is Megatron's "g" operator
+        passthrough = {}
     required = []
     for i, letters in enumerate(operand_letters):
         keep = passthrough if i in grad_inputs else {}
