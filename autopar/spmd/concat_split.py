@@ -1,0 +1,124 @@
+"""concat, split / split_with_num, slice and their grads (stage: propagate).
+
+The axis an op concatenates, splits or slices along must be whole (its pieces' bounds would
+not line up with a shard's); every other dim follows, merged over all operands:
+
+    concat       a1c,a1c,... -> a1c          (axis 1; "1" = required whole)
+    split        a1c -> a1c,a1c,...
+    slice        a1c -> a1c  (decrease_axis drops the sliced dim: a1c -> ac)
+
+All three only move data, so sum/avg partials pass through (concat: when every operand is
+partial alike). Operands arrive flattened by the graph view: ``concat`` reads
+``(x[0], ..., x[n-1], axis)`` (the tensors of its ``builtin.combine``), ``split`` produces
+the tensors of its ``builtin.split``; ``axis``, ``sections``, ``starts``, ``ends`` are
+int-array / scalar operands whose values are in ``attrs`` and are required replicated.
+In PIR a split's backward is a ``concat`` (``split_grad`` reads ``(out_grad[0..n-1], axis)``
+and gets the concat rule). Grad ops read the forward input for its shape, so it is required
+split like the gradient it sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autopar.spmd.base import (
+    RuleContext,
+    RuleResult,
+    SpmdRule,
+    TensorSpec,
+    einsum_backward,
+    einsum_forward,
+    einsum_grad,
+)
+from autopar.spmd.letters import equation
+from autopar.spmd.operands import axes_attr, axis_attr, letters, spread
+from autopar.spmd.registry import register
+
+
+@register("concat", "split_grad")
+class ConcatRule(SpmdRule):
+    """``(x[0], ..., x[n-1], axis) -> out``: ``a1c,a1c->a1c``; the axis whole, the rest merged."""
+
+    def _equation(self, inputs, attrs) -> tuple[str, int]:
+        count = len(inputs) - 1  # the last operand is always the axis
+        ndim = inputs[0].ndim
+        names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
+        return equation([names] * count, [names]), count
+
+    def infer_forward(self, inputs, attrs, ctx):
+        eq, count = self._equation(inputs, attrs)
+        result = einsum_forward(eq, inputs[:count], ctx, linearity="additive")
+        return spread(result, range(count), inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        eq, count = self._equation(inputs, attrs)
+        return spread(einsum_backward(eq, inputs[:count], outputs, ctx), range(count), inputs, ctx)
+
+
+@register("concat_grad")
+class ConcatGradRule(SpmdRule):
+    """``(x[0..n-1], out_grad, axis) -> x_grad[0..n-1]``: ``a1c,...,a1c,a1c -> a1c,...``."""
+
+    def infer_forward(self, inputs, attrs, ctx):
+        count = len(inputs) - 1  # x[0..n-1], out_grad; the last operand is the axis
+        ndim = inputs[0].ndim
+        names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
+        result = einsum_grad(
+            equation([names] * count, [names] * (count - 1)), inputs[:count], ctx, grad_operands=[count - 1]
+        )
+        return spread(result, range(count), inputs, ctx)
+
+
+def _split_count(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> int:
+    if "num" in attrs:
+        return int(attrs["num"])
+    return len(attrs["sections"])
+
+
+@register("split", "split_with_num")
+class SplitRule(SpmdRule):
+    """``(x, [sections], axis) -> out[0..n-1]``: ``a1c -> a1c,a1c,...``."""
+
+    def _equation(self, inputs, attrs) -> str:
+        ndim = inputs[0].ndim
+        names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
+        return equation([names], [names] * _split_count(inputs, attrs))
+
+    def infer_forward(self, inputs, attrs, ctx):
+        return spread(
+            einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx
+        )
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return spread(einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx), [0], inputs, ctx)
+
+
+def _slice_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
+    axes = axes_attr(attrs, "axes", ndim)
+    names = letters(ndim, whole=axes)
+    drop = set(axes_attr(attrs, "decrease_axis", ndim))
+    return names, "".join(c for i, c in enumerate(names) if i not in drop)
+
+
+@register("slice")
+class SliceRule(SpmdRule):
+    """``(input, starts, ends) -> out``: ``a1c -> a1c`` (sliced axes whole; decreased ones dropped)."""
+
+    def infer_forward(self, inputs, attrs, ctx):
+        src, out = _slice_letters(inputs[0].ndim, attrs)
+        return spread(einsum_forward(f"{src}->{out}", inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        src, out = _slice_letters(inputs[0].ndim, attrs)
+        return spread(einsum_backward(f"{src}->{out}", inputs[:1], outputs, ctx), [0], inputs, ctx)
+
+
+@register("slice_grad")
+class SliceGradRule(SpmdRule):
+    """``(input, out_grad, starts, ends) -> input_grad``: ``a1c,a1c -> a1c`` (input sizes the grad)."""
+
+    def infer_forward(self, inputs, attrs, ctx: RuleContext) -> RuleResult:
+        src, out = _slice_letters(inputs[0].ndim, attrs)
+        result = einsum_grad(f"{src},{out}->{src}", inputs[:2], ctx, grad_operands=[1])
+        return spread(result, [0, 1], inputs, ctx)

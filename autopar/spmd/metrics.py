@@ -1,0 +1,74 @@
+"""topk (and its grad) and accuracy (stage: propagate).
+
+    topk       a1 -> a1,a1          (axis whole; values and indices lie like x)
+    topk_grad  a1,a1,a1 -> a1       (x, indices, out_grad -> x_grad)
+    accuracy   n1,n1,n1 -> ,,       (values, indices, label -> accuracy, correct, total)
+
+topk is not linear: its input is required complete. accuracy's outputs are scalars. A batch
+split is kept only when it is even (the batch size divisible by the number of parts): then
+each rank's ``correct`` and ``total`` are pieces of a sum (P(sum)) and its ``accuracy``
+(= local correct / local total, all local totals equal) a piece of an average (P(avg)).
+An uneven batch split would need accuracy weighted by n_local / n (one scale for all three
+outputs cannot do it: correct and total must not be scaled), so it is required whole.
+The top-k dim stays whole (a row is correct when any of its k indices hits the label).
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.dist_attr import DistAttr
+from autopar.spmd.base import RuleResult, SpmdRule, einsum_backward, einsum_forward, einsum_grad, merge_letters
+from autopar.spmd.operands import axis_attr, letters, spread
+from autopar.spmd.registry import register
+
+
+def _topk_letters(ndim: int, attrs) -> str:
+    return letters(ndim, whole=[axis_attr(attrs, "axis", ndim, default=-1)] if ndim else [])
+
+
+@register("topk")
+class TopkRule(SpmdRule):
+    """``(x, k) -> (out, indices)``: ``a1 -> a1,a1``."""
+
+    def infer_forward(self, inputs, attrs, ctx):
+        names = _topk_letters(inputs[0].ndim, attrs)
+        return spread(einsum_forward(f"{names}->{names},{names}", inputs[:1], ctx), [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        names = _topk_letters(inputs[0].ndim, attrs)
+        return spread(einsum_backward(f"{names}->{names},{names}", inputs[:1], outputs, ctx), [0], inputs, ctx)
+
+
+@register("topk_grad")
+class TopkGradRule(SpmdRule):
+    """``(x, indices, out_grad, k) -> x_grad``: ``a1,a1,a1 -> a1``; out_grad partials pass."""
+
+    def infer_forward(self, inputs, attrs, ctx):
+        names = _topk_letters(inputs[0].ndim, attrs)
+        result = einsum_grad(f"{names},{names},{names}->{names}", inputs[:3], ctx, grad_operands=[2])
+        return spread(result, [0, 1, 2], inputs, ctx)
+
+
+@register("accuracy")
+class AccuracyRule(SpmdRule):
+    """``(x, indices, label) -> (accuracy, correct, total)``: ``n1,n1,n1 -> ,,`` (even batch splits)."""
+
+    def infer_forward(self, inputs, attrs, ctx):
+        mesh = ctx.mesh
+        specs = list(inputs[:3])
+        merged, conflicts = merge_letters(["n" + "1" * (s.ndim - 1) for s in specs], specs, ctx)
+        dims = merged.get("n", ())
+        if dims and specs[0].shape[0] % math.prod(mesh.shape[d] for d in dims):
+            dims = ()  # uneven: the accuracy average would be mis-weighted
+        required = tuple(DistAttr.of(mesh, (dims,) + ((),) * (s.ndim - 1)) for s in specs)
+        outputs = (
+            DistAttr.of(mesh, (), {d: "avg" for d in dims}),
+            DistAttr.of(mesh, (), {d: "sum" for d in dims}),
+            DistAttr.of(mesh, (), {d: "sum" for d in dims}),
+        )
+        return RuleResult(required, outputs, tuple(conflicts))
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        """Scalar outputs say nothing about the batch: the inputs decide."""
+        return self.infer_forward(inputs, attrs, ctx)
