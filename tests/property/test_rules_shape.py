@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from autopar import DistAttr, ProcessMesh
 from autopar.spmd import RuleContext, TensorSpec, get_rule
 from autopar.spmd.shape_ops import (
-    flatten_shape, local_target_shape, reshape_groups, resolve_shape, squeeze_shape, unsqueeze_shape,
+    flatten_shape,
+    local_target_shape,
+    reshape_groups,
+    resolve_shape,
+    squeeze_shape,
+    unsqueeze_shape,
 )  # fmt: skip
 from autopar.testing import check_rule, dist_attrs, dygraph, maybe_dist_attrs, meshes
 
