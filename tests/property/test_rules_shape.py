@@ -82,17 +82,19 @@ def test_reshape_forward_and_backward(mesh, case, data):
     check = check_rule("reshape", reshape_fn(in_shape, target), [x, shape], [dist, None], attrs, mesh)
     if dist is not None and not dist.partial:
         kept = check.result.inputs[0].mapping
-        # a leading split that divides evenly is never dropped
+        # a leading split that divides evenly is never dropped (size-1 dims are never split)
         for src, dst in reshape_groups(in_shape, out_shape):
-            parts = [mesh.shape[d] for d in dist.mapping[src[0]]] if src else []
+            dims = dist.mapping[src[0]] if src else ()
+            parts = int(np.prod([mesh.shape[d] for d in dims]))
             if (
                 src
                 and dst
-                and parts
-                and in_shape[src[0]] % int(np.prod(parts)) == 0
-                and out_shape[dst[0]] % int(np.prod(parts)) == 0
+                and dims
+                and in_shape[src[0]] > 1
+                and in_shape[src[0]] % parts == 0
+                and out_shape[dst[0]] % parts == 0
             ):
-                assert kept[src[0]] == dist.mapping[src[0]]
+                assert kept[src[0]] == dims
     out = data.draw(dist_attrs(mesh, len(out_shape)))
     check_rule("reshape", reshape_fn(in_shape, target), [x, shape], [None, None], attrs, mesh, backward=[out])
 
