@@ -7,7 +7,7 @@ and the compile report (conflicts, ops without a rule).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
@@ -16,6 +16,10 @@ from autopar.mesh import ProcessMesh
 from autopar.passes.base import CommOp, CompileState, RankProgram
 from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
 from autopar.strategy import Strategy
+
+if TYPE_CHECKING:
+    from autopar.inspect.cost_report import CostReport
+    from autopar.inspect.dump import DumpResult
 
 
 @dataclass
@@ -107,3 +111,16 @@ class DistributedProgram:
 
     def op_mesh(self, op_index: int) -> ProcessMesh:
         return self.propagation.op_meshes.get(op_index, self.mesh)
+
+    @property
+    def cost(self) -> CostReport:
+        """Predicted step time, comm bytes and peak memory per rank (see autopar.inspect.cost_report)."""
+        from autopar.inspect.cost_report import cost_report
+
+        return cost_report(self)
+
+    def dump_diff(self, directory: Any, **options: Any) -> DumpResult:
+        """Per-rank text diffs and graphviz pictures into ``directory`` (see autopar.inspect.dump)."""
+        from autopar.inspect.dump import dump_diff
+
+        return dump_diff(self, directory, **options)

@@ -1,0 +1,160 @@
+"""``DistributedProgram.cost``: predicted step time, comm bytes and peak memory per rank
+(stage: cost report).
+
+Compute: every op of the rank program priced by :func:`autopar.cost_model.op_cost` on its
+local shapes (read from the rank program), roofline time on the cluster's device. Ops the
+cost model has no formula for are priced as pure memory traffic and listed in ``unpriced``;
+shape constants, feeds, parameters and collectives cost no compute. Communication: the
+:class:`CommOp` records (bytes this rank sends, predicted time). Memory
+(:func:`autopar.cost_model.memory_per_rank`): parameters and their gradients by placement,
+optimizer states from the program's persistable state tensors by their placement, and the
+activations kept for backward — forward values (feeds included) read by a backward op.
+Step time assumes no overlap of compute and communication; the step's time is the slowest
+rank's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cost_model import MemoryEstimate, OpCost, TensorInfo, memory_per_rank, op_cost, tensor_bytes
+from autopar.errors import CostModelError
+from autopar.graph import Role
+from autopar.inspect.diff import format_bytes, format_time
+
+FREE_OPS = frozenset({
+    "pd_op.data", "builtin.parameter", "pd_op.full_int_array", "pd_op.full", "builtin.combine", "builtin.split",
+    "builtin.shadow_output", "pd_op.fetch",
+})  # fmt: skip
+COLLECTIVE_OPS = frozenset({"pd_op.all_reduce", "pd_op.all_gather", "pd_op.reduce_scatter", "pd_op.all_to_all"})
+
+
+@dataclass(frozen=True, slots=True)
+class RankCost:
+    rank: int
+    compute_time: float
+    comm_time: float
+    comm_bytes: int
+    collectives: int
+    memory: MemoryEstimate
+
+    @property
+    def step_time(self) -> float:
+        return self.compute_time + self.comm_time
+
+    @property
+    def peak_memory(self) -> int:
+        return self.memory.total
+
+
+@dataclass(frozen=True, slots=True)
+class CostReport:
+    """Per-rank predictions; ``str()`` is a table."""
+
+    cluster: str
+    ranks: tuple[RankCost, ...]
+    unpriced: tuple[str, ...] = ()
+
+    @property
+    def step_time(self) -> float:
+        return max((r.step_time for r in self.ranks), default=0.0)
+
+    @property
+    def comm_bytes(self) -> dict[int, int]:
+        return {r.rank: r.comm_bytes for r in self.ranks}
+
+    @property
+    def peak_memory(self) -> dict[int, int]:
+        return {r.rank: r.peak_memory for r in self.ranks}
+
+    def __str__(self) -> str:
+        head = ("rank", "compute", "comm", "comm bytes", "colls", "params", "grads", "opt states", "activations",
+                "peak mem", "step")  # fmt: skip
+        rows = [head]
+        for r in self.ranks:
+            m = r.memory
+            rows.append((str(r.rank), format_time(r.compute_time), format_time(r.comm_time), format_bytes(r.comm_bytes),
+                         str(r.collectives), format_bytes(m.parameters), format_bytes(m.gradients),
+                         format_bytes(m.optimizer_states), format_bytes(m.activations), format_bytes(m.total),
+                         format_time(r.step_time)))  # fmt: skip
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = [f"predicted cost on {self.cluster} (no compute/comm overlap)"]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(f"step time (slowest rank): {format_time(self.step_time)}")
+        if self.unpriced:
+            lines.append(f"priced as memory traffic only (no FLOP formula): {', '.join(self.unpriced)}")
+        return "\n".join(lines)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    if value is None or not value.initialized() or not value.is_dense_tensor_type():
+        return None
+    return tuple(max(int(s), 1) for s in value.shape)
+
+
+def _dtype(values: list[Any]) -> str:
+    for v in values:
+        if v is not None and v.initialized() and v.is_dense_tensor_type():
+            return str(v.dtype).removeprefix("paddle.")
+    return "float32"
+
+
+def _compute(rp: Any, cluster: Any, unpriced: set[str]) -> float:
+    total = 0.0
+    for op in rp.program.global_block().ops:
+        name = op.name()
+        if name in FREE_OPS or name in COLLECTIVE_OPS:
+            continue
+        ins = [s for s in map(_shape, op.operands_source()) if s is not None]
+        outs = [s for s in map(_shape, op.results()) if s is not None]
+        dtype = _dtype(list(op.results()) + list(op.operands_source()))
+        attrs = {k: v for k, v in op.attrs().items() if k in ("transpose_x", "transpose_y")}
+        try:
+            cost = op_cost(name, ins, outs, attrs, dtype=dtype if dtype.startswith(("float", "bfloat")) else "float32")
+        except (CostModelError, IndexError, KeyError, ValueError):
+            unpriced.add(name.removeprefix("pd_op."))
+            cost = OpCost(0.0, float(sum(_numel(s) for s in ins + outs) * 4))
+        total += cost.time(cluster)
+    return total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def saved_activations(graph: Any) -> list[Any]:
+    """Forward values (activations and feeds) that a backward op reads: kept until backward."""
+    keys = []
+    for key, value in graph.values.items():
+        if value.kind not in ("activation", "feed") or graph.ops[key[0]].role is not Role.FORWARD:
+            continue
+        if any(graph.ops[u].role is Role.BACKWARD for u in value.users):
+            keys.append(key)
+    return keys
+
+
+def cost_report(dist: Any) -> CostReport:
+    """The :class:`CostReport` of a compiled program (see the module docstring)."""
+    graph, prop = dist.graph, dist.propagation
+    cluster = dist.state.cluster.fitted(dist.mesh.ranks)
+    params = [TensorInfo(v.name or v.label, v.shape, v.dtype, prop.dist(k)) for k, v in graph.values.items()
+              if v.kind == "parameter"]  # fmt: skip
+    acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, prop.dist(k))
+            for k in saved_activations(graph)]  # fmt: skip
+    states = [(v, prop.dist(k)) for k, v in graph.values.items() if v.kind == "state"]
+    memory = memory_per_rank(dist.mesh.ranks, params, acts, optimizer="sgd")
+    unpriced: set[str] = set()
+    ranks = []
+    for rank in dist.mesh.ranks:
+        rp = dist._rank(rank)
+        state_bytes = sum(tensor_bytes(v.shape, v.dtype, d, rank) for v, d in states)
+        mem = dataclasses.replace(memory[rank], optimizer_states=state_bytes)
+        comm = rp.comm_ops
+        ranks.append(RankCost(rank, _compute(rp, cluster, unpriced), sum(c.time for c in comm),
+                              sum(c.bytes for c in comm), len(comm), mem))  # fmt: skip
+    return CostReport(cluster.name, tuple(ranks), tuple(sorted(unpriced)))
