@@ -1,0 +1,233 @@
+"""The ``autopar`` command line: explain a compiled program, write its per-rank dumps
+(stage: inspection).
+
+    autopar explain TARGET            placements, collectives with costs, conflicts, pipeline,
+                                      predicted memory and step time
+    autopar diff TARGET --out DIR     per-rank text diffs and graphviz pictures into DIR
+
+How TARGET hands over its program (see the README):
+
+* ``module:function`` or ``path/to/file.py:function`` — the function is called without
+  arguments and returns a :class:`~autopar.DistributedProgram`, or a tuple
+  ``(main_program, mesh[, startup_program[, strategy]])`` that the CLI compiles (annotate the
+  program with ``autopar.shard_tensor`` before returning it).
+* ``path/to/file.py`` — the script is run (``__name__`` is not ``"__main__"``, its prints go
+  to stderr); it leaves the same object in a module-level variable ``autopar_program``, or
+  exactly one module-level DistributedProgram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError
+
+HANDOVER = """TARGET hands over its program:
+  module:function | file.py:function   the function (no arguments) returns a DistributedProgram
+                                       or (main_program, mesh[, startup_program[, strategy]])
+  file.py                              the script leaves one of those in a module-level variable
+                                       `autopar_program` (or defines exactly one DistributedProgram)
+"""
+
+
+def load_target(target: str) -> Any:
+    """The DistributedProgram ``target`` builds (compiling a returned program tuple)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        obj = _load(target)
+    return _as_distributed(obj, target)
+
+
+def _load(target: str) -> Any:
+    path, _, func = target.rpartition(":") if ":" in target else (target, "", "")
+    if not func:
+        if not Path(target).is_file():
+            raise AutoparError(f"{target!r}: no such script; expected file.py, file.py:function or module:function")
+        namespace = runpy.run_path(target, run_name="__autopar__")
+        if "autopar_program" in namespace:
+            return namespace["autopar_program"]
+        from autopar.distributed_program import DistributedProgram
+
+        found = [v for k, v in namespace.items() if isinstance(v, DistributedProgram) and not k.startswith("_")]
+        if len(found) != 1:
+            raise AutoparError(f"{target}: define `autopar_program` (found {len(found)} DistributedProgram variables)")
+        return found[0]
+    if path.endswith(".py") or Path(path).is_file():
+        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        if spec is None or spec.loader is None:
+            raise AutoparError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(Path(path).resolve().parent))
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(path)
+    if not hasattr(module, func):
+        raise AutoparError(f"{path} has no function {func!r}")
+    return getattr(module, func)()
+
+
+def _as_distributed(obj: Any, target: str) -> Any:
+    import autopar
+
+    if isinstance(obj, autopar.DistributedProgram):
+        return obj
+    if isinstance(obj, tuple) and 2 <= len(obj) <= 4:
+        main, mesh, *rest = obj
+        startup = rest[0] if rest else None
+        strategy = rest[1] if len(rest) > 1 else None
+        return autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
+    raise AutoparError(
+        f"{target} gave a {type(obj).__name__}; expected a DistributedProgram or (main, mesh[, startup])"
+    )
+
+
+# ---- explain ---------------------------------------------------------------------------
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def key_activations(dist: Any) -> list[Any]:
+    """Feeds, layer outputs (a forward value leaving its layer), resharded values, the loss."""
+    from autopar.graph import Role
+    from autopar.inspect.view import layer_of
+
+    graph = dist.graph
+    resharded = {need.value for need in dist.propagation.reshards}
+    forward = [
+        op for op in graph.ops if op.role is Role.FORWARD and op.name not in ("pd_op.full_int_array", "pd_op.full")
+    ]
+    keys = []
+    for op in forward:
+        for key in op.outputs:
+            if key is None or graph.values[key].kind not in ("activation", "feed"):
+                continue
+            value = graph.values[key]
+            layer = layer_of(graph, op.index)
+            leaves = layer and any(layer_of(graph, u) != layer for u in value.users)
+            if value.kind == "feed" or leaves or key in resharded:
+                keys.append(key)
+    last = next((k for op in reversed(forward) for k in op.outputs if k is not None), None)
+    if last is not None and last not in keys:
+        keys.append(last)
+    return keys
+
+
+def placement_lines(dist: Any) -> list[str]:
+    graph, rank0 = dist.graph, dist.mesh.ranks[0]
+    from autopar.inspect.view import layer_of
+
+    rows = [("tensor", "kind", "made by", "shape", "placement", f"local on rank {rank0}")]
+
+    def row(key: Any) -> tuple[str, ...]:
+        value = graph.values[key]
+        attr = dist.propagation.dist(key)
+        local = str(list(attr.local_shape(value.shape, rank0))) if rank0 in attr.mesh.ranks else "-"
+        op = graph.ops[key[0]]
+        layer = layer_of(graph, op.index)
+        made = (
+            "-"
+            if value.kind in ("parameter", "feed")
+            else f"{op.short_name}#{op.index}" + (f" ({layer})" if layer else "")
+        )
+        return value.label, value.kind, made, str(list(value.shape)), str(attr), local
+
+    rows += [row(k) for k, v in graph.values.items() if v.kind == "parameter"]
+    rows += [row(k) for k in key_activations(dist)]
+    return [f"placements (per mesh dim {list(dist.mesh.dim_names)}):", *_table(rows)]
+
+
+def collective_lines(dist: Any) -> list[str]:
+    """Every collective, merged over ranks that run the same one in different groups."""
+    from autopar.inspect.diff import format_bytes, format_time
+
+    merged: dict[tuple, list[tuple[int, ...]]] = {}
+    for rank in dist.mesh.ranks:
+        for c in dist.comm_ops(rank):
+            key = (c.kind, c.reduce if c.kind in ("all_reduce", "reduce_scatter") else "", c.value, str(c.src),
+                   str(c.dst), c.bytes, c.time, c.reason)  # fmt: skip
+            groups = merged.setdefault(key, [])
+            if c.group not in groups:
+                groups.append(c.group)
+    total = sum(len(dist.comm_ops(r)) for r in dist.mesh.ranks)
+    lines = [f"collectives: {len(merged)} ({total} over all ranks)"]
+    for (kind, reduce, value, src, dst, nbytes, time, reason), groups in merged.items():
+        name = f"{kind}({reduce})" if reduce else kind
+        where = " ".join(str(list(g)) for g in groups)
+        lines.append(
+            f"  {name:<20} {value:<18} {src} -> {dst}  groups {where}  {format_bytes(nbytes)}  {format_time(time)}"
+        )
+        lines.append(f"  {'':<20} why: {reason}")
+    return lines
+
+
+def explain_text(dist: Any, target: str = "") -> str:
+    lines = [
+        f"autopar explain {target}".rstrip(),
+        f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.graph)} serial ops",
+        "",
+    ]
+    lines += placement_lines(dist) + [""]
+    unavailable = dist.state.unavailable
+    if unavailable:
+        lines += [f"collectives: not planned per rank ({unavailable})", ""]
+    else:
+        lines += collective_lines(dist) + [""]
+    lines += ["conflict report:", *("  " + line for line in str(dist.report).splitlines()), ""]
+    lines += ["pipeline schedule: no pipeline", ""]
+    lines.append(str(dist.cost) if not unavailable else f"cost: not available ({unavailable})")
+    return "\n".join(lines) + "\n"
+
+
+# ---- entry point -----------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar", description="Inspect what autopar compiled.", epilog=HANDOVER,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    explain = sub.add_parser("explain", help="placements, collectives, conflicts, pipeline, memory and step time",
+                             epilog=HANDOVER, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    explain.add_argument("target", help="file.py, file.py:function or module:function")
+    diff = sub.add_parser("diff", help="write per-rank text diffs and graphviz pictures",
+                          epilog=HANDOVER, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    diff.add_argument("target", help="file.py, file.py:function or module:function")
+    diff.add_argument("--out", required=True, help="directory for rank{r}.diff / .dot / .svg")
+    diff.add_argument("--ranks", type=int, nargs="*", help="only these ranks (default: all)")
+    diff.add_argument("--context", type=int, default=None, help="unchanged ops kept around changes (default: all)")
+    diff.add_argument("--collapse", action=argparse.BooleanOptionalAction, default=None,
+                      help="fold layers and repeated layers in the pictures (default: above 120 ops)")  # fmt: skip
+    diff.add_argument("--layer", help="draw only this layer (struct_name, e.g. Linear_1)")
+    diff.add_argument("--no-svg", action="store_true", help="write .dot files only")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    args = build_parser().parse_args(argv)
+    try:
+        dist = load_target(args.target)
+        if args.command == "explain":
+            sys.stdout.write(explain_text(dist, args.target))
+        else:
+            result = dist.dump_diff(args.out, ranks=args.ranks, context=args.context, collapse=args.collapse,
+                                    layer=args.layer, svg=not args.no_svg)  # fmt: skip
+            print(
+                f"wrote {len(result.diffs)} diffs, {len(result.dots)} .dot and {len(result.svgs)} .svg files to {args.out}"
+            )
+    except AutoparError as error:
+        print(f"autopar: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
