@@ -42,6 +42,7 @@ class CommOp:
     root: int = 0
     op_id: int = -1  # the op carrying it in the rank program
     output_shape: tuple[int, ...] = ()
+    step_key: tuple[int, int] = (-1, -1)  # (reshard need, plan step): the same collective on every rank
 
     def __str__(self) -> str:
         return (
@@ -61,10 +62,15 @@ class RankProgram:
     startup: Any = None  # the rank's startup program: serial initial values, sliced
     comm_ops: list[CommOp] = field(default_factory=list)
     local_shapes: dict[ValueKey, tuple[int, ...]] = field(default_factory=dict)
-    replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after an after-producer reshard
+    replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after a local-scale correction
 
     def value(self, key: ValueKey) -> Any:
+        """The serial value's result in this clone, as its op made it."""
         return self.ops[key[0]].result(key[1])
+
+    def current(self, key: ValueKey) -> Any:
+        """What later ops read for the serial value (after a local-scale correction, if any)."""
+        return self.replaced.get(key) or self.value(key)
 
 
 @dataclass

@@ -127,6 +127,7 @@ class PartitionPass(Pass):
                     continue
                 produced = rp.value(key)
                 scaled = paddle._C_ops.scale(produced, float(factor), 0.0, True)
+                rp.replaced[key] = scaled
                 users = [u for u in produced.all_used_ops() if u.id() != scaled.get_defining_op().id()]
                 for user in users:
                     for i in range(user.num_operands()):

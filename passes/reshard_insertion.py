@@ -38,12 +38,12 @@ class ReshardInsertionPass(Pass):
         for rp in state.ranks.values():
             done: dict[tuple[ValueKey, Any], Any] = {}
             with paddle.static.program_guard(rp.program):
-                for need in state.propagation.reshards:
-                    self._emit_need(state, rp, need, done, rings)
+                for index, need in enumerate(state.propagation.reshards):
+                    self._emit_need(state, rp, index, need, done, rings)
                 paddle.pir.reset_insertion_point_to_end()
         state.rings = rings  # type: ignore[attr-defined]
 
-    def _emit_need(self, state: CompileState, rp: RankProgram, need: ReshardNeed, done: dict, rings: dict) -> None:
+    def _emit_need(self, state: CompileState, rp: RankProgram, index: int, need: ReshardNeed, done: dict, rings: dict) -> None:
         import paddle
 
         graph = state.graph
@@ -63,10 +63,10 @@ class ReshardInsertionPass(Pass):
                 return
             reason = f"{graph.ops[need.op]} reads {value.label} as {need.need}; it is {need.have}"
             paddle.pir.set_insertion_point(consumer)
-        source = rp.value(need.value)
+        source = rp.current(need.value)
         current, inserted = source, set()
-        for step in plan.steps:
-            current = _emit_step(state, rp, step, current, value, reason, rings)
+        for number, step in enumerate(plan.steps):
+            current = _emit_step(state, rp, step, current, value, reason, rings, (index, number))
             if current is not source:
                 inserted.add(current.get_defining_op().id())
         if after_producer:
@@ -76,7 +76,9 @@ class ReshardInsertionPass(Pass):
             done[(need.value, need.need)] = current
 
 
-def _emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, rings: dict) -> Any:
+def _emit_step(
+    state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, rings: dict, key: tuple[int, int]
+) -> Any:
     """Emit one plan step on ``rp.rank``; returns the value holding the new placement."""
     import paddle
 
@@ -101,7 +103,7 @@ def _emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: A
                 reason=reason, bytes=step.bytes, time=step.time, reduce=step.reduce or "sum",
                 axis=step.tensor_dims[0] if step.tensor_dims else 0,
                 split_axis=step.tensor_dims[-1] if step.kind == "all_to_all" else 0,
-                op_id=out.get_defining_op().id(), output_shape=tuple(local),
+                op_id=out.get_defining_op().id(), output_shape=tuple(local), step_key=key,
             )
         )  # fmt: skip
     out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))

@@ -1,0 +1,62 @@
+"""Collective semantics on numpy arrays: the one reference every backend must match.
+
+``perform(job, inputs_by_rank)`` computes every group member's output of one
+:class:`CollectiveJob` in memory. The simulator runs collectives with it; the process-group
+backend's results are tested against it. Pieces follow the group order (``group[i]`` holds
+piece ``i``); uneven pieces are allowed where the op concatenates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from autopar.dist_attr import shard_bounds
+from autopar.errors import AutoparError
+from autopar.runtime.jobs import CollectiveJob
+
+REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
+
+
+def _reduce(arrays: list[np.ndarray], kind: str) -> np.ndarray:
+    shapes = {a.shape for a in arrays}
+    if len(shapes) != 1:
+        raise AutoparError(f"reduction over pieces of different shapes {sorted(shapes)}")
+    return REDUCE[kind](np.stack(arrays), axis=0).astype(arrays[0].dtype)
+
+
+def _own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
+    lo, hi = shard_bounds(x.shape[axis], parts, index)
+    return np.take(x, np.arange(lo, hi), axis=axis)
+
+
+def perform(job: CollectiveJob, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Every member's output of ``job`` given every member's input."""
+    group = list(job.group)
+    missing = [r for r in group if r not in inputs]
+    if missing:
+        raise AutoparError(f"{job.kind} over {group}: no input from ranks {missing}")
+    pieces = [np.asarray(inputs[r]) for r in group]
+    if job.kind == "all_reduce":
+        out = _reduce(pieces, job.reduce)
+        return {r: out for r in group}
+    if job.kind == "all_gather":
+        out = np.concatenate(pieces, axis=job.axis)
+        return {r: out for r in group}
+    if job.kind == "reduce_scatter":
+        total = _reduce(pieces, job.reduce)
+        return {r: _own_piece(total, job.axis, len(group), i) for i, r in enumerate(group)}
+    if job.kind == "broadcast":
+        root = pieces[job.root]
+        return {r: root for r in group}
+    if job.kind == "all_to_all":
+        parts = len(group)
+        return {
+            r: np.concatenate([_own_piece(p, job.split_axis, parts, i) for p in pieces], axis=job.axis)
+            for i, r in enumerate(group)
+        }
+    if job.kind in ("send", "recv"):
+        sender, receiver = group
+        return {receiver: pieces[0]}
+    raise AutoparError(f"unknown collective {job.kind!r}")

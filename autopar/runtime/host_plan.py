@@ -1,0 +1,143 @@
+"""Host plan: a rank program cut at its collectives into a job list (stage: runtime).
+
+Following PADDLE_NOTES' measured recipe: each segment is a clone of the rank program with
+every op outside it erased (in reverse order), keeping the ``builtin.parameter`` ops,
+persistable ``pd_op.data`` ops (they read the scope by name), feeds and constants it uses.
+A value made in one segment and read later (by a segment, a collective, or a fetch) is made
+persistable under a deterministic scope name on the producer side and read through a
+persistable kwarg on the consumer side, so every segment shares the rank's scope.
+
+The collective ops themselves are not run by Paddle: each becomes a :class:`CollectiveJob`
+that reads and writes scope variables by name; the runtime performs it between segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.passes.base import CommOp
+from autopar.runtime.jobs import CollectiveJob, Job, Segment
+
+SOURCE_OPS = ("builtin.parameter", "pd_op.data")
+CONSTANT_OPS = ("pd_op.full_int_array", "pd_op.full")
+
+
+@dataclass
+class HostPlan:
+    """One rank's jobs, plus where each exported value lives in the scope."""
+
+    jobs: list[Job]
+    names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
+    step_keys: dict[int, tuple[int, int]]  # job position -> CommOp.step_key (collectives only)
+
+
+def _scope_name(op: Any, position: int, result: int) -> str:
+    name = op.name()
+    attrs = op.attrs()
+    if name == "builtin.parameter":
+        return str(attrs["parameter_name"])
+    if name == "pd_op.data" and attrs.get("persistable", [False])[0]:
+        return str(attrs["name"])
+    return f"autopar.v{position}.{result}"
+
+
+def _is_source(op: Any) -> bool:
+    return op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0)
+
+
+def build_host_plan(program: Any, comm_ops: list[CommOp], exports: list[tuple[int, int]] = ()) -> HostPlan:
+    """Cut ``program`` at the ops carrying ``comm_ops``; ``exports`` are values fetched after."""
+    ops = list(program.global_block().ops)
+    position = {op.id(): i for i, op in enumerate(ops)}
+    comm_at = {position[c.op_id]: c for c in comm_ops}
+    cuts = sorted(comm_at)
+    bounds = list(zip([-1, *cuts], [*cuts, len(ops)]))  # segment k: ops strictly between
+    segment_of = {}
+    for k, (lo, hi) in enumerate(bounds):
+        for i in range(lo + 1, hi):
+            segment_of[i] = k
+    producer = {}
+    for i, op in enumerate(ops):
+        for j, result in enumerate(op.results()):
+            if result.initialized():
+                producer[result.id] = (i, j)
+    crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
+    names = {key: _scope_name(ops[key[0]], *key) for key in crossing}
+    jobs: list[Job] = []
+    step_keys: dict[int, tuple[int, int]] = {}
+    for k, (lo, hi) in enumerate(bounds):
+        members = set(range(lo + 1, hi))
+        if any(not _is_source(ops[i]) for i in members):
+            jobs.append(_segment(program, k, members, crossing, names, segment_of))
+        if hi < len(ops):
+            comm = comm_at[hi]
+            source = producer[ops[hi].operand_source(0).id]
+            step_keys[len(jobs)] = comm.step_key
+            jobs.append(_collective_job(comm, names.get(source) or _scope_name(ops[source[0]], *source), names[(hi, 0)]))
+    return HostPlan(jobs, names, step_keys)
+
+
+def _crossing_values(ops, producer, segment_of, comm_at, exports) -> set[tuple[int, int]]:
+    """Values read outside the segment that makes them (sources are read by name instead)."""
+    crossing = set(exports)
+    for i, op in enumerate(ops):
+        for source in op.operands_source():
+            if not source.initialized():
+                continue
+            key = producer[source.id]
+            if _is_source(ops[key[0]]):
+                continue
+            if i in comm_at or key[0] in comm_at or segment_of.get(key[0]) != segment_of.get(i):
+                crossing.add(key)
+    for position in comm_at:
+        crossing.add((position, 0))
+    return crossing
+
+
+def _segment(program: Any, k: int, members: set[int], crossing: set, names: dict, segment_of: dict) -> Segment:
+    import paddle
+
+    clone = program.clone()
+    ops = list(clone.global_block().ops)
+    index = {op.id(): i for i, op in enumerate(ops)}
+    keep = set(members)
+    for i in members:  # the sources and constants a member reads
+        for source in ops[i].operands_source():
+            if source.initialized() and _is_source(source.get_defining_op()):
+                keep.add(index[source.get_defining_op().id()])
+    block = clone.global_block()
+    with paddle.static.program_guard(clone):
+        for key in sorted(crossing):
+            if key[0] in members:
+                value = ops[key[0]].result(key[1])
+                paddle.pir.set_insertion_point_after(ops[key[0]])
+                paddle._pir_ops.set_persistable_value(value, names[key])
+                value.persistable = True
+            elif any(index[u.id()] in members for u in ops[key[0]].result(key[1]).all_used_ops()):
+                value = ops[key[0]].result(key[1])
+                kwarg = block.add_kwarg(names[key], value.type())
+                kwarg.persistable = True
+                for user in list(value.all_used_ops()):
+                    if index[user.id()] in members:
+                        for pos in range(user.num_operands()):
+                            if user.operand_source(pos).is_same(value):
+                                user.operand(pos).set_source(kwarg)
+        paddle.pir.reset_insertion_point_to_end()
+    for i in reversed(range(len(ops))):
+        if i not in keep:
+            ops[i].erase()
+    feeds = tuple(
+        str(ops[i].attrs()["name"])
+        for i in sorted(keep)
+        if ops[i].name() == "pd_op.data" and not ops[i].attrs().get("persistable", [False])[0]
+    )
+    return Segment(f"segment{k}", clone, feeds)
+
+
+def _collective_job(comm: CommOp, source: str, target: str) -> CollectiveJob:
+    return CollectiveJob(
+        kind=comm.kind, group=comm.group, input=source, output=target, reduce=comm.reduce,
+        axis=comm.axis, split_axis=comm.split_axis, root=comm.root, reason=comm.reason,
+        bytes=comm.bytes, time=comm.time, extra={"output_shape": comm.output_shape},
+    )  # fmt: skip
