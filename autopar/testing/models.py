@@ -115,3 +115,34 @@ def alexnet_program(batch: int = 4, image: int = 16, classes: int = 10, optimize
         loss = paddle.mean(F.cross_entropy(logits, label))
         make_optimizer(optimizer).minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
+
+
+def linear_net(batch: int = 8, features: int = 13, optimizer: str = "adam", seed: int = 7) -> SeedProgram:
+    """The seed's LinearNet: linear regression (Linear features->1), squared error, Adam."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, features], "float32")
+        y = paddle.static.data("y", [batch, 1], "float32")
+        layer = paddle.nn.Linear(features, 1)
+        loss = paddle.mean(paddle.nn.functional.square_error_cost(layer(x), y))
+        make_optimizer(optimizer, lr=0.01).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "y": y}, loss, {"linear": layer})
+
+
+def mlp(batch: int, widths: tuple[int, ...], optimizer: str = "sgd", classes: int | None = None, seed: int = 7) -> SeedProgram:
+    """A small MLP with ReLU between layers; cross-entropy over the last width."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, widths[0]], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        layers, h = {}, x
+        for i in range(len(widths) - 1):
+            layers[f"linear{i + 1}"] = layer = paddle.nn.Linear(widths[i], widths[i + 1])
+            h = layer(h)
+            if i < len(widths) - 2:
+                h = paddle.nn.functional.relu(h)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(h, label))
+        make_optimizer(optimizer, lr=0.05).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers)

@@ -1,0 +1,109 @@
+"""The equivalence law in the simulator: distributed losses and parameters equal serial.
+
+Losses every step and all parameters after 5 steps, rtol 1e-5 (fp32).
+"""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.testing import meshes
+from autopar.testing.models import alexnet_program, linear_net, mlp, simple_net
+from autopar.testing.serial import random_feeds, run_serial
+
+STEPS = 5
+
+
+def assert_equivalent(seed, dist, steps=STEPS, classes=10, rtol=1e-5, atol=1e-6):
+    feeds = random_feeds(seed.feeds, steps, classes=classes)
+    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
+    result = autopar.simulate(dist, feeds, [seed.loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=rtol, atol=atol, err_msg=f"loss at step {step}")
+    assert serial.parameters.keys() == result.parameters.keys()
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(result.parameters[name], want, rtol=rtol, atol=atol, err_msg=name)
+
+
+def annotate_simple(seed, mesh, dp, mp):
+    if dp:
+        autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    if mp:
+        autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
+        autopar.shard_tensor(seed.layers["linear1"].bias, mesh, ["mp"])
+        autopar.shard_tensor(seed.layers["linear2"].weight, mesh, ["mp", None])
+
+
+@pytest.mark.parametrize(
+    "mesh, dp, mp",
+    [
+        (autopar.ProcessMesh([0, 1], ["dp"]), True, False),
+        (autopar.ProcessMesh([0, 1], ["mp"]), False, True),
+        (autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]), True, True),
+    ],
+    ids=["dp2", "mp2", "dp2xmp2"],
+)
+def test_simple_net(mesh, dp, mp):
+    seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
+    annotate_simple(seed, mesh, dp, mp)
+    assert_equivalent(seed, autopar.compile(seed.main, mesh, startup_program=seed.startup))
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["2ranks", "4ranks"])
+def test_alexnet_conv_dp_classifier_mp(shape):
+    seed = alexnet_program(batch=4, image=8)
+    if len(shape) == 1:
+        mesh = autopar.ProcessMesh([0, 1], ["x"])
+        dp, mp = "x", "x"
+    else:
+        mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+        dp, mp = "dp", "mp"
+    autopar.shard_tensor(seed.feeds["x"], mesh, [dp, None, None, None])
+    autopar.shard_tensor(seed.layers["fc1"].weight, mesh, [None, mp])
+    autopar.shard_tensor(seed.layers["fc1"].bias, mesh, [mp])
+    autopar.shard_tensor(seed.layers["fc2"].weight, mesh, [mp, None])
+    assert_equivalent(seed, autopar.compile(seed.main, mesh, startup_program=seed.startup))
+
+
+def test_linear_net_adam_dp2():
+    seed = linear_net()
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    assert_equivalent(seed, autopar.compile(seed.main, mesh, startup_program=seed.startup))
+
+
+DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
+
+
+@st.composite
+def mlp_cases(draw):
+    mesh = draw(meshes(max_ranks=8, max_ndim=2, names=("a", "b")))
+    widths = tuple(draw(st.lists(st.integers(2, 9), min_size=2, max_size=4)))
+    batch = draw(st.integers(1, 9))
+    optimizer = draw(st.sampled_from(["sgd", "momentum", "adam"]))
+    seed = mlp(batch, widths + (5,), optimizer)
+    names = list(mesh.dim_names)
+    choices = [None, *names]
+    annotations = {"x": [draw(st.sampled_from(choices)), None]}
+    for name, layer in seed.layers.items():
+        if draw(st.booleans()):
+            w = [draw(st.sampled_from(choices)), draw(st.sampled_from(choices))]
+            if w[0] is not None and w[0] == w[1]:
+                w[1] = None
+            annotations[name] = w
+    return mesh, seed, annotations
+
+
+@settings(max_examples=60 if DEEP else 6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mlp_cases())
+def test_random_mlps_equal_serial(case):
+    mesh, seed, annotations = case
+    for name, spec in annotations.items():
+        target = seed.feeds["x"] if name == "x" else seed.layers[name].weight
+        autopar.shard_tensor(target, mesh, spec)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    assert_equivalent(seed, dist, steps=3, classes=5, rtol=1e-4, atol=1e-5)
