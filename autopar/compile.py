@@ -64,6 +64,14 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> di
             raise AnnotationError(f"tensor {label!r} is annotated but is not a value of the compiled program")
         if not mesh.contains(attr.mesh):
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh}, which is not a sub-mesh of {mesh}")
+        shape = graph.values[key].shape
+        for tensor_dim, size in enumerate(shape):
+            parts = attr.shard_index(tensor_dim, attr.mesh.ranks[0])[1]
+            if parts > size:
+                raise AnnotationError(
+                    f"tensor {label!r} of shape {list(shape)}: dim {tensor_dim} ({size} elements) split into {parts} "
+                    "pieces would leave ranks an empty piece"
+                )
         placements[key] = attr
     return placements
 

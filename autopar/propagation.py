@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
 from autopar.graph import SOURCE_OPS, VECTOR_OPS, OpNode, ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.spmd import Conflict, RuleContext, RuleResult, TensorSpec, get_rule
@@ -334,6 +335,29 @@ class Propagator:
                 changed = True
         return changed
 
+    def align_inplace_states(self, result: PropagationResult) -> bool:
+        """A persistable state an op updates in place (velocity, moments) takes the placement
+        that op needs: resharding it first would update a temporary copy and lose the update."""
+        changed = False
+        for op_index, inferred in result.op_results.items():
+            op = self.graph.ops[op_index]
+            if not op.short_name.endswith("_"):
+                continue
+            for key, need in zip(op.inputs, inferred.inputs):
+                if key is None or need is None or self.graph.values[key].kind != "state":
+                    continue
+                state = self.states[key]
+                if state.dist == need:
+                    continue
+                if state.priority is Priority.USER:
+                    raise AutoparError(
+                        f"{self.graph.values[key].label} is annotated {state.dist} but {op} updates it in place "
+                        f"as {need}; annotate it {need} (or leave it to propagation)"
+                    )
+                self.states[key] = ValueState(_complete(need), Priority.DERIVED, f"{op} (updated in place)")
+                changed = True
+        return changed
+
     def _record_source_conflicts(self, result: PropagationResult) -> None:
         """A parameter / feed / state whose consumers need different placements."""
         for key, wants in self.competing_sources(result).items():
@@ -373,7 +397,13 @@ def propagate(
     if propagator.seed_defaults():
         rounds += propagator.fixed_point()
     result = propagator.materialize()
-    if propagator.choose_sources(result):
-        result = propagator.materialize()
+    for _ in range(8):  # each pass only moves sources to what their consumers need
+        changed = propagator.choose_sources(result)
+        if changed:
+            result = propagator.materialize()
+        if propagator.align_inplace_states(result):
+            result, changed = propagator.materialize(), True
+        if not changed:
+            break
     result.rounds = rounds
     return result

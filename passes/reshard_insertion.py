@@ -51,6 +51,12 @@ class ReshardInsertionPass(Pass):
         plan = plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
         if not plan.steps:
             return
+        reader = graph.ops[need.op]
+        if need.position >= 0 and reader.short_name.endswith("_") and value.kind in ("parameter", "state"):
+            raise AutoparError(
+                f"{reader} updates {value.label} in place but needs it as {need.need} while it is {need.have}: "
+                "a resharded copy would take the update and lose it"
+            )
         after_producer = need.position < 0
         consumer = rp.ops[need.op]
         if after_producer:

@@ -149,14 +149,19 @@ def merge_letters(
     used: set[int] = set()
     proposals = [_proposal(spec, letters) for spec, letters in zip(specs, equation_inputs)]
     order = [c for letters in equation_inputs for c in letters if c != "1"]
+    sizes = _letter_sizes(equation_inputs, specs)
     for letter in dict.fromkeys(order):
         candidates = [(i, p[letter]) for i, p in enumerate(proposals) if letter in p]
         distinct = list(dict.fromkeys(dims for _, dims in candidates))
-        free = [(i, dims) for i, dims in candidates if not used & set(dims)]
+        # a split into more pieces than the dim has elements would leave ranks empty pieces
+        free = [
+            (i, dims) for i, dims in candidates
+            if not used & set(dims) and math.prod(ctx.mesh.shape[d] for d in dims) <= sizes.get(letter, 0)
+        ]  # fmt: skip
         options = list(dict.fromkeys(dims for _, dims in free))
         if not options:
             if candidates:
-                conflicts.append(_conflict(letter, candidates, (), "mesh dims already split another dim", ctx))
+                conflicts.append(_conflict(letter, candidates, (), "mesh dims already split another dim, or too few elements", ctx))
             continue
         choices = [next((i, d) for i, d in free if d == dims) for dims in options]
         if len(options) == 1:
@@ -173,6 +178,17 @@ def merge_letters(
         if reason:
             conflicts.append(_conflict(letter, candidates, options[pick], reason, ctx))
     return merged, conflicts
+
+
+def _letter_sizes(equation_inputs: Sequence[str], specs: Sequence[TensorSpec | None]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for spec, letters in zip(specs, equation_inputs):
+        if spec is None:
+            continue
+        for letter, size in zip(letters, spec.shape):
+            if letter != "1":
+                sizes[letter] = min(sizes.get(letter, size), size)
+    return sizes
 
 
 def _conflict(letter: str, candidates: list[tuple[int, tuple[int, ...]]], chosen: tuple[int, ...], reason: str, ctx: RuleContext) -> Conflict:
