@@ -13,10 +13,11 @@ from autopar.dist_attr import DistAttr
 from autopar.distributed_program import CompileReport, DistributedProgram
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
+from autopar.runtime.executor import Executor
 from autopar.runtime.simulator import SimulationResult, simulate
 from autopar.strategy import PipelineConfig, Strategy
 
 __all__ = [
-    "AutoparError", "CompileReport", "DistAttr", "DistributedProgram", "PipelineConfig", "ProcessMesh",
+    "AutoparError", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "PipelineConfig", "ProcessMesh",
     "SimulationResult", "Strategy", "compile", "errors", "shard_op", "shard_tensor", "simulate",
 ]  # fmt: skip

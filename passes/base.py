@@ -85,6 +85,7 @@ class CompileState:
     startup: Any = None  # the serial startup program (read only)
     ranks: dict[int, RankProgram] = field(default_factory=dict)
     unavailable: str = ""  # why no rank programs were built (empty: they were)
+    rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # communicator group -> ring id
     stages: list[str] = field(default_factory=lambda: ["propagated"])
 
 

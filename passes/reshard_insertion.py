@@ -34,14 +34,13 @@ class ReshardInsertionPass(Pass):
     def run(self, state: CompileState) -> None:
         import paddle
 
-        rings: dict[tuple[int, ...], int] = {}
+        rings = state.rings
         for rp in state.ranks.values():
             done: dict[tuple[ValueKey, Any], Any] = {}
             with paddle.static.program_guard(rp.program):
                 for index, need in enumerate(state.propagation.reshards):
                     self._emit_need(state, rp, index, need, done, rings)
                 paddle.pir.reset_insertion_point_to_end()
-        state.rings = rings  # type: ignore[attr-defined]
 
     def _emit_need(self, state: CompileState, rp: RankProgram, index: int, need: ReshardNeed, done: dict, rings: dict) -> None:
         import paddle

@@ -1,0 +1,110 @@
+"""autopar.Executor: run this process's rank of a DistributedProgram (stage: runtime).
+
+One process per rank (``python -m autopar.launch --nproc N script.py``). The rank comes from
+the environment (``PADDLE_TRAINER_ID``). Feeds are the *global* batch (sliced here by the
+feeds' placements); fetches come back as *global* arrays (every rank gathers the pieces);
+``parameters()`` returns full arrays. The host backend runs the rank's segments with the
+Paddle executor and performs the collectives between them through a communicator.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from autopar.errors import AutoparError
+from autopar.pieces import assemble
+from autopar.runtime.jobs import CollectiveJob
+from autopar.runtime.rank_runner import RankRunner
+from autopar.runtime.simulator import produced_placement
+
+
+class Communicator(Protocol):
+    """What the executor needs from a process-group backend."""
+
+    def run(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray | None:
+        """Perform ``job`` with this rank's input; return this rank's output (None if none)."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (for fetches and parameters)."""
+
+
+def rank_from_env() -> int:
+    value = os.environ.get("PADDLE_TRAINER_ID", os.environ.get("RANK"))
+    if value is None:
+        raise AutoparError("no rank in the environment: run under python -m autopar.launch --nproc N (PADDLE_TRAINER_ID)")
+    return int(value)
+
+
+class Executor:
+    def __init__(self, dist: Any, rank: int | None = None, communicator: Communicator | None = None) -> None:
+        self.dist = dist
+        self.rank = rank_from_env() if rank is None else rank
+        world = int(os.environ.get("PADDLE_TRAINERS_NUM", dist.world_size))
+        if dist.world_size > world:
+            raise AutoparError(f"the mesh {dist.mesh} needs {dist.world_size} processes, only {world} were started")
+        if self.rank not in dist.mesh.ranks:
+            raise AutoparError(f"rank {self.rank} is not in {dist.mesh}")
+        if communicator is None:
+            from autopar.runtime.gloo import GlooCommunicator
+
+            groups = sorted(dist.state.rings, key=dist.state.rings.get)
+            communicator = GlooCommunicator(self.rank, world, groups)
+        self.comm = communicator
+        self._runners: dict[tuple, RankRunner] = {}
+        self._runner: RankRunner | None = None
+        self._started = False
+
+    def _runner_for(self, fetch_list: Sequence[Any]) -> RankRunner:
+        keys = tuple(self.dist.key(item) for item in fetch_list)
+        runner = self._runners.get(keys)
+        if runner is None:
+            runner = RankRunner(self.dist, self.rank, list(keys))
+            if self._runner is not None:
+                runner.scope = self._runner.scope  # one scope per rank: parameters live on
+            self._runners[keys] = runner
+        self._runner = runner
+        return runner
+
+    def run_startup(self) -> None:
+        """Initialize this rank's parameters and states: the serial values, sliced."""
+        runner = self._runner_for(())
+        runner.run_startup()
+        self._started = True
+
+    def run(self, feed: Mapping[str, Any], fetch_list: Sequence[Any] = ()) -> list[np.ndarray]:
+        """One step on the global ``feed``; returns each fetch as a global array."""
+        if not self._started:
+            raise AutoparError("call run_startup() before run()")
+        runner = self._runner_for(fetch_list)
+        runner.set_feeds(feed)
+        job = runner.run_until_collective()
+        while job is not None:
+            output = self.comm.run(job, runner.read(job.input))
+            runner.finish_collective(output)
+            job = runner.run_until_collective()
+        pieces = runner.fetch_pieces()
+        everyone = self.comm.all_gather_object(pieces)
+        ranks = list(self.dist.mesh.ranks)
+        out = []
+        for i, key in enumerate(runner.fetch_keys):
+            by_rank = {r: everyone[r][i] for r in ranks}
+            out.append(assemble(by_rank, produced_placement(self.dist, key), self.dist.graph.values[key].shape))
+        return out
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Every parameter as a full array (gathered from all ranks)."""
+        if self._runner is None:
+            raise AutoparError("no step has run yet")
+        names = [n for n, k in self.dist.graph.by_name.items() if self.dist.graph.values[k].kind == "parameter"]
+        mine = {n: self._runner.parameter_piece(n) for n in names}
+        everyone = self.comm.all_gather_object(mine)
+        out = {}
+        for name in names:
+            key = self.dist.graph.by_name[name]
+            pieces = {r: everyone[r][name] for r in self.dist.mesh.ranks}
+            out[name] = assemble(pieces, self.dist.propagation.dist(key), self.dist.graph.values[key].shape)
+        return out

@@ -1,0 +1,128 @@
+"""Collectives between processes over gloo (CPU): the host backend's communicator.
+
+Collectives over the whole world run natively through Paddle's dynamic-mode
+``paddle.distributed`` on the default gloo group (all_reduce, all_gather, broadcast).
+Sub-group collectives (a dp group of a 2 x 2 mesh) do NOT use ``new_group``: with 4 gloo
+processes on this machine, creating the sub-groups deadlocks in gloo's pair setup (measured:
+ranks time out in ``new_group`` after ~150 s — contrary to PADDLE_NOTES). Instead every rank
+exchanges its input with the whole world (``all_gather_object``) and computes its own group's
+output with the reference semantics of :mod:`autopar.runtime.collectives`. That moves
+world-size times the bytes — fine for CPU tests, not a production path (the native backend
+with NCCL is). It works because every rank meets the same sequence of collectives: each
+planned reshard step emits one collective on every rank of the mesh (its own group's).
+
+What gloo lacks is emulated the same way: reduce_scatter (all_reduce + own slice),
+all_to_all, uneven all_gather. Each collective switches to dynamic mode and back (about 1 ms
+per call here). A collective that does not finish within ``AUTOPAR_COLLECTIVE_TIMEOUT``
+seconds (default 120) ends the process with a message naming the rank and the collective;
+the launcher then stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from autopar.runtime.collectives import perform
+from autopar.runtime.jobs import CollectiveJob
+
+
+@contextlib.contextmanager
+def _dynamic() -> Iterator[None]:
+    import paddle
+
+    was_static = not paddle.in_dynamic_mode()
+    if was_static:
+        paddle.disable_static()
+    try:
+        yield
+    finally:
+        if was_static:
+            paddle.enable_static()
+
+
+class GlooCommunicator:
+    """One per process; every rank must call :meth:`run` for the same jobs in the same order."""
+
+    def __init__(self, rank: int, world: int, groups: Sequence[Sequence[int]] = (), timeout: float | None = None) -> None:
+        import paddle.distributed as pdist
+
+        self.rank = rank
+        self.world = world
+        self.timeout = float(timeout or os.environ.get("AUTOPAR_COLLECTIVE_TIMEOUT", 120))
+        with _dynamic():
+            if not pdist.is_initialized():
+                pdist.init_parallel_env()
+
+    @contextlib.contextmanager
+    def _watchdog(self, what: str) -> Iterator[None]:
+        def expire() -> None:
+            sys.stderr.write(f"autopar: rank {self.rank}: {what} did not finish within {self.timeout:.0f} s; stopping\n")
+            sys.stderr.flush()
+            os._exit(3)
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def run(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray | None:
+        with self._watchdog(f"{job.kind} over ranks {list(job.group)}"), _dynamic():
+            if sorted(job.group) == list(range(self.world)) and job.kind in ("all_reduce", "all_gather", "broadcast"):
+                return self._world(job, np.ascontiguousarray(x))
+            everyone: list[Any] = []
+            import paddle.distributed as pdist
+
+            pdist.all_gather_object(everyone, np.ascontiguousarray(x))
+            if self.rank not in job.group:
+                return None
+            return perform(job, {r: everyone[r] for r in job.group})[self.rank]
+
+    def _world(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray:
+        import paddle
+        import paddle.distributed as pdist
+
+        if job.kind == "all_reduce" and job.reduce in ("sum", "avg", "max", "min"):
+            tensor = paddle.to_tensor(x)
+            op = {"sum": pdist.ReduceOp.SUM, "avg": pdist.ReduceOp.SUM, "max": pdist.ReduceOp.MAX, "min": pdist.ReduceOp.MIN}
+            pdist.all_reduce(tensor, op=op[job.reduce])
+            out = tensor.numpy()
+            return out / len(job.group) if job.reduce == "avg" else out
+        if job.kind == "broadcast":
+            tensor = paddle.to_tensor(x)
+            pdist.broadcast(tensor, src=job.group[job.root])
+            return tensor.numpy()
+        pieces: list[Any] = []
+        if self._even(x):
+            pdist.all_gather(pieces, paddle.to_tensor(x))
+            by_rank = dict(zip(range(self.world), (p.numpy() for p in pieces)))
+        else:
+            pdist.all_gather_object(pieces, x)
+            by_rank = dict(zip(range(self.world), pieces))
+        return np.concatenate([by_rank[r] for r in job.group], axis=job.axis)
+
+    def _even(self, x: np.ndarray) -> bool:
+        """Whether every rank's piece has the same shape (gloo's all_gather needs it)."""
+        import paddle
+        import paddle.distributed as pdist
+
+        shapes: list[Any] = []
+        pdist.all_gather(shapes, paddle.to_tensor(np.asarray(x.shape, dtype="int64")))
+        return len({tuple(s.numpy().tolist()) for s in shapes}) == 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import paddle.distributed as pdist
+
+        with self._watchdog("gathering results"), _dynamic():
+            out: list[Any] = []
+            pdist.all_gather_object(out, obj)
+            return out
