@@ -25,7 +25,7 @@ autopar.shard_tensor(linear2.weight, mesh, ["mp", None])  # row parallel
 dist = autopar.compile(net.main, mesh, startup_program=net.startup)
 
 print(f"{'tensor':<28} {'shape':<14} placement (per mesh dim {list(mesh.dim_names)})")
-for layer_name, layer in net.layers.items():
+for layer in net.layers.values():
     for param in (layer.weight, layer.bias):
         print(f"{param.name:<28} {str(list(param.shape)):<14} {dist.dist_attr(param)}")
 for name, value in [("x", net.feeds["x"]), ("label", net.feeds["label"])] + list(net.values.items()):

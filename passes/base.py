@@ -42,6 +42,7 @@ class CommOp:
     root: int = 0
     op_id: int = -1  # the op carrying it in the rank program
     output_shape: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()  # global shape of the value
     step_key: tuple[int, int] = (-1, -1)  # (reshard need, plan step): the same collective on every rank
 
     def __str__(self) -> str:

@@ -108,7 +108,7 @@ def _emit_step(
                 reason=reason, bytes=step.bytes, time=step.time, reduce=step.reduce or "sum",
                 axis=step.tensor_dims[0] if step.tensor_dims else 0,
                 split_axis=step.tensor_dims[-1] if step.kind == "all_to_all" else 0,
-                op_id=out.get_defining_op().id(), output_shape=tuple(local), step_key=key,
+                op_id=out.get_defining_op().id(), output_shape=tuple(local), shape=tuple(value.shape), step_key=key,
             )
         )  # fmt: skip
     out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))

@@ -18,7 +18,7 @@ import numpy as np
 from autopar.errors import AutoparError
 from autopar.pieces import assemble
 from autopar.runtime.jobs import CollectiveJob
-from autopar.runtime.rank_runner import RankRunner
+from autopar.runtime.rank_runner import RankRunner, local_feeds
 from autopar.runtime.simulator import produced_placement
 
 
@@ -40,29 +40,46 @@ def rank_from_env() -> int:
 
 
 class Executor:
-    def __init__(self, dist: Any, rank: int | None = None, communicator: Communicator | None = None) -> None:
+    """``backend``: "host" (any mesh: segments + process-group collectives), "native" (the
+    whole rank program with in-program collectives; on CPU only world-spanning ones), or
+    "auto" (native when every collective spans the world, else host)."""
+
+    def __init__(self, dist: Any, rank: int | None = None, backend: str = "auto", communicator: Communicator | None = None) -> None:
         self.dist = dist
         self.rank = rank_from_env() if rank is None else rank
-        world = int(os.environ.get("PADDLE_TRAINERS_NUM", dist.world_size))
-        if dist.world_size > world:
-            raise AutoparError(f"the mesh {dist.mesh} needs {dist.world_size} processes, only {world} were started")
+        self.world = int(os.environ.get("PADDLE_TRAINERS_NUM", dist.world_size))
+        if dist.world_size > self.world:
+            raise AutoparError(f"the mesh {dist.mesh} needs {dist.world_size} processes, only {self.world} were started")
         if self.rank not in dist.mesh.ranks:
             raise AutoparError(f"rank {self.rank} is not in {dist.mesh}")
-        if communicator is None:
+        if backend not in ("auto", "host", "native"):
+            raise AutoparError(f"unknown backend {backend!r}; expected 'auto', 'host' or 'native'")
+        spans = all(sorted(group) == list(range(self.world)) for group in dist.state.rings)
+        self.backend = ("native" if spans else "host") if backend == "auto" else backend
+        if self.backend == "native":
+            from autopar.runtime.native import StoreExchange, create_rings
+
+            self.comm = StoreExchange(create_rings(dist, self.rank), self.rank, self.world)
+        elif communicator is None:
             from autopar.runtime.gloo import GlooCommunicator
 
-            groups = sorted(dist.state.rings, key=dist.state.rings.get)
-            communicator = GlooCommunicator(self.rank, world, groups)
-        self.comm = communicator
-        self._runners: dict[tuple, RankRunner] = {}
-        self._runner: RankRunner | None = None
+            self.comm = GlooCommunicator(self.rank, self.world)
+        else:
+            self.comm = communicator
+        self._runners: dict[tuple, Any] = {}
+        self._runner: Any = None
         self._started = False
 
-    def _runner_for(self, fetch_list: Sequence[Any]) -> RankRunner:
+    def _runner_for(self, fetch_list: Sequence[Any]) -> Any:
         keys = tuple(self.dist.key(item) for item in fetch_list)
         runner = self._runners.get(keys)
         if runner is None:
-            runner = RankRunner(self.dist, self.rank, list(keys))
+            if self.backend == "native":
+                from autopar.runtime.native import NativeRunner
+
+                runner = NativeRunner(self.dist, self.rank, self.world, list(keys))
+            else:
+                runner = RankRunner(self.dist, self.rank, list(keys))
             if self._runner is not None:
                 runner.scope = self._runner.scope  # one scope per rank: parameters live on
             self._runners[keys] = runner
@@ -71,8 +88,7 @@ class Executor:
 
     def run_startup(self) -> None:
         """Initialize this rank's parameters and states: the serial values, sliced."""
-        runner = self._runner_for(())
-        runner.run_startup()
+        self._runner_for(()).run_startup()
         self._started = True
 
     def run(self, feed: Mapping[str, Any], fetch_list: Sequence[Any] = ()) -> list[np.ndarray]:
@@ -80,25 +96,26 @@ class Executor:
         if not self._started:
             raise AutoparError("call run_startup() before run()")
         runner = self._runner_for(fetch_list)
-        runner.set_feeds(feed)
-        job = runner.run_until_collective()
-        while job is not None:
-            output = self.comm.run(job, runner.read(job.input))
-            runner.finish_collective(output)
+        if self.backend == "native":
+            pieces = runner.run(local_feeds(self.dist, self.rank, feed))
+        else:
+            runner.set_feeds(feed)
             job = runner.run_until_collective()
-        pieces = runner.fetch_pieces()
+            while job is not None:
+                runner.finish_collective(self.comm.run(job, runner.read(job.input)))
+                job = runner.run_until_collective()
+            pieces = runner.fetch_pieces()
         everyone = self.comm.all_gather_object(pieces)
-        ranks = list(self.dist.mesh.ranks)
         out = []
         for i, key in enumerate(runner.fetch_keys):
-            by_rank = {r: everyone[r][i] for r in ranks}
+            by_rank = {r: everyone[r][i] for r in self.dist.mesh.ranks}
             out.append(assemble(by_rank, produced_placement(self.dist, key), self.dist.graph.values[key].shape))
         return out
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Every parameter as a full array (gathered from all ranks)."""
         if self._runner is None:
-            raise AutoparError("no step has run yet")
+            raise AutoparError("call run_startup() first")
         names = [n for n, k in self.dist.graph.by_name.items() if self.dist.graph.values[k].kind == "parameter"]
         mine = {n: self._runner.parameter_piece(n) for n in names}
         everyone = self.comm.all_gather_object(mine)

@@ -18,6 +18,19 @@ from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import CollectiveJob, Segment
 
 
+def local_feeds(dist: Any, rank: int, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Each global feed sliced to ``rank``'s piece (the global shape is checked first)."""
+    local = {}
+    for name, array in feed.items():
+        key = dist.key(name)
+        value = dist.graph.values[key]
+        array = np.asarray(array)
+        if tuple(array.shape) != value.shape:
+            raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(value.shape)}")
+        local[name] = np.ascontiguousarray(array[dist.propagation.dist(key).local_slices(value.shape, rank)])
+    return local
+
+
 class RankRunner:
     def __init__(self, dist: Any, rank: int, fetch_keys: Sequence[ValueKey]) -> None:
         import paddle
@@ -47,15 +60,7 @@ class RankRunner:
 
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
         """Slice each global feed to this rank's piece; check the global shape first."""
-        self.feeds = {}
-        for name, array in feed.items():
-            key = self.dist.key(name)
-            value = self.dist.graph.values[key]
-            array = np.asarray(array)
-            if tuple(array.shape) != value.shape:
-                raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(value.shape)}")
-            attr = self.dist.propagation.dist(key)
-            self.feeds[name] = np.ascontiguousarray(array[attr.local_slices(value.shape, self.rank)])
+        self.feeds = local_feeds(self.dist, self.rank, feed)
         self.position = 0
 
     # ---- stepping ---------------------------------------------------------------------
