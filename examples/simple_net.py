@@ -13,11 +13,9 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
-import numpy as np  # noqa: E402
-
 import autopar  # noqa: E402
+from autopar.testing.compare import train_and_compare  # noqa: E402
 from autopar.testing.models import simple_net  # noqa: E402
-from autopar.testing.serial import random_feeds, run_serial  # noqa: E402
 
 MESHES = {
     "dp": lambda: autopar.ProcessMesh([0, 1], ["dp"]),
@@ -45,18 +43,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=["auto", "host", "native"], default="auto")
     args = parser.parse_args()
     net, dist = build(args.mode)
-    feeds = random_feeds(net.feeds, args.steps)
-    exe = autopar.Executor(dist, backend=args.backend)
-    exe.run_startup()
-    losses = [exe.run(feed, fetch_list=[net.loss])[0] for feed in feeds]
-    params = exe.parameters()
-    serial = run_serial(net.main, net.startup, feeds, [net.loss])
-    loss_diff = max(float(np.max(np.abs(a - b[0]))) for a, b in zip(losses, serial.fetches))
-    param_diff = max(float(np.max(np.abs(params[n] - serial.parameters[n]))) for n in params)
-    print(f"rank {exe.rank} {args.mode} ({exe.backend} backend): losses {[round(float(x), 5) for x in losses]}")
-    print(f"rank {exe.rank} {args.mode}: max |loss - serial| = {loss_diff:.3g}, max |param - serial| = {param_diff:.3g}")
-    if loss_diff > 1e-5 or param_diff > 1e-5:
-        raise SystemExit(f"rank {exe.rank}: distributed run differs from serial")
+    train_and_compare(net, dist, args.steps, args.backend, label=args.mode)
 
 
 if __name__ == "__main__":
