@@ -48,6 +48,9 @@ class OpNode:
     role: Role = Role.FORWARD
     forward_op: int | None = None  # for grad ops: the forward op they differentiate
     op_id: int = 0
+    # where each input is an operand in the program: (op index, operand index); a member
+    # of a vector operand is an operand of its builtin.combine (-1: of no op; not replaceable)
+    sites: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def short_name(self) -> str:
@@ -116,20 +119,25 @@ class ProgramGraph:
             input_names = [f"operand{i}" for i in range(op.num_operands())]
         inputs: list[ValueKey | None] = []
         names: list[str] = []
+        sites: list[tuple[int, int]] = []
         for pos, source in enumerate(op.operands_source()):
             label = input_names[pos] if pos < len(input_names) else f"operand{pos}"
             if not source.initialized():
                 inputs.append(None)
                 names.append(label)
+                sites.append((index, pos))
                 continue
             key = keys[source.id]
             members = self.vectors.get(key) if name not in VECTOR_OPS else None
             if members is not None and self.values.get(key) is not None and self.values[key].kind == "vector":
                 inputs.extend(members)
                 names.extend(f"{label}[{i}]" for i in range(len(members)))
+                combined = self.ops[key[0]].name == "builtin.combine"
+                sites.extend((key[0], i) if combined else (index, -1) for i in range(len(members)))
             else:
                 inputs.append(key)
                 names.append(label)
+                sites.append((index, pos))
         outputs: list[ValueKey | None] = []
         for j, result in enumerate(op.results()):
             if not result.initialized():
@@ -142,7 +150,7 @@ class ProgramGraph:
                 outputs.extend(members)
             else:
                 outputs.append(node.key)
-        node = OpNode(index, name, attrs, inputs, names, outputs, op_id=op.id())
+        node = OpNode(index, name, attrs, inputs, names, outputs, op_id=op.id(), sites=sites)
         self.ops.append(node)
         self.nx.add_node(("op", index), kind="op", name=name)
         for pos, key in enumerate(inputs):

@@ -42,10 +42,18 @@ def scatter(value: np.ndarray, dist: DistAttr, rng: np.random.Generator | None =
     dist.check_shape(value.shape)
     mesh = dist.mesh
     pieces = {rank: value[dist.local_slices(value.shape, rank)] for rank in mesh.ranks}
-    # split in reverse of the assemble order: the last-reduced mesh dim splits first
+    # split in reverse of the assemble order: the last-reduced mesh dim splits first.
+    # Pieces stay identical along replicated mesh dims (as a real program's are): groups
+    # that differ only in replicated coordinates share one split.
+    significant = dist.sharded_mesh_dims() | set(dist.partial_dims)
     for mesh_dim, kind in reversed(sorted(dist.partial_dims.items())):
+        splits: dict[tuple[int, ...], list[np.ndarray]] = {}
         for group in mesh.groups(mesh_dim):
-            for rank, piece in zip(group, split_partial(pieces[group[0]], kind, len(group), rng)):
+            coord = mesh.coordinate(group[0])
+            key = tuple(coord[d] for d in sorted(significant - {mesh_dim}))
+            if key not in splits:
+                splits[key] = split_partial(pieces[group[0]], kind, len(group), rng)
+            for rank, piece in zip(group, splits[key]):
                 pieces[rank] = piece
     return pieces
 

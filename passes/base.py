@@ -71,7 +71,8 @@ class RankProgram:
 
     def current(self, key: ValueKey) -> Any:
         """What later ops read for the serial value (after a local-scale correction, if any)."""
-        return self.replaced.get(key) or self.value(key)
+        replaced = self.replaced.get(key)
+        return replaced if replaced is not None else self.value(key)
 
 
 @dataclass

@@ -58,13 +58,22 @@ class ReshardInsertionPass(Pass):
             )
         after_producer = need.position < 0
         consumer = rp.ops[need.op]
+        if not after_producer:
+            # the operand may sit in a builtin.combine feeding the reader (a vector member)
+            site_op, site_pos = reader.sites[need.position]
+            if site_pos < 0:
+                raise AutoparError(
+                    f"{reader} reads {value.label} inside a vector not built by builtin.combine; "
+                    f"it would need a reshard {need.have} -> {need.need} that cannot be placed there"
+                )
+            consumer = rp.ops[site_op]
         if after_producer:
             reason = f"{value.label} is annotated {need.need}; its producer {graph.ops[need.op]} makes {need.have}"
             paddle.pir.set_insertion_point_after(consumer)
         else:
             cached = done.get((need.value, need.need))
             if cached is not None:
-                consumer.operand(need.position).set_source(cached)
+                consumer.operand(site_pos).set_source(cached)
                 return
             reason = f"{graph.ops[need.op]} reads {value.label} as {need.need}; it is {need.have}"
             paddle.pir.set_insertion_point(consumer)
@@ -77,7 +86,7 @@ class ReshardInsertionPass(Pass):
         if after_producer:
             _replace_uses_after(source, current, inserted)
         else:
-            consumer.operand(need.position).set_source(current)
+            consumer.operand(site_pos).set_source(current)
             done[(need.value, need.need)] = current
 
 

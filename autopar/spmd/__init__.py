@@ -3,7 +3,21 @@
 Import order does not matter; each module registers its own op names once.
 """
 
-from autopar.spmd import builtin, concat_split, conv, elementwise, fill, matmul, metrics, optimizer, shape_ops  # noqa: F401  (registration)
+from autopar.spmd import (  # noqa: F401  (registration)
+    builtin,
+    concat_split,
+    conv,
+    elementwise,
+    embedding,
+    fill,
+    matmul,
+    metrics,
+    norm,
+    optimizer,
+    reduction,
+    shape_ops,
+    softmax,
+)
 from autopar.spmd.base import Conflict, RuleContext, RuleResult, SpmdRule, TensorSpec
 from autopar.spmd.registry import RULES, get_rule, register, register_rule
 

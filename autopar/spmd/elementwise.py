@@ -12,6 +12,7 @@ from typing import Any
 
 from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
 from autopar.spmd.letters import broadcast_letters, equation
+from autopar.spmd.operands import keep_pending
 from autopar.spmd.registry import register_rule
 
 
@@ -21,7 +22,14 @@ def _broadcast_equation(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -
 
 
 class BroadcastGradRule(SpmdRule):
-    """``(x, y, out_grad) -> (x_grad, y_grad)`` for a broadcasting binary op."""
+    """``(x, y, out_grad) -> (x_grad, y_grad)`` for a broadcasting binary op.
+
+    add_grad / subtract_grad read x and y for their shapes only (``shape_only``): their
+    pending sums are left pending.
+    """
+
+    def __init__(self, shape_only: bool = False) -> None:
+        self.shape_only = shape_only
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         operands, out = broadcast_letters([inputs[0].shape, inputs[1].shape, inputs[-1].shape])
@@ -29,7 +37,8 @@ class BroadcastGradRule(SpmdRule):
         # extra grad-op operands (divide_grad reads out) share out's letters
         if len(inputs) == 4:
             letters = [operands[0], operands[1], out, out]
-        return einsum_grad(equation(letters, operands[:2]), inputs, ctx, grad_operands=[len(inputs) - 1])
+        result = einsum_grad(equation(letters, operands[:2]), inputs, ctx, grad_operands=[len(inputs) - 1])
+        return keep_pending(result, inputs, [0, 1]) if self.shape_only else result
 
 
 class SameShapeGradRule(SpmdRule):
@@ -83,7 +92,8 @@ for _name in MULTILINEAR:
     register_rule(EinsumRule(_broadcast_equation, linearity="multi"), _name)
 for _name in NONLINEAR_BINARY:
     register_rule(EinsumRule(_broadcast_equation), _name)
-register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in ADDITIVE + MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
+register_rule(BroadcastGradRule(shape_only=True), *(f"{n}_grad" for n in ADDITIVE))
+register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
 
 LINEAR_UNARY = ("cast", "assign", "share_data", "neg")
 NONLINEAR_UNARY = (
@@ -96,3 +106,16 @@ register_rule(
     SameShapeGradRule(),
     *(f"{n}_grad" for n in ("relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu", "dropout", "pow", "clip", "sin", "cos", "erf")),
 )
+
+
+class AddNRule(SpmdRule):
+    """``(x0, x1, ...) -> out``: ``ab,ab,... -> ab``; partial operands stay partial alike."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        from autopar.spmd.base import einsum_forward
+
+        operands, out = broadcast_letters([s.shape for s in inputs])
+        return einsum_forward(equation(operands, [out]), inputs, ctx, linearity="additive")
+
+
+register_rule(AddNRule(), "add_n")

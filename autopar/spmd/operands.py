@@ -61,3 +61,19 @@ def partial_outside(dist: DistAttr | None, used: set[int], kinds: Sequence[str] 
     if dist is None:
         return {}
     return {d: k for d, k in dist.partial if d not in used and (kinds is None or k in kinds)}
+
+
+def keep_pending(result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int]) -> RuleResult:
+    """Leave the partials of operands read for their shape only (add_grad's x, y; mean_grad's x).
+
+    A pending sum changes no shape, so reducing it just for such an operand would be a wasted
+    collective; only mesh dims the operand is not required split over are kept.
+    """
+    required = list(result.inputs)
+    for i in positions:
+        have = specs[i].dist if specs[i] is not None else None
+        if have is None or not have.partial or required[i] is None:
+            continue
+        split = required[i].sharded_mesh_dims()
+        required[i] = required[i].with_partial({d: k for d, k in have.partial if d not in split})
+    return RuleResult(tuple(required), result.outputs, result.conflicts)
