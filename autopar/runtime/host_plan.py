@@ -112,6 +112,9 @@ def _segment(program: Any, k: int, members: set[int], crossing: set, names: dict
             if key[0] in members:
                 value = ops[key[0]].result(key[1])
                 paddle.pir.set_insertion_point_after(ops[key[0]])
+                if ops[key[0]].name() == "builtin.split":
+                    # an element of a vector has no scope variable of its own to rename: copy it
+                    value = paddle._pir_ops.assign(value)
                 paddle._pir_ops.set_persistable_value(value, names[key])
                 value.persistable = True
             elif any(index[u.id()] in members for u in ops[key[0]].result(key[1]).all_used_ops()):

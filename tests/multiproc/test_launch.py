@@ -1,0 +1,121 @@
+"""Real processes: examples equal serial under the launcher; failures are clean and fast.
+
+Each case starts 2-4 processes (``import paddle`` ~1.5 s each on this machine).
+"""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+def launch(nproc, *args, timeout=240, extra=()):
+    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", str(nproc), *extra, *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_equal_serial(result, nproc):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if "max |loss - serial|" in line]
+    assert len(lines) == nproc, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        (2, ["examples/simple_net.py", "--mode", "dp", "--backend", "host"]),
+        (2, ["examples/simple_net.py", "--mode", "mp", "--backend", "host"]),
+        (4, ["examples/simple_net.py", "--mode", "dp_mp", "--backend", "host"]),
+        (2, ["examples/simple_net.py", "--mode", "dp", "--backend", "native"]),
+        (2, ["examples/simple_net.py", "--mode", "mp", "--backend", "native"]),
+        (2, ["examples/alexnet.py", "--ranks", "2"]),
+        (4, ["examples/alexnet.py", "--ranks", "4"]),
+        (2, ["examples/linear_net.py"]),
+    ],
+    ids=["simple-dp2-host", "simple-mp2-host", "simple-dp2xmp2-host", "simple-dp2-native", "simple-mp2-native",
+         "alexnet-2", "alexnet-2x2", "linear-adam-dp2"],
+)  # fmt: skip
+def test_examples_equal_serial(nproc, args):
+    assert_equal_serial(launch(nproc, *args), nproc)
+
+
+def write(tmp_path, body):
+    """A script that can import the examples (the project root on its path)."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + textwrap.dedent(body))
+    return script
+
+
+def test_a_crashing_rank_stops_the_others_quickly(tmp_path):
+    script = write(
+        tmp_path,
+        """
+        import os, sys, time
+        rank = int(os.environ["PADDLE_TRAINER_ID"])
+        with open(os.path.join(os.path.dirname(__file__), f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        if rank == 1:
+            time.sleep(0.5)
+            sys.exit(7)
+        time.sleep(120)
+        """,
+    )
+    start = time.time()
+    result = launch(3, script, timeout=60)
+    assert result.returncode == 7
+    assert time.time() - start < 15
+    assert "rank 1 exited with code 7" in result.stdout
+    for rank in range(3):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], f"rank {rank} orphaned"
+
+
+def test_a_stuck_collective_times_out_naming_rank_and_op(tmp_path):
+    script = write(
+        tmp_path,
+        """
+        import os, warnings
+        warnings.filterwarnings("ignore")
+        from examples.simple_net import build
+        import autopar
+        net, dist = build("dp")
+        exe = autopar.Executor(dist, backend="host")
+        exe.run_startup()
+        if exe.rank == 0:
+            import time; time.sleep(60)  # rank 0 never joins the gradient all_reduce
+        from autopar.testing.serial import random_feeds
+        exe.run(random_feeds(net.feeds, 1)[0], fetch_list=[net.loss])
+        """,
+    )
+    start = time.time()
+    result = launch(2, script, timeout=120, extra=["--timeout", "8"])
+    assert result.returncode != 0
+    assert time.time() - start < 60
+    assert "rank 1:" in result.stdout and "did not finish within 8 s" in result.stdout, result.stdout[-2000:]
+
+
+def test_mesh_larger_than_nproc_is_refused(tmp_path):
+    script = write(
+        tmp_path,
+        """
+        import sys, warnings
+        warnings.filterwarnings("ignore")
+        from examples.simple_net import build
+        import autopar
+        net, dist = build("dp_mp")
+        try:
+            autopar.Executor(dist)
+        except autopar.AutoparError as err:
+            print("refused:", err)
+            sys.exit(3)
+        """,
+    )
+    result = launch(2, script, timeout=60)
+    assert result.returncode == 3
+    assert "needs 4 processes, only 2 were started" in result.stdout
