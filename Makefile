@@ -27,6 +27,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_propagation.py
+	$(PY) benchmarks/bench_cost_model.py
+	$(PY) benchmarks/bench_runtime.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

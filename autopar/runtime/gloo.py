@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.errors import AutoparError
 from autopar.runtime.collectives import perform
 from autopar.runtime.jobs import CollectiveJob
 
@@ -58,6 +59,13 @@ class GlooCommunicator:
         self.timeout = float(timeout or os.environ.get("AUTOPAR_COLLECTIVE_TIMEOUT", 120))
         with _dynamic():
             if not pdist.is_initialized():
+                from autopar.runtime.native import CREATED_RINGS
+
+                if CREATED_RINGS:
+                    raise AutoparError(
+                        "a native-backend Executor already made this process's communicators; the host "
+                        "backend cannot start its process group after it: create host Executors first"
+                    )
                 pdist.init_parallel_env()
 
     @contextlib.contextmanager

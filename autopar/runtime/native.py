@@ -68,12 +68,26 @@ class NativeRunner:
         return np.array(var.get_tensor())
 
 
+# rings this process has communicators for (Paddle refuses to create one twice)
+CREATED_RINGS: set[int] = set()
+
+
 def create_rings(dist: Any, rank: int) -> Any:
-    """The gloo communicators of every ring this rank is in; returns the TCP store."""
+    """The gloo communicators of every ring this rank is in; returns the TCP store.
+
+    A ring made earlier in this process (another native Executor) is reused; so is ring 0
+    when the host backend's world process group exists already (its communicator is ring 0).
+    """
+    import paddle.distributed as pdist
     from paddle.base import core
 
     store = core.create_or_get_global_tcp_store()
     for group, ring in sorted(dist.state.rings.items(), key=lambda item: item[1]):
-        if rank in group:
-            core.CommContextManager.create_gloo_comm_context(store, str(ring), list(group).index(rank), len(group))
+        if rank not in group or ring in CREATED_RINGS:
+            continue
+        if ring == 0 and pdist.is_initialized() and len(group) == pdist.get_world_size():
+            CREATED_RINGS.add(ring)
+            continue
+        core.CommContextManager.create_gloo_comm_context(store, str(ring), list(group).index(rank), len(group))
+        CREATED_RINGS.add(ring)
     return store
