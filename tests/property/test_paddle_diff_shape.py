@@ -9,6 +9,10 @@ differences:
   ranks: rows 0-1 | 2 are elements 0-7 | 8-11, but ``[12]``'s halves are 0-5 | 6-11), so we
   drop it;
 - splits of size-1 dims: we never keep them (they hold no data to split);
+- several split dims in one reshape group (``[2, 2] -> [4]`` split on both): Paddle merges
+  them onto the group's leading dim and then falls back to its first mesh dim ("There are 2
+  shared on tensor dim 0. Now fallback to sharding by mesh dim 0"); we carry the leading
+  dim's own split only (the other split's blocks are not contiguous after the reshape);
 - unsqueeze with unsorted axes (``[4, 0]``): Paddle's rule places the new dims differently
   from its kernel (which inserts them one at a time, as our rule does).
 """
@@ -32,6 +36,8 @@ def _explained(in_shape, out_shape, dist, mesh):
         dims = dist.mapping[src[0]]
         parts = int(np.prod([mesh.shape[d] for d in dims])) if dims else 1
         if dims and (in_shape[src[0]] == 1 or in_shape[src[0]] % parts or (dst and out_shape[dst[0]] % parts)):
+            return True
+        if sum(1 for i in src if dist.mapping[i]) > 1:
             return True
     return any(dist.mapping[i] and s == 1 for i, s in enumerate(in_shape))
 
