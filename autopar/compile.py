@@ -29,6 +29,19 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     strategy: Strategy | None = None,
 ) -> DistributedProgram:
     """Propagate the annotations of ``program`` over ``mesh``; see DESIGN.md for the contract."""
+    state = analyze(program, mesh, startup_program, strategy)
+    staged = sorted({str(m) for m in state.propagation.op_meshes.values() if m != mesh})
+    if staged:
+        # sub-mesh (pipeline stage) programs need stage splitting and send/recv: the pipeline
+        # issue. Propagation results stay available; rank programs say why they are missing.
+        state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
+    else:
+        PassPipeline([PartitionPass(), ReshardInsertionPass()]).run(state)
+    return DistributedProgram(program, startup_program, state)
+
+
+def analyze(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
+    """The first stages only: graph view, annotations and propagation (no program rewrites)."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     if not hasattr(program, "global_block"):
@@ -39,15 +52,7 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     op_meshes = _op_meshes(program, graph, mesh)
     cluster = _cluster(strategy)
     result = propagate(graph, mesh, user, op_meshes, cluster=cluster.fitted(mesh.ranks))
-    state = CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
-    staged = sorted({str(m) for m in result.op_meshes.values() if m != mesh})
-    if staged:
-        # sub-mesh (pipeline stage) programs need stage splitting and send/recv: the pipeline
-        # issue. Propagation results stay available; rank programs say why they are missing.
-        state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
-    else:
-        PassPipeline([PartitionPass(), ReshardInsertionPass()]).run(state)
-    return DistributedProgram(program, startup_program, state)
+    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
 
 
 def _cluster(strategy: Strategy) -> Any:
