@@ -37,9 +37,10 @@ def assert_equal_serial(result, nproc):
         (2, ["examples/alexnet.py", "--ranks", "2"]),
         (4, ["examples/alexnet.py", "--ranks", "4"]),
         (2, ["examples/linear_net.py"]),
+        (2, ["examples/gpt_block.py", "--mode", "mp"]),
     ],
     ids=["simple-dp2-host", "simple-mp2-host", "simple-dp2xmp2-host", "simple-dp2-native", "simple-mp2-native",
-         "alexnet-2", "alexnet-2x2", "linear-adam-dp2"],
+         "alexnet-2", "alexnet-2x2", "linear-adam-dp2", "gpt-megatron-mp2"],
 )  # fmt: skip
 def test_examples_equal_serial(nproc, args):
     assert_equal_serial(launch(nproc, *args), nproc)
