@@ -84,6 +84,11 @@ class PropagationResult:
     def dist(self, key: ValueKey) -> DistAttr:
         return self.states[key].dist
 
+    @property
+    def produced(self) -> dict[ValueKey, DistAttr]:
+        """Values whose producer makes another placement than they have (resharded right after it)."""
+        return {need.value: need.have for need in self.reshards if need.position < 0}
+
 
 def transplant(dist: DistAttr, mesh: ProcessMesh) -> DistAttr | None:
     """``dist`` re-expressed on ``mesh`` by mesh dim name (a stage's tensor read on another)."""

@@ -84,13 +84,16 @@ class PartitionPass(Pass):
                 )
             local = dist.local_shape(value.shape, rp.rank)
             rp.local_shapes[key] = local
-            if local == value.shape:
+            # a value annotated unlike what its producer makes is resharded right after the
+            # producer: the producer's own result has the produced placement's shape
+            made = produced_shape(state, key, rp.rank) or local
+            if made == value.shape:
                 continue
             pir_value = rp.value(key)
-            pir_value.set_type(paddle.pir.create_shaped_type(pir_value.type(), list(local)))
+            pir_value.set_type(paddle.pir.create_shaped_type(pir_value.type(), list(made)))
             op = state.graph.ops[key[0]]
             if op.name == "pd_op.data":
-                rp.ops[key[0]].set_int_array_attr("shape", list(local))
+                rp.ops[key[0]].set_int_array_attr("shape", list(made))
 
     def _shape_constants(self, state: CompileState, rp: RankProgram) -> None:
         """Reshape targets and ``full`` shapes name global sizes: give them the local ones."""
@@ -99,7 +102,7 @@ class PartitionPass(Pass):
         for op in state.graph.ops:
             if op.name in RESHAPE_OPS:
                 out = op.outputs[0]
-                local = rp.local_shapes[out]
+                local = produced_shape(state, out, rp.rank) or rp.local_shapes[out]
                 if local == state.graph.values[out].shape:
                     continue
                 pir_op = rp.ops[op.index]
@@ -107,7 +110,7 @@ class PartitionPass(Pass):
                 target = paddle._pir_ops.full_int_array(list(local), paddle.int64, paddle.CPUPlace())
                 pir_op.operand(1).set_source(target)
             elif op.name == "pd_op.full" and op.outputs[0] is not None:
-                local = rp.local_shapes[op.outputs[0]]
+                local = produced_shape(state, op.outputs[0], rp.rank) or rp.local_shapes[op.outputs[0]]
                 if local != state.graph.values[op.outputs[0]].shape:
                     rp.ops[op.index].set_int_array_attr("shape", list(local))
 
@@ -142,6 +145,13 @@ def _stored_name(op: Any) -> str | None:
     if op.name() == "builtin.shadow_output":
         return str(op.attrs()["output_name"])
     return None
+
+
+def produced_shape(state: CompileState, key: Any, rank: int) -> tuple[int, ...] | None:
+    """The local shape ``key``'s producer makes on ``rank`` when an annotation reshards it
+    right after the producer (None when the producer already makes the final placement)."""
+    produced = state.propagation.produced.get(key)
+    return None if produced is None else produced.local_shape(state.graph.values[key].shape, rank)
 
 
 def local_scale(state: CompileState, op: OpNode, rank: int) -> float:

@@ -146,3 +146,31 @@ def mlp(batch: int, widths: tuple[int, ...], optimizer: str = "sgd", classes: in
         loss = paddle.mean(paddle.nn.functional.cross_entropy(h, label))
         make_optimizer(optimizer, lr=0.05).minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers)
+
+
+def reshard_chain(world: int = 2, seed: int = 3) -> tuple[SeedProgram, Any]:
+    """A small net annotated so that every collective kind appears, and its compiled program.
+
+    x ``[None, d]`` times w1 ``[d, None]`` makes a pending sum; ``h`` annotated ``[d, None]``
+    turns it into a reduce_scatter, ``relu(h)`` annotated ``[None, d]`` an all_to_all; the
+    next layer's bias add needs an all_reduce and the backward pass all_gathers.
+    """
+    import autopar
+
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4 * world, 8 * world], "float32")
+        label = paddle.static.data("label", [4 * world, 1], "int64")
+        l1, l2 = paddle.nn.Linear(8 * world, 4 * world, bias_attr=False), paddle.nn.Linear(4 * world, 10)
+        h = l1(x)
+        h2 = paddle.nn.functional.relu(h)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(l2(h2), label))
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    net = SeedProgram(main, startup, {"x": x, "label": label}, loss, {"linear1": l1, "linear2": l2}, {"h": h, "h2": h2})
+    mesh = autopar.ProcessMesh(list(range(world)), ["d"])
+    autopar.shard_tensor(x, mesh, [None, "d"])
+    autopar.shard_tensor(l1.weight, mesh, ["d", None])
+    autopar.shard_tensor(h, mesh, ["d", None])
+    autopar.shard_tensor(h2, mesh, [None, "d"])
+    return net, autopar.compile(main, mesh, startup_program=startup)

@@ -53,6 +53,24 @@ def write(tmp_path, body):
     return script
 
 
+@pytest.mark.parametrize("backend", ["host", "native"])
+def test_every_collective_kind_equal_serial(tmp_path, backend):
+    """reduce_scatter, all_to_all, all_reduce, all_gather in real processes; on native the
+    lowering turns reduce_scatter into all_reduce + slice and all_to_all into all_gather + slice."""
+    script = write(
+        tmp_path,
+        """
+        import sys, warnings
+        warnings.filterwarnings("ignore")
+        from autopar.testing.compare import train_and_compare
+        from autopar.testing.models import reshard_chain
+        net, dist = reshard_chain(2)
+        train_and_compare(net, dist, steps=5, backend=sys.argv[1], label="reshard chain")
+        """,
+    )
+    assert_equal_serial(launch(2, script, backend), 2)
+
+
 def test_a_crashing_rank_stops_the_others_quickly(tmp_path):
     script = write(
         tmp_path,
