@@ -19,17 +19,7 @@ warnings.filterwarnings("ignore")
 
 import autopar  # noqa: E402
 from autopar.compile import analyze  # noqa: E402
-from autopar.testing.models import gpt_block_program  # noqa: E402
-
-
-def annotate_megatron(seed, mesh) -> None:
-    autopar.shard_tensor(seed.feeds["ids"], mesh, ["dp", None])
-    for name, layer in seed.layers.items():
-        if name.startswith(("qkv", "fc1_")):
-            autopar.shard_tensor(layer.weight, mesh, [None, "mp"])
-            autopar.shard_tensor(layer.bias, mesh, ["mp"])
-        elif name.startswith(("proj", "fc2_")):
-            autopar.shard_tensor(layer.weight, mesh, ["mp", None])
+from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
 
 
 def median_time(fn, runs: int) -> float:
@@ -44,6 +34,7 @@ def median_time(fn, runs: int) -> float:
 def time_compile(layers: int, runs: int) -> tuple[int, float, float]:
     seed = gpt_block_program(batch=4, seq=128, hidden=1024, heads=16, vocab=8192, layers=layers)
     mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    autopar.shard_tensor(seed.feeds["ids"], mesh, ["dp", None])
     annotate_megatron(seed, mesh)
     ops = len(analyze(seed.main, mesh).graph.ops)
     return ops, median_time(lambda: analyze(seed.main, mesh), runs), median_time(lambda: autopar.compile(seed.main, mesh), runs)

@@ -16,7 +16,7 @@ warnings.filterwarnings("ignore")
 
 import autopar  # noqa: E402
 from autopar.testing.compare import train_and_compare  # noqa: E402
-from autopar.testing.models import gpt_block_program  # noqa: E402
+from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
 
 LAYERS = 2
 
@@ -26,12 +26,7 @@ def build(mode: str):
     # noise, which Adam would amplify into steps that differ between any two summation orders
     seed = gpt_block_program(batch=4, seq=8, hidden=32, heads=4, vocab=64, layers=LAYERS, optimizer="momentum")
     mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]) if mode == "dp_mp" else autopar.ProcessMesh([0, 1], ["mp"])
-    for i in range(LAYERS):
-        for name in (f"qkv{i}", f"fc1_{i}"):
-            autopar.shard_tensor(seed.layers[name].weight, mesh, [None, "mp"])
-            autopar.shard_tensor(seed.layers[name].bias, mesh, ["mp"])
-        for name in (f"proj{i}", f"fc2_{i}"):
-            autopar.shard_tensor(seed.layers[name].weight, mesh, ["mp", None])
+    annotate_megatron(seed, mesh)  # qkv / fc1 column-parallel, proj / fc2 row-parallel
     if mode == "dp_mp":
         autopar.shard_tensor(seed.feeds["ids"], mesh, ["dp", None])
     return seed, autopar.compile(seed.main, mesh, startup_program=seed.startup)

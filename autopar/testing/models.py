@@ -97,6 +97,20 @@ def gpt_block_program(
     return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)
 
 
+def annotate_megatron(seed: SeedProgram, mesh: Any, mp: str = "mp") -> None:
+    """Megatron on a :func:`gpt_block_program` from weight annotations only: qkv and fc1
+    column-parallel (weight ``[None, mp]``, bias ``[mp]``), proj and fc2 row-parallel
+    (weight ``[mp, None]``). Everything else is left to propagation."""
+    import autopar
+
+    for name, layer in seed.layers.items():
+        if name.startswith(("qkv", "fc1_")):
+            autopar.shard_tensor(layer.weight, mesh, [None, mp])
+            autopar.shard_tensor(layer.bias, mesh, [mp])
+        elif name.startswith(("proj", "fc2_")):
+            autopar.shard_tensor(layer.weight, mesh, [mp, None])
+
+
 def alexnet_program(batch: int = 4, image: int = 16, classes: int = 10, optimizer: str = "momentum", seed: int = 7) -> SeedProgram:
     """AlexNet-style: two conv-relu-pool stages, then a 2-layer classifier."""
     paddle, main, startup = _static()

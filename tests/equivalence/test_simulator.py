@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.testing import meshes
-from autopar.testing.models import alexnet_program, gpt_block_program, linear_net, mlp, simple_net
+from autopar.testing.models import alexnet_program, annotate_megatron, gpt_block_program, linear_net, mlp, simple_net
 from autopar.testing.serial import random_feeds, run_serial
 
 STEPS = 5
@@ -76,16 +76,6 @@ def test_linear_net_adam_dp2():
     assert_equivalent(seed, autopar.compile(seed.main, mesh, startup_program=seed.startup))
 
 
-def annotate_megatron(seed, mesh, layers):
-    """Megatron from weight annotations only: qkv / fc1 column-parallel, proj / fc2 row-parallel."""
-    for i in range(layers):
-        for name in (f"qkv{i}", f"fc1_{i}"):
-            autopar.shard_tensor(seed.layers[name].weight, mesh, [None, "mp"])
-            autopar.shard_tensor(seed.layers[name].bias, mesh, ["mp"])
-        for name in (f"proj{i}", f"fc2_{i}"):
-            autopar.shard_tensor(seed.layers[name].weight, mesh, ["mp", None])
-
-
 @pytest.mark.parametrize(
     "mesh",
     [autopar.ProcessMesh([0, 1], ["mp"]), autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])],
@@ -98,7 +88,7 @@ def test_gpt_block_megatron(mesh):
     so its computed gradient is rounding noise, which Adam would blow up to lr-sized steps.
     """
     seed = gpt_block_program(batch=2, seq=4, hidden=16, heads=2, vocab=24, layers=2, optimizer="momentum")
-    annotate_megatron(seed, mesh, layers=2)
+    annotate_megatron(seed, mesh)
     if "dp" in mesh.dim_names:
         autopar.shard_tensor(seed.feeds["ids"], mesh, ["dp", None])
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)

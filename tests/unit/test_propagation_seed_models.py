@@ -8,7 +8,7 @@ the math of each op, not copied from autopar's output.
 import pytest
 
 import autopar
-from autopar.testing.models import alexnet_program, gpt_block_program, simple_net
+from autopar.testing.models import alexnet_program, annotate_megatron, gpt_block_program, simple_net
 
 SIMPLE_DP = """
 matmul [S(0)] | add [S(0)] | relu [S(0)] | matmul [S(0)] | add [S(0)] | relu [S(0)] | matmul [S(0)] | add [S(0)]
@@ -122,12 +122,7 @@ def test_every_value_of_the_seed_programs_has_a_dist_attr():
 def compile_gpt(layers=1):
     seed = gpt_block_program(batch=2, seq=8, hidden=32, heads=4, vocab=64, layers=layers)
     mesh = autopar.ProcessMesh([0, 1], ["mp"])
-    for name, layer in seed.layers.items():
-        if name.startswith(("qkv", "fc1_")):
-            autopar.shard_tensor(layer.weight, mesh, [None, "mp"])
-            autopar.shard_tensor(layer.bias, mesh, ["mp"])
-        elif name.startswith(("proj", "fc2_")):
-            autopar.shard_tensor(layer.weight, mesh, ["mp", None])
+    annotate_megatron(seed, mesh)
     return seed, autopar.compile(seed.main, mesh)
 
 
