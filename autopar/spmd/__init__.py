@@ -7,6 +7,7 @@ from autopar.spmd import (  # noqa: F401  (registration)
     builtin,
     concat_split,
     conv,
+    dropout,
     elementwise,
     embedding,
     fill,

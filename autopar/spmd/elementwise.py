@@ -12,7 +12,7 @@ from typing import Any
 
 from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
 from autopar.spmd.letters import broadcast_letters, equation
-from autopar.spmd.operands import keep_pending
+from autopar.spmd.operands import keep_pending, spread
 from autopar.spmd.registry import register_rule
 
 
@@ -42,24 +42,19 @@ class BroadcastGradRule(SpmdRule):
 
 
 class SameShapeGradRule(SpmdRule):
-    """Unary grads: every operand has the output's shape (``x/out, out_grad -> x_grad``)."""
+    """Unary grads ``(x and/or out, out_grad, scalars...) -> x_grad``: the first ``tensors``
+    operands have x's shape, out_grad last among them (silu_grad reads x and out: 3);
+    scalar operands after them (clip_grad's min / max) stay whole."""
+
+    def __init__(self, tensors: int = 2) -> None:
+        self.tensors = tensors
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        tensors = [i for i, s in enumerate(inputs) if s.ndim == inputs[-1].ndim]
-        letters = "".join(chr(ord("a") + i) for i in range(inputs[-1].ndim))
+        tensors = list(range(self.tensors))
+        letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
         sub = [inputs[i] for i in tensors]
         result = einsum_grad(equation([letters] * len(sub), [letters]), sub, ctx, grad_operands=[len(sub) - 1])
-        return _spread(result, tensors, inputs, ctx)
-
-
-def _spread(result: RuleResult, tensors: list[int], inputs: Sequence[TensorSpec], ctx: RuleContext) -> RuleResult:
-    """Put the tensor operands' requirements back in place; scalars/attrs stay replicated."""
-    from autopar.dist_attr import DistAttr
-
-    required = [DistAttr.replicated(ctx.mesh, s.ndim) for s in inputs]
-    for pos, i in enumerate(tensors):
-        required[i] = result.inputs[pos]
-    return RuleResult(tuple(required), result.outputs, result.conflicts)
+        return spread(result, tensors, inputs, ctx)
 
 
 class UnaryRule(SpmdRule):
@@ -73,14 +68,14 @@ class UnaryRule(SpmdRule):
 
         letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
         result = einsum_forward(f"{letters}->{letters}", inputs[:1], ctx, linearity=self.linearity)
-        return _spread(result, [0], inputs, ctx)
+        return spread(result, [0], inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
         from autopar.spmd.base import einsum_backward
 
         letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
         result = einsum_backward(f"{letters}->{letters}", inputs[:1], outputs[:1], ctx)
-        return _spread(result, [0], inputs, ctx)
+        return spread(result, [0], inputs, ctx)
 
 
 ADDITIVE = ("add", "subtract")
@@ -98,14 +93,15 @@ register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide
 LINEAR_UNARY = ("cast", "assign", "share_data", "neg")
 NONLINEAR_UNARY = (
     "relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu",
-    "dropout", "pow", "scale", "clip", "sin", "cos", "logical_not", "isfinite", "erf", "floor",
+    "pow", "scale", "clip", "sin", "cos", "logical_not", "isfinite", "erf", "floor",
 )  # fmt: skip
 register_rule(UnaryRule(linearity="multi"), *LINEAR_UNARY)
 register_rule(UnaryRule(), *NONLINEAR_UNARY)
 register_rule(
     SameShapeGradRule(),
-    *(f"{n}_grad" for n in ("relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu", "dropout", "pow", "clip", "sin", "cos", "erf")),
+    *(f"{n}_grad" for n in ("relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "pow", "clip", "sin", "cos", "erf")),
 )
+register_rule(SameShapeGradRule(tensors=3), "silu_grad")
 
 
 class AddNRule(SpmdRule):

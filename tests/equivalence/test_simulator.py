@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.testing import meshes
-from autopar.testing.models import alexnet_program, annotate_megatron, gpt_block_program, linear_net, mlp, simple_net
+from autopar.testing.models import (
+    SeedProgram,
+    alexnet_program,
+    annotate_megatron,
+    gpt_block_program,
+    linear_net,
+    mlp,
+    simple_net,
+)
 from autopar.testing.serial import random_feeds, run_serial
 
 STEPS = 5
@@ -151,3 +159,22 @@ def test_optimizer_states_follow_their_parameter(optimizer):
                 if dist.graph.values[key].shape == dist.graph.values[op.inputs[0]].shape:
                     assert dist.propagation.dist(key) == param
     assert_equivalent(seed, dist, steps=4, classes=5)
+
+
+def test_training_dropout_data_parallel_drops_the_serial_elements():
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 3
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        x = paddle.static.data("x", [8, 16], "float32")
+        label = paddle.static.data("label", [8, 1], "int64")
+        l1, l2 = paddle.nn.Linear(16, 32), paddle.nn.Linear(32, 10)
+        h = paddle.nn.functional.dropout(paddle.nn.functional.relu(l1(x)), p=0.5)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(l2(h), label))
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(x, mesh, ["dp", None])
+    seed = SeedProgram(main, startup, {"x": x, "label": label}, loss)
+    assert_equivalent(seed, autopar.compile(main, mesh, startup_program=startup))

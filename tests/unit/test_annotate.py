@@ -15,7 +15,7 @@ def test_every_dims_mapping_form_gives_the_same_attr():
     expected = autopar.DistAttr(MESH, [-1, 1])
     for spec in ([None, "mp"], [-1, 1], [None, 1], [pdist.Replicate(), pdist.Shard(1)], expected):
         autopar.shard_tensor(w, MESH, spec)
-        assert autopar.compile(net.main, MESH).dist_attr("linear_0.w_0") == expected
+        assert autopar.compile(net.main, MESH).dist_attr(w.name) == expected
 
 
 @pytest.mark.parametrize(
