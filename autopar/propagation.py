@@ -20,7 +20,9 @@ producer makes, a source tensor whose consumers need different placements.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +92,21 @@ class PropagationResult:
         return {need.value: need.have for need in self.reshards if need.position < 0}
 
 
+@contextlib.contextmanager
+def _rule_errors(op: OpNode, rule: Any, specs: list[TensorSpec | None]) -> Iterator[None]:
+    """A rule that breaks (a bug, or an op form it does not know) is named with its op and inputs."""
+    try:
+        yield
+    except AutoparError:
+        raise
+    except Exception as err:  # noqa: BLE001  (any rule failure becomes a user-facing error)
+        shapes = ", ".join("absent" if s is None else f"{list(s.shape)} {s.dist or '?'}" for s in specs)
+        raise AutoparError(
+            f"the SPMD rule {type(rule).__name__} failed on {op} (inputs: {shapes}; attrs: "
+            f"{ {k: v for k, v in op.attrs.items() if k != 'op_callstack'} }): {type(err).__name__}: {err}"
+        ) from err
+
+
 def transplant(dist: DistAttr, mesh: ProcessMesh) -> DistAttr | None:
     """``dist`` re-expressed on ``mesh`` by mesh dim name (a stage's tensor read on another)."""
     if dist.mesh == mesh:
@@ -152,7 +169,8 @@ class Propagator:
         rule = get_rule(op.name)
         if rule is None:
             return None
-        return rule.infer_forward(specs, op.attrs, self.context(op, mesh))
+        with _rule_errors(op, rule, specs):
+            return rule.infer_forward(specs, op.attrs, self.context(op, mesh))
 
     def context(self, op: OpNode, mesh: ProcessMesh) -> RuleContext:
         """Rule context; with a cluster, competing splits are settled by the cost model."""
@@ -239,7 +257,9 @@ class Propagator:
             else (TensorSpec(self.graph.values[k].shape) if k is not None else None)
             for k, s in zip(op.outputs, outs)
         ]
-        result = get_rule(op.name).infer_backward(self.specs(op, mesh), out_specs, op.attrs, self.context(op, mesh))
+        rule, specs = get_rule(op.name), self.specs(op, mesh)
+        with _rule_errors(op, rule, specs):
+            result = rule.infer_backward(specs, out_specs, op.attrs, self.context(op, mesh))
         changed = set()
         for key, dist in zip(op.inputs, result.inputs):
             if key is not None and self.graph.values[key].kind != "constant":
