@@ -1,7 +1,7 @@
 """``autopar.compile``: the driver from an annotated serial program to a DistributedProgram.
 
-Stages run in order: graph -> propagate -> partition -> reshard insertion (later issues add
-ZeRO, pipeline split and schedules, backend lowering). The user's program is only read,
+Stages run in order: graph -> propagate -> partition -> reshard insertion -> all-reduce
+fusion (later issues add ZeRO, pipeline split and schedules; backend lowering runs per backend). The user's program is only read,
 never modified: every rank program is a clone.
 """
 
@@ -15,6 +15,7 @@ from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.passes.allreduce_fusion import AllreduceFusionPass
 from autopar.passes.base import CompileState, PassPipeline
 from autopar.passes.partition import PartitionPass
 from autopar.passes.reshard_insertion import ReshardInsertionPass
@@ -36,7 +37,10 @@ def compile(  # noqa: A001  (the public name the design card fixes)
         # issue. Propagation results stay available; rank programs say why they are missing.
         state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
     else:
-        PassPipeline([PartitionPass(), ReshardInsertionPass()]).run(state)
+        passes = [PartitionPass(), ReshardInsertionPass()]
+        if state.strategy.fuse_allreduce:
+            passes.append(AllreduceFusionPass(int(state.strategy.allreduce_bucket_mb * (1 << 20))))
+        PassPipeline(passes).run(state)
     return DistributedProgram(program, startup_program, state)
 
 

@@ -32,8 +32,12 @@ class Strategy:
     sequence_parallel: bool = False
     recompute: bool = False
     cluster: str | None = None  # a cost_model profile name or JSON path; None = the default profile
+    fuse_allreduce: bool = True  # gradient all-reduces packed into buckets (passes/allreduce_fusion.py)
+    allreduce_bucket_mb: float = 32.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.allreduce_bucket_mb <= 0:
+            raise AutoparError(f"Strategy.allreduce_bucket_mb must be > 0, got {self.allreduce_bucket_mb}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise AutoparError(f"Strategy.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")

@@ -11,8 +11,10 @@ SimpleNet (Linear 256->1024->256->10, ReLU, cross-entropy, Momentum + L2), globa
 
 Both run on the native backend (whole program per step, gloo collectives inside) in the same
 two processes, interleaved in blocks; the figure is the median over blocks of the mean step
-time, without fetches. Also printed: autopar's host backend (segments + process-group
-collectives), which works for any mesh on CPU but pays a Python round trip per collective.
+time, without fetches. autopar runs with its gradient all-reduce fusion (the default) and
+without it (``-unfused``: the like-for-like comparison with the hand-written program, which
+all-reduces each gradient on its own). Also printed: the host backend (segments +
+process-group collectives), which runs any mesh on CPU but pays a round trip per collective.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _all_reduce_after(value) -> None:
     paddle.pir.reset_insertion_point_to_end()
 
 
-def autopar_program(mode: str):
+def autopar_program(mode: str, fuse: bool = True):
     import autopar
     from autopar.testing.models import simple_net
 
@@ -86,7 +88,7 @@ def autopar_program(mode: str):
         autopar.shard_tensor(net.layers["linear1"].weight, mesh, [None, "mp"])
         autopar.shard_tensor(net.layers["linear1"].bias, mesh, ["mp"])
         autopar.shard_tensor(net.layers["linear2"].weight, mesh, ["mp", None])
-    return autopar.compile(net.main, mesh, startup_program=net.startup)
+    return autopar.compile(net.main, mesh, startup_program=net.startup, strategy=autopar.Strategy(fuse_allreduce=fuse))
 
 
 def timed(step) -> float:
@@ -107,12 +109,13 @@ def bench(mode: str, rank: int, world: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     feed = {"x": rng.standard_normal((BATCH, SIZES[0])).astype("float32"),
             "label": rng.integers(0, SIZES[3], (BATCH, 1)).astype("int64")}  # fmt: skip
-    dist = autopar_program(mode)
     runs = {}
-    for backend in ("host", "native"):  # host first: it starts the process group
-        exe = autopar.Executor(dist, backend=backend)
-        exe.run_startup()
-        runs[f"autopar-{backend}"] = lambda exe=exe: exe.run(feed)
+    for fuse in (True, False):
+        dist = autopar_program(mode, fuse)
+        for backend in ("host", "native"):  # host first: it starts the process group
+            exe = autopar.Executor(dist, backend=backend)
+            exe.run_startup()
+            runs[f"autopar-{backend}" + ("" if fuse else "-unfused")] = lambda exe=exe: exe.run(feed)
     main, startup, local_batch = hand_written(mode, rank, world)
     scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     lo = rank * local_batch if mode == "dp" else 0
@@ -144,7 +147,7 @@ def main() -> None:
             hand = times["hand-written"]
             print(f"SimpleNet {mode}=2, batch {BATCH}, sizes {SIZES}:")
             for name, t in times.items():
-                print(f"  {name:14s} {t * 1e3:7.2f} ms/step   ratio to hand-written {t / hand:5.2f}")
+                print(f"  {name:22s} {t * 1e3:7.2f} ms/step   ratio to hand-written {t / hand:5.2f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Communication autopar inserts must be the optimal one, checked from ``dist.comm_ops``."""
 
+import numpy as np
 import paddle
 
 import autopar
@@ -37,15 +38,42 @@ def test_megatron_mlp_one_all_reduce_forward_one_backward_per_block():
         assert readers.count("pd_op.add_grad") == blocks  # backward: the gradient of the block input
 
 
-def test_data_parallel_one_gradient_all_reduce_per_parameter():
+def compile_dp(**strategy):
     net = simple_net(sizes=(16, 32, 16, 10))
     mesh = autopar.ProcessMesh([0, 1, 2, 3], ["dp"])
     autopar.shard_tensor(net.feeds["x"], mesh, ["dp", None])
-    dist = autopar.compile(net.main, mesh, startup_program=net.startup)
-    params = {p.name for layer in net.layers.values() for p in (layer.weight, layer.bias)}
+    dist = autopar.compile(net.main, mesh, startup_program=net.startup, strategy=autopar.Strategy(**strategy))
+    params = {p.name: p for layer in net.layers.values() for p in (layer.weight, layer.bias)}
+    return dist, mesh, params
+
+
+def test_data_parallel_one_gradient_all_reduce_per_parameter():
+    dist, mesh, params = compile_dp(fuse_allreduce=False)
     for rank in mesh.ranks:
         comms = dist.comm_ops(rank)
         assert [c.kind for c in comms] == ["all_reduce"] * len(params), "\n".join(map(str, comms))
         assert all(c.group == (0, 1, 2, 3) and c.reduce == "sum" for c in comms)
         grads_of = {c.reason.split(" reads ")[0] for c in comms}
         assert len(grads_of) == len(params)  # one per optimizer op, i.e. per parameter
+
+
+def test_data_parallel_gradients_fused_into_one_all_reduce_of_the_same_bytes():
+    unfused, _, params = compile_dp(fuse_allreduce=False)
+    dist, mesh, _ = compile_dp()
+    param_bytes = sum(4 * int(np.prod(p.shape)) for p in params.values())
+    for rank in mesh.ranks:
+        (comm,) = dist.comm_ops(rank)
+        assert comm.kind == "all_reduce" and comm.group == (0, 1, 2, 3) and comm.output_shape == (param_bytes // 4,)
+        assert comm.bytes == sum(c.bytes for c in unfused.comm_ops(rank))
+        assert comm.time < sum(c.time for c in unfused.comm_ops(rank))  # one launch instead of six
+        assert f"{len(params)} gradient all_reduces fused" in comm.reason
+
+
+def test_bucket_cap_splits_the_fusion():
+    unfused = [c.bytes for c in compile_dp(fuse_allreduce=False)[0].comm_ops(0)]
+    cap = max(unfused)  # the biggest gradient fills a bucket on its own
+    dist, mesh, params = compile_dp(allreduce_bucket_mb=cap / (1 << 20))
+    comms = dist.comm_ops(0)
+    assert 1 < len(comms) < len(params), [c.bytes for c in comms]
+    assert all(c.bytes <= cap for c in comms)
+    assert sum(c.bytes for c in comms) == sum(unfused)
