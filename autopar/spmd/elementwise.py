@@ -90,7 +90,25 @@ for _name in NONLINEAR_BINARY:
 register_rule(BroadcastGradRule(shape_only=True), *(f"{n}_grad" for n in ADDITIVE))
 register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
 
-LINEAR_UNARY = ("cast", "assign", "share_data", "neg")
+
+
+class CastRule(SpmdRule):
+    """``abc->abc``; linear (pending sums pass through) only into a float dtype: a cast to an
+    integer or bool rounds each rank's piece, and rounded pieces do not sum to the rounded whole."""
+
+    def _unary(self, attrs: Mapping[str, Any]) -> UnaryRule:
+        target = str(attrs.get("dtype", "")).lower()
+        return UnaryRule("multi" if "float" in target or "complex" in target else None)
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        return self._unary(attrs).infer_forward(inputs, attrs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return self._unary(attrs).infer_backward(inputs, outputs, attrs, ctx)
+
+
+register_rule(CastRule(), "cast")
+LINEAR_UNARY = ("assign", "share_data", "neg")
 NONLINEAR_UNARY = (
     "relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu",
     "pow", "scale", "clip", "sin", "cos", "logical_not", "isfinite", "erf", "floor",
