@@ -83,3 +83,69 @@ def differences(
         if mine.mapping != theirs.mapping or set(mine.partial_dims) != set(theirs.partial_dims):
             diffs.append(f"output {j}: ours {mine} paddle {theirs}")
     return diffs
+
+
+# ---- comparison helpers for einsum-like ops (matmul, elementwise, reductions, softmax, ...) ----
+
+
+def drop_trivial(dist: DistAttr | None) -> DistAttr | None:
+    """``dist`` without splits or partials over mesh dims of one rank (they change nothing)."""
+    if dist is None:
+        return None
+    mesh = dist.mesh
+    mapping = tuple(tuple(d for d in dims if mesh.shape[d] > 1) for dims in dist.mapping)
+    return DistAttr.of(mesh, mapping, {d: k for d, k in dist.partial if mesh.shape[d] > 1})
+
+
+def nontrivial_differences(
+    ours: RuleResult,
+    inputs: list[DistAttr],
+    outputs: list[DistAttr],
+    tensor_inputs: list[int],
+    input_partials: bool = False,
+) -> list[str]:
+    """:func:`differences` once one-rank mesh dims are dropped on both sides; with
+    ``input_partials`` the required inputs' partial mesh dims are compared too."""
+    mine = RuleResult(tuple(map(drop_trivial, ours.inputs)), tuple(map(drop_trivial, ours.outputs)))
+    inputs, outputs = [drop_trivial(d) for d in inputs], [drop_trivial(d) for d in outputs]
+    diffs = differences(mine, inputs, outputs, tensor_inputs)
+    if input_partials:
+        for k, i in enumerate(tensor_inputs):
+            if k < len(inputs) and set(mine.inputs[i].partial_dims) != set(inputs[k].partial_dims):
+                diffs.append(f"input {i} partial: ours {mine.inputs[i]} paddle {inputs[k]}")
+    return diffs
+
+
+def split_hazards(
+    letters: list[str], shapes: list[tuple[int, ...]], dists: list[DistAttr | None], one_rank_dims: bool = False
+) -> list[str]:
+    """Why two sound rules may answer differently for these operands (empty: a clean case).
+
+    Per operand its dim letters (an equation's left side, ``1`` for a broadcast dim), shape and
+    given placement. Hazards: a dim its number of parts does not divide (uneven, or more parts
+    than elements: we never cut empty pieces); one letter split differently by two operands; one
+    mesh dim splitting two letters. Rules break such ties and drop such splits differently.
+    Mesh dims of one rank are ignored unless ``one_rank_dims`` (Paddle refuses competing
+    splits even there).
+    """
+    reasons: list[str] = []
+    by_letter: dict[str, tuple[int, ...]] = {}
+    owner: dict[int, str] = {}
+    for names, shape, dist in zip(letters, shapes, dists):
+        dist = dist if one_rank_dims else drop_trivial(dist)
+        if dist is None:
+            continue
+        for letter, size, dims in zip(names, shape, dist.mapping):
+            if not dims:
+                continue
+            parts = 1
+            for d in dims:
+                parts *= dist.mesh.shape[d]
+            if size % parts or size == 1:  # Paddle labels every size-1 dim alike (broadcast)
+                reasons.append(f"dim '{letter}' of size {size} split into {parts}")
+            if by_letter.setdefault(letter, dims) != dims:
+                reasons.append(f"dim '{letter}' split over {by_letter[letter]} and {dims}")
+            for d in dims:
+                if owner.setdefault(d, letter) != letter:
+                    reasons.append(f"mesh dim {d} splits '{owner[d]}' and '{letter}'")
+    return reasons
