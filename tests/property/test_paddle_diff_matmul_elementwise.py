@@ -57,6 +57,9 @@ from autopar.testing import check_rule, eager, meshes
 
 PADDLE_REFUSES = (ValueError, NotImplementedError, RuntimeError)
 ADD_N = eager(lambda *ts: paddle.add_n(list(ts)))
+# sides that mesh sizes often divide, so that clean cases (where the rules must agree exactly)
+# are common; odd sides still give the uneven ones
+SIDES = st.sampled_from([1, 2, 3, 4, 6, 8])
 
 
 def _ours(op, shapes_, dists, attrs, mesh):
@@ -71,10 +74,12 @@ def _ours_backward(op, in_shapes, out_shapes, out_dists, attrs, mesh):
 
 
 def _agree_or_explained(diffs, hazards, check):
-    """Clean cases agree; elsewhere a difference is fine if ours is numerically right."""
-    if diffs:
-        assert hazards, diffs  # the two rules disagree on a clean case
+    """A clean case must agree with Paddle exactly; a hazardous one (agreeing or not) must be
+    numerically right."""
+    if hazards:
         check()
+    else:
+        assert not diffs, diffs
 
 
 # ---- matmul ----------------------------------------------------------------------------------
@@ -83,7 +88,7 @@ def _agree_or_explained(diffs, hazards, check):
 @st.composite
 def paddle_matmul_cases(draw):
     """matmul_cases without transpose flags on 1-D operands (Paddle's rule refuses those)."""
-    x_shape, y_shape, attrs = draw(matmul_cases())
+    x_shape, y_shape, attrs = draw(matmul_cases(sides=SIDES))
     flags = {
         "transpose_x": attrs["transpose_x"] and len(x_shape) > 1,
         "transpose_y": attrs["transpose_y"] and len(y_shape) > 1,
@@ -93,8 +98,14 @@ def paddle_matmul_cases(draw):
 
 @given(meshes(), paddle_matmul_cases(), st.data())
 def test_matmul_vs_paddle(mesh, case, data):
+    """Three placement pairs per case (inference is cheap; clean cases need even splits)."""
     x_shape, y_shape, attrs = case
-    dists = [data.draw(paddle_dists(mesh, len(x_shape))), data.draw(paddle_dists(mesh, len(y_shape)))]
+    for _ in range(3):
+        dists = [data.draw(paddle_dists(mesh, len(x_shape))), data.draw(paddle_dists(mesh, len(y_shape)))]
+        _compare_matmul(mesh, x_shape, y_shape, attrs, dists)
+
+
+def _compare_matmul(mesh, x_shape, y_shape, attrs, dists):
     ours = _ours("matmul", [x_shape, y_shape], dists, attrs, mesh)
     x_letters, y_letters, _ = matmul_letters(x_shape, y_shape, attrs)
     hazards = split_hazards([x_letters, y_letters], [x_shape, y_shape], dists)
@@ -142,7 +153,7 @@ def test_matmul_backward_vs_paddle(mesh, case, data):
 # ---- binary elementwise ----------------------------------------------------------------------
 
 
-@given(meshes(), broadcast_cases(), st.sampled_from(sorted(BINARY)), st.data())
+@given(meshes(), broadcast_cases(sides=SIDES), st.sampled_from(sorted(BINARY)), st.data())
 def test_binary_vs_paddle(mesh, case, name, data):
     dists = [data.draw(paddle_dists(mesh, len(s))) for s in case]
     ours = _ours(name, list(case), dists, {}, mesh)
@@ -160,7 +171,7 @@ def test_binary_vs_paddle(mesh, case, name, data):
     _agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
 
 
-@given(meshes(), broadcast_cases(), st.sampled_from(sorted(BINARY)), st.data())
+@given(meshes(), broadcast_cases(sides=SIDES), st.sampled_from(sorted(BINARY)), st.data())
 def test_binary_backward_vs_paddle(mesh, case, name, data):
     operands = list(_binary_operands(name, *case))
     out = eager(BINARY[name])(operands, {})[0]
@@ -193,7 +204,7 @@ PADDLE_UNARY_ATTRS = {
 @st.composite
 def unary_paddle_cases(draw):
     name = draw(st.sampled_from(sorted(set(UNARY) - {"cast"})))  # Paddle has no cast rule
-    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    shape = tuple(draw(st.lists(SIDES, min_size=1, max_size=3)))
     operands, attrs = [_rand(shape, positive=name == "sqrt")], {}
     if name == "gelu":
         attrs = {"approximate": draw(st.booleans())}
@@ -232,7 +243,7 @@ def test_unary_vs_paddle(mesh, case, data):
     _agree_or_explained(nontrivial_differences(ours, ins[:1], outs, [0]), hazards, check_backward)
 
 
-@given(meshes(), st.lists(st.integers(1, 6), min_size=1, max_size=3), st.integers(2, 4), st.data())
+@given(meshes(), st.lists(SIDES, min_size=1, max_size=3), st.integers(2, 4), st.data())
 def test_add_n_vs_paddle(mesh, shape, count, data):
     shape = tuple(shape)
     dists = [data.draw(paddle_dists(mesh, len(shape))) for _ in range(count)]

@@ -51,7 +51,7 @@ def _kept_splits(given_dist, required, shape, mesh):
 
 
 @st.composite
-def matmul_cases(draw, for_grad=False):
+def matmul_cases(draw, for_grad=False, sides=None):
     """x, y shapes and transpose flags; batch dims broadcast (some 1), 1-D operands too.
 
     ``for_grad``: two operands of 3 or more dims get the same number of dims (leading 1s) and
@@ -59,8 +59,9 @@ def matmul_cases(draw, for_grad=False):
     otherwise ((1, 2, 3) x (3, 2, 3, 4): "Input dimension size should be equal to 2";
     (2,) with transpose_x x (2, 1): "Tensor's dimension is out of bound").
     """
-    m, k, n = draw(st.integers(1, 5)), draw(st.integers(1, 5)), draw(st.integers(1, 5))
-    batch = draw(shapes(0, 2, max_side=4))
+    sides = st.integers(1, 5) if sides is None else sides
+    m, k, n = draw(sides), draw(sides), draw(sides)
+    batch = tuple(draw(st.lists(sides, max_size=2)))
     attrs = {"transpose_x": draw(st.booleans()), "transpose_y": draw(st.booleans())}
 
     def operand(rows, cols, transpose):
@@ -129,9 +130,9 @@ BINARY = {
 
 
 @st.composite
-def broadcast_cases(draw):
+def broadcast_cases(draw, sides=None):
     """Two shapes that broadcast: right-aligned suffixes of one shape, some dims set to 1."""
-    full = draw(shapes(0, 3, max_side=6))
+    full = tuple(draw(st.lists(st.integers(1, 6) if sides is None else sides, max_size=3)))
 
     def operand():
         ndim = draw(st.integers(0, len(full)))
