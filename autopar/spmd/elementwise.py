@@ -122,14 +122,5 @@ register_rule(
 register_rule(SameShapeGradRule(tensors=3), "silu_grad")
 
 
-class AddNRule(SpmdRule):
-    """``(x0, x1, ...) -> out``: ``ab,ab,... -> ab``; partial operands stay partial alike."""
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        from autopar.spmd.base import einsum_forward
-
-        operands, out = broadcast_letters([s.shape for s in inputs])
-        return einsum_forward(equation(operands, [out]), inputs, ctx, linearity="additive")
-
-
-register_rule(AddNRule(), "add_n")
+# add_n: ``ab,ab,... -> ab``; partial operands stay partial alike
+register_rule(EinsumRule(_broadcast_equation, linearity="additive"), "add_n")

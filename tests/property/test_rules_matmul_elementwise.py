@@ -284,6 +284,9 @@ def test_add_n(mesh, shape, count, data):
         d.sharded_mesh_dims() for d in dists
     ):
         assert check.result.outputs[0].partial == dists[0].partial
+    out = data.draw(dist_attrs(mesh, len(shape)))
+    back = check_rule("add_n", eager(lambda *ts: paddle.add_n(list(ts))), xs, [None] * count, {}, mesh, backward=[out])
+    assert all(d.mapping == back.result.outputs[0].mapping for d in back.result.inputs)  # inputs lie like out
 
 
 # ---- operand orders the tests above rely on --------------------------------------------------
