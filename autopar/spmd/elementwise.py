@@ -92,19 +92,30 @@ register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide
 
 
 
-class CastRule(SpmdRule):
-    """``abc->abc``; linear (pending sums pass through) only into a float dtype: a cast to an
-    integer or bool rounds each rank's piece, and rounded pieces do not sum to the rounded whole."""
+FLOAT_PRECISION = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53, "complex64": 24, "complex128": 53}
 
-    def _unary(self, attrs: Mapping[str, Any]) -> UnaryRule:
-        target = str(attrs.get("dtype", "")).lower()
-        return UnaryRule("multi" if "float" in target or "complex" in target else None)
+
+def float_precision(dtype: Any) -> int | None:
+    """Mantissa bits of a float / complex dtype given in any of Paddle's spellings; None otherwise."""
+    name = str(dtype).lower().rsplit(".", 1)[-1]
+    return FLOAT_PRECISION.get(name)
+
+
+class CastRule(SpmdRule):
+    """``abc->abc``; linear (pending sums pass through) only into a float dtype at least as
+    precise as the input: a cast to an integer or bool rounds each rank's piece, and rounded
+    pieces do not sum to the rounded whole (nor, to float16, within float32 tolerance)."""
+
+    def _unary(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> UnaryRule:
+        target, source = float_precision(attrs.get("dtype", "")), float_precision(inputs[0].dtype)
+        exact = target is not None and source is not None and target >= source
+        return UnaryRule("multi" if exact else None)
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        return self._unary(attrs).infer_forward(inputs, attrs, ctx)
+        return self._unary(inputs, attrs).infer_forward(inputs, attrs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        return self._unary(attrs).infer_backward(inputs, outputs, attrs, ctx)
+        return self._unary(inputs, attrs).infer_backward(inputs, outputs, attrs, ctx)
 
 
 register_rule(CastRule(), "cast")
