@@ -33,6 +33,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paddle_oracle import (
     Spec,
+    agree_or_explained,
     nontrivial_differences,
     paddle_dists,
     paddle_infer,
@@ -73,15 +74,6 @@ def _ours_backward(op, in_shapes, out_shapes, out_dists, attrs, mesh):
     return get_rule(op).infer_backward(specs, outs, attrs, RuleContext(mesh, op_name=op))
 
 
-def _agree_or_explained(diffs, hazards, check):
-    """A clean case must agree with Paddle exactly; a hazardous one (agreeing or not) must be
-    numerically right."""
-    if hazards:
-        check()
-    else:
-        assert not diffs, diffs
-
-
 # ---- matmul ----------------------------------------------------------------------------------
 
 
@@ -119,7 +111,7 @@ def _compare_matmul(mesh, x_shape, y_shape, attrs, dists):
     except PADDLE_REFUSES:  # Paddle only refuses competing splits (even over one-rank mesh dims)
         assert split_hazards([x_letters, y_letters], [x_shape, y_shape], dists, one_rank_dims=True)
         return check()
-    _agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
+    agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
 
 
 @given(meshes(), paddle_matmul_cases(), st.data())
@@ -147,7 +139,7 @@ def test_matmul_backward_vs_paddle(mesh, case, data):
     except PADDLE_REFUSES:  # Paddle's reverse matmul rule wants out.ndim == max input ndim
         assert min(len(x_shape), len(y_shape)) == 1
         return check()
-    _agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
+    agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
 
 
 # ---- binary elementwise ----------------------------------------------------------------------
@@ -168,7 +160,7 @@ def test_binary_vs_paddle(mesh, case, name, data):
     except PADDLE_REFUSES:
         assert split_hazards(letters, list(case), dists, one_rank_dims=True)
         return check()
-    _agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
+    agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
 
 
 @given(meshes(), broadcast_cases(sides=SIDES), st.sampled_from(sorted(BINARY)), st.data())
@@ -189,7 +181,7 @@ def test_binary_backward_vs_paddle(mesh, case, name, data):
     except PADDLE_REFUSES:
         assert split_hazards([out_letters], [out.shape], [out_dist], one_rank_dims=True)
         return check()
-    _agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
+    agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
 
 
 # ---- unary elementwise and add_n -------------------------------------------------------------
@@ -229,7 +221,7 @@ def test_unary_vs_paddle(mesh, case, data):
     def check():
         check_rule(name, fn, operands, [dist, *rest], attrs, mesh)
 
-    _agree_or_explained(nontrivial_differences(ours, ins, outs, [0]), hazards, check)
+    agree_or_explained(nontrivial_differences(ours, ins, outs, [0]), hazards, check)
 
     out_dist = data.draw(paddle_dists(mesh, x.ndim))
     ours = _ours_backward(name, [o.shape for o in operands], [x.shape], [out_dist], attrs, mesh)
@@ -240,7 +232,7 @@ def test_unary_vs_paddle(mesh, case, data):
     def check_backward():
         check_rule(name, fn, operands, [None, *rest], attrs, mesh, backward=[out_dist])
 
-    _agree_or_explained(nontrivial_differences(ours, ins[:1], outs, [0]), hazards, check_backward)
+    agree_or_explained(nontrivial_differences(ours, ins[:1], outs, [0]), hazards, check_backward)
 
 
 @given(meshes(), st.lists(SIDES, min_size=1, max_size=3), st.integers(2, 4), st.data())
@@ -260,7 +252,7 @@ def test_add_n_vs_paddle(mesh, shape, count, data):
     except PADDLE_REFUSES:
         assert split_hazards(letters, [shape] * count, dists, one_rank_dims=True)
         return check()
-    _agree_or_explained(nontrivial_differences(ours, ins, outs, list(range(count))), hazards, check)
+    agree_or_explained(nontrivial_differences(ours, ins, outs, list(range(count))), hazards, check)
 
 
 # ---- partial inputs: a table of where the two rules differ -----------------------------------
