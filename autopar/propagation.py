@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,9 +87,10 @@ class PropagationResult:
     def dist(self, key: ValueKey) -> DistAttr:
         return self.states[key].dist
 
-    @property
+    @functools.cached_property
     def produced(self) -> dict[ValueKey, DistAttr]:
-        """Values whose producer makes another placement than they have (resharded right after it)."""
+        """Values whose producer makes another placement than they have (resharded right after it;
+        read once propagation is done)."""
         return {need.value: need.have for need in self.reshards if need.position < 0}
 
 
