@@ -68,8 +68,8 @@ class NativeRunner:
         return np.array(var.get_tensor())
 
 
-# rings this process has communicators for (Paddle refuses to create one twice)
-CREATED_RINGS: set[int] = set()
+# rings this process has communicators for, and their groups (Paddle refuses to create one twice)
+CREATED_RINGS: dict[int, tuple[int, ...]] = {}
 
 
 def create_rings(dist: Any, rank: int) -> Any:
@@ -83,11 +83,16 @@ def create_rings(dist: Any, rank: int) -> Any:
 
     store = core.create_or_get_global_tcp_store()
     for group, ring in sorted(dist.state.rings.items(), key=lambda item: item[1]):
-        if rank not in group or ring in CREATED_RINGS:
+        if rank not in group:
             continue
-        if ring == 0 and pdist.is_initialized() and len(group) == pdist.get_world_size():
-            CREATED_RINGS.add(ring)
+        if ring in CREATED_RINGS:
+            if CREATED_RINGS[ring] != tuple(group):
+                raise AutoparError(
+                    f"ring {ring} is already this process's communicator for ranks {list(CREATED_RINGS[ring])}; "
+                    f"another program wants it for {list(group)}: run one program's native Executor per process"
+                )
             continue
-        core.CommContextManager.create_gloo_comm_context(store, str(ring), list(group).index(rank), len(group))
-        CREATED_RINGS.add(ring)
+        if not (ring == 0 and pdist.is_initialized() and len(group) == pdist.get_world_size()):
+            core.CommContextManager.create_gloo_comm_context(store, str(ring), list(group).index(rank), len(group))
+        CREATED_RINGS[ring] = tuple(group)
     return store
