@@ -30,22 +30,9 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.paddle_mode import dygraph
 from autopar.runtime.collectives import perform
 from autopar.runtime.jobs import CollectiveJob
-
-
-@contextlib.contextmanager
-def _dynamic() -> Iterator[None]:
-    import paddle
-
-    was_static = not paddle.in_dynamic_mode()
-    if was_static:
-        paddle.disable_static()
-    try:
-        yield
-    finally:
-        if was_static:
-            paddle.enable_static()
 
 
 class GlooCommunicator:
@@ -57,7 +44,7 @@ class GlooCommunicator:
         self.rank = rank
         self.world = world
         self.timeout = float(timeout or os.environ.get("AUTOPAR_COLLECTIVE_TIMEOUT", 120))
-        with _dynamic():
+        with dygraph():
             if not pdist.is_initialized():
                 from autopar.runtime.native import CREATED_RINGS
 
@@ -84,7 +71,7 @@ class GlooCommunicator:
             timer.cancel()
 
     def run(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray | None:
-        with self._watchdog(f"{job.kind} over ranks {list(job.group)}"), _dynamic():
+        with self._watchdog(f"{job.kind} over ranks {list(job.group)}"), dygraph():
             if sorted(job.group) == list(range(self.world)) and job.kind in ("all_reduce", "all_gather", "broadcast"):
                 return self._world(job, np.ascontiguousarray(x))
             everyone: list[Any] = []
@@ -130,7 +117,7 @@ class GlooCommunicator:
     def all_gather_object(self, obj: Any) -> list[Any]:
         import paddle.distributed as pdist
 
-        with self._watchdog("gathering results"), _dynamic():
+        with self._watchdog("gathering results"), dygraph():
             out: list[Any] = []
             pdist.all_gather_object(out, obj)
             return out

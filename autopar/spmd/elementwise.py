@@ -10,9 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
+from autopar.spmd.base import (
+    EinsumRule,
+    RuleContext,
+    RuleResult,
+    SpmdRule,
+    TensorSpec,
+    einsum_backward,
+    einsum_forward,
+    einsum_grad,
+)
 from autopar.spmd.letters import broadcast_letters, equation
-from autopar.spmd.operands import keep_pending, spread
+from autopar.spmd.operands import keep_pending, letters, spread
 from autopar.spmd.registry import register_rule
 
 
@@ -51,9 +60,9 @@ class SameShapeGradRule(SpmdRule):
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         tensors = list(range(self.tensors))
-        letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
+        names = letters(inputs[0].ndim)
         sub = [inputs[i] for i in tensors]
-        result = einsum_grad(equation([letters] * len(sub), [letters]), sub, ctx, grad_operands=[len(sub) - 1])
+        result = einsum_grad(equation([names] * len(sub), [names]), sub, ctx, grad_operands=[len(sub) - 1])
         return spread(result, tensors, inputs, ctx)
 
 
@@ -64,17 +73,13 @@ class UnaryRule(SpmdRule):
         self.linearity = linearity
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        from autopar.spmd.base import einsum_forward
-
-        letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
-        result = einsum_forward(f"{letters}->{letters}", inputs[:1], ctx, linearity=self.linearity)
+        names = letters(inputs[0].ndim)
+        result = einsum_forward(f"{names}->{names}", inputs[:1], ctx, linearity=self.linearity)
         return spread(result, [0], inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        from autopar.spmd.base import einsum_backward
-
-        letters = "".join(chr(ord("a") + i) for i in range(inputs[0].ndim))
-        result = einsum_backward(f"{letters}->{letters}", inputs[:1], outputs[:1], ctx)
+        names = letters(inputs[0].ndim)
+        result = einsum_backward(f"{names}->{names}", inputs[:1], outputs[:1], ctx)
         return spread(result, [0], inputs, ctx)
 
 
@@ -89,7 +94,6 @@ for _name in NONLINEAR_BINARY:
     register_rule(EinsumRule(_broadcast_equation), _name)
 register_rule(BroadcastGradRule(shape_only=True), *(f"{n}_grad" for n in ADDITIVE))
 register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
-
 
 
 FLOAT_PRECISION = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53, "complex64": 24, "complex128": 53}

@@ -19,12 +19,8 @@ import math
 
 from autopar.dist_attr import DistAttr
 from autopar.spmd.base import RuleResult, SpmdRule, einsum_backward, einsum_forward, einsum_grad, merge_letters
-from autopar.spmd.operands import axis_attr, letters, spread
+from autopar.spmd.operands import axis_whole_letters, spread
 from autopar.spmd.registry import register
-
-
-def _topk_letters(ndim: int, attrs) -> str:
-    return letters(ndim, whole=[axis_attr(attrs, "axis", ndim, default=-1)] if ndim else [])
 
 
 @register("topk")
@@ -32,11 +28,11 @@ class TopkRule(SpmdRule):
     """``(x, k) -> (out, indices)``: ``a1 -> a1,a1``."""
 
     def infer_forward(self, inputs, attrs, ctx):
-        names = _topk_letters(inputs[0].ndim, attrs)
+        names = axis_whole_letters(inputs[0].ndim, attrs)
         return spread(einsum_forward(f"{names}->{names},{names}", inputs[:1], ctx), [0], inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = _topk_letters(inputs[0].ndim, attrs)
+        names = axis_whole_letters(inputs[0].ndim, attrs)
         return spread(einsum_backward(f"{names}->{names},{names}", inputs[:1], outputs, ctx), [0], inputs, ctx)
 
 
@@ -45,7 +41,7 @@ class TopkGradRule(SpmdRule):
     """``(x, indices, out_grad, k) -> x_grad``: ``a1,a1,a1 -> a1``; out_grad partials pass."""
 
     def infer_forward(self, inputs, attrs, ctx):
-        names = _topk_letters(inputs[0].ndim, attrs)
+        names = axis_whole_letters(inputs[0].ndim, attrs)
         result = einsum_grad(f"{names},{names},{names}->{names}", inputs[:3], ctx, grad_operands=[2])
         return spread(result, [0, 1, 2], inputs, ctx)
 

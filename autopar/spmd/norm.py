@@ -14,9 +14,9 @@ bias (``weight_attr=False``) are ``None`` operands and give ``None`` gradients.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from autopar.dist_attr import DistAttr
 from autopar.spmd.base import (
     RuleContext,
     RuleResult,
@@ -26,7 +26,7 @@ from autopar.spmd.base import (
     einsum_forward,
     einsum_grad,
 )
-from autopar.spmd.operands import letters
+from autopar.spmd.operands import letters, spread
 from autopar.spmd.registry import register
 
 
@@ -41,14 +41,6 @@ def _present(specs: Sequence[TensorSpec | None], names: Sequence[str]) -> tuple[
     return kept, [names[i] for i in kept]
 
 
-def _place(result: RuleResult, kept: list[int], count: int, outputs: Sequence[DistAttr | None] | None = None) -> RuleResult:
-    """Put the present operands' requirements back at their positions (absent ones ``None``)."""
-    required: list[DistAttr | None] = [None] * count
-    for pos, i in enumerate(kept):
-        required[i] = result.inputs[pos]
-    return RuleResult(tuple(required), tuple(outputs) if outputs is not None else result.outputs, result.conflicts)
-
-
 @register("layer_norm")
 class LayerNormRule(SpmdRule):
     """``(x, scale, bias) -> (out, mean, variance)``: ``ab1,1,1 -> ab1,ab,ab``."""
@@ -60,11 +52,11 @@ class LayerNormRule(SpmdRule):
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         kept, eq = self._equation(inputs, attrs)
-        return _place(einsum_forward(eq, [inputs[i] for i in kept], ctx), kept, len(inputs))
+        return spread(einsum_forward(eq, [inputs[i] for i in kept], ctx), kept, inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
         kept, eq = self._equation(inputs, attrs)
-        return _place(einsum_backward(eq, [inputs[i] for i in kept], outputs, ctx), kept, len(inputs))
+        return spread(einsum_backward(eq, [inputs[i] for i in kept], outputs, ctx), kept, inputs, ctx)
 
 
 @register("layer_norm_grad")
@@ -79,4 +71,4 @@ class LayerNormGradRule(SpmdRule):
         result = einsum_grad(eq, [inputs[i] for i in kept], ctx, grad_operands=[len(kept) - 1])
         produced = iter(result.outputs)
         outputs = [next(produced)] + [next(produced) if inputs[i] is not None else None for i in (1, 2)]
-        return _place(result, kept, len(inputs), outputs)
+        return replace(spread(result, kept, inputs, ctx), outputs=tuple(outputs))

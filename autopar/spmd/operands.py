@@ -52,6 +52,11 @@ def axes_attr(attrs: Mapping[str, Any], name: str, ndim: int) -> list[int]:
     return [int(a) % ndim if ndim else 0 for a in items]
 
 
+def axis_whole_letters(ndim: int, attrs: Mapping[str, Any], default: int = -1) -> str:
+    """Letters of a tensor whose ``axis`` attr names a dim that must stay whole (softmax, topk)."""
+    return letters(ndim, whole=[axis_attr(attrs, "axis", ndim, default=default)] if ndim else [])
+
+
 def without_partial(dist: DistAttr | None) -> DistAttr | None:
     return None if dist is None or not dist.partial else DistAttr.of(dist.mesh, dist.mapping)
 

@@ -25,24 +25,19 @@ from autopar.spmd.base import (
     einsum_forward,
     einsum_grad,
 )
-from autopar.spmd.operands import axis_attr, letters
+from autopar.spmd.operands import axis_attr, axis_whole_letters, letters
 from autopar.spmd.registry import register, register_rule
-
-
-def _row_letters(ndim: int, attrs: Mapping[str, Any]) -> str:
-    """Letters of a tensor whose ``axis`` must stay whole."""
-    return letters(ndim, whole=[axis_attr(attrs, "axis", ndim, default=-1)] if ndim else [])
 
 
 class SoftmaxRule(SpmdRule):
     """``x -> out``: ``ab1 -> ab1``."""
 
     def infer_forward(self, inputs, attrs, ctx):
-        names = _row_letters(inputs[0].ndim, attrs)
+        names = axis_whole_letters(inputs[0].ndim, attrs)
         return einsum_forward(f"{names}->{names}", inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = _row_letters(inputs[0].ndim, attrs)
+        names = axis_whole_letters(inputs[0].ndim, attrs)
         return einsum_backward(f"{names}->{names}", inputs, outputs, ctx)
 
 
@@ -50,7 +45,7 @@ class SoftmaxGradRule(SpmdRule):
     """``(out, out_grad) -> x_grad``: ``ab1,ab1 -> ab1``."""
 
     def infer_forward(self, inputs, attrs, ctx):
-        names = _row_letters(inputs[0].ndim, attrs)
+        names = axis_whole_letters(inputs[0].ndim, attrs)
         return einsum_grad(f"{names},{names}->{names}", inputs, ctx, grad_operands=[1])
 
 

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-
-@contextlib.contextmanager
-def dygraph() -> Iterator[None]:
-    """Eager mode for the duration, whatever mode the caller was in."""
-    import paddle
-
-    was_static = not paddle.in_dynamic_mode()
-    if was_static:
-        paddle.disable_static()
-    try:
-        yield
-    finally:
-        if was_static:
-            paddle.enable_static()
+from autopar.paddle_mode import dygraph
 
 
 def _tensor(x: np.ndarray, grad: bool) -> Any:
