@@ -73,10 +73,8 @@ def gather(dist: Any, key: Any, pieces: Mapping[int, np.ndarray]) -> np.ndarray:
 
 def produced_placement(dist: Any, key: Any) -> Any:
     """Placement of the value as its op makes it (before any after-producer reshard)."""
-    for need in dist.propagation.reshards:
-        if need.value == key and need.position < 0:
-            return need.have
-    return dist.propagation.dist(key)
+    produced = dist.propagation.produced.get(key)
+    return produced if produced is not None else dist.propagation.dist(key)
 
 
 def parameters(dist: Any, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:
