@@ -174,7 +174,7 @@ def explain_text(dist: Any, target: str = "") -> str:
         "",
     ]
     lines += placement_lines(dist) + [""]
-    unavailable = dist.state.unavailable
+    unavailable = dist.unavailable
     if unavailable:
         lines += [f"collectives: not planned per rank ({unavailable})", ""]
     else:

@@ -1,8 +1,10 @@
 """``autopar.compile``: the driver from an annotated serial program to a DistributedProgram.
 
-Stages run in order: graph -> propagate -> partition -> reshard insertion -> all-reduce
-fusion (later issues add ZeRO, pipeline split and schedules; backend lowering runs per backend). The user's program is only read,
-never modified: every rank program is a clone.
+compile = analyze (graph, annotations, propagation) -> the pass pipeline the Strategy
+declares (:func:`passes_for`), planned once for the whole job. Rank programs are built later,
+one rank at a time, by the same pipeline (``dist.rank_plan(rank)``): compile's cost does not
+grow with the world size. The user's program is only read, never modified: every rank
+program is a clone.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
-from autopar.passes.allreduce_fusion import AllreduceFusionPass
-from autopar.passes.base import CompileState, PassPipeline
-from autopar.passes.partition import PartitionPass
-from autopar.passes.reshard_insertion import ReshardInsertionPass
+from autopar.passes.allreduce_fusion import AllreduceFusion
+from autopar.passes.backend_lowering import BackendLowering
+from autopar.passes.base import CompileState, Pass, PassPipeline
+from autopar.passes.partition import Partition
+from autopar.passes.reshard_emission import ReshardEmission
+from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.propagation import propagate
 from autopar.strategy import Strategy
 
@@ -28,20 +32,32 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     mesh: ProcessMesh,
     startup_program: Any = None,
     strategy: Strategy | None = None,
+    callback: Any = None,
 ) -> DistributedProgram:
-    """Propagate the annotations of ``program`` over ``mesh``; see DESIGN.md for the contract."""
+    """Propagate the annotations of ``program`` over ``mesh`` and plan every pass; see DESIGN.md.
+
+    ``callback(pass, state, rank_program_or_None)`` runs after each pass (compile-time
+    planning, then per rank as rank programs are built): the hook for per-pass dumps.
+    """
     state = analyze(program, mesh, startup_program, strategy)
+    pipeline = PassPipeline(tuple(passes_for(state.strategy)), callback)
     staged = sorted({str(m) for m in state.propagation.op_meshes.values() if m != mesh})
     if staged:
         # sub-mesh (pipeline stage) programs need stage splitting and send/recv: the pipeline
         # issue. Propagation results stay available; rank programs say why they are missing.
         state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
     else:
-        passes = [PartitionPass(), ReshardInsertionPass()]
-        if state.strategy.fuse_allreduce:
-            passes.append(AllreduceFusionPass(int(state.strategy.allreduce_bucket_mb * (1 << 20))))
-        PassPipeline(passes).run(state)
-    return DistributedProgram(program, startup_program, state)
+        pipeline.plan(state)
+    return DistributedProgram(program, startup_program, state, pipeline)
+
+
+def passes_for(strategy: Strategy) -> list[Pass]:
+    """The declared pass list of a Strategy (``dist.passes`` prints it)."""
+    passes: list[Pass] = [Partition(), ReshardPlanning(), ReshardEmission()]
+    if strategy.fuse_allreduce:
+        passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
+    passes.append(BackendLowering())
+    return passes
 
 
 def analyze(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
@@ -50,12 +66,15 @@ def analyze(program: Any, mesh: ProcessMesh, startup_program: Any = None, strate
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     if not hasattr(program, "global_block"):
         raise AutoparError(f"compile needs a Paddle static (PIR) Program, got {type(program).__name__}")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise AutoparError(f"strategy must be an autopar.Strategy, got {type(strategy).__name__}")
     strategy = strategy or Strategy()
+    strategy.check_implemented()
     graph = ProgramGraph(program)
     user = _user_placements(program, graph, mesh)
     op_meshes = _op_meshes(program, graph, mesh)
-    cluster = _cluster(strategy)
-    result = propagate(graph, mesh, user, op_meshes, cluster=cluster.fitted(mesh.ranks))
+    cluster = _cluster(strategy).fitted(mesh.ranks)
+    result = propagate(graph, mesh, user, op_meshes, cluster=cluster)
     return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
 
 

@@ -1,13 +1,20 @@
 """DistAttr: how one tensor lies on a mesh (stage: annotate / propagate).
 
 Inside autopar a DistAttr records, for each tensor dim, the tuple of mesh dims it is split
-over (ascending; empty = not split) and the mesh dims over which the tensor is *partial*
-(a pending reduction: sum, avg, max or min). One tensor dim may be split over several mesh
-dims (Paddle's multi-dims mapping, JAX's ``P(("x","y"))``); the public form stays Paddle's
+over (empty = not split) and the mesh dims over which the tensor is *partial* (a pending
+reduction: sum, avg, max or min). One tensor dim may be split over several mesh dims
+(Paddle's multi-dims mapping, JAX's ``P(("x","y"))``); the public form stays Paddle's
 ``dims_mapping`` (-1 = not split) and placement lists, converted at the boundary only.
 
-Text form, used by ``str``, dumps and tests: one entry per mesh dim, ``[S(0),R]``,
-``[P(sum),S(1)]``; :meth:`DistAttr.parse` inverts it.
+The order of the mesh dims that split one tensor dim is part of the layout and is kept as
+given, never sorted: the pieces are numbered in mixed radix over them, the first listed being
+the major digit (``("mp", "dp")`` on a ``dp=2, mp=2`` mesh gives rank (dp=1, mp=0) piece
+``0 * 2 + 1 = 1``; ``("dp", "mp")`` gives it piece 2). FSDP over TP needs exactly this.
+
+Per mesh dim the layout is a :mod:`autopar.placement` value (``attr.placements``); the text
+form, used by ``str``, dumps and tests, is one entry per mesh dim, ``[S(0),R]``,
+``[P(sum),S(1)]``, ``[S(0)#1,S(0)]`` (dim 0 split over mesh dims (1, 0));
+:meth:`DistAttr.parse` inverts it.
 
 Uneven splits are legal: a size-``n`` dim over ``k`` parts gives shard ``i`` the bounds of
 ``numpy.array_split`` (the first ``n % k`` shards are one longer); :func:`shard_bounds` is
@@ -17,16 +24,24 @@ the one definition every pass and the runtime use.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.errors import MeshError, PlacementError
 from autopar.mesh import ProcessMesh
+from autopar.placement import (
+    REDUCE_KINDS,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    from_paddle_placement,
+    parse_placement,
+    to_paddle_placement,
+)
 
-REDUCE_KINDS = ("sum", "avg", "max", "min")
-_PADDLE_REDUCE = {"sum": "kRedSum", "avg": "kRedAvg", "max": "kRedMax", "min": "kRedMin"}
+__all__ = ["REDUCE_KINDS", "DistAttr", "shard_bounds"]
 
 
 def shard_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -45,9 +60,7 @@ def _normalize_partial(partial: Any) -> tuple[tuple[int, str], ...]:
         items = [(p, "sum") if isinstance(p, int) else tuple(p) for p in partial]
     out = {}
     for mesh_dim, kind in items:
-        if kind not in REDUCE_KINDS:
-            raise PlacementError(f"unknown partial reduce kind {kind!r}; expected one of {REDUCE_KINDS}")
-        out[int(mesh_dim)] = kind
+        out[int(mesh_dim)] = Partial(kind).reduce  # validates the kind
     return tuple(sorted(out.items()))
 
 
@@ -57,29 +70,56 @@ class DistAttr:
 
     ``DistAttr(mesh, dims_mapping=[0, -1], partial_dims={1})``: dim 0 split over mesh dim 0,
     dim 1 whole, pending sum over mesh dim 1. ``partial_dims`` may also map mesh dim -> kind.
+    ``DistAttr(mesh, [("mp", "dp"), None])``: dim 0 split over mp (major) then dp.
+    The field names ``mapping=`` / ``partial=`` are accepted as keyword aliases so that
+    ``dataclasses.replace(attr, partial=((1, "sum"),))`` works. The hash is computed once
+    (planner states and rule caches hash DistAttrs constantly) and never pickled.
     """
 
     mesh: ProcessMesh
     mapping: tuple[tuple[int, ...], ...]
     partial: tuple[tuple[int, str], ...] = ()
+    _hash: int = field(init=False, repr=False, compare=False)
 
-    def __init__(self, mesh: ProcessMesh, dims_mapping: Sequence[Any] = (), partial_dims: Any = None) -> None:
+    def __init__(
+        self,
+        mesh: ProcessMesh,
+        dims_mapping: Sequence[Any] | None = None,
+        partial_dims: Any = None,
+        *,
+        mapping: Sequence[Any] | None = None,
+        partial: Any = None,
+    ) -> None:
         if not isinstance(mesh, ProcessMesh):
             raise PlacementError(f"DistAttr needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-        mapping = tuple(_normalize_entry(entry, mesh) for entry in dims_mapping)
+        if mapping is not None:
+            if dims_mapping is not None:
+                raise PlacementError(f"DistAttr takes dims_mapping or mapping= (its field name), not both: {mapping!r}")
+            dims_mapping = mapping
+        if partial is not None:
+            if partial_dims is not None:
+                raise PlacementError(f"DistAttr takes partial_dims or partial= (its field name), not both: {partial!r}")
+            partial_dims = partial
+        entries = tuple(_normalize_entry(e, mesh) for e in (dims_mapping if dims_mapping is not None else ()))
+        partial_t = _normalize_partial(partial_dims)
         object.__setattr__(self, "mesh", mesh)
-        object.__setattr__(self, "mapping", mapping)
-        object.__setattr__(self, "partial", _normalize_partial(partial_dims))
+        object.__setattr__(self, "mapping", entries)
+        object.__setattr__(self, "partial", partial_t)
+        object.__setattr__(self, "_hash", hash((mesh, entries, partial_t)))
         self._validate()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Pickle the fields only: the receiving process computes its own hash."""
+        return DistAttr, (self.mesh, self.mapping, self.partial)
 
     def _validate(self) -> None:
         used: list[int] = [d for dims in self.mapping for d in dims]
         for mesh_dim in used + [d for d, _ in self.partial]:
             if not 0 <= mesh_dim < self.mesh.ndim:
                 raise PlacementError(f"mesh dim {mesh_dim} out of range for {self.mesh}")
-        for dims in self.mapping:
-            if list(dims) != sorted(dims):
-                raise PlacementError(f"a tensor dim split over several mesh dims lists them ascending, got {dims}")
         seen = used + [d for d, _ in self.partial]
         if len(set(seen)) != len(seen):
             twice = sorted({self.mesh.dim_names[d] for d in seen if seen.count(d) > 1})
@@ -119,16 +159,25 @@ class DistAttr:
     def sharded_mesh_dims(self) -> set[int]:
         return {d for dims in self.mapping for d in dims}
 
-    def placement_of(self, mesh_dim: int) -> str:
-        """``S(i)``, ``P(kind)`` or ``R`` for one mesh dim."""
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """One placement per mesh dim. A tensor dim split over several mesh dims in other than
+        ascending mesh-dim order carries each one's ``shard_order``; ascending ones leave it 0."""
+        out: list[Placement] = [Replicate()] * self.mesh.ndim
         for tensor_dim, dims in enumerate(self.mapping):
-            if mesh_dim in dims:
-                return f"S({tensor_dim})"
-        kind = self.partial_dims.get(mesh_dim)
-        return f"P({kind})" if kind else "R"
+            ascending = list(dims) == sorted(dims)
+            for order, mesh_dim in enumerate(dims):
+                out[mesh_dim] = Shard(tensor_dim, 0 if ascending else order)
+        for mesh_dim, kind in self.partial:
+            out[mesh_dim] = Partial(kind)
+        return tuple(out)
+
+    def placement_of(self, mesh_dim: int) -> Placement:
+        """The placement along one mesh dim: ``Shard(i)``, ``Partial(kind)`` or ``Replicate()``."""
+        return self.placements[mesh_dim]
 
     def __str__(self) -> str:
-        return "[" + ",".join(self.placement_of(d) for d in range(self.mesh.ndim)) + "]"
+        return "[" + ",".join(map(str, self.placements)) + "]"
 
     def __repr__(self) -> str:
         return f"DistAttr({self.mesh}, {self})"
@@ -154,28 +203,22 @@ class DistAttr:
     @classmethod
     def parse(cls, text: str, mesh: ProcessMesh, ndim: int) -> DistAttr:
         """Invert ``str``: ``"[S(0),P(sum)]"`` on a 2-d mesh for a tensor of ``ndim`` dims."""
-        items = [t.strip() for t in text.strip().strip("[]").split(",") if t.strip()]
+        items = [t for t in text.strip().strip("[]").split(",") if t.strip()]
         if len(items) != mesh.ndim:
             raise PlacementError(f"{text!r} has {len(items)} placements, {mesh} has {mesh.ndim} dims")
-        mapping: list[list[int]] = [[] for _ in range(ndim)]
-        partial = {}
-        for mesh_dim, item in enumerate(items):
-            if item == "R":
-                continue
-            if m := re.fullmatch(r"S\((-?\d+)\)", item):
-                tensor_dim = int(m.group(1))
-                if not -ndim <= tensor_dim < ndim:
-                    raise PlacementError(f"{item} in {text!r} is out of range for a {ndim}-d tensor")
-                mapping[tensor_dim % ndim].append(mesh_dim)
-            elif m := re.fullmatch(r"P\((\w+)\)", item):
-                partial[mesh_dim] = m.group(1)
-            else:
-                raise PlacementError(f"cannot parse placement {item!r} in {text!r}")
-        return cls(mesh, [tuple(m) for m in mapping], partial)
+        try:
+            return cls.from_placements(mesh, [parse_placement(item) for item in items], ndim)
+        except PlacementError as err:
+            raise PlacementError(f"{err} (in {text!r})") from err
 
     # ---- local pieces ----------------------------------------------------------------
     def shard_index(self, tensor_dim: int, rank: int) -> tuple[int, int]:
-        """(index, parts) of ``rank``'s piece along ``tensor_dim`` (mixed radix over its mesh dims)."""
+        """(index, parts) of ``rank``'s piece along ``tensor_dim``.
+
+        Mixed radix over the mesh dims splitting ``tensor_dim``, in mapping order: the first
+        listed is the major digit, the last the minor one (a new split appended innermost
+        subdivides each existing piece).
+        """
         coord = self.mesh.coordinate(rank)
         index, parts = 0, 1
         for mesh_dim in self.mapping[tensor_dim]:
@@ -203,40 +246,28 @@ class DistAttr:
     # ---- Paddle conversions ----------------------------------------------------------
     def to_placements(self) -> list[Any]:
         """Paddle placement list, one per mesh dim (``Shard(i)``, ``Replicate()``, ``Partial()``)."""
-        import paddle.distributed as pdist
-
-        out = []
-        for mesh_dim in range(self.mesh.ndim):
-            text = self.placement_of(mesh_dim)
-            if text.startswith("S("):
-                out.append(pdist.Shard(int(text[2:-1])))
-            elif text.startswith("P("):
-                out.append(pdist.Partial(getattr(pdist.ReduceType, _PADDLE_REDUCE[text[2:-1]])))
-            else:
-                out.append(pdist.Replicate())
-        return out
+        return [to_paddle_placement(p) for p in self.placements]
 
     @classmethod
     def from_placements(cls, mesh: ProcessMesh, placements: Sequence[Any], ndim: int) -> DistAttr:
-        import paddle.distributed as pdist
+        """From one placement per mesh dim, Paddle's or ours (:mod:`autopar.placement`).
 
+        Mesh dims splitting the same tensor dim are ordered by ``shard_order``, then by mesh
+        dim (Paddle's rule), so all-zero orders mean ascending mesh-dim order.
+        """
         if len(placements) != mesh.ndim:
             raise PlacementError(f"{len(placements)} placements given for {mesh} with {mesh.ndim} dims")
-        items = []
-        for p in placements:
-            if isinstance(p, pdist.Shard):
-                items.append(f"S({p.get_dim()})")
-            elif isinstance(p, pdist.Partial):
-                reverse = {v: k for k, v in _PADDLE_REDUCE.items()}
-                kind = reverse.get(p.reduce_type().name)
-                if kind is None:
-                    raise PlacementError(f"Partial reduce type {p.reduce_type().name} is not supported")
-                items.append(f"P({kind})")
-            elif isinstance(p, pdist.Replicate):
-                items.append("R")
-            else:
-                raise PlacementError(f"not a Paddle placement: {p!r}")
-        return cls.parse("[" + ",".join(items) + "]", mesh, ndim)
+        splits: list[list[tuple[int, int]]] = [[] for _ in range(ndim)]
+        partial = {}
+        for mesh_dim, placement in enumerate(placements):
+            value = from_paddle_placement(placement)
+            if isinstance(value, Shard):
+                if not -ndim <= value.dim < ndim:
+                    raise PlacementError(f"{value} on mesh dim {mesh_dim} is out of range for a {ndim}-d tensor")
+                splits[value.dim % ndim].append((value.shard_order, mesh_dim))
+            elif isinstance(value, Partial):
+                partial[mesh_dim] = value.reduce
+        return cls(mesh, [tuple(d for _, d in sorted(split)) for split in splits], partial)
 
     def to_paddle(self) -> Any:
         """Paddle's ``TensorDistAttr`` (multi-dims mappings are not expressible there)."""
@@ -262,7 +293,7 @@ def _cached(mesh: ProcessMesh, mapping: tuple[tuple[int, ...], ...], partial: tu
 
 
 def _normalize_entry(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
-    """One dims_mapping entry -> ascending tuple of mesh dim indices."""
+    """One dims_mapping entry -> tuple of mesh dim indices, in the order given (major first)."""
     try:
         return _entry_dims(entry, mesh)
     except MeshError as err:
@@ -275,6 +306,5 @@ def _entry_dims(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
     if isinstance(entry, (str, int)) and not isinstance(entry, bool):
         return (mesh.mesh_dim(entry),)
     if isinstance(entry, Iterable):
-        dims = tuple(mesh.mesh_dim(e) for e in entry)
-        return tuple(sorted(dims)) if len(set(dims)) == len(dims) else dims
+        return tuple(mesh.mesh_dim(e) for e in entry)
     raise PlacementError(f"dims_mapping entry must be a mesh dim name, index, None or -1; got {entry!r}")

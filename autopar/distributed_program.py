@@ -1,20 +1,25 @@
-"""DistributedProgram: everything compile produced, queried by later stages and users.
+"""DistributedProgram: everything compile produced, queried by users and the runtime.
 
-So far: the placement of every serial value, the ops each runs on, what needs resharding,
-and the compile report (conflicts, ops without a rule).
+Rank-independent results are computed once by compile: the placement of every serial value,
+the planned reshards and buckets (values), the compile report. Rank programs are built on
+demand, one rank at a time, by the declared pass pipeline: :meth:`rank_plan` returns the
+per-rank contract the runtime consumes, and caches it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
-from autopar.passes.base import CommOp, CompileState, RankProgram
+from autopar.passes.base import CompileState, PassPipeline, RankProgram
 from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
+from autopar.rank_plan import RankPlan, ValueInfo, ValueTable
 from autopar.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -44,10 +49,14 @@ class CompileReport:
 class DistributedProgram:
     """The result of :func:`autopar.compile` (see DESIGN.md, public API contract)."""
 
-    def __init__(self, program: Any, startup_program: Any, state: CompileState) -> None:
+    BACKENDS = ("host", "native", "auto")
+
+    def __init__(self, program: Any, startup_program: Any, state: CompileState, pipeline: PassPipeline) -> None:
         self.serial_program = program
         self.serial_startup_program = startup_program
         self.state = state
+        self.pipeline = pipeline
+        self._plans: dict[tuple[int, str], RankPlan] = {}
         self.mesh: ProcessMesh = state.mesh
         self.strategy: Strategy = state.strategy
         self.graph: ProgramGraph = state.graph
@@ -62,16 +71,30 @@ class DistributedProgram:
         p = self.propagation
         return CompileReport(p.conflicts, p.unsupported, p.reshards, p.rounds)
 
+    @property
+    def unavailable(self) -> str:
+        """Why rank programs cannot be built (empty when they can)."""
+        return self.state.unavailable
+
+    @property
+    def passes(self) -> PassPipeline:
+        """The declared pass pipeline (``print(dist.passes)`` lists it with its options)."""
+        return self.pipeline
+
     def key(self, name_or_value: Any) -> ValueKey:
-        if isinstance(name_or_value, str):
-            key = self.graph.by_name.get(name_or_value)
-            if key is None:
-                raise AutoparError(f"no parameter, feed or state named {name_or_value!r} in the compiled program")
-            return key
-        key = self.graph.key_of(name_or_value)
-        if key is None:
-            raise AutoparError(f"{name_or_value!r} is not a value of the compiled program")
-        return key
+        return self.values.key(name_or_value)
+
+    @functools.cached_property
+    def values(self) -> ValueTable:
+        """Serial values as the runtime sees them (names, placements, shapes)."""
+        graph, prop = self.graph, self.propagation
+        produced = prop.produced
+        infos = {
+            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), produced.get(key, prop.dist(key)))
+            for key, v in graph.values.items()
+            if key in prop.states
+        }
+        return ValueTable(graph.by_name, graph.key_of, infos)
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).
@@ -84,30 +107,63 @@ class DistributedProgram:
             return tuple(self.propagation.dist(k) for k in members)
         return self.propagation.dist(key)
 
-    def _rank(self, rank: int) -> RankProgram:
-        if self.state.unavailable:
-            raise AutoparError(self.state.unavailable)
-        if rank not in self.state.ranks:
-            raise AutoparError(f"rank {rank} is not in {self.mesh}")
-        return self.state.ranks[rank]
+    def rank_plan(self, rank: int, backend: str = "host", after: str | None = None) -> RankPlan:
+        """The per-rank contract for ``backend`` ("host", "native", or "auto": native when every
+        collective spans the world), built on first use and cached. ``after``: the program as
+        it is after the pass of that name (not cached; for dumps)."""
+        if backend not in self.BACKENDS:
+            raise AutoparError(f"unknown backend {backend!r}; expected one of {self.BACKENDS}")
+        if backend == "auto":
+            backend = "native" if self.collectives_span_world else "host"
+        if after is not None:
+            return self._build_plan(self.build_rank(rank, backend, after), backend)
+        cached = self._plans.get((rank, backend))
+        if cached is None:
+            cached = self._plans[(rank, backend)] = self._build_plan(self.build_rank(rank, backend), backend)
+        return cached
+
+    def build_rank(self, rank: int, backend: str = "host", upto: str | None = None) -> RankProgram:
+        """``rank``'s program rewritten by the passes (up to ``upto``), uncached: for dumps."""
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise AutoparError(f"rank must be an int, got {rank!r}")
+        return self.pipeline.build_rank(self.state, rank, backend, upto)
+
+    @property
+    def collectives_span_world(self) -> bool:
+        """Whether every planned collective runs over all ranks of the mesh (what gloo's
+        native backend needs on CPU)."""
+        return all(
+            functools.reduce(lambda n, d: n * self.mesh.shape[d], dims, 1) == self.mesh.size
+            for dims in self.state.mesh_dim_sets()
+        )
+
+    def _build_plan(self, rp: RankProgram, backend: str) -> RankPlan:
+        where = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
+        replaced = {key: (where[v.get_defining_op().id()], v.index()) for key, v in rp.replaced.items()}
+        collectives = tuple(sorted(((c, where[op_id]) for c, op_id in rp.collectives), key=lambda item: item[1]))
+        return RankPlan(
+            rp.rank, self.mesh, backend, rp.program, rp.startup, collectives, dict(rp.rings), self.values,
+            tuple(where[op.id()] for op in rp.ops), replaced, tuple(rp.stages), tuple(self.pipeline.names()),
+        )
 
     def rank_program(self, rank: int) -> Any:
         """The PIR program rank ``rank`` runs (local shapes, inserted collectives)."""
-        return self._rank(rank).program
+        return self.rank_plan(rank).program
 
     def rank_startup_program(self, rank: int) -> Any:
         """The startup program of ``rank``: the serial initial values, sliced to its pieces."""
-        startup = self._rank(rank).startup
+        startup = self.rank_plan(rank).startup
         if startup is None:
             raise AutoparError("compile was called without startup_program=; there is no startup to partition")
         return startup
 
-    def comm_ops(self, rank: int) -> list[CommOp]:
+    def comm_ops(self, rank: int) -> list[Collective]:
         """The collectives inserted for ``rank``, in program order: kind, group, bytes, reason, time."""
-        return list(self._rank(rank).comm_ops)
+        return [c for c, _ in self.rank_plan(rank).collectives]
 
     def local_shape(self, name_or_value: Any, rank: int) -> tuple[int, ...]:
-        return self._rank(rank).local_shapes[self.key(name_or_value)]
+        info = self.values.info(self.key(name_or_value))
+        return info.placement.local_shape(info.shape, rank)
 
     def op_mesh(self, op_index: int) -> ProcessMesh:
         return self.propagation.op_meshes.get(op_index, self.mesh)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.errors import MeshError
@@ -31,13 +31,52 @@ def _shape_and_ranks(nested: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (len(nested), *parts[0][0]), tuple(r for _, ranks in parts for r in ranks)
 
 
+def _layout(
+    mesh: Any, shape: Sequence[int] | None, process_ids: Sequence[int] | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, ranks) from a nested rank list, or from ``shape`` and ``process_ids``."""
+    if mesh is None:
+        if shape is None or process_ids is None:
+            raise MeshError("ProcessMesh needs a nested rank list, or shape= and process_ids=")
+        if math.prod(shape) != len(process_ids) or any(s <= 0 for s in shape):
+            raise MeshError(f"mesh shape {list(shape)} does not hold {len(process_ids)} ranks")
+        mesh_shape, ranks = tuple(int(s) for s in shape), tuple(int(r) for r in process_ids)
+    else:
+        if hasattr(mesh, "tolist"):
+            mesh = mesh.tolist()
+        mesh_shape, ranks = _shape_and_ranks(mesh)
+    if not mesh_shape:
+        raise MeshError(f"mesh must have at least one dim, got the scalar {mesh!r}")
+    return mesh_shape, ranks
+
+
+def _check(shape: tuple[int, ...], ranks: tuple[int, ...], names: tuple[str, ...]) -> None:
+    if len(set(ranks)) != len(ranks):
+        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise MeshError(f"mesh has duplicate ranks {dup}")
+    if any(r < 0 for r in ranks):
+        raise MeshError(f"mesh ranks must be >= 0, got {list(ranks)}")
+    if len(names) != len(shape):
+        raise MeshError(f"mesh of shape {list(shape)} needs {len(shape)} dim names, got {list(names)}")
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise MeshError(f"mesh dim names must be distinct non-empty strings, got {list(names)}")
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessMesh:
-    """Ranks laid out in an n-d grid; ``dim_names`` name the mesh dims (``dp``, ``mp``, ...)."""
+    """Ranks laid out in an n-d grid; ``dim_names`` name the mesh dims (``dp``, ``mp``, ...).
+
+    Built from a nested rank list, ``ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])``,
+    or from ``shape=`` and ``process_ids=`` (alias ``ranks=``, the field name, so that
+    ``dataclasses.replace(mesh, dim_names=...)`` works). The hash is computed once: a mesh of
+    a thousand ranks is hashed thousands of times during propagation (every DistAttr hash
+    includes it). It is never pickled: string hashes differ between processes.
+    """
 
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
     dim_names: tuple[str, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -46,32 +85,26 @@ class ProcessMesh:
         *,
         shape: Sequence[int] | None = None,
         process_ids: Sequence[int] | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
-        if mesh is None:
-            if shape is None or process_ids is None:
-                raise MeshError("ProcessMesh needs a nested rank list, or shape= and process_ids=")
-            if math.prod(shape) != len(process_ids) or any(s <= 0 for s in shape):
-                raise MeshError(f"mesh shape {list(shape)} does not hold {len(process_ids)} ranks")
-            mesh_shape, ranks = tuple(int(s) for s in shape), tuple(int(r) for r in process_ids)
-        else:
-            if hasattr(mesh, "tolist"):
-                mesh = mesh.tolist()
-            mesh_shape, ranks = _shape_and_ranks(mesh)
-        if not mesh_shape:
-            raise MeshError(f"mesh must have at least one dim, got the scalar {mesh!r}")
-        if len(set(ranks)) != len(ranks):
-            dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise MeshError(f"mesh has duplicate ranks {dup}")
-        if any(r < 0 for r in ranks):
-            raise MeshError(f"mesh ranks must be >= 0, got {list(ranks)}")
+        if ranks is not None:
+            if process_ids is not None:
+                raise MeshError("ProcessMesh takes process_ids= or ranks= (the same thing), not both")
+            process_ids = ranks
+        mesh_shape, mesh_ranks = _layout(mesh, shape, process_ids)
         names = tuple(dim_names) if dim_names is not None else tuple(f"d{i}" for i in range(len(mesh_shape)))
-        if len(names) != len(mesh_shape):
-            raise MeshError(f"mesh of shape {list(mesh_shape)} needs {len(mesh_shape)} dim names, got {list(names)}")
-        if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
-            raise MeshError(f"mesh dim names must be distinct non-empty strings, got {list(names)}")
+        _check(mesh_shape, mesh_ranks, names)
         object.__setattr__(self, "shape", mesh_shape)
-        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "ranks", mesh_ranks)
         object.__setattr__(self, "dim_names", names)
+        object.__setattr__(self, "_hash", hash((mesh_shape, mesh_ranks, names)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Pickle the fields only: the receiving process computes its own hash."""
+        return _restore, (self.shape, self.ranks, self.dim_names)
 
     # ---- structure -------------------------------------------------------------------
     @property
@@ -183,3 +216,7 @@ class ProcessMesh:
         return f"mesh({dims})[{','.join(map(str, self.ranks))}]"
 
     __repr__ = __str__
+
+
+def _restore(shape: tuple[int, ...], ranks: tuple[int, ...], dim_names: tuple[str, ...]) -> ProcessMesh:
+    return ProcessMesh(shape=shape, ranks=ranks, dim_names=dim_names)

@@ -63,15 +63,39 @@ class ConflictRecord:
         return f"{self.op} [{', '.join(self.values)}]: {cands} -> {self.chosen} ({self.reason})"
 
 
+class SiteKind(enum.Enum):
+    """Where a reshard applies in the program."""
+
+    BEFORE_READ = "before read"  # right before op ``op`` reads operand ``slot``
+    AFTER_PRODUCER = "after producer"  # right after op ``op`` makes result ``slot``
+    WRITE_BACK = "write back"  # after op ``op`` updates result ``slot`` in place (ZeRO's states)
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardSite:
+    kind: SiteKind
+    op: int  # serial op index
+    slot: int  # operand position (BEFORE_READ) or result position
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} op {self.op}.{self.slot}"
+
+
 @dataclass(frozen=True, slots=True)
 class ReshardNeed:
-    """A value must change placement: before op ``op`` reads it, or right after it is made."""
+    """A value must change placement from ``have`` to ``need`` at ``site``."""
 
-    op: int
-    position: int  # operand position, or -1 - result position for an after-producer reshard
+    site: ReshardSite
     value: ValueKey
     have: DistAttr
     need: DistAttr
+
+    @property
+    def op(self) -> int:
+        return self.site.op
+
+    def __str__(self) -> str:
+        return f"v{self.value[0]}.{self.value[1]} {self.have} -> {self.need} ({self.site})"
 
 
 @dataclass
@@ -91,7 +115,7 @@ class PropagationResult:
     def produced(self) -> dict[ValueKey, DistAttr]:
         """Values whose producer makes another placement than they have (resharded right after it;
         read once propagation is done)."""
-        return {need.value: need.have for need in self.reshards if need.position < 0}
+        return {need.value: need.have for need in self.reshards if need.site.kind is SiteKind.AFTER_PRODUCER}
 
 
 @contextlib.contextmanager
@@ -301,7 +325,7 @@ class Propagator:
                     continue
                 have = self.states[key].dist
                 if have != need:
-                    result.reshards.append(ReshardNeed(op.index, pos, key, have, need))
+                    result.reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, pos), key, have, need))
         self._record_source_conflicts(result)
         return result
 
@@ -312,7 +336,8 @@ class Propagator:
             state = self.states.get(key)
             if state is not None and state.priority is Priority.USER:
                 if state.dist != produced:
-                    result.reshards.append(ReshardNeed(op.index, -1 - pos, key, produced, state.dist))
+                    site = ReshardSite(SiteKind.AFTER_PRODUCER, op.index, pos)
+                    result.reshards.append(ReshardNeed(site, key, produced, state.dist))
                     result.conflicts.append(
                         ConflictRecord(
                             str(op), (self.graph.values[key].label,),

@@ -1,16 +1,26 @@
 """Strategy: what the user asks of the compiler beyond annotations (frozen values).
 
-Later stages read these fields (pipeline schedules, ZeRO, sequence parallel, recompute);
-compile validates them up front so a typo fails before any work is done.
+Every field is type-checked when the Strategy is made, so a typo fails before any work is
+done. A field whose pass does not exist yet is refused by name at compile
+(:meth:`Strategy.check_implemented`): never accepted and ignored.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.errors import AutoparError
 
 SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B")
+
+
+def _check_type(owner: str, name: str, value: Any, expected: type | tuple[type, ...], what: str) -> None:
+    if isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,)):
+        raise AutoparError(f"{owner}.{name} must be {what}, got {value!r}")
+    if not isinstance(value, expected):
+        raise AutoparError(f"{owner}.{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +29,21 @@ class PipelineConfig:
     schedule: str = "1F1B"
 
     def __post_init__(self) -> None:
+        _check_type("PipelineConfig", "micro_batches", self.micro_batches, int, "an int >= 1")
         if self.micro_batches < 1:
             raise AutoparError(f"PipelineConfig.micro_batches must be >= 1, got {self.micro_batches}")
+        _check_type("PipelineConfig", "schedule", self.schedule, str, f"one of {SCHEDULES}")
         if self.schedule not in SCHEDULES:
             raise AutoparError(f"unknown pipeline schedule {self.schedule!r}; expected one of {SCHEDULES}")
+
+
+# fields whose passes have not landed yet: value that means "off" -> the issue that builds it
+NOT_YET = {
+    "pipeline": (None, "pipeline parallelism (stages, send/recv, schedules)"),
+    "zero_stage": (0, "ZeRO stages 1 / 2 / 3"),
+    "sequence_parallel": (False, "sequence parallelism"),
+    "recompute": (False, "recompute"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +58,27 @@ class Strategy:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.allreduce_bucket_mb <= 0:
-            raise AutoparError(f"Strategy.allreduce_bucket_mb must be > 0, got {self.allreduce_bucket_mb}")
+        if self.pipeline is not None:
+            _check_type("Strategy", "pipeline", self.pipeline, PipelineConfig, "an autopar.PipelineConfig or None")
+        _check_type("Strategy", "zero_stage", self.zero_stage, int, "0, 1, 2 or 3")
         if self.zero_stage not in (0, 1, 2, 3):
             raise AutoparError(f"Strategy.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        for name in ("sequence_parallel", "recompute", "fuse_allreduce"):
+            _check_type("Strategy", name, getattr(self, name), bool, "True or False")
+        if self.cluster is not None:
+            _check_type("Strategy", "cluster", self.cluster, str, "a cluster profile name or JSON path")
+        _check_type("Strategy", "allreduce_bucket_mb", self.allreduce_bucket_mb, (int, float), "a number > 0")
+        if not math.isfinite(self.allreduce_bucket_mb) or self.allreduce_bucket_mb <= 0:
+            raise AutoparError(f"Strategy.allreduce_bucket_mb must be a finite number > 0, got {self.allreduce_bucket_mb}")
+        _check_type("Strategy", "extra", self.extra, dict, "a dict")
+
+    def check_implemented(self) -> None:
+        """Refuse, by field name, what no pass implements yet."""
+        for name, (off, feature) in NOT_YET.items():
+            value = getattr(self, name)
+            if value != off:
+                raise AutoparError(
+                    f"Strategy.{name}={value!r}: {feature} is not implemented yet; compile refuses it rather than ignore it"
+                )
+        if self.extra:
+            raise AutoparError(f"Strategy.extra: no pass reads the options {sorted(self.extra)}")

@@ -118,7 +118,7 @@ class CostResolver:
 def _with_split(dist: DistAttr, tensor_dim: int, dims: tuple[int, ...]) -> DistAttr:
     """``dist`` with ``tensor_dim`` split over ``dims`` (those mesh dims freed elsewhere)."""
     mapping = [tuple(d for d in m if d not in dims) for m in dist.mapping]
-    mapping[tensor_dim] = tuple(sorted(dims))
+    mapping[tensor_dim] = tuple(dims)  # in the order given: it is the piece order
     partial = {d: k for d, k in dist.partial if d not in dims}
     return DistAttr(dist.mesh, mapping, partial)
 

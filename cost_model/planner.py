@@ -38,22 +38,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from autopar.collective import CollectiveKind
 from autopar.cost_model import comm
 from autopar.cost_model.cluster import Cluster, default_cluster, dtype_bytes
 from autopar.dist_attr import DistAttr
 from autopar.errors import CostModelError
 from autopar.mesh import ProcessMesh
+from autopar.placement import Partial, Placement, Replicate, Shard
 
-STEP_KINDS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "slice",
-    "send_recv",
-    "broadcast",
-    "make_partial",
-)
+STEP_KINDS = tuple(CollectiveKind(k) for k in (
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "slice", "send_recv", "broadcast", "make_partial",
+))  # fmt: skip  (the kinds a plan step can have; one enum: autopar.collective.CollectiveKind)
 _PS = 1e12  # search costs are integer picoseconds: exact sums, exact ties
 
 Box = tuple[tuple[int, int], ...]
@@ -69,7 +64,7 @@ class ReshardStep:
     ``reduce``: the reduction of all_reduce / reduce_scatter / make_partial.
     """
 
-    kind: str
+    kind: CollectiveKind
     mesh_dims: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...]
     bytes: int
@@ -78,6 +73,20 @@ class ReshardStep:
     dst: DistAttr
     tensor_dims: tuple[int, ...] = ()
     reduce: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, CollectiveKind):
+            object.__setattr__(self, "kind", CollectiveKind(self.kind))
+
+    def group_of(self, rank: int) -> tuple[int, ...] | None:
+        """The group ``rank`` takes part in (None: the step does not involve it)."""
+        if self.kind is CollectiveKind.SEND_RECV:
+            return next((g for g in self.groups if rank in g), None)
+        if not self.groups:
+            return None
+        if rank not in self.src.mesh.ranks:
+            return None
+        return group_at(self.src.mesh, rank, self.mesh_dims)
 
     def __str__(self) -> str:
         names = "/".join(self.src.mesh.dim_names[d] for d in self.mesh_dims)
@@ -115,6 +124,23 @@ class ReshardPlan:
         return "\n".join([head, *(f"  {step}" for step in self.steps)]) if self.steps else head + " (identity)"
 
 
+@lru_cache(maxsize=4096)
+def mesh_groups(mesh: ProcessMesh, mesh_dims: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """``mesh.groups(mesh_dims)``, computed once per mesh (edges of every plan ask for it)."""
+    return tuple(mesh.groups(list(mesh_dims)))
+
+
+def group_at(mesh: ProcessMesh, rank: int, mesh_dims: Sequence[int]) -> tuple[int, ...]:
+    """The group along ``mesh_dims`` holding ``rank``, in group order (without listing every group)."""
+    coord = list(mesh.coordinate(rank))
+    group = []
+    for inner in itertools.product(*(range(mesh.shape[d]) for d in mesh_dims)):
+        for d, i in zip(mesh_dims, inner):
+            coord[d] = i
+        group.append(mesh.rank_at(coord))
+    return tuple(group)
+
+
 def format_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -149,26 +175,31 @@ def _piece_bytes(p: _Problem, attr: DistAttr) -> int:
     return max(math.prod(b - a for a, b in box) for box in _boxes(attr, p.shape).values()) * p.itemsize
 
 
-def _assignment(attr: DistAttr) -> list[tuple]:
-    """Per mesh dim: ("R",), ("S", tensor_dim) or ("P", kind)."""
-    out: list[tuple] = [("R",)] * attr.mesh.ndim
+def _assignment(attr: DistAttr) -> list[Placement]:
+    """Per mesh dim its placement, the split order aside (``Shard(t)``: one of t's splits)."""
+    out: list[Placement] = [Replicate()] * attr.mesh.ndim
     for t, dims in enumerate(attr.mapping):
         for d in dims:
-            out[d] = ("S", t)
+            out[d] = Shard(t)
     for d, kind in attr.partial:
-        out[d] = ("P", kind)
+        out[d] = Partial(kind)
     return out
 
 
-def _from_assignment(mesh: ProcessMesh, ndim: int, assign: Sequence[tuple]) -> DistAttr:
-    mapping: list[list[int]] = [[] for _ in range(ndim)]
-    partial = {}
-    for d, item in enumerate(assign):
-        if item[0] == "S":
-            mapping[item[1]].append(d)
-        elif item[0] == "P":
-            partial[d] = item[1]
-    return DistAttr(mesh, [tuple(m) for m in mapping], partial)
+def _moved(attr: DistAttr, dims: tuple[int, ...], target: Placement) -> DistAttr:
+    """``attr`` with the mesh dims ``dims`` taken out of where they are and given ``target``.
+
+    Edits the mapping, never rebuilds it: every other mesh dim keeps its place and order, and
+    ``Shard(t)`` appends ``dims`` innermost to t in the order given (the step's group order,
+    so that group position = piece index).
+    """
+    mapping = [tuple(d for d in m if d not in dims) for m in attr.mapping]
+    partial = {d: k for d, k in attr.partial if d not in dims}
+    if isinstance(target, Shard):
+        mapping[target.dim] += dims
+    elif isinstance(target, Partial):
+        partial.update(dict.fromkeys(dims, target.reduce))
+    return DistAttr.of(attr.mesh, tuple(mapping), tuple(sorted(partial.items())))
 
 
 def _contained(p: _Problem, new: DistAttr, old: DistAttr) -> bool:
@@ -178,14 +209,12 @@ def _contained(p: _Problem, new: DistAttr, old: DistAttr) -> bool:
 
 
 def _gathered(p: _Problem, new: DistAttr, old: DistAttr, dims: tuple[int, ...], t: int) -> bool:
-    """Every rank's new piece along ``t`` is exactly its group's old pieces (all_gather, all_to_all)."""
+    """Every rank's new piece along ``t`` is exactly its group's old pieces concatenated in group
+    order (all_gather, all_to_all), and lies inside its old piece along every other dim."""
     nb, ob = _boxes(new, p.shape), _boxes(old, p.shape)
     for group in p.mesh.groups(list(dims)):
         for r in group:
-            lo, hi = nb[r][t]
-            if sum(ob[g][t][1] - ob[g][t][0] for g in group) != hi - lo:
-                return False
-            if any(not (lo <= ob[g][t][0] and ob[g][t][1] <= hi) for g in group if ob[g][t][1] > ob[g][t][0]):
+            if not _concatenates([ob[g][t] for g in group], nb[r][t]):
                 return False
             others = [i for i in range(len(p.shape)) if i != t]
             if any(not (ob[r][i][0] <= nb[r][i][0] and nb[r][i][1] <= ob[r][i][1]) for i in others):
@@ -193,8 +222,19 @@ def _gathered(p: _Problem, new: DistAttr, old: DistAttr, dims: tuple[int, ...], 
     return True
 
 
+def _concatenates(pieces: list[tuple[int, int]], bounds: tuple[int, int]) -> bool:
+    """The non-empty ``pieces``, in group order, tile ``bounds`` exactly (a concat in group order)."""
+    at, stop = bounds
+    for lo, hi in pieces:
+        if hi > lo:
+            if lo != at:
+                return False
+            at = hi
+    return at == stop
+
+
 def _step(p: _Problem, kind: str, dims: tuple[int, ...], src: DistAttr, dst: DistAttr, **extra) -> ReshardStep:
-    groups = tuple(p.mesh.groups(list(dims)))
+    groups = mesh_groups(p.mesh, dims)
     if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
         nbytes = _piece_bytes(p, src)
     else:  # all_gather output, slice output, make_partial buffer
@@ -219,45 +259,58 @@ def _edges(p: _Problem, attr: DistAttr) -> list[ReshardStep]:
 @lru_cache(maxsize=65536)
 def _edges_cached(p: _Problem, attr: DistAttr) -> tuple[ReshardStep, ...]:
     assign = _assignment(attr)
-    ndim = len(p.shape)
     out: list[ReshardStep] = []
-
-    def to(dims: tuple[int, ...], item: tuple) -> DistAttr:
-        new = list(assign)
-        for d in dims:
-            new[d] = item
-        return _from_assignment(p.mesh, ndim, new)
-
     for size in range(1, p.mesh.ndim + 1):
         for dims in itertools.combinations(range(p.mesh.ndim), size):
             items = {assign[d] for d in dims}
             if len(items) != 1:
                 continue
             (item,) = items
-            if item[0] == "P":
-                kind = item[1]
-                out.append(_step(p, "all_reduce", dims, attr, to(dims, ("R",)), reduce=kind))
-                for t in range(ndim):
-                    new = to(dims, ("S", t))
-                    if _contained(p, new, attr):
-                        out.append(_step(p, "reduce_scatter", dims, attr, new, tensor_dims=(t,), reduce=kind))
-            elif item[0] == "S":
-                t = item[1]
-                new = to(dims, ("R",))
-                if _gathered(p, new, attr, dims, t):
-                    out.append(_step(p, "all_gather", dims, attr, new, tensor_dims=(t,)))
-                for u in range(ndim):
-                    new = to(dims, ("S", u))
-                    if u != t and _gathered(p, new, attr, dims, t):
-                        out.append(_step(p, "all_to_all", dims, attr, new, tensor_dims=(t, u)))
+            if isinstance(item, Partial):
+                out += _partial_edges(p, attr, dims, item.reduce)
+            elif isinstance(item, Shard):
+                out += _shard_edges(p, attr, dims, item.dim)
             else:
-                for t in range(ndim):
-                    new = to(dims, ("S", t))
-                    if _contained(p, new, attr):
-                        out.append(_step(p, "slice", dims, attr, new, tensor_dims=(t,)))
-                for kind in (k for k in p.kinds if set(attr.partial_dims.values()) <= {k}):
-                    out.append(_step(p, "make_partial", dims, attr, to(dims, ("P", kind)), reduce=kind))
+                out += _replicate_edges(p, attr, dims)
     return tuple(out)
+
+
+def _partial_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...], kind: str) -> list[ReshardStep]:
+    """all_reduce; reduce_scatter onto any tensor dim, the new splits innermost in any order."""
+    out = [_step(p, "all_reduce", dims, attr, _moved(attr, dims, Replicate()), reduce=kind)]
+    for t in range(len(p.shape)):
+        for order in itertools.permutations(dims):
+            new = _moved(attr, order, Shard(t))
+            if _contained(p, new, attr):
+                out.append(_step(p, "reduce_scatter", order, attr, new, tensor_dims=(t,), reduce=kind))
+    return out
+
+
+def _shard_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...], t: int) -> list[ReshardStep]:
+    """all_gather / all_to_all of t's splits over ``dims``: the group runs in t's split order."""
+    order = tuple(d for d in attr.mapping[t] if d in dims)
+    out = []
+    new = _moved(attr, order, Replicate())
+    if _gathered(p, new, attr, order, t):
+        out.append(_step(p, "all_gather", order, attr, new, tensor_dims=(t,)))
+    for u in range(len(p.shape)):
+        new = _moved(attr, order, Shard(u))
+        if u != t and _gathered(p, new, attr, order, t):
+            out.append(_step(p, "all_to_all", order, attr, new, tensor_dims=(t, u)))
+    return out
+
+
+def _replicate_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...]) -> list[ReshardStep]:
+    """slice onto any tensor dim (the new splits innermost, in any order); make_partial."""
+    out = []
+    for t in range(len(p.shape)):
+        for order in itertools.permutations(dims):
+            new = _moved(attr, order, Shard(t))
+            if _contained(p, new, attr):
+                out.append(_step(p, "slice", order, attr, new, tensor_dims=(t,)))
+    for kind in (k for k in p.kinds if set(attr.partial_dims.values()) <= {k}):
+        out.append(_step(p, "make_partial", dims, attr, _moved(attr, dims, Partial(kind)), reduce=kind))
+    return out
 
 
 def _cost(step: ReshardStep) -> int:
@@ -356,7 +409,7 @@ def _plan_cross(
     options: list[tuple[ReshardStep, ...]] = []
     if src.mesh.shape == dst.mesh.shape:
         for assign in itertools.product(*(_choices(len(shape), kinds) for _ in range(src.mesh.ndim))):
-            x = _from_assignment(src.mesh, len(shape), assign)
+            x = DistAttr.from_placements(src.mesh, assign, len(shape))
             x_there = DistAttr(dst.mesh, x.mapping, x.partial)
             pairs = tuple(zip(src.mesh.ranks, dst.mesh.ranks))
             move = _send(here, x, x_there, pairs)
@@ -378,8 +431,8 @@ def _plan_cross(
     return min(options, key=lambda steps: (sum(_cost(s) for s in steps), len(steps)))
 
 
-def _choices(ndim: int, kinds: tuple[str, ...]) -> list[tuple]:
-    return [("R",), *(("S", t) for t in range(ndim)), *(("P", k) for k in kinds)]
+def _choices(ndim: int, kinds: tuple[str, ...]) -> list[Placement]:
+    return [Replicate(), *(Shard(t) for t in range(ndim)), *(Partial(k) for k in kinds)]
 
 
 def _send(p: _Problem, src: DistAttr, dst: DistAttr, pairs: tuple[tuple[int, int], ...]) -> ReshardStep:

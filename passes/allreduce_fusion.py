@@ -1,114 +1,148 @@
 """All-reduce fusion: the gradient all-reduces of a step become one per bucket (stage:
-comm-inserted -> comm-fused).
+reshard-planned -> buckets-planned at compile; comm-inserted -> comm-fused per rank).
 
 Data parallelism leaves one all-reduce per gradient in front of the optimizer (they fall out
 of propagation). Each collective pays a launch latency, and on the host backend a program cut
-and a Python round trip, so PyTorch DDP / Paddle fuse them into buckets. Here: all-reduces
-placed after the last backward op (every gradient is complete there), over the same group
-with the same reduction and dtype, are packed in program order into buckets of at most
-``bucket_bytes``; each bucket becomes
+and a Python round trip, so PyTorch DDP / Paddle fuse them into buckets.
+
+Planning, from the planned reshards (values, the same on every rank): single-step
+all-reduces read after the last backward op (every gradient is complete there), along the
+same mesh dims with the same reduction and dtype, are packed in program order into buckets of
+at most ``bucket_bytes``; each bucket is priced as one all-reduce of its total size. A
+reshard whose result another read shares stays out (it is emitted on its own).
+
+Emission, per rank: each bucket becomes
 
     flatten each gradient -> concat -> one all_reduce -> split -> reshape back
 
-inserted where the bucket's first all-reduce was. The bytes moved stay the same; the number
-of collectives drops to one per bucket. Each fused collective is recorded once in
-``comm_ops`` with the gradients it carries in its reason.
+right before the first member's reader. The bytes moved stay the same; the number of
+collectives drops to one per bucket, recorded once with the gradients it carries.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-from autopar.cost_model.planner import plan_reshard
+from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.cost_model.planner import group_at, plan_reshard
 from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
 from autopar.graph import Role
-from autopar.passes.base import CommOp, CompileState, Pass, RankProgram
-from autopar.passes.reshard_insertion import REDUCE_CODES
+from autopar.passes.base import CompileState, GradientBucket, Pass, PlannedReshard, RankProgram
+from autopar.passes.reshard_emission import REDUCE_CODES, read_site
+from autopar.propagation import SiteKind
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
 
-class AllreduceFusionPass(Pass):
+@dataclass(frozen=True)
+class AllreduceFusion(Pass):
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
     name: ClassVar[str] = "allreduce_fusion"
-    requires_stage: ClassVar[str] = "comm-inserted"
-    ensures_stage: ClassVar[str] = "comm-fused"
+    plan_requires: ClassVar[tuple[str, ...]] = ("reshard-planned",)
+    plan_ensures: ClassVar[str] = "buckets-planned"
+    emit_requires: ClassVar[tuple[str, ...]] = ("comm-inserted", "buckets-planned")
+    emit_ensures: ClassVar[str] = "comm-fused"
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.bucket_bytes = bucket_bytes
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
+            raise AutoparError(f"allreduce_fusion: bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
 
-    def run(self, state: CompileState) -> None:
-        import paddle
-
-        for rp in state.ranks.values():
-            with paddle.static.program_guard(rp.program):
-                for number, bucket in enumerate(self._buckets(state, rp)):
-                    _fuse(state, rp, bucket, number)
-                paddle.pir.reset_insertion_point_to_end()
-            position = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
-            rp.comm_ops.sort(key=lambda c: position[c.op_id])
-
-    def _buckets(self, state: CompileState, rp: RankProgram) -> list[list[tuple[CommOp, Any]]]:
-        """Fusable all-reduces in program order, grouped by (group, reduction, dtype), capped."""
-        ops = list(rp.program.global_block().ops)
-        position = {op.id(): i for i, op in enumerate(ops)}
-        backward = [position[rp.ops[n.index].id()] for n in state.graph.ops if n.role is Role.BACKWARD and n.index not in rp.erased]
-        start = max(backward, default=len(ops))
-        open_buckets: dict[tuple, list[tuple[CommOp, Any]]] = {}
-        done: list[list[tuple[CommOp, Any]]] = []
-        for comm in sorted(rp.comm_ops, key=lambda c: position[c.op_id]):
-            op = ops[position[comm.op_id]]
-            if comm.kind != "all_reduce" or position[comm.op_id] < start:
-                continue
-            key = (comm.group, comm.reduce, str(op.result(0).dtype), tuple(sorted(_reduced(comm).items())))
+    def plan(self, state: CompileState) -> None:
+        open_buckets: dict[tuple, list[PlannedReshard]] = {}
+        done: list[list[PlannedReshard]] = []
+        for planned in _candidates(state):
+            (step,) = planned.plan.steps
+            key = (step.mesh_dims, step.reduce or "sum", planned.plan.dtype)
             bucket = open_buckets.setdefault(key, [])
-            if bucket and sum(c.bytes for c, _ in bucket) + comm.bytes > self.bucket_bytes:
+            if bucket and sum(m.plan.steps[0].bytes for m in bucket) + step.bytes > self.bucket_bytes:
                 done.append(bucket)
                 bucket = open_buckets[key] = []
-            if bucket and not _defined_before(op.operand_source(0), position[bucket[0][0].op_id], position):
-                continue  # its input is made after the bucket's insertion point: leave it alone
-            bucket.append((comm, op))
+            if bucket and planned.need.value[0] >= bucket[0].need.op:
+                continue  # made after the bucket's insertion point: leave it alone
+            bucket.append(planned)
         done.extend(open_buckets.values())
-        return [b for b in sorted(done, key=lambda b: position[b[0][0].op_id]) if len(b) > 1]
+        done = sorted((b for b in done if len(b) > 1), key=lambda b: b[0].need.op)
+        state.buckets = [_bucket(state, number, members) for number, members in enumerate(done)]
+
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        with paddle.static.program_guard(rp.program):
+            for bucket in state.buckets:
+                _emit_bucket(state, rp, bucket)
+            paddle.pir.reset_insertion_point_to_end()
 
 
-def _reduced(comm: CommOp) -> dict[int, str]:
-    """The mesh dims (and kinds) this all-reduce reduces."""
-    return {d: k for d, k in comm.src.partial if d not in comm.dst.partial_dims}
+def _candidates(state: CompileState) -> list[PlannedReshard]:
+    """Single all-reduce reshards read after the last backward op, in reader order."""
+    backward = [op.index for op in state.graph.ops if op.role is Role.BACKWARD]
+    start = max(backward, default=len(state.graph.ops))
+    shared = {p.shared_with for p in state.reshards if p.shared_with is not None}
+    out = []
+    for planned in state.reshards:
+        steps = planned.plan.steps
+        if (
+            planned.need.site.kind is SiteKind.BEFORE_READ
+            and planned.shared_with is None
+            and planned.index not in shared
+            and planned.need.op > start
+            and len(steps) == 1
+            and steps[0].kind is CollectiveKind.ALL_REDUCE
+        ):
+            out.append(planned)
+    return sorted(out, key=lambda p: (p.need.op, p.index))
 
 
-def _defined_before(value: Any, index: int, position: dict[int, int]) -> bool:
-    return position[value.get_defining_op().id()] < index
+def _reduced(planned: PlannedReshard) -> dict[int, str]:
+    return {d: k for d, k in planned.need.have.partial if d not in planned.need.need.partial_dims}
 
 
-def _fuse(state: CompileState, rp: RankProgram, bucket: list[tuple[CommOp, Any]], number: int) -> None:
+def _bucket(state: CompileState, number: int, members: list[PlannedReshard]) -> GradientBucket:
+    first = members[0]
+    (step,) = first.plan.steps
+    numel = sum(math.prod(m.need.need.local_shape(m.plan.shape, m.need.need.mesh.ranks[0])) for m in members)
+    mesh = first.need.have.mesh
+    src = DistAttr.of(mesh, ((),), tuple(sorted(_reduced(first).items())))
+    plan = plan_reshard(src, DistAttr.of(mesh, ((),)), (numel,), first.plan.dtype, state.cluster)
+    names = ", ".join(state.graph.values[m.need.value].label for m in members)
+    return GradientBucket(
+        index=number, members=tuple(m.index for m in members), mesh_dims=tuple(step.mesh_dims),
+        reduce=step.reduce or "sum", dtype=first.plan.dtype, numel=numel,
+        bytes=int(sum(m.plan.steps[0].bytes for m in members)), time=plan.time,
+        reason=f"{len(members)} gradient all_reduces fused into one buffer: {names}",
+    )  # fmt: skip
+
+
+def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket) -> None:
     import paddle
 
-    first_comm, first_op = bucket[0]
-    paddle.pir.set_insertion_point(first_op)
-    inputs = [op.operand_source(0) for _, op in bucket]
-    sizes = [math.prod(c.output_shape) for c, _ in bucket]
+    by_index = {p.index: p for p in state.reshards}
+    members = [by_index[i] for i in bucket.members]
+    first_reader, _ = read_site(state, rp, members[0])
+    paddle.pir.set_insertion_point(first_reader)
+    inputs = [rp.current(m.need.value) for m in members]
+    shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
     flat = paddle._C_ops.concat([paddle._C_ops.reshape(x, [-1]) for x in inputs], 0)
-    ring = state.rings[tuple(first_comm.group)]
-    fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[first_comm.reduce])
-    pieces = paddle._C_ops.split(fused, sizes, 0)
-    outs = [paddle._C_ops.reshape(piece, list(comm.output_shape)) for (comm, _), piece in zip(bucket, pieces)]
-    paddle.pir.reset_insertion_point_to_end()  # the insertion point's op is erased next
-    for (_, op), out in zip(bucket, outs):
-        op.result(0).replace_all_uses_with(out)
-        op.erase()
-    total = sum(sizes)
-    mesh = first_comm.src.mesh
-    src = DistAttr.of(mesh, ((),), tuple(sorted(_reduced(first_comm).items())))
-    plan = plan_reshard(src, DistAttr.of(mesh, ((),)), (total,), str(inputs[0].dtype).removeprefix("paddle."), state.cluster)
-    names = ", ".join(c.value for c, _ in bucket)
-    members = {id(c) for c, _ in bucket}
-    rp.comm_ops[:] = [c for c in rp.comm_ops if id(c) not in members]
-    rp.comm_ops.append(
-        CommOp(
-            kind="all_reduce", group=first_comm.group, value=f"bucket {number} ({len(bucket)} gradients)", src=src,
-            dst=DistAttr.of(mesh, ((),)), reason=f"{len(bucket)} gradient all_reduces fused into one buffer: {names}",
-            bytes=int(sum(c.bytes for c, _ in bucket)), time=plan.time, reduce=first_comm.reduce,
-            op_id=fused.get_defining_op().id(), output_shape=(total,), shape=(total,), step_key=(-2, number),
-        )
+    group = group_at(state.mesh, rp.rank, bucket.mesh_dims)
+    ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
+    fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
+    pieces = paddle._C_ops.split(fused, [math.prod(s) for s in shapes], 0)
+    for member, piece, shape in zip(members, pieces, shapes):
+        out = paddle._C_ops.reshape(piece, list(shape))
+        consumer, slot = read_site(state, rp, member)
+        consumer.operand(slot).set_source(out)
+        rp.resharded[member.index] = out
+    total = sum(math.prod(s) for s in shapes)
+    mesh = state.mesh
+    flat_attr = DistAttr.of(mesh, ((),), tuple(sorted(_reduced(members[0]).items())))
+    collective = Collective(
+        kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
+        value=f"bucket {bucket.index} ({len(members)} gradients)", src=flat_attr, dst=DistAttr.of(mesh, ((),)),
+        shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
+        reason=bucket.reason, reduce=bucket.reduce,
     )  # fmt: skip
+    rp.collectives.append((collective, fused.get_defining_op().id()))

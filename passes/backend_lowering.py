@@ -1,67 +1,76 @@
 """Backend lowering for the native backend: collectives the backend lacks become ones it has
-(stage: comm-inserted -> lowered).
+(stage: comm-fused -> lowered).
 
-The rank programs carry one op per planned collective, typed to the exact local result;
-the host runtime performs them from their CommOp records. The native backend runs the
-program itself, so each collective must be a real Paddle op with Paddle's semantics:
+The host form of a rank program carries one op per planned collective, typed to the exact
+local result; the host runtime performs them from their :class:`Collective` values. The
+native backend runs the program itself, so each collective must be a real Paddle op with
+Paddle's semantics:
 
 - ``all_gather`` concatenates on dim 0: along another dim it becomes all_gather + split +
   concat; uneven pieces are refused (NCCL / gloo gather equal sizes).
 - ``reduce_scatter`` (no CPU kernel; gloo has none) becomes all_reduce + this rank's slice.
 - ``all_to_all`` (no CPU kernel) becomes the gather along its source dim + this rank's slice
   along its target dim.
-A new (lowered) clone of each rank program is returned; the host programs stay as they are.
+For the host backend the pass leaves the program as it is (the runtime runs the values).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from autopar.collective import Collective
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError
-from autopar.passes.base import CommOp, RankProgram
-from autopar.passes.reshard_insertion import REDUCE_CODES
+from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.reshard_emission import REDUCE_CODES
 
 
-def lower_for_native(
-    rp: RankProgram, rings: dict[tuple[int, ...], int], world: int, keep: list[tuple[int, int]] = ()
-) -> tuple[Any, list[Any]]:
-    """A clone of ``rp.program`` whose collectives all run as Paddle ops on a gloo/NCCL ring,
-    and the clone's values at ``keep`` positions ((op position, result) in ``rp.program``)."""
+@dataclass(frozen=True)
+class BackendLowering(Pass):
+    name: ClassVar[str] = "backend_lowering"
+    emit_requires: ClassVar[tuple[str, ...]] = ("comm-inserted",)
+    emit_ensures: ClassVar[str] = "lowered"
+
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        if rp.backend == "native":
+            lower_for_native(rp, state.mesh.size)
+
+
+def lower_for_native(rp: RankProgram, world: int) -> None:
+    """Rewrite ``rp``'s collectives in place so all run as Paddle ops on a gloo/NCCL ring."""
     import paddle
 
-    for comm in rp.comm_ops:
-        if sorted(comm.group) != list(range(world)) and paddle.is_compiled_with_cuda() is False:
+    for collective, _ in rp.collectives:
+        if sorted(collective.group) != list(range(world)) and paddle.is_compiled_with_cuda() is False:
             raise AutoparError(
-                f"native backend on CPU: {comm.kind} over ranks {list(comm.group)} does not span the world "
+                f"native backend on CPU: {collective.kind} over ranks {list(collective.group)} does not span the world "
                 "(gloo runs one communicator per process); use the host backend"
             )
-    clone = rp.program.clone()
-    ops = list(clone.global_block().ops)
-    original = list(rp.program.global_block().ops)
-    by_id = {op.id(): i for i, op in enumerate(original)}
-    kept = [ops[i].result(j) for i, j in keep]
-    with paddle.static.program_guard(clone):
-        for comm in rp.comm_ops:
-            op = ops[by_id[comm.op_id]]
-            if comm.kind == "all_reduce" or (comm.kind == "all_gather" and comm.axis == 0 and _even(comm)):
+    ops = {op.id(): op for op in rp.program.global_block().ops}
+    lowered = []
+    with paddle.static.program_guard(rp.program):
+        for collective, op_id in rp.collectives:
+            op = ops[op_id]
+            if collective.kind == "all_reduce" or (collective.kind == "all_gather" and collective.axis == 0 and _even(collective)):
+                lowered.append((collective, op_id))
                 continue
             paddle.pir.set_insertion_point(op)
-            new = _lowered(comm, op.operand_source(0), rings[tuple(comm.group)], rp.rank)
-            new.set_type(paddle.pir.create_shaped_type(op.result(0).type(), list(comm.output_shape)))
-            kept = [new if v.is_same(op.result(0)) else v for v in kept]
+            new = _lowered(collective, op.operand_source(0), rp.rings[collective.group], rp.rank)
+            new.set_type(paddle.pir.create_shaped_type(op.result(0).type(), list(collective.output_shape)))
             op.result(0).replace_all_uses_with(new)
             op.erase()
+            lowered.append((collective, new.get_defining_op().id()))
         paddle.pir.reset_insertion_point_to_end()
-    return clone, kept
+    rp.collectives[:] = lowered
 
 
-def _even(comm: CommOp) -> bool:
+def _even(comm: Collective) -> bool:
     """Whether every member contributes a piece of the same size (what Paddle's gather needs)."""
     return len({comm.src.local_shape(comm.shape, r)[comm.axis] for r in comm.group}) == 1
 
 
-def _lowered(comm: CommOp, x: Any, ring: int, rank: int) -> Any:
+def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
     import paddle
 
     parts = len(comm.group)

@@ -1,69 +1,120 @@
-"""Pass infrastructure: a pass is a small named object over the compile state (stage: passes).
+"""Pass infrastructure: frozen, named passes over the compile state (stage: passes).
 
-A pass checks what it needs (``requires``), rewrites every rank's program at once (``run``;
-it never asks "which rank am I"), and marks the stage it leaves (``ensures``). A
-``PassPipeline`` runs passes in order and calls a callback between them — where dumps and
-graph diffs hook in. The state's ``stages`` make the IR's progress checkable:
-propagated -> partitioned -> comm-inserted -> lowered.
+A pass has two halves, both deterministic:
+
+- ``plan(state)`` runs once at compile time and makes rank-independent decisions as values
+  (which collectives a reshard needs, which gradients share a bucket): its cost does not
+  grow with the world size.
+- ``emit(state, rank_program)`` rewrites ONE rank's program from those values. It never asks
+  "which rank am I" of the environment: the rank is an argument, so every rank's program can
+  be built (and tested) in one process, and a process of a 1024-rank job builds only its own.
+
+Each half declares the stages it needs and leaves, so the IR's progress is checkable:
+propagated -> reshard-planned -> buckets-planned at compile; partitioned -> comm-inserted ->
+comm-fused -> lowered per rank. A :class:`PassPipeline` runs the passes in order and calls its callback
+after each, where per-pass dumps hook in (``build_rank(rank, upto=name)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from autopar.dist_attr import DistAttr
+from autopar.collective import Collective
+from autopar.cost_model.planner import ReshardPlan
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
-from autopar.propagation import PropagationResult
+from autopar.propagation import PropagationResult, ReshardNeed
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedReshard:
+    """One reshard need and the steps planned for it (every rank emits from this value).
+
+    ``shared_with``: the index of an earlier planned reshard moving the same value to the
+    same placement before a read; this one reuses that result instead of moving it again.
+    """
+
+    index: int
+    need: ReshardNeed
+    plan: ReshardPlan
+    reason: str
+    shared_with: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GradientBucket:
+    """Gradient all-reduces fused into one buffer (see :mod:`autopar.passes.allreduce_fusion`)."""
+
+    index: int
+    members: tuple[int, ...]  # planned reshard indices, program order
+    mesh_dims: tuple[int, ...]
+    reduce: str
+    dtype: str
+    numel: int
+    bytes: int
+    time: float
+    reason: str
 
 
 @dataclass
-class CommOp:
-    """One collective autopar inserted into a rank program, and why.
+class CompileState:
+    """Rank-independent results of compile; the pipeline builds rank programs from it."""
 
-    ``group`` lists the ranks in piece order (rank ``group[i]`` holds piece ``i``); ``bytes``
-    is what this rank sends for it (the planner's figure); ``time`` the predicted seconds.
-    """
+    graph: ProgramGraph
+    propagation: PropagationResult
+    mesh: ProcessMesh
+    strategy: Any
+    cluster: Any = None  # the cost model's cluster, fitted to the mesh
+    startup: Any = None  # the serial startup program (read only)
+    reshards: list[PlannedReshard] = field(default_factory=list)
+    buckets: list[GradientBucket] = field(default_factory=list)
+    unavailable: str = ""  # why no rank programs can be built (empty: they can)
+    stages: list[str] = field(default_factory=lambda: ["propagated"])
 
-    kind: str
-    group: tuple[int, ...]
-    value: str  # label of the serial value being resharded
-    src: DistAttr
-    dst: DistAttr
-    reason: str
-    bytes: int
-    time: float
-    reduce: str = "sum"
-    axis: int = 0  # all_gather / reduce_scatter: tensor dim; all_to_all: concat dim
-    split_axis: int = 0  # all_to_all: split dim
-    root: int = 0
-    op_id: int = -1  # the op carrying it in the rank program
-    output_shape: tuple[int, ...] = ()
-    shape: tuple[int, ...] = ()  # global shape of the value
-    step_key: tuple[int, int] = (-1, -1)  # (reshard need, plan step): the same collective on every rank
+    def mesh_dim_sets(self) -> list[tuple[int, ...]]:
+        """Mesh-dim sets some collective runs along, in plan order (the basis of ring ids)."""
+        seen: dict[tuple[int, ...], None] = {}
+        for planned in self.reshards:
+            for step in planned.plan.steps:
+                if not step.kind.is_local:
+                    seen.setdefault(tuple(step.mesh_dims), None)
+        for bucket in self.buckets:
+            seen.setdefault(bucket.mesh_dims, None)
+        return list(seen)
 
-    def __str__(self) -> str:
-        return (
-            f"{self.kind}(group={list(self.group)}, {self.bytes} B, {self.time * 1e6:.1f}us) "
-            f"{self.value}: {self.src} -> {self.dst} — {self.reason}"
-        )
+    def ring_of(self, mesh_dims: Sequence[int], group: Sequence[int]) -> int:
+        """A communicator id every member of ``group`` computes alike, from values only.
+
+        ``mesh_dims``-set index x world size + the group's index among the mesh's groups
+        along those dims (its coordinate on the other dims, row-major).
+        """
+        sets = self.mesh_dim_sets()
+        dims = tuple(mesh_dims)
+        coord = self.mesh.coordinate(group[0])
+        index = 0
+        for d in range(self.mesh.ndim):
+            if d not in dims:
+                index = index * self.mesh.shape[d] + coord[d]
+        return sets.index(dims) * self.mesh.size + index
 
 
 @dataclass
 class RankProgram:
-    """One rank's program (a clone of the serial one) and how serial values map into it."""
+    """One rank's program under construction (a clone of the serial one)."""
 
     rank: int
     program: Any
-    ops: list[Any]  # serial op index -> op of the clone (erased ops stay listed; check erased)
-    erased: set[int] = field(default_factory=set)
+    ops: list[Any]  # serial op index -> op of the clone
+    backend: str = "host"  # the form built: "host" (collectives run by the runtime) or "native"
     startup: Any = None  # the rank's startup program: serial initial values, sliced
-    comm_ops: list[CommOp] = field(default_factory=list)
-    local_shapes: dict[ValueKey, tuple[int, ...]] = field(default_factory=dict)
+    collectives: list[tuple[Collective, int]] = field(default_factory=list)  # (value, id of the op carrying it)
     replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after a local-scale correction
+    resharded: dict[int, Any] = field(default_factory=dict)  # planned reshard index -> its result
+    rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # groups this rank is in -> ring id
+    stages: list[str] = field(default_factory=list)
 
     def value(self, key: ValueKey) -> Any:
         """The serial value's result in this clone, as its op made it."""
@@ -75,51 +126,86 @@ class RankProgram:
         return replaced if replaced is not None else self.value(key)
 
 
-@dataclass
-class CompileState:
-    """What passes read and write; becomes the DistributedProgram."""
-
-    graph: ProgramGraph
-    propagation: PropagationResult
-    mesh: ProcessMesh
-    strategy: Any
-    cluster: Any = None
-    startup: Any = None  # the serial startup program (read only)
-    ranks: dict[int, RankProgram] = field(default_factory=dict)
-    unavailable: str = ""  # why no rank programs were built (empty: they were)
-    rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # communicator group -> ring id
-    stages: list[str] = field(default_factory=lambda: ["propagated"])
-
-
 class Pass:
-    """Base: override ``run``; ``requires_stage`` / ``ensures_stage`` name the IR states."""
+    """Base of the frozen pass dataclasses; override ``plan`` and/or ``emit``.
+
+    ``plan_requires`` / ``plan_ensures``: compile-state stages around ``plan``;
+    ``emit_requires`` (rank-program or compile-state stages) / ``emit_ensures`` around ``emit``.
+    """
 
     name: ClassVar[str] = "pass"
-    requires_stage: ClassVar[str] = "propagated"
-    ensures_stage: ClassVar[str] = ""
+    plan_requires: ClassVar[tuple[str, ...]] = ()
+    plan_ensures: ClassVar[str] = ""
+    emit_requires: ClassVar[tuple[str, ...]] = ()
+    emit_ensures: ClassVar[str] = ""
 
-    def requires(self, state: CompileState) -> None:
-        if self.requires_stage not in state.stages:
-            raise AutoparError(f"pass {self.name!r} needs the program {self.requires_stage}; it is {state.stages[-1]}")
+    def plan(self, state: CompileState) -> None:
+        """Compile-time, rank-independent decisions (default: none)."""
 
-    def run(self, state: CompileState) -> None:
-        raise NotImplementedError
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        """Rewrite one rank's program (default: nothing)."""
 
-    def ensures(self, state: CompileState) -> None:
-        if self.ensures_stage:
-            state.stages.append(self.ensures_stage)
+    @property
+    def per_rank(self) -> bool:
+        return type(self).emit is not Pass.emit
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} if hasattr(self, "__dataclass_fields__") else {}
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{self.name}({opts})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassPipeline:
-    passes: Sequence[Pass]
-    callback: Callable[[Pass, CompileState], None] | None = None
+    """The declared passes of one compile; ``callback(pass, state, rank_program_or_None)``
+    runs after each plan step and after each emit."""
 
-    def run(self, state: CompileState) -> CompileState:
+    passes: tuple[Pass, ...]
+    callback: Callable[[Pass, CompileState, RankProgram | None], None] | None = None
+
+    def plan(self, state: CompileState) -> CompileState:
         for p in self.passes:
-            p.requires(state)
-            p.run(state)
-            p.ensures(state)
+            _check_stages(p, p.plan_requires, state.stages, "the compile state")
+            p.plan(state)
+            if p.plan_ensures:
+                state.stages.append(p.plan_ensures)
             if self.callback is not None:
-                self.callback(p, state)
+                self.callback(p, state, None)
         return state
+
+    def build_rank(self, state: CompileState, rank: int, backend: str = "host", upto: str | None = None) -> RankProgram:
+        """``rank``'s program for ``backend``: a clone of the serial one rewritten by every
+        per-rank pass in order (up to and including the pass named ``upto``)."""
+        if state.unavailable:
+            raise AutoparError(state.unavailable)
+        if rank not in state.mesh.ranks:
+            raise AutoparError(f"rank {rank} is not in {state.mesh}")
+        if upto is not None and upto not in self.names():
+            raise AutoparError(f"no pass named {upto!r}; the passes are {self.names()}")
+        clone = state.graph.program.clone()
+        rp = RankProgram(rank, clone, list(clone.global_block().ops), backend, stages=["propagated"])
+        for p in self.passes:
+            if p.per_rank:
+                _check_stages(p, p.emit_requires, rp.stages + state.stages, f"rank {rank}'s program")
+                p.emit(state, rp)
+                if p.emit_ensures:
+                    rp.stages.append(p.emit_ensures)
+                if self.callback is not None:
+                    self.callback(p, state, rp)
+            if p.name == upto:
+                break
+        return rp
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def __str__(self) -> str:
+        return "\n".join(f"{i + 1}. {p}" for i, p in enumerate(self.passes))
+
+
+def _check_stages(p: Pass, required: tuple[str, ...], stages: list[str], what: str) -> None:
+    missing = [stage for stage in required if stage not in stages]
+    if missing:
+        raise AutoparError(f"pass {p.name!r} needs {what} {', '.join(missing)}; it is {' -> '.join(stages)}")

@@ -1,6 +1,6 @@
-"""Partition pass: every rank's program with local shapes (stage: propagated -> partitioned).
+"""Partition pass: a rank's program with local shapes (stage: propagated -> partitioned).
 
-For each rank, a clone of the serial program where every value carries its local shape
+For the rank asked, a clone of the serial program where every value carries its local shape
 (uneven splits included), feeds (``pd_op.data``) declare local shapes, shape constants that
 the executor would otherwise apply globally (reshape targets, ``full`` shapes) are rewritten,
 and ops whose local kernel is not the exact partial (a mean over a split dim divides by the
@@ -11,6 +11,7 @@ The serial program is only cloned, never modified.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.errors import AutoparError
@@ -21,25 +22,22 @@ from autopar.spmd import TensorSpec, get_rule
 RESHAPE_OPS = ("pd_op.reshape", "pd_op.reshape_")
 
 
-class PartitionPass(Pass):
+@dataclass(frozen=True)
+class Partition(Pass):
     name: ClassVar[str] = "partition"
-    requires_stage: ClassVar[str] = "propagated"
-    ensures_stage: ClassVar[str] = "partitioned"
+    emit_requires: ClassVar[tuple[str, ...]] = ("propagated",)
+    emit_ensures: ClassVar[str] = "partitioned"
 
-    def run(self, state: CompileState) -> None:
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
 
-        for rank in state.mesh.ranks:
-            clone = state.graph.program.clone()
-            rank_program = RankProgram(rank, clone, list(clone.global_block().ops))
-            with paddle.static.program_guard(clone):
-                self._local_shapes(state, rank_program)
-                self._shape_constants(state, rank_program)
-                self._local_scales(state, rank_program)
-                paddle.pir.reset_insertion_point_to_end()
-            if state.startup is not None:
-                rank_program.startup = self._rank_startup(state, rank)
-            state.ranks[rank] = rank_program
+        with paddle.static.program_guard(rp.program):
+            self._local_shapes(state, rp)
+            self._shape_constants(state, rp)
+            self._local_scales(state, rp)
+            paddle.pir.reset_insertion_point_to_end()
+        if state.startup is not None:
+            rp.startup = self._rank_startup(state, rp.rank)
 
     def _rank_startup(self, state: CompileState, rank: int) -> Any:
         """The serial startup with each sharded tensor sliced right before it is stored.
@@ -83,7 +81,6 @@ class PartitionPass(Pass):
                     "ops on sub-meshes (pipeline stages) are partitioned by the pipeline pass"
                 )
             local = dist.local_shape(value.shape, rp.rank)
-            rp.local_shapes[key] = local
             # a value annotated unlike what its producer makes is resharded right after the
             # producer: the producer's own result has the produced placement's shape
             made = produced_shape(state, key, rp.rank) or local
@@ -102,7 +99,7 @@ class PartitionPass(Pass):
         for op in state.graph.ops:
             if op.name in RESHAPE_OPS:
                 out = op.outputs[0]
-                local = produced_shape(state, out, rp.rank) or rp.local_shapes[out]
+                local = produced_shape(state, out, rp.rank) or _local(state, out, rp.rank)
                 if local == state.graph.values[out].shape:
                     continue
                 pir_op = rp.ops[op.index]
@@ -110,7 +107,7 @@ class PartitionPass(Pass):
                 target = paddle._pir_ops.full_int_array(list(local), paddle.int64, paddle.CPUPlace())
                 pir_op.operand(1).set_source(target)
             elif op.name == "pd_op.full" and op.outputs[0] is not None:
-                local = produced_shape(state, op.outputs[0], rp.rank) or rp.local_shapes[op.outputs[0]]
+                local = produced_shape(state, op.outputs[0], rp.rank) or _local(state, op.outputs[0], rp.rank)
                 if local != state.graph.values[op.outputs[0]].shape:
                     rp.ops[op.index].set_int_array_attr("shape", list(local))
 
@@ -136,6 +133,10 @@ class PartitionPass(Pass):
                     for i in range(user.num_operands()):
                         if user.operand_source(i).is_same(produced):
                             user.operand(i).set_source(scaled)
+
+
+def _local(state: CompileState, key: Any, rank: int) -> tuple[int, ...]:
+    return state.propagation.dist(key).local_shape(state.graph.values[key].shape, rank)
 
 
 def _stored_name(op: Any) -> str | None:

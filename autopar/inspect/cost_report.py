@@ -5,7 +5,7 @@ Compute: every op of the rank program priced by :func:`autopar.cost_model.op_cos
 local shapes (read from the rank program), roofline time on the cluster's device. Ops the
 cost model has no formula for are priced as pure memory traffic and listed in ``unpriced``;
 shape constants, feeds, parameters and collectives cost no compute. Communication: the
-:class:`CommOp` records (bytes this rank sends, predicted time). Memory
+:class:`~autopar.collective.Collective` values (bytes this rank sends, predicted time). Memory
 (:func:`autopar.cost_model.memory_per_rank`): parameters and their gradients by placement,
 optimizer states from the program's persistable state tensors by their placement, and the
 activations kept for backward — forward values (feeds included) read by a backward op.
@@ -101,9 +101,9 @@ def _dtype(values: list[Any]) -> str:
     return "float32"
 
 
-def _compute(rp: Any, cluster: Any, unpriced: set[str]) -> float:
+def _compute(program: Any, cluster: Any, unpriced: set[str]) -> float:
     total = 0.0
-    for op in rp.program.global_block().ops:
+    for op in program.global_block().ops:
         name = op.name()
         if name in FREE_OPS or name in COLLECTIVE_OPS:
             continue
@@ -141,7 +141,7 @@ def saved_activations(graph: Any) -> list[Any]:
 def cost_report(dist: Any) -> CostReport:
     """The :class:`CostReport` of a compiled program (see the module docstring)."""
     graph, prop = dist.graph, dist.propagation
-    cluster = dist.state.cluster.fitted(dist.mesh.ranks)
+    cluster = dist.state.cluster
     params = [TensorInfo(v.name or v.label, v.shape, v.dtype, prop.dist(k)) for k, v in graph.values.items()
               if v.kind == "parameter"]  # fmt: skip
     acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, prop.dist(k))
@@ -151,10 +151,10 @@ def cost_report(dist: Any) -> CostReport:
     unpriced: set[str] = set()
     ranks = []
     for rank in dist.mesh.ranks:
-        rp = dist._rank(rank)
+        plan = dist.rank_plan(rank)
         state_bytes = sum(tensor_bytes(v.shape, v.dtype, d, rank) for v, d in states)
         mem = dataclasses.replace(memory[rank], optimizer_states=state_bytes)
-        comm = rp.comm_ops
-        ranks.append(RankCost(rank, _compute(rp, cluster, unpriced), sum(c.time for c in comm),
+        comm = [c for c, _ in plan.collectives]
+        ranks.append(RankCost(rank, _compute(plan.program, cluster, unpriced), sum(c.time for c in comm),
                               sum(c.bytes for c in comm), len(comm), mem))  # fmt: skip
     return CostReport(cluster.name, tuple(ranks), tuple(sorted(unpriced)))

@@ -121,14 +121,16 @@ def diff_lines(view: RankView, context: int | None = None) -> list[str]:
     return out
 
 
-def diff_text(dist: Any, rank: int, context: int | None = None) -> str:
-    """The whole diff of ``rank``'s program against the serial one (see the module docstring)."""
-    view = rank_view(dist, rank)
+def diff_text(dist: Any, rank: int, context: int | None = None, after: str | None = None) -> str:
+    """The diff of ``rank``'s program (after the pass ``after``; default: all passes) against
+    the serial one (see the module docstring)."""
+    view = rank_view(dist, rank, after)
     counts = view.counts()
     serial_ops = sum(1 for op in view.ops if op.status != "added")
+    stage = f" after {after}" if after else ""
     head = [
         f"--- serial program: {serial_ops} ops",
-        f"+++ rank {rank} on {dist.mesh}: {counts['changed']} changed, {counts['added']} added, "
+        f"+++ rank {rank}{stage} on {dist.mesh}: {counts['changed']} changed, {counts['added']} added, "
         f"{counts['removed']} removed, {counts['same']} unchanged",
     ]
     return "\n".join(head + diff_lines(view, context)) + "\n"

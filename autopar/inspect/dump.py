@@ -43,30 +43,34 @@ def dump_diff(
     collapse: bool | None = None,
     layer: str | None = None,
     svg: bool = True,
+    after: str | None = None,
 ) -> DumpResult:
     """Write the diff and the picture of every rank program of ``dist`` into ``directory``.
 
     ``context``: unchanged ops kept around each change in the text diff (None: the whole
     program). ``collapse``: fold layers and repeated layers in the picture (None: when the
     program has more than 120 ops). ``layer``: draw only the ops of that layer
-    (``struct_name``, e.g. ``"Linear_1"``) into ``rank{r}.{layer}.dot``.
+    (``struct_name``, e.g. ``"Linear_1"``) into ``rank{r}.{layer}.dot``. ``after``: the rank
+    programs as they are after the pass of that name (``print(dist.passes)`` lists them); the
+    files are then named ``rank{r}.after-{pass}.*``.
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     result = DumpResult(out)
     render = svg and dot_available()
     for rank in sorted(ranks if ranks is not None else dist.mesh.ranks):
-        view = rank_view(dist, rank)
-        path = out / f"rank{rank}.diff"
+        view = rank_view(dist, rank, after)
+        stem = f"rank{rank}" + (f".after-{after}" if after else "")
+        path = out / f"{stem}.diff"
         if context is None:
-            path.write_text(diff_text(dist, rank))
+            path.write_text(diff_text(dist, rank, after=after))
         else:
-            head = diff_text(dist, rank).splitlines()[:2]
+            head = diff_text(dist, rank, after=after).splitlines()[:2]
             path.write_text("\n".join(head + diff_lines(view, context)) + "\n")
         result.diffs[rank] = path
         suffix = f".{_safe(layer)}" if layer else ""
         title = f"rank {rank} of {dist.mesh}" + (f" — layer {layer}" if layer else "")
-        dot_path = out / f"rank{rank}{suffix}.dot"
+        dot_path = out / f"{stem}{suffix}.dot"
         dot_path.write_text(render_dot(view, title, collapse=collapse, layer=layer))
         result.dots[rank] = dot_path
         if render:

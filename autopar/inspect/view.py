@@ -4,7 +4,7 @@ The text diff (:mod:`autopar.inspect.diff`) and the graphviz rendering
 (:mod:`autopar.inspect.render`) both walk the same :class:`RankView`: every op of the rank
 program in program order, marked ``same`` / ``changed`` / ``added``, plus the serial ops the
 rank dropped (``removed``, at their serial position), each with its operands and results as
-stable labels, serial and local shapes, placements, and the :class:`CommOp` it carries.
+stable labels, serial and local shapes, placements, and the :class:`Collective` it carries.
 
 Labels never contain memory addresses or op ids: a serial value is named as in the graph
 (``linear_0.w_0``, ``x``, ``%15.0`` = result 0 of serial op 15), a value the rank program added
@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.graph import Role
-from autopar.passes.base import CommOp
 
 NOISE_ATTRS = frozenset({"op_callstack", "stop_gradient", "place", "struct_name", "persistable"})
 DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
@@ -55,7 +55,7 @@ class OpView:
     serial_index: int | None = None
     layer: str = ""
     attrs: dict[str, str] = field(default_factory=dict)  # shown attrs (added ops) or "name: old -> new" (changed)
-    comm: CommOp | None = None
+    comm: Collective | None = None
 
     @property
     def short_name(self) -> str:
@@ -118,40 +118,40 @@ def layer_of(graph: Any, index: int) -> str:
     return ""
 
 
-def rank_view(dist: Any, rank: int) -> RankView:
-    """The rank program of ``dist`` for ``rank`` read against the serial program."""
-    rp = dist._rank(rank)
+def rank_view(dist: Any, rank: int, after: str | None = None) -> RankView:
+    """Rank ``rank``'s program (as it is after the pass ``after``, default: all passes) read
+    against the serial program."""
+    plan = dist.rank_plan(rank, after=after)
     graph = dist.graph
     serial_ops = list(dist.serial_program.global_block().ops)
-    serial_labels = {vid: graph.values[key].label for vid, key in graph._by_impl.items() if key in graph.values}
-    # rank value id -> label: the clone's results of serial op i carry the serial labels
-    by_id = {op.id(): i for i, op in enumerate(rp.ops) if i not in rp.erased}
+    serial_labels = {
+        r.id: graph.values[(i, j)].label
+        for i, op in enumerate(serial_ops)
+        for j, r in enumerate(op.results())
+        if (i, j) in graph.values
+    }
+    rank_ops = list(plan.program.global_block().ops)
+    by_position = {position: i for i, position in enumerate(plan.op_positions)}
     labels: dict[str, str] = {}
     keys: dict[str, Any] = {}
-    for i, op in enumerate(rp.ops):
-        if i in rp.erased:
-            continue
+    for i, position in enumerate(plan.op_positions):
+        op = rank_ops[position]
         for j in range(op.num_results()):
             key = (i, j)
             labels[op.result(j).id] = graph.values[key].label if key in graph.values else f"%{i}.{j}"
             keys[op.result(j).id] = key
-    comms = {c.op_id: c for c in rp.comm_ops}
+    comms = {position: c for c, position in plan.collectives}
     views: list[OpView] = []
     pending: list[OpView] = []  # added ops take the role of the serial op that follows them
     added_values = 0
-    rank_ops = list(rp.program.global_block().ops)
-    next_serial = 0
-    for op in rank_ops:
-        index = by_id.get(op.id())
+    for position, op in enumerate(rank_ops):
+        index = by_position.get(position)
         if index is None:
             for j in range(op.num_results()):
                 added_values += 1
                 labels[op.result(j).id] = f"%+{added_values}"
-            pending.append(_added_view(op, labels, keys, dist, comms.get(op.id())))
+            pending.append(_added_view(op, labels, keys, dist, comms.get(position)))
             continue
-        for removed in sorted(i for i in rp.erased if next_serial <= i < index):
-            views.append(_removed_view(graph, serial_ops[removed], removed, serial_labels, dist))
-        next_serial = index + 1
         view = _kept_view(graph, serial_ops[index], op, index, labels, keys, serial_labels, dist)
         for added in pending:
             added.role, added.layer = view.role, view.layer
@@ -166,9 +166,9 @@ def rank_view(dist: Any, rank: int) -> RankView:
 
 
 def _dist_of(dist: Any, label_key: Any) -> DistAttr | None:
-    if label_key is None or label_key not in dist.propagation.states:
+    if label_key is None or label_key not in dist.values:
         return None
-    return dist.propagation.dist(label_key)
+    return dist.values.info(label_key).placement
 
 
 def _ports(
@@ -182,7 +182,7 @@ def _ports(
         serial_label, serial_type = "", ""
         if port_serial is not None:
             serial_label, serial_type = port_serial
-        kind = dist.graph.values[key].kind if key in dist.graph.values else ""
+        kind = dist.values.info(key).kind if key is not None and key in dist.values else ""
         ports.append(Port(label, serial_type, type_text(value), _dist_of(dist, key), serial_label, kind))
     return ports
 
@@ -206,16 +206,7 @@ def _kept_view(graph, serial_op, op, index, labels, keys, serial_labels, dist) -
                   layer_of(graph, index), attrs)  # fmt: skip
 
 
-def _added_view(op: Any, labels: dict[str, str], keys: dict[str, Any], dist: Any, comm: CommOp | None) -> OpView:
+def _added_view(op: Any, labels: dict[str, str], keys: dict[str, Any], dist: Any, comm: Collective | None) -> OpView:
     operands = _ports(list(op.operands_source()), labels, keys, dist, None)
     results = [Port(labels[r.id], "", type_text(r), comm.dst if comm else None) for r in op.results()]
     return OpView("added", op.name(), operands, results, Role.FORWARD, None, "", shown_attrs(op), comm)
-
-
-def _removed_view(graph, serial_op, index, serial_labels, dist) -> OpView:
-    node = graph.ops[index]
-    operands = [
-        Port(lbl, typ, "", None, lbl) for lbl, typ in _serial_ports(list(serial_op.operands_source()), serial_labels)
-    ]
-    results = [Port(lbl, typ, "", None, lbl) for lbl, typ in _serial_ports(list(serial_op.results()), serial_labels)]
-    return OpView("removed", node.name, operands, results, node.role, index, layer_of(graph, index))

@@ -1,7 +1,7 @@
 """Collective semantics on numpy arrays: the one reference every backend must match.
 
-``perform(job, inputs_by_rank)`` computes every group member's output of one
-:class:`CollectiveJob` in memory. The simulator runs collectives with it; the process-group
+``perform(collective, inputs_by_rank)`` computes every group member's output of one
+:class:`~autopar.collective.Collective` in memory. The simulator runs collectives with it; the process-group
 backend's results are tested against it. Pieces follow the group order (``group[i]`` holds
 piece ``i``); uneven pieces are allowed where the op concatenates.
 """
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from autopar.collective import Collective, CollectiveKind
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError
-from autopar.runtime.jobs import CollectiveJob
 
 REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
 
@@ -31,32 +31,33 @@ def _own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
     return np.take(x, np.arange(lo, hi), axis=axis)
 
 
-def perform(job: CollectiveJob, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+def perform(job: Collective, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Every member's output of ``job`` given every member's input."""
     group = list(job.group)
     missing = [r for r in group if r not in inputs]
     if missing:
         raise AutoparError(f"{job.kind} over {group}: no input from ranks {missing}")
     pieces = [np.asarray(inputs[r]) for r in group]
-    if job.kind == "all_reduce":
+    kind = job.kind
+    if kind is CollectiveKind.ALL_REDUCE:
         out = _reduce(pieces, job.reduce)
         return {r: out for r in group}
-    if job.kind == "all_gather":
+    if kind is CollectiveKind.ALL_GATHER:
         out = np.concatenate(pieces, axis=job.axis)
         return {r: out for r in group}
-    if job.kind == "reduce_scatter":
+    if kind is CollectiveKind.REDUCE_SCATTER:
         total = _reduce(pieces, job.reduce)
         return {r: _own_piece(total, job.axis, len(group), i) for i, r in enumerate(group)}
-    if job.kind == "broadcast":
+    if kind is CollectiveKind.BROADCAST:
         root = pieces[job.root]
         return {r: root for r in group}
-    if job.kind == "all_to_all":
+    if kind is CollectiveKind.ALL_TO_ALL:
         parts = len(group)
         return {
             r: np.concatenate([_own_piece(p, job.split_axis, parts, i) for p in pieces], axis=job.axis)
             for i, r in enumerate(group)
         }
-    if job.kind in ("send", "recv"):
+    if kind in (CollectiveKind.SEND, CollectiveKind.RECV):
         sender, receiver = group
         return {receiver: pieces[0]}
-    raise AutoparError(f"unknown collective {job.kind!r}")
+    raise AutoparError(f"the runtime cannot perform {kind}")

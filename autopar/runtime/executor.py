@@ -4,7 +4,8 @@ One process per rank (``python -m autopar.launch --nproc N script.py``). The ran
 the environment (``PADDLE_TRAINER_ID``). Feeds are the *global* batch (sliced here by the
 feeds' placements); fetches come back as *global* arrays (every rank gathers the pieces);
 ``parameters()`` returns full arrays. The host backend runs the rank's segments with the
-Paddle executor and performs the collectives between them through a communicator.
+Paddle executor and performs the collectives between them through a communicator. The only
+thing taken from the compiler is this rank's :class:`~autopar.rank_plan.RankPlan`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from autopar.collective import Collective
 from autopar.errors import AutoparError
 from autopar.pieces import assemble
-from autopar.runtime.jobs import CollectiveJob
-from autopar.runtime.rank_runner import RankRunner, local_feeds
-from autopar.runtime.simulator import produced_placement
+from autopar.rank_plan import RankPlan
+from autopar.runtime.rank_runner import RankRunner
 
 
 class Communicator(Protocol):
     """What the executor needs from a process-group backend."""
 
-    def run(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray | None:
+    def run(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
         """Perform ``job`` with this rank's input; return this rank's output (None if none)."""
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -45,21 +46,18 @@ class Executor:
     "auto" (native when every collective spans the world, else host)."""
 
     def __init__(self, dist: Any, rank: int | None = None, backend: str = "auto", communicator: Communicator | None = None) -> None:
-        self.dist = dist
         self.rank = rank_from_env() if rank is None else rank
         self.world = int(os.environ.get("PADDLE_TRAINERS_NUM", dist.world_size))
         if dist.world_size > self.world:
             raise AutoparError(f"the mesh {dist.mesh} needs {dist.world_size} processes, only {self.world} were started")
         if self.rank not in dist.mesh.ranks:
             raise AutoparError(f"rank {self.rank} is not in {dist.mesh}")
-        if backend not in ("auto", "host", "native"):
-            raise AutoparError(f"unknown backend {backend!r}; expected 'auto', 'host' or 'native'")
-        spans = all(sorted(group) == list(range(self.world)) for group in dist.state.rings)
-        self.backend = ("native" if spans else "host") if backend == "auto" else backend
+        self.plan: RankPlan = dist.rank_plan(self.rank, backend)
+        self.backend = self.plan.backend
         if self.backend == "native":
             from autopar.runtime.native import StoreExchange, create_rings
 
-            self.comm = StoreExchange(create_rings(dist, self.rank), self.rank, self.world)
+            self.comm = StoreExchange(create_rings(self.plan), self.rank, self.world)
         elif communicator is None:
             from autopar.runtime.gloo import GlooCommunicator
 
@@ -71,17 +69,18 @@ class Executor:
         self._started = False
 
     def _runner_for(self, fetch_list: Sequence[Any]) -> Any:
-        keys = tuple(self.dist.key(item) for item in fetch_list)
+        if isinstance(fetch_list, (str, bytes)) or not isinstance(fetch_list, Sequence):
+            raise AutoparError(f"fetch_list must be a list of Values or names, got {type(fetch_list).__name__}")
+        keys = tuple(self.plan.values.key(item) for item in fetch_list)
         runner = self._runners.get(keys)
         if runner is None:
+            scope = self._runner.scope if self._runner is not None else None  # one scope per rank
             if self.backend == "native":
                 from autopar.runtime.native import NativeRunner
 
-                runner = NativeRunner(self.dist, self.rank, self.world, list(keys))
+                runner = NativeRunner(self.plan, list(keys), scope)
             else:
-                runner = RankRunner(self.dist, self.rank, list(keys))
-            if self._runner is not None:
-                runner.scope = self._runner.scope  # one scope per rank: parameters live on
+                runner = RankRunner(self.plan, list(keys), scope)
             self._runners[keys] = runner
         self._runner = runner
         return runner
@@ -97,12 +96,12 @@ class Executor:
             raise AutoparError("call run_startup() before run()")
         runner = self._runner_for(fetch_list)
         if self.backend == "native":
-            pieces = runner.run(local_feeds(self.dist, self.rank, feed))
+            pieces = runner.run(self.plan.local_feeds(feed))
         else:
             runner.set_feeds(feed)
             job = runner.run_until_collective()
             while job is not None:
-                runner.finish_collective(self.comm.run(job, runner.read(job.input)))
+                runner.finish_collective(self.comm.run(job, runner.collective_input()))
                 job = runner.run_until_collective()
             pieces = runner.fetch_pieces()
         if not runner.fetch_keys:
@@ -110,20 +109,21 @@ class Executor:
         everyone = self.comm.all_gather_object(pieces)
         out = []
         for i, key in enumerate(runner.fetch_keys):
-            by_rank = {r: everyone[r][i] for r in self.dist.mesh.ranks}
-            out.append(assemble(by_rank, produced_placement(self.dist, key), self.dist.graph.values[key].shape))
+            info = self.plan.values.info(key)
+            by_rank = {r: everyone[r][i] for r in self.plan.mesh.ranks}
+            out.append(assemble(by_rank, info.produced, info.shape))
         return out
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Every parameter as a full array (gathered from all ranks)."""
         if self._runner is None:
             raise AutoparError("call run_startup() first")
-        names = [n for n, k in self.dist.graph.by_name.items() if self.dist.graph.values[k].kind == "parameter"]
+        names = self.plan.values.named("parameter")
         mine = {n: self._runner.parameter_piece(n) for n in names}
         everyone = self.comm.all_gather_object(mine)
         out = {}
-        for name in names:
-            key = self.dist.graph.by_name[name]
-            pieces = {r: everyone[r][name] for r in self.dist.mesh.ranks}
-            out[name] = assemble(pieces, self.dist.propagation.dist(key), self.dist.graph.values[key].shape)
+        for name, key in names.items():
+            info = self.plan.values.info(key)
+            pieces = {r: everyone[r][name] for r in self.plan.mesh.ranks}
+            out[name] = assemble(pieces, info.placement, info.shape)
         return out

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from autopar.collective import Collective
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.runtime.collectives import perform
-from autopar.runtime.jobs import CollectiveJob
 
 
 class GlooCommunicator:
@@ -70,7 +70,7 @@ class GlooCommunicator:
         finally:
             timer.cancel()
 
-    def run(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray | None:
+    def run(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
         with self._watchdog(f"{job.kind} over ranks {list(job.group)}"), dygraph():
             if sorted(job.group) == list(range(self.world)) and job.kind in ("all_reduce", "all_gather", "broadcast"):
                 return self._world(job, np.ascontiguousarray(x))
@@ -82,7 +82,7 @@ class GlooCommunicator:
                 return None
             return perform(job, {r: everyone[r] for r in job.group})[self.rank]
 
-    def _world(self, job: CollectiveJob, x: np.ndarray) -> np.ndarray:
+    def _world(self, job: Collective, x: np.ndarray) -> np.ndarray:
         import paddle
         import paddle.distributed as pdist
 

@@ -7,8 +7,9 @@ A value made in one segment and read later (by a segment, a collective, or a fet
 persistable under a deterministic scope name on the producer side and read through a
 persistable kwarg on the consumer side, so every segment shares the rank's scope.
 
-The collective ops themselves are not run by Paddle: each becomes a :class:`CollectiveJob`
-that reads and writes scope variables by name; the runtime performs it between segments.
+The collective ops themselves are not run by Paddle: each of the plan's Collective values
+becomes a :class:`CollectiveCall` that reads and writes scope variables by name; the runtime
+performs it between segments.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.passes.base import CommOp
-from autopar.runtime.jobs import CollectiveJob, Job, Segment
+from autopar.rank_plan import RankPlan
+from autopar.runtime.jobs import CollectiveCall, Job, Segment
 
 SOURCE_OPS = ("builtin.parameter", "pd_op.data")
 CONSTANT_OPS = ("pd_op.full_int_array", "pd_op.full")
@@ -29,7 +30,6 @@ class HostPlan:
 
     jobs: list[Job]
     names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
-    step_keys: dict[int, tuple[int, int]]  # job position -> CommOp.step_key (collectives only)
 
 
 def _scope_name(op: Any, position: int, result: int) -> str:
@@ -46,11 +46,11 @@ def _is_source(op: Any) -> bool:
     return op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0)
 
 
-def build_host_plan(program: Any, comm_ops: list[CommOp], exports: list[tuple[int, int]] = ()) -> HostPlan:
-    """Cut ``program`` at the ops carrying ``comm_ops``; ``exports`` are values fetched after."""
+def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> HostPlan:
+    """Cut the plan's program at its collectives; ``exports`` are values fetched after."""
+    program = plan.program
     ops = list(program.global_block().ops)
-    position = {op.id(): i for i, op in enumerate(ops)}
-    comm_at = {position[c.op_id]: c for c in comm_ops}
+    comm_at = {position: collective for collective, position in plan.collectives}
     cuts = sorted(comm_at)
     bounds = list(zip([-1, *cuts], [*cuts, len(ops)]))  # segment k: ops strictly between
     segment_of = {}
@@ -65,17 +65,15 @@ def build_host_plan(program: Any, comm_ops: list[CommOp], exports: list[tuple[in
     crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
     names = {key: _scope_name(ops[key[0]], *key) for key in crossing}
     jobs: list[Job] = []
-    step_keys: dict[int, tuple[int, int]] = {}
     for k, (lo, hi) in enumerate(bounds):
         members = set(range(lo + 1, hi))
         if any(not _is_source(ops[i]) for i in members):
             jobs.append(_segment(program, k, members, crossing, names, segment_of))
         if hi < len(ops):
-            comm = comm_at[hi]
             source = producer[ops[hi].operand_source(0).id]
-            step_keys[len(jobs)] = comm.step_key
-            jobs.append(_collective_job(comm, names.get(source) or _scope_name(ops[source[0]], *source), names[(hi, 0)]))
-    return HostPlan(jobs, names, step_keys)
+            source_name = names.get(source) or _scope_name(ops[source[0]], *source)
+            jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
+    return HostPlan(jobs, names)
 
 
 def _crossing_values(ops, producer, segment_of, comm_at, exports) -> set[tuple[int, int]]:
@@ -136,11 +134,3 @@ def _segment(program: Any, k: int, members: set[int], crossing: set, names: dict
         if ops[i].name() == "pd_op.data" and not ops[i].attrs().get("persistable", [False])[0]
     )
     return Segment(f"segment{k}", clone, feeds)
-
-
-def _collective_job(comm: CommOp, source: str, target: str) -> CollectiveJob:
-    return CollectiveJob(
-        kind=comm.kind, group=comm.group, input=source, output=target, reduce=comm.reduce,
-        axis=comm.axis, split_axis=comm.split_axis, root=comm.root, reason=comm.reason,
-        bytes=comm.bytes, time=comm.time, extra={"output_shape": comm.output_shape},
-    )  # fmt: skip

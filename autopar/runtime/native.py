@@ -2,8 +2,9 @@
 
 On GPUs that is NCCL and the fast path. On CPU the collectives run on gloo communicators
 created per ring (PADDLE_NOTES: one communicator per process really works, so every
-collective must span the world — :func:`lower_for_native` refuses the rest). Fetches and
-parameters are exchanged through the job's TCP store.
+collective must span the world — backend lowering refuses the rest). The rank's program is
+the native form of its RankPlan (lowered at compile by the backend_lowering pass). Fetches
+and parameters are exchanged through the job's TCP store.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError
-from autopar.passes.backend_lowering import lower_for_native
+from autopar.rank_plan import RankPlan, ValueKey
 
 
 class StoreExchange:
@@ -31,28 +32,27 @@ class StoreExchange:
 
 
 class NativeRunner:
-    """One rank's lowered program, scope and executor."""
+    """One rank's native-form program, scope and executor."""
 
-    def __init__(self, dist: Any, rank: int, world: int, fetch_keys: Sequence[Any]) -> None:
+    def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None) -> None:
         import paddle
 
-        rp = dist.state.ranks[rank]
-        ops = list(rp.program.global_block().ops)
-        position = {op.id(): i for i, op in enumerate(ops)}
-        keep = []
-        for key in fetch_keys:
-            value = rp.current(key)
-            keep.append((position[value.get_defining_op().id()], value.index()))
-        self.program, self.fetch_values = lower_for_native(rp, dist.state.rings, world, keep)
-        self.dist, self.rank, self.fetch_keys = dist, rank, list(fetch_keys)
-        self.scope = paddle.static.Scope()
+        if plan.backend != "native":
+            raise AutoparError(f"rank {plan.rank}: the native runner needs the native form of the rank plan, got {plan.backend}")
+        ops = list(plan.program.global_block().ops)
+        self.fetch_values = [ops[p].result(i) for p, i in (plan.position(key) for key in fetch_keys)]
+        self.plan, self.rank, self.fetch_keys = plan, plan.rank, list(fetch_keys)
+        self.program = plan.program
+        self.scope = scope if scope is not None else paddle.static.Scope()
         self.executor = paddle.static.Executor(paddle.CPUPlace())
 
     def run_startup(self) -> None:
         import paddle
 
+        if self.plan.startup is None:
+            raise AutoparError("compile was called without startup_program=; there is no startup to run")
         with paddle.static.scope_guard(self.scope):
-            self.executor.run(self.dist.rank_startup_program(self.rank))
+            self.executor.run(self.plan.startup)
 
     def run(self, local_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         import paddle
@@ -72,7 +72,7 @@ class NativeRunner:
 CREATED_RINGS: dict[int, tuple[int, ...]] = {}
 
 
-def create_rings(dist: Any, rank: int) -> Any:
+def create_rings(plan: RankPlan) -> Any:
     """The gloo communicators of every ring this rank is in; returns the TCP store.
 
     A ring made earlier in this process (another native Executor) is reused; so is ring 0
@@ -81,10 +81,9 @@ def create_rings(dist: Any, rank: int) -> Any:
     import paddle.distributed as pdist
     from paddle.base import core
 
+    rank = plan.rank
     store = core.create_or_get_global_tcp_store()
-    for group, ring in sorted(dist.state.rings.items(), key=lambda item: item[1]):
-        if rank not in group:
-            continue
+    for group, ring in sorted(plan.rings.items(), key=lambda item: item[1]):
         if ring in CREATED_RINGS:
             if CREATED_RINGS[ring] != tuple(group):
                 raise AutoparError(

@@ -1,8 +1,9 @@
 """RankRunner: one rank's scope, executor and host plan (shared by the simulator and Executor).
 
-Feeds arrive as *global* arrays and are sliced by the feeds' placements; fetches leave as
-this rank's local pieces (the caller assembles them). Collectives are not run here: the
-runner stops at each one and lets its driver (simulator or process-group executor) do it.
+Built from the rank's :class:`~autopar.rank_plan.RankPlan` only. Feeds arrive as *global*
+arrays and are sliced by the plan; fetches leave as this rank's local pieces (the caller
+assembles them). Collectives are not run here: the runner stops at each one and lets its
+driver (simulator or process-group executor) perform it.
 """
 
 from __future__ import annotations
@@ -12,41 +13,23 @@ from typing import Any
 
 import numpy as np
 
+from autopar.collective import Collective
 from autopar.errors import AutoparError
-from autopar.graph import ValueKey
+from autopar.rank_plan import RankPlan, ValueKey
 from autopar.runtime.host_plan import HostPlan, build_host_plan
-from autopar.runtime.jobs import CollectiveJob, Segment
-
-
-def local_feeds(dist: Any, rank: int, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Each global feed sliced to ``rank``'s piece (the global shape is checked first)."""
-    local = {}
-    for name, array in feed.items():
-        key = dist.key(name)
-        value = dist.graph.values[key]
-        array = np.asarray(array)
-        if tuple(array.shape) != value.shape:
-            raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(value.shape)}")
-        local[name] = np.ascontiguousarray(array[dist.propagation.dist(key).local_slices(value.shape, rank)])
-    return local
+from autopar.runtime.jobs import Segment
 
 
 class RankRunner:
-    def __init__(self, dist: Any, rank: int, fetch_keys: Sequence[ValueKey]) -> None:
+    def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None) -> None:
         import paddle
 
-        self.dist = dist
-        self.rank = rank
-        self.rank_program = dist.state.ranks[rank]
+        self.plan = plan
+        self.rank = plan.rank
         self.fetch_keys = list(fetch_keys)
-        ops = list(self.rank_program.program.global_block().ops)
-        position = {op.id(): i for i, op in enumerate(ops)}
-        self.exports = {}
-        for key in self.fetch_keys:
-            value = self.rank_program.current(key)
-            self.exports[key] = (position[value.get_defining_op().id()], value.index())
-        self.plan: HostPlan = build_host_plan(self.rank_program.program, self.rank_program.comm_ops, list(self.exports.values()))
-        self.scope = paddle.static.Scope()
+        self.exports = {key: plan.position(key) for key in self.fetch_keys}
+        self.host: HostPlan = build_host_plan(plan, list(self.exports.values()))
+        self.scope = scope if scope is not None else paddle.static.Scope()
         self.executor = paddle.static.Executor(paddle.CPUPlace())
         self.position = 0
         self.feeds: dict[str, np.ndarray] = {}
@@ -55,20 +38,22 @@ class RankRunner:
     def run_startup(self) -> None:
         import paddle
 
+        if self.plan.startup is None:
+            raise AutoparError("compile was called without startup_program=; there is no startup to run")
         with paddle.static.scope_guard(self.scope):
-            self.executor.run(self.dist.rank_startup_program(self.rank))
+            self.executor.run(self.plan.startup)
 
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
         """Slice each global feed to this rank's piece; check the global shape first."""
-        self.feeds = local_feeds(self.dist, self.rank, feed)
+        self.feeds = self.plan.local_feeds(feed)
         self.position = 0
 
     # ---- stepping ---------------------------------------------------------------------
-    def run_until_collective(self) -> CollectiveJob | None:
+    def run_until_collective(self) -> Collective | None:
         """Run segments until the next collective (returned) or the end (None)."""
         import paddle
 
-        jobs = self.plan.jobs
+        jobs = self.host.jobs
         while self.position < len(jobs) and isinstance(jobs[self.position], Segment):
             segment = jobs[self.position]
             missing = [n for n in segment.feeds if n not in self.feeds]
@@ -77,10 +62,11 @@ class RankRunner:
             with paddle.static.scope_guard(self.scope):
                 self.executor.run(segment.program, feed={n: self.feeds[n] for n in segment.feeds}, fetch_list=[])
             self.position += 1
-        return jobs[self.position] if self.position < len(jobs) else None
+        return jobs[self.position].collective if self.position < len(jobs) else None
 
-    def step_key(self) -> tuple[int, int]:
-        return self.plan.step_keys[self.position]
+    def collective_input(self) -> np.ndarray:
+        """This rank's input to the collective it stopped at."""
+        return self.read(self.host.jobs[self.position].input)
 
     def read(self, name: str) -> np.ndarray:
         var = self.scope.find_var(name)
@@ -94,14 +80,14 @@ class RankRunner:
         self.scope.var(name).get_tensor().set(np.ascontiguousarray(array), paddle.CPUPlace())
 
     def finish_collective(self, output: np.ndarray | None) -> None:
-        job = self.plan.jobs[self.position]
+        job = self.host.jobs[self.position]
         if output is not None:
             self.write(job.output, output)
         self.position += 1
 
     # ---- results ---------------------------------------------------------------------
     def fetch_pieces(self) -> list[np.ndarray]:
-        return [self.read(self.plan.names[self.exports[key]]) for key in self.fetch_keys]
+        return [self.read(self.host.names[self.exports[key]]) for key in self.fetch_keys]
 
     def parameter_piece(self, name: str) -> np.ndarray:
         return self.read(name)

@@ -1,9 +1,10 @@
 """The simulator backend: every rank's host plan in one process, collectives in memory.
 
 Ranks advance in lockstep: each runs its segments up to its next collective; a collective is
-performed once every member of its group waits on it (same reshard step). If no waiting
-collective can complete, the plans deadlock — reported with each rank's pending job.
-Deterministic and fast enough for hypothesis tests over meshes of 1..8 ranks.
+performed once every member of its group waits on it (the same :class:`CollectiveKey`). If no
+waiting collective can complete, the plans deadlock — reported with each rank's pending job.
+Deterministic and fast enough for hypothesis tests over meshes of 1..8 ranks. It reads only
+RankPlans (``dist.rank_plan(rank)``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from autopar.errors import AutoparError
 from autopar.pieces import assemble
+from autopar.rank_plan import RankPlan, ValueTable
 from autopar.runtime.collectives import perform
 from autopar.runtime.rank_runner import RankRunner
 
@@ -26,14 +28,18 @@ class SimulationResult:
     parameters: dict[str, np.ndarray]  # name -> full array after the last step
 
 
-def fetch_keys(dist: Any, fetch_list: Sequence[Any]) -> list:
-    return [dist.key(item) for item in fetch_list]
-
-
 def simulate(dist: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = ()) -> SimulationResult:
     """Run ``len(feeds)`` steps of ``dist`` on all ranks in this process (startup first)."""
-    keys = fetch_keys(dist, fetch_list)
-    runners = {rank: RankRunner(dist, rank, keys) for rank in dist.mesh.ranks}
+    plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
+    return simulate_plans(plans, feeds, fetch_list)
+
+
+def simulate_plans(
+    plans: Mapping[int, RankPlan], feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = ()
+) -> SimulationResult:
+    values = next(iter(plans.values())).values
+    keys = [values.key(item) for item in fetch_list]
+    runners = {rank: RankRunner(plan, keys) for rank, plan in plans.items()}
     for runner in runners.values():
         runner.run_startup()
     fetches = []
@@ -41,49 +47,41 @@ def simulate(dist: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence
         for runner in runners.values():
             runner.set_feeds(feed)
         run_step(runners)
-        fetches.append([gather(dist, key, {r: runner.fetch_pieces()[i] for r, runner in runners.items()}) for i, key in enumerate(keys)])
-    return SimulationResult(fetches, parameters(dist, runners))
+        fetches.append([gather(values, key, {r: runner.fetch_pieces()[i] for r, runner in runners.items()}) for i, key in enumerate(keys)])
+    return SimulationResult(fetches, parameters(values, runners))
 
 
 def run_step(runners: Mapping[int, RankRunner]) -> None:
     pending = {rank: runner.run_until_collective() for rank, runner in runners.items()}
     while any(job is not None for job in pending.values()):
-        waiting = {rank: runners[rank].step_key() for rank, job in pending.items() if job is not None}
         ready = None
-        for rank in sorted(waiting):
+        for rank in sorted(r for r, job in pending.items() if job is not None):
             job = pending[rank]
-            if all(waiting.get(member) == waiting[rank] for member in job.group):
+            if all(pending.get(member) is not None and pending[member].key == job.key for member in job.group):
                 ready = job
                 break
         if ready is None:
-            stuck = "; ".join(f"rank {r}: {pending[r].kind} over {list(pending[r].group)}" for r in sorted(waiting))
+            stuck = "; ".join(f"rank {r}: {job.kind} over {list(job.group)} ({job.key})" for r, job in sorted(pending.items()) if job)
             raise AutoparError(f"the rank plans deadlock: {stuck}")
-        inputs = {r: runners[r].read(ready.input) for r in ready.group}
+        inputs = {r: runners[r].collective_input() for r in ready.group}
         outputs = perform(ready, inputs)
         for r in ready.group:
             runners[r].finish_collective(outputs.get(r))
             pending[r] = runners[r].run_until_collective()
 
 
-def gather(dist: Any, key: Any, pieces: Mapping[int, np.ndarray]) -> np.ndarray:
-    """A serial value's global array from every rank's piece (its produced placement)."""
-    value = dist.graph.values[key]
-    return assemble(pieces, produced_placement(dist, key), value.shape)
+def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np.ndarray:
+    """A serial value's global array from every rank's piece (as its producer makes it)."""
+    info = values.info(key)
+    return assemble(pieces, info.produced, info.shape)
 
 
-def produced_placement(dist: Any, key: Any) -> Any:
-    """Placement of the value as its op makes it (before any after-producer reshard)."""
-    produced = dist.propagation.produced.get(key)
-    return produced if produced is not None else dist.propagation.dist(key)
-
-
-def parameters(dist: Any, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:
+def parameters(values: ValueTable, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:
     out = {}
-    for name, key in dist.graph.by_name.items():
-        if dist.graph.values[key].kind != "parameter":
-            continue
+    for name, key in values.named("parameter").items():
+        info = values.info(key)
         pieces = {rank: runner.parameter_piece(name) for rank, runner in runners.items()}
-        out[name] = assemble(pieces, dist.propagation.dist(key), dist.graph.values[key].shape)
+        out[name] = assemble(pieces, info.placement, info.shape)
     if not out:
         raise AutoparError("the program has no parameters to gather")
     return out

@@ -1,6 +1,14 @@
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
 import pytest
 
-from autopar import ProcessMesh
+from autopar import DistAttr, ProcessMesh
 from autopar.errors import AutoparError, MeshError
 
 
@@ -56,3 +64,50 @@ def test_unknown_dim_name_is_named():
     mesh = ProcessMesh([0, 1], ["dp"])
     with pytest.raises(MeshError, match="unknown mesh dim 'mp'"):
         mesh.groups("mp")
+
+
+def test_replace_goes_through_validation():
+    mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    renamed = replace(mesh, dim_names=("a", "b"))
+    assert renamed.dim_names == ("a", "b") and renamed.ranks == mesh.ranks and renamed != mesh
+    assert replace(mesh, ranks=(3, 2, 1, 0)).tolist() == [[3, 2], [1, 0]]
+    assert replace(mesh, shape=(4, 1)).groups(0) == [(0, 1, 2, 3)]
+    with pytest.raises(MeshError, match="needs 2 dim names"):
+        replace(mesh, dim_names=("a",))
+    with pytest.raises(MeshError, match="duplicate ranks"):
+        replace(mesh, ranks=(0, 0, 1, 2))
+    with pytest.raises(MeshError, match="not both"):
+        ProcessMesh(shape=[2], process_ids=[0, 1], ranks=[0, 1])
+
+
+def test_pickle_round_trip_recomputes_the_hash():
+    mesh = ProcessMesh(shape=[32, 32], process_ids=range(1024), dim_names=["dp", "mp"])
+    again = pickle.loads(pickle.dumps(mesh))
+    assert again == mesh and hash(again) == hash(mesh) and copy.deepcopy(mesh) == mesh
+    # another process hashes strings differently: the hash must not travel with the pickle
+    script = (
+        "import pickle, sys\n"
+        "from autopar.dist_attr import DistAttr\n"
+        "from autopar.mesh import ProcessMesh\n"
+        "mesh, attr = pickle.loads(sys.stdin.buffer.read())\n"
+        "fresh = ProcessMesh([[0, 1], [2, 3]], ['dp', 'mp'])\n"
+        "assert mesh in {fresh} and attr in {DistAttr(fresh, [('mp', 'dp'), None], {})}\n"
+    )
+    small = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    payload = pickle.dumps((small, DistAttr(small, [("mp", "dp"), None])))
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    done = subprocess.run([sys.executable, "-c", script], input=payload, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+
+
+def test_hash_is_computed_once():
+    # propagation hashes the mesh thousands of times (every DistAttr hash includes it)
+    mesh = ProcessMesh(shape=[32, 32], process_ids=range(1024), dim_names=["dp", "mp"])
+    start = time.perf_counter()
+    for _ in range(2000):
+        hash(mesh)
+    cached = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(2000):
+        hash(mesh.ranks)
+    assert cached < (time.perf_counter() - start) / 3

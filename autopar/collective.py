@@ -1,0 +1,102 @@
+"""One collective, one value: what is moved, over which ranks, why, and what it costs
+(stage: plan reshards -> runtime).
+
+The planner's steps (:class:`autopar.cost_model.ReshardStep`, every group of a mesh at once)
+and the per-rank records the compiler emits and the runtime executes (:class:`Collective`,
+this rank's group) share one kind vocabulary, :class:`CollectiveKind`, spelled with NCCL's
+names. A ``Collective`` is frozen: the pass that plans it, the rank program that carries it,
+``dist.comm_ops(rank)``, the cost report and every runtime backend read the same value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from autopar.dist_attr import DistAttr
+
+
+class CollectiveKind(str, enum.Enum):
+    """Kinds of step a reshard is made of; compares equal to its name (``kind == "all_reduce"``).
+
+    ``SEND_RECV`` is the planner's point-to-point move between meshes; each rank program
+    carries it as a ``SEND`` (sender) or a ``RECV`` (receiver). ``SLICE`` and ``MAKE_PARTIAL``
+    are local: no data leaves the rank.
+    """
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+    SEND_RECV = "send_recv"
+    SLICE = "slice"
+    MAKE_PARTIAL = "make_partial"
+
+    @property
+    def is_local(self) -> bool:
+        return self in (CollectiveKind.SLICE, CollectiveKind.MAKE_PARTIAL)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class CollectiveKey:
+    """Names one collective identically on every rank: the same key on every member of its group.
+
+    ``source`` is ``"reshard"`` (``index`` = the planned reshard, ``step`` = its plan step) or
+    ``"bucket"`` (``index`` = the fused gradient bucket); ``micro_batch`` is 0 until the
+    pipeline runs several.
+    """
+
+    source: str
+    index: int
+    step: int = 0
+    micro_batch: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.source}{self.index}.{self.step}.mb{self.micro_batch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective on one rank: ``group`` in piece order (rank ``group[i]`` holds piece ``i``).
+
+    all_reduce: ``reduce`` over the group. all_gather: concatenation along ``axis`` (uneven
+    pieces allowed). reduce_scatter: piece ``i`` (``numpy.array_split`` bounds along ``axis``)
+    of the reduction. broadcast: ``group[root]``'s input. all_to_all: input split along
+    ``split_axis``, piece ``j`` to ``group[j]``, received pieces concatenated along ``axis``.
+    send / recv: ``group = (sender, receiver)``.
+    ``bytes``: the planner's nccl-tests size on this collective; ``time``: predicted seconds.
+    """
+
+    kind: CollectiveKind
+    group: tuple[int, ...]
+    key: CollectiveKey
+    value: str  # label of the serial value (or bucket) being moved
+    src: DistAttr
+    dst: DistAttr
+    shape: tuple[int, ...]  # global shape of the value
+    output_shape: tuple[int, ...]  # this rank's result
+    bytes: int
+    time: float
+    reason: str
+    reduce: str = "sum"
+    axis: int = 0
+    split_axis: int = 0
+    root: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, CollectiveKind):
+            object.__setattr__(self, "kind", CollectiveKind(self.kind))
+        if self.kind.is_local:
+            raise ValueError(f"{self.kind} is a local step, not a collective")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind}(group={list(self.group)}, {self.bytes} B, {self.time * 1e6:.1f}us) "
+            f"{self.value}: {self.src} -> {self.dst} — {self.reason}"
+        )

@@ -1,0 +1,139 @@
+"""RankPlan: everything one rank needs to run, and nothing else from the compiler
+(stage: the per-rank contract between compile and runtime).
+
+``dist.rank_plan(rank)`` builds it lazily (only that rank's program is cloned and
+rewritten) and caches it. The Executor, the simulator and both backends take RankPlans: the
+rank's program and startup, its ordered jobs (compute ranges and the :class:`Collective`
+values between them), the communicator ids of its groups, and a :class:`ValueTable` saying
+how each serial value is sliced (feeds), placed (fetches, parameters) and where the program
+computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autopar.collective import Collective
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.mesh import ProcessMesh
+
+ValueKey = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ValueInfo:
+    """One serial value: ``placement`` is its final one, ``produced`` what its op makes
+    (differs when an annotation reshards it right after the producer)."""
+
+    key: ValueKey
+    label: str
+    kind: str  # "parameter", "feed", "state", "activation", ...
+    shape: tuple[int, ...]
+    dtype: str
+    placement: DistAttr
+    produced: DistAttr
+
+
+class ValueTable:
+    """Serial values by name or Value, as the runtime sees them (shared by every RankPlan)."""
+
+    def __init__(self, by_name: Mapping[str, ValueKey], resolve: Any, infos: Mapping[ValueKey, ValueInfo]) -> None:
+        self._by_name = dict(by_name)
+        self._resolve = resolve  # a serial program's Value -> key (None if not of this program)
+        self._infos = infos
+
+    def key(self, item: Any) -> ValueKey:
+        """The key of a feed / parameter / state name, or of a Value of the serial program."""
+        if isinstance(item, str):
+            key = self._by_name.get(item)
+            if key is None:
+                raise AutoparError(f"no parameter, feed or state named {item!r} in the compiled program")
+            return key
+        key = self._resolve(item)
+        if key is None:
+            raise AutoparError(f"{item!r} is not a value of the compiled program")
+        return key
+
+    def info(self, key: ValueKey) -> ValueInfo:
+        return self._infos[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._infos
+
+    def named(self, kind: str) -> dict[str, ValueKey]:
+        """Names of the values of ``kind`` ("parameter", "feed", "state")."""
+        return {n: k for n, k in self._by_name.items() if self._infos[k].kind == kind}
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Ops ``[start, stop)`` of the rank program, run by the Paddle executor."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's contract (see the module docstring). ``backend``: the form of ``program``
+    ("host": collectives are placeholders the runtime performs; "native": real ops)."""
+
+    rank: int
+    mesh: ProcessMesh
+    backend: str
+    program: Any
+    startup: Any  # None when compile had no startup program
+    collectives: tuple[tuple[Collective, int], ...]  # (value, position of the op carrying it), program order
+    rings: Mapping[tuple[int, ...], int]  # groups this rank is in -> communicator id
+    values: ValueTable
+    op_positions: tuple[int, ...]  # serial op index -> position of its op in ``program``
+    replaced: Mapping[ValueKey, tuple[int, int]]  # values read after a local correction op: (position, result)
+    stages: tuple[str, ...] = ()
+    passes: tuple[str, ...] = ()
+    _jobs: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size
+
+    @property
+    def jobs(self) -> tuple[Compute | Collective, ...]:
+        """Compute ranges and collectives in the order the rank runs them."""
+        if not self._jobs:
+            ops = len(self.program.global_block().ops)
+            start = 0
+            for collective, position in self.collectives:
+                if position > start:
+                    self._jobs.append(Compute(start, position))
+                self._jobs.append(collective)
+                start = position + 1
+            if start < ops:
+                self._jobs.append(Compute(start, ops))
+        return tuple(self._jobs)
+
+    def position(self, key: ValueKey) -> tuple[int, int]:
+        """Where the program computes the serial value ``key`` (as its producer makes it, after
+        any local correction such as an uneven mean's scale)."""
+        found = self.replaced.get(key)
+        return found if found is not None else (self.op_positions[key[0]], key[1])
+
+    def local_feeds(self, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Each global feed sliced to this rank's piece (name, shape and dtype checked first)."""
+        if not isinstance(feed, Mapping):
+            raise AutoparError(f"feed must be a dict of feed name -> global array, got {type(feed).__name__}")
+        feeds = self.values.named("feed")
+        local = {}
+        for name, array in feed.items():
+            if name not in feeds:
+                raise AutoparError(f"{name!r} is not a feed of the compiled program; its feeds are {sorted(feeds)}")
+            info = self.values.info(feeds[name])
+            array = np.asarray(array)
+            if tuple(array.shape) != info.shape:
+                raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(info.shape)}")
+            local[name] = np.ascontiguousarray(array[info.placement.local_slices(info.shape, self.rank)])
+        return local

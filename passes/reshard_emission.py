@@ -1,0 +1,145 @@
+"""Reshard emission: the planned reshards become ops of one rank's program
+(stage: partitioned -> comm-inserted).
+
+Every :class:`~autopar.passes.base.PlannedReshard` (planned once for the job by
+:mod:`.reshard_planning`) is emitted at its site: collectives as Paddle collective ops
+(``pd_op.all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) with their output
+typed to the exact local shape, local steps as ``slice`` / ``scale`` ops. Each collective is
+recorded as a :class:`~autopar.collective.Collective` value (why, group, bytes, predicted
+time) with the op that carries it; the host runtime performs it from that value, and
+backend lowering adapts the op for the native backend. A reshard that shares its result with
+an earlier one reads that result; gradient all-reduces planned into a bucket are left to
+:mod:`.allreduce_fusion`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
+from autopar.propagation import SiteKind
+
+REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3, "avg": 4}
+
+
+@dataclass(frozen=True)
+class ReshardEmission(Pass):
+    name: ClassVar[str] = "reshard_emission"
+    emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "reshard-planned")
+    emit_ensures: ClassVar[str] = "comm-inserted"
+
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        fused = {m for bucket in state.buckets for m in bucket.members}
+        with paddle.static.program_guard(rp.program):
+            for planned in state.reshards:
+                if planned.index not in fused:
+                    _emit(state, rp, planned)
+            paddle.pir.reset_insertion_point_to_end()
+
+
+def read_site(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> tuple[Any, int]:
+    """The op (of ``rp``) and operand slot where a before-read reshard's result is read:
+    the reader itself, or the builtin.combine feeding it (a vector member)."""
+    site_op, site_pos = state.graph.ops[planned.need.op].sites[planned.need.site.slot]
+    return rp.ops[site_op], site_pos
+
+
+def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None:
+    import paddle
+
+    need = planned.need
+    if need.site.kind is SiteKind.AFTER_PRODUCER:
+        paddle.pir.set_insertion_point_after(rp.ops[need.op])
+    else:
+        consumer, slot = read_site(state, rp, planned)
+        if planned.shared_with is not None:
+            consumer.operand(slot).set_source(rp.resharded[planned.shared_with])
+            return
+        paddle.pir.set_insertion_point(consumer)
+    value = state.graph.values[need.value]
+    source = rp.current(need.value)
+    current, inserted = source, set()
+    for number, step in enumerate(planned.plan.steps):
+        key = CollectiveKey("reshard", planned.index, number)
+        current = _emit_step(state, rp, step, current, value, planned.reason, key)
+        if current is not source:
+            inserted.add(current.get_defining_op().id())
+    if need.site.kind is SiteKind.AFTER_PRODUCER:
+        _replace_uses_after(source, current, inserted)
+    else:
+        consumer.operand(slot).set_source(current)
+    rp.resharded[planned.index] = current
+
+
+def _emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey) -> Any:
+    """Emit one plan step on ``rp.rank``; returns the value holding the new placement."""
+    import paddle
+
+    rank = rp.rank
+    group = step.group_of(rank)
+    if group is None:
+        return x
+    local = step.dst.local_shape(value.shape, rank)
+    if step.kind is CollectiveKind.SLICE:
+        out = _slice(x, step, value.shape, rank)
+    elif step.kind is CollectiveKind.MAKE_PARTIAL:
+        if step.reduce in ("max", "min") or rank == group[0]:
+            return x
+        out = paddle._C_ops.scale(x, 0.0, 0.0, True)
+    else:
+        collective = Collective(
+            kind=step.kind, group=group, key=key, value=value.label, src=step.src, dst=step.dst,
+            shape=tuple(value.shape), output_shape=tuple(local), bytes=step.bytes, time=step.time, reason=reason,
+            reduce=step.reduce or "sum", axis=step.tensor_dims[0] if step.tensor_dims else 0,
+            split_axis=step.tensor_dims[-1] if step.kind is CollectiveKind.ALL_TO_ALL else 0,
+        )  # fmt: skip
+        ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
+        out = collective_op(collective, x, ring)
+        rp.collectives.append((collective, out.get_defining_op().id()))
+    out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))
+    return out
+
+
+def collective_op(collective: Collective, x: Any, ring: int) -> Any:
+    """The Paddle op carrying ``collective`` in the host form of a rank program."""
+    import paddle
+
+    kind = collective.kind
+    if kind is CollectiveKind.ALL_REDUCE:
+        return paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[collective.reduce])
+    if kind is CollectiveKind.ALL_GATHER:
+        return paddle._C_ops.all_gather(x, ring, len(collective.group))
+    if kind is CollectiveKind.ALL_TO_ALL:
+        return paddle._C_ops.all_to_all(x, ring)
+    try:
+        return paddle._C_ops.reduce_scatter(x, ring, len(collective.group))
+    except ValueError:
+        # uneven or non-leading scatter: Paddle's op cannot even be built; the Collective
+        # value carries the semantics and the runtime or backend lowering performs it.
+        return paddle._C_ops.assign(x)
+
+
+def _slice(x: Any, step: Any, shape: tuple[int, ...], rank: int) -> Any:
+    """This rank's new piece out of the piece it holds (bounds from the global split)."""
+    import paddle
+
+    old = step.src.local_slices(shape, rank)
+    new = step.dst.local_slices(shape, rank)
+    axes = [t for t in range(len(shape)) if old[t] != new[t]]
+    starts = [new[t].start - old[t].start for t in axes]
+    ends = [new[t].stop - old[t].start for t in axes]
+    return paddle._C_ops.slice(x, axes, starts, ends, [1] * len(axes), [])
+
+
+def _replace_uses_after(source: Any, new: Any, inserted: set[int]) -> None:
+    """Every reader of ``source`` except the inserted reshard ops reads ``new`` instead."""
+    for user in list(source.all_used_ops()):
+        if user.id() in inserted:
+            continue
+        for i in range(user.num_operands()):
+            if user.operand_source(i).is_same(source):
+                user.operand(i).set_source(new)

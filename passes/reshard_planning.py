@@ -1,0 +1,72 @@
+"""Reshard planning: every reshard need planned once, as values (stage: propagated ->
+reshard-planned).
+
+Propagation records a :class:`~autopar.propagation.ReshardNeed` wherever a value must change
+placement (a consumer reads it otherwise, or an annotation differs from what its producer
+makes). This pass asks the cost model for the cheapest steps of each need, once for the
+whole job, and says why the reshard is there. Emission (:mod:`.reshard_emission`) only turns
+these values into ops of a rank's program; nothing is planned again per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from autopar.collective import CollectiveKind
+from autopar.cost_model import ReshardPlan, plan_reshard
+from autopar.errors import AutoparError
+from autopar.passes.base import CompileState, Pass, PlannedReshard
+from autopar.propagation import ReshardNeed, SiteKind
+
+
+@dataclass(frozen=True)
+class ReshardPlanning(Pass):
+    name: ClassVar[str] = "reshard_planning"
+    plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
+    plan_ensures: ClassVar[str] = "reshard-planned"
+
+    def plan(self, state: CompileState) -> None:
+        first_read: dict[tuple, int] = {}
+        for index, need in enumerate(state.propagation.reshards):
+            value = state.graph.values[need.value]
+            plan = plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
+            if not plan.steps:
+                continue
+            _check_site(state, need, plan)
+            shared = None
+            if need.site.kind is SiteKind.BEFORE_READ:
+                shared = first_read.setdefault((need.value, need.need), index)
+                shared = None if shared == index else shared
+            state.reshards.append(PlannedReshard(index, need, plan, _reason(state, need), shared))
+
+
+def _reason(state: CompileState, need: ReshardNeed) -> str:
+    label = state.graph.values[need.value].label
+    op = state.graph.ops[need.op]
+    if need.site.kind is SiteKind.AFTER_PRODUCER:
+        return f"{label} is annotated {need.need}; its producer {op} makes {need.have}"
+    return f"{op} reads {label} as {need.need}; it is {need.have}"
+
+
+def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan) -> None:
+    """Refuse, by name, reshards that have no place in the program (yet)."""
+    value = state.graph.values[need.value]
+    reader = state.graph.ops[need.op]
+    for step in plan.steps:
+        if step.kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST):
+            raise AutoparError(f"reshard of {value.label} across meshes ({step}) lands with the pipeline issue")
+    if need.site.kind is SiteKind.WRITE_BACK:
+        raise AutoparError(f"{reader}: write-back reshards of {value.label} are emitted by the ZeRO passes (not built yet)")
+    if need.site.kind is not SiteKind.BEFORE_READ:
+        return
+    if reader.short_name.endswith("_") and value.kind in ("parameter", "state"):
+        raise AutoparError(
+            f"{reader} updates {value.label} in place but needs it as {need.need} while it is {need.have}: "
+            "a resharded copy would take the update and lose it"
+        )
+    if reader.sites[need.site.slot][1] < 0:
+        raise AutoparError(
+            f"{reader} reads {value.label} inside a vector not built by builtin.combine; "
+            f"it would need a reshard {need.have} -> {need.need} that cannot be placed there"
+        )
