@@ -15,6 +15,7 @@ from typing import Any
 from autopar.dist_attr import DistAttr
 from autopar.errors import AnnotationError, AutoparError, PlacementError
 from autopar.mesh import ProcessMesh
+from autopar.placement import Placement
 
 
 @dataclass
@@ -64,7 +65,7 @@ def program_of(value: Any) -> Any:
 def _is_placement_list(spec: Sequence[Any]) -> bool:
     import paddle.distributed as pdist
 
-    return bool(spec) and all(isinstance(p, pdist.Placement) for p in spec)
+    return bool(spec) and all(isinstance(p, (pdist.Placement, Placement)) for p in spec)
 
 
 def to_dist_attr(spec: Any, mesh: ProcessMesh, ndim: int, label: str) -> DistAttr:

@@ -142,7 +142,7 @@ def transplant(dist: DistAttr, mesh: ProcessMesh) -> DistAttr | None:
         for d, name in enumerate(dist.mesh.dim_names)
         if name in mesh.dim_names and mesh.dim_size(name) == dist.mesh.shape[d]
     }
-    mapping = [tuple(sorted(same[d] for d in dims if d in same)) for dims in dist.mapping]
+    mapping = [tuple(same[d] for d in dims if d in same) for dims in dist.mapping]  # split order kept
     partial = {same[d]: k for d, k in dist.partial if d in same}
     return DistAttr(mesh, mapping, partial)
 

@@ -1,15 +1,18 @@
 """Calibrate the ``cpu-gloo`` profile on this machine: ``python -m autopar.cost_model.calibrate``.
 
 Spawns 2 and 4 local processes (the ``PADDLE_*`` variables set, dynamic-mode
-``paddle.distributed`` on gloo), times all_reduce, all_gather, broadcast and send/recv over a
-set of sizes, and fits, per collective, the latency and bandwidth of the alpha-beta formula
-in :mod:`autopar.cost_model.comm` by least squares on relative error (over both world sizes
-at once, so the fit keeps the formula's dependence on the group size), and per world size
-(``all_reduce@4``: with 4 processes on 2 cores the processes contend for the cores, which no
-link formula predicts; a group of that size uses its own fit). gloo has no
-reduce_scatter and no all_to_all (``ProcessGroupGloo does not support ...``): the profile marks
-them *emulated*, priced as the all_reduce / all_gather plus slice that runs instead; the
-workers time those emulations too (the benchmark compares them).
+``paddle.distributed`` on gloo), times all_reduce, all_gather, broadcast, send/recv and the
+host backend's *exchange* (``all_gather_object`` of a numpy array: how it runs a sub-group
+collective) over a set of sizes, each size in several rounds spread over the run, and fits,
+per collective, the latency and bandwidth of the alpha-beta formula in
+:mod:`autopar.cost_model.comm`, plus the bandwidth of its knee (buffers of at least 32 MiB are
+fresh memory: see :class:`~autopar.cost_model.cluster.Link`), minimizing the mean absolute
+relative error (over both world sizes at once, so the fit keeps the formula's dependence on
+the group size), and per world size (``all_reduce@4``: with 4 processes on 2 cores the
+processes contend for the cores, which no link formula predicts; a group of that size uses its
+own fit). gloo has no reduce_scatter and no all_to_all (``ProcessGroupGloo does not support
+...``): the profile marks them *emulated*, priced as the all_reduce / all_gather plus slice
+that runs instead; the workers time those emulations too (the benchmark compares them).
 
 Also measured: float32 matmul FLOP/s and copy bandwidth of one process (numpy), and the
 machine's memory. The profile is written to ``cost_model/profiles/cpu_gloo.json`` (an input
@@ -19,6 +22,7 @@ profile, committed), or ``--out``. About a minute on 2 cores.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -35,9 +39,11 @@ import numpy as np
 from autopar.cost_model.cluster import Cluster, Device, Link
 from autopar.cost_model.comm import coefficients
 
-MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv")
+MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv", "exchange")
 EMULATED = ("reduce_scatter", "all_to_all")
-CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 96 << 20)
+CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 40 << 20, 96 << 20)
+KNEE = 32 << 20  # glibc's largest dynamic mmap threshold: every allocation this big is fresh memory
+ROUNDS = 3  # each size is timed in 3 rounds spread over the run (a burst of load hits one round)
 PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_gloo.json"
 
 
@@ -108,19 +114,47 @@ def fit_links(samples: Sequence[Sample]) -> dict[str, Link]:
     return fits
 
 
-def fit_link(samples: Sequence[Sample], kind: str) -> Link:
-    """Latency and bandwidth minimizing the relative error of ``kind``'s ring formula."""
+def _formula(kind: str) -> str:
+    return "all_gather" if kind == "exchange" else kind  # an exchange is an all_gather of pickled inputs
+
+
+def fit_link(samples: Sequence[Sample], kind: str, knee: float = KNEE) -> Link:
+    """Latency, bandwidth and (when samples reach ``knee`` bytes and it helps) the knee's
+    bandwidth of ``kind``'s ring formula, minimizing the mean absolute *relative* error (the
+    benchmark's measure; robust to the odd sample a burst of load slowed down): iteratively
+    reweighted least squares, every figure kept >= 0."""
     rows = [s for s in samples if s.kind == kind and s.world > 1]
-    design = np.array([coefficients(kind, s.world, s.nbytes) for s in rows])
+    design = np.array([(*coefficients(_formula(kind), s.world, s.nbytes), s.nbytes * (s.nbytes >= knee)) for s in rows])
     times = np.array([s.seconds for s in rows])
-    weighted, target = design / times[:, None], np.ones(len(rows))
-    alpha, beta = np.linalg.lstsq(weighted, target, rcond=None)[0]
-    if alpha < 0:
-        alpha, beta = 0.0, float(np.linalg.lstsq(weighted[:, 1:], target, rcond=None)[0][0])
-    if beta <= 0:
-        beta = 1e-12
-        alpha = max(float(np.linalg.lstsq(weighted[:, :1], target, rcond=None)[0][0]), 0.0)
-    return Link(latency=float(alpha), bandwidth=float(1.0 / beta))
+    scaled = design / times[:, None]  # row i: predicted / measured time per unit of each figure
+    weights = np.ones(len(rows))
+    for _ in range(100):
+        figures = _nonnegative_lstsq(scaled * weights[:, None], weights)
+        residual = np.abs(scaled @ figures - 1.0)
+        new = 1.0 / np.sqrt(np.maximum(residual, 1e-4))  # sum w^2 r^2 = sum |r|
+        if np.allclose(new, weights, rtol=1e-6):
+            break
+        weights = new
+    alpha, beta, gamma = figures
+    beta = max(beta, 1e-15)
+    if gamma <= 0:
+        return Link(latency=float(alpha), bandwidth=float(1.0 / beta))
+    return Link(latency=float(alpha), bandwidth=float(1.0 / beta), knee=float(knee), knee_bandwidth=float(1.0 / gamma))
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a x - b|`` over ``x >= 0`` (a few columns: every subset of free columns tried)."""
+    best, best_error = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for size in range(1, a.shape[1] + 1):
+        for free in itertools.combinations(range(a.shape[1]), size):
+            if not a[:, free].any(axis=0).all():
+                continue
+            x = np.zeros(a.shape[1])
+            x[list(free)] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            error = float(np.sum((a @ x - b) ** 2))
+            if (x >= 0).all() and error < best_error:
+                best, best_error = x, error
+    return best
 
 
 def measure_device() -> Device:
@@ -156,10 +190,19 @@ def build_profile(samples: Sequence[Sample], worlds: Sequence[int], sizes: Seque
     return Cluster(
         name="cpu-gloo", nodes=1, devices_per_node=8, intra=fits["all_reduce"], inter=fits["all_reduce"],
         device=measure_device(), collectives=tuple(sorted(fits.items())), emulated=EMULATED, tree=False,
+        subgroups="world_exchange",
         sources=(
             ("collectives", f"fitted by python -m autopar.cost_model.calibrate: gloo over loopback, {list(worlds)} processes, "
-                            f"sizes {list(sizes)} bytes, ring formulas, least squares on relative error; "
+                            f"sizes {list(sizes)} bytes, each timed in {ROUNDS} rounds (median of the slowest rank per rep), "
+                            "ring formulas, least absolute relative error; "
                             "kind@p: fitted on p processes only (used for groups of p: 4 processes on 2 cores contend)"),
+            ("knee", f"{KNEE} bytes: glibc's largest dynamic mmap threshold; a buffer this big is fresh memory each call "
+                     "(Paddle allocates collective outputs per call) and its 4 KiB pages fault in (3-6 us each here); "
+                     "knee_bandwidth fitted per collective, absent where it does not help the fit"),
+            ("exchange", "paddle.distributed.all_gather_object of a numpy array from every rank (what the host backend "
+                         "does for a sub-group collective); nbytes = the gathered bytes, world x input"),
+            ("subgroups", "world_exchange: gloo sub-groups deadlock with 4 processes (PADDLE_NOTES), the host backend "
+                          "runs every sub-group collective as a world exchange"),
             ("intra", "the all_reduce fit; inter = intra (one host)"),
             ("emulated", "gloo has no reduce_scatter / all_to_all: all_reduce + slice, all_gather + slice"),
             ("device", "numpy float32 512x512 matmul and a 32 MiB copy in one process; memory = physical RAM"),
@@ -181,22 +224,27 @@ def _worker(sizes: Sequence[int], kinds: Sequence[str], out: str) -> None:
         warm = _operation(paddle, dist, kind, 64 << 10, rank, world)
         for _ in range(5):
             warm()
-    results = []
-    for kind in kinds:
-        for nbytes in sizes:
-            run = _operation(paddle, dist, kind, nbytes, rank, world)
-            reps = 5 if nbytes >= 8 << 20 else (10 if nbytes >= 1 << 20 else 30)
-            run()
-            local = []
-            for _ in range(reps):
-                dist.barrier()
-                start = time.perf_counter()
-                run()
-                local.append(time.perf_counter() - start)
-            gathered: list = []
-            dist.all_gather(gathered, paddle.to_tensor(np.array(local, np.float64)))
-            per_rep = np.max(np.stack([g.numpy() for g in gathered]), axis=0)
-            results.append({"kind": kind, "world": world, "nbytes": int(nbytes), "seconds": float(np.median(per_rep))})
+    local: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind in kinds for n in sizes}
+    for _ in range(ROUNDS):  # each round: every (kind, size) once more, so noise spreads over all
+        for kind in kinds:
+            for nbytes in sizes:
+                run = _operation(paddle, dist, kind, nbytes, rank, world)
+                run()  # the steady state of a training loop: the same collective ran before
+                reps = 2 if nbytes >= 8 << 20 else (4 if nbytes >= 1 << 20 else 10)
+                for _ in range(reps):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    run()
+                    local[kind, nbytes].append(time.perf_counter() - start)
+                del run
+    gathered: list = []
+    dist.all_gather(gathered, paddle.to_tensor(np.array([t for ts in local.values() for t in ts], np.float64)))
+    per_rep = np.max(np.stack([g.numpy() for g in gathered]), axis=0)  # a rep ends when its slowest rank does
+    results, at = [], 0
+    for (kind, nbytes), times in local.items():
+        seconds = float(np.median(per_rep[at : at + len(times)]))
+        results.append({"kind": kind, "world": world, "nbytes": int(nbytes), "seconds": seconds})
+        at += len(times)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
@@ -222,6 +270,9 @@ def _operation(paddle, dist, kind: str, nbytes: int, rank: int, world: int):
     if kind == "all_gather":  # nbytes = gathered output
         piece = paddle.ones([count // world], dtype="float32")
         return lambda: dist.all_gather([], piece)
+    if kind == "exchange":  # the host backend's sub-group transport; nbytes = gathered (world x input)
+        mine = np.ones(count // world, np.float32)
+        return lambda: dist.all_gather_object([], mine)
     if kind == "all_to_all":  # emulated: all_gather every send buffer, keep the own column
         send = paddle.ones([count], dtype="float32")
         chunk = count // world

@@ -14,9 +14,18 @@ last mesh dim innermost, inside a node; a group along an outer mesh dim crosses 
 :meth:`Cluster.link_for` returns the slowest link a group crosses.
 
 A calibrated profile may carry per-collective fits (``collectives``: kind -> latency and
-bandwidth of the link as seen by that collective's implementation) and ``emulated`` kinds
-(gloo has no reduce_scatter / all_to_all: they run as all_reduce / all_gather plus a slice,
-see :mod:`autopar.cost_model.comm`).
+bandwidth of the link as seen by that collective's implementation, optionally with a *knee*
+for buffers big enough to be fresh memory, see :class:`Link`), ``emulated`` kinds (gloo has
+no reduce_scatter / all_to_all: they run as all_reduce / all_gather plus a slice) and
+``subgroups``, how a collective over part of the world runs:
+
+- ``"native"`` (default; NCCL): the group has its own communicator;
+- ``"world_exchange"`` (``cpu-gloo``: the host backend, since gloo sub-groups deadlock with
+  4 processes): every rank of the world sends its input to every other rank
+  (``all_gather_object``, priced by the ``exchange`` fit: world x input bytes gathered,
+  pickling included) and computes its group's result locally.
+
+:mod:`autopar.cost_model.comm` reads both.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -37,6 +46,7 @@ DTYPE_BYTES = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
 }  # fmt: skip
 EMULATIONS = {"reduce_scatter": "all_reduce", "all_to_all": "all_gather"}
+SUBGROUPS = ("native", "world_exchange")
 PROFILES = {"h100-node": "h100_node.json", "cpu-gloo": "cpu_gloo.json"}
 
 
@@ -63,25 +73,51 @@ def _figure(data: Mapping[str, Any], key: str, where: str, *, allow_zero: bool =
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """Alpha-beta link: ``latency`` seconds per message step, ``bandwidth`` bytes/s per direction."""
+    """Alpha-beta link: ``latency`` seconds per message step, ``bandwidth`` bytes/s per direction.
+
+    Optional *knee* (fitted on ``cpu-gloo``): a collective whose buffer (its nccl-tests size) is
+    at least ``knee`` bytes also pays ``buffer / knee_bandwidth`` seconds. On glibc, every
+    allocation of at least 32 MiB (the largest dynamic mmap threshold) is a fresh mapping whose
+    pages fault on first touch, and Paddle's CPU tensors allocate their outputs per call: above
+    that size a collective's time per byte steps up (measured: all_gather on 2 processes,
+    0.35 GB/s of output at 48-128 MiB against 0.6 GB/s at 4-32 MiB). Default: no knee.
+    """
 
     latency: float
     bandwidth: float
+    knee: float = math.inf
+    knee_bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
         _figure({"latency": self.latency}, "latency", "link")
         _figure({"bandwidth": self.bandwidth}, "bandwidth", "link", allow_zero=False)
+        if not self.knee > 0 or not self.knee_bandwidth > 0:
+            raise CostModelError(f"link: knee and knee_bandwidth must be > 0, got {self.knee}, {self.knee_bandwidth}")
 
     @property
     def beta(self) -> float:
         """Seconds per byte."""
         return 1.0 / self.bandwidth
 
+    def seconds(self, steps: float, volume: float, buffer: float) -> float:
+        """``steps`` latencies + ``volume`` bytes at the bandwidth (+ the knee's term for ``buffer``)."""
+        extra = buffer / self.knee_bandwidth if buffer >= self.knee else 0.0
+        return steps * self.latency + volume / self.bandwidth + extra
+
+    def to_dict(self) -> dict[str, float]:
+        out = {"latency": self.latency, "bandwidth": self.bandwidth}
+        if math.isfinite(self.knee) and math.isfinite(self.knee_bandwidth):
+            out.update(knee=self.knee, knee_bandwidth=self.knee_bandwidth)
+        return out
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str) -> Link:
         if not isinstance(data, Mapping):
             raise CostModelError(f"cluster profile: field {where} must be an object, got {data!r}")
-        return cls(_figure(data, "latency", where), _figure(data, "bandwidth", where, allow_zero=False))
+        knee = {}
+        if "knee" in data or "knee_bandwidth" in data:
+            knee = {key: _figure(data, key, where, allow_zero=False) for key in ("knee", "knee_bandwidth")}
+        return cls(_figure(data, "latency", where), _figure(data, "bandwidth", where, allow_zero=False), **knee)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +159,7 @@ class Cluster:
     device: Device
     collectives: tuple[tuple[str, Link], ...] = ()  # kind or kind@p -> link as that collective sees it
     emulated: tuple[str, ...] = ()  # kinds run as their EMULATIONS entry plus a local slice
+    subgroups: str = "native"  # how a collective over part of the world runs: one of SUBGROUPS
     tree: bool = True  # whether tree algorithms (all_reduce, broadcast) are available
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -136,6 +173,8 @@ class Cluster:
                 raise CostModelError(
                     f"cluster profile: field emulated lists {kind!r}; only {sorted(EMULATIONS)} can be emulated"
                 )
+        if self.subgroups not in SUBGROUPS:
+            raise CostModelError(f"cluster profile: field subgroups must be one of {SUBGROUPS}, got {self.subgroups!r}")
 
     @property
     def world_size(self) -> int:
@@ -170,15 +209,16 @@ class Cluster:
             "name": self.name,
             "nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
-            "intra": asdict(self.intra),
-            "inter": asdict(self.inter),
+            "intra": self.intra.to_dict(),
+            "inter": self.inter.to_dict(),
             "device": {
                 "peak_flops": dict(self.device.peak_flops),
                 "memory_bandwidth": self.device.memory_bandwidth,
                 "memory_bytes": self.device.memory_bytes,
             },
-            "collectives": {k: asdict(v) for k, v in self.collectives},
+            "collectives": {k: v.to_dict() for k, v in self.collectives},
             "emulated": list(self.emulated),
+            "subgroups": self.subgroups,
             "tree": self.tree,
             "sources": dict(self.sources),
         }
@@ -200,6 +240,7 @@ class Cluster:
             device=Device.from_dict(data["device"]),
             collectives=tuple(sorted((k, Link.from_dict(v, f"collectives.{k}")) for k, v in fits.items())),
             emulated=tuple(data.get("emulated", ())),
+            subgroups=str(data.get("subgroups", "native")),
             tree=bool(data.get("tree", True)),
             sources=tuple(sorted((str(k), str(v)) for k, v in data.get("sources", {}).items())),
         )

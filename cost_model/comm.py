@@ -18,10 +18,24 @@ send_recv          the message              ``a + n b``
 =================  =======================  =========================================
 
 The cheaper of ring and tree is taken (NCCL's tuner does the same). A group of one rank costs
-nothing. On a profile that lists a kind as *emulated* (``cpu-gloo``: gloo has neither
-reduce_scatter nor all_to_all), the kind is priced as what runs instead: reduce_scatter =
-all_reduce of the input + a local copy of the own chunk; all_to_all = all_gather of every
-rank's send buffer (``p n`` bytes out) + a local copy of the kept part.
+nothing. A fitted link may carry a knee (:class:`Link`): a buffer of at least ``knee`` bytes
+also pays ``nbytes / knee_bandwidth`` (fresh memory faulting in, on ``cpu-gloo``).
+
+What runs on the profile is what is priced:
+
+- *emulated* kinds (``cpu-gloo``: gloo has neither reduce_scatter nor all_to_all; the native
+  backend's lowering runs them as below) cost their lowered form: reduce_scatter = all_reduce
+  of the input + a local copy of the own chunk; all_to_all = all_gather of every rank's whole
+  send buffer (``p n`` bytes gathered, ``(p-1) n`` received per rank) + a local copy of the
+  kept part (``n``).
+- on a ``subgroups: "world_exchange"`` profile (``cpu-gloo``: the host backend) a group that
+  is not the whole world, when the world is known (``world_size``, or the union of the groups
+  given to :func:`groups_time`), costs a world exchange (:func:`exchange_time`): every rank's
+  input gathered by every rank (``world x`` the input bytes, pickled), then the group's result
+  computed locally. The whole world's all_reduce / all_gather / broadcast stay native.
+  (The host backend also exchanges a *world* reduce_scatter / all_to_all; the native backend,
+  which the executor picks when every collective spans the world, runs the lowered form
+  priced here.)
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ def coefficients(kind: str, p: int, nbytes: float, algorithm: str = "ring") -> t
 
 def algorithm_time(kind: str, p: int, nbytes: float, link: Link, algorithm: str = "ring") -> float:
     steps, volume = coefficients(kind, p, nbytes, algorithm)
-    return steps * link.latency + volume / link.bandwidth
+    return link.seconds(steps, volume, nbytes)
 
 
 def local_copy_time(nbytes: float, cluster: Cluster) -> float:
@@ -70,18 +84,36 @@ def local_copy_time(nbytes: float, cluster: Cluster) -> float:
     return 2.0 * nbytes / cluster.device.memory_bandwidth
 
 
-def collective_time(kind: str, group: Sequence[int], nbytes: float, cluster: Cluster) -> float:
-    """Seconds for ``kind`` over ``group`` (rank ids) moving ``nbytes`` (see the module table)."""
+def collective_time(
+    kind: str, group: Sequence[int], nbytes: float, cluster: Cluster, world_size: int | None = None
+) -> float:
+    """Seconds for ``kind`` over ``group`` (rank ids) moving ``nbytes`` (see the module table).
+
+    ``world_size``: the number of processes of the run (ranks ``0 .. world_size - 1``). Given,
+    a group that is not the whole world is priced as the profile's ``subgroups`` says (on
+    ``world_exchange``: :func:`exchange_time`); not given, every group is priced as native.
+    """
+    world = None if world_size is None else frozenset(range(world_size))
+    return _time(str(kind), tuple(group), nbytes, cluster, world)
+
+
+def _time(kind: str, group: tuple[int, ...], nbytes: float, cluster: Cluster, world: frozenset[int] | None) -> float:
+    if kind not in COLLECTIVES:
+        raise CostModelError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
     if nbytes < 0:
         raise CostModelError(f"{kind}: negative byte count {nbytes}")
     p = len(group)
     if p <= 1 or nbytes == 0:
         return 0.0
+    if world is not None and not set(group) <= world:
+        raise CostModelError(f"{kind}: group {list(group)} is not inside the world of ranks 0..{len(world) - 1}")
+    if world is not None and cluster.subgroups == "world_exchange" and set(group) != world:
+        return exchange_time(kind, p, nbytes, tuple(sorted(world)), cluster)
     if kind in cluster.emulated:
         run = EMULATIONS[kind]
         if kind == "reduce_scatter":
-            return collective_time(run, group, nbytes, cluster) + local_copy_time(nbytes / p, cluster)
-        return collective_time(run, group, nbytes * p, cluster) + local_copy_time(nbytes, cluster)
+            return _time(run, group, nbytes, cluster, None) + local_copy_time(nbytes / p, cluster)
+        return _time(run, group, nbytes * p, cluster, None) + local_copy_time(nbytes, cluster)
     link = cluster.link_for(group, kind)
     best = algorithm_time(kind, p, nbytes, link, "ring")
     if cluster.tree and kind in ("all_reduce", "broadcast"):
@@ -89,6 +121,34 @@ def collective_time(kind: str, group: Sequence[int], nbytes: float, cluster: Clu
     return best
 
 
-def groups_time(kind: str, groups: Sequence[Sequence[int]], nbytes: float, cluster: Cluster) -> float:
-    """Concurrent collectives over disjoint groups: the slowest one."""
-    return max((collective_time(kind, g, nbytes, cluster) for g in groups), default=0.0)
+def exchange_time(kind: str, p: int, nbytes: float, world: Sequence[int], cluster: Cluster) -> float:
+    """A collective over a group of ``p`` ranks run by a world exchange: every rank of ``world``
+    sends its input to every other (``all_gather_object``: ``len(world)`` x input bytes
+    gathered, priced with the profile's ``exchange`` fit, else its ``all_gather`` fit), then
+    computes its group's output locally (a copy of what it combines)."""
+    piece = nbytes / p if kind == "all_gather" else nbytes  # what each rank sends
+    fits = dict(cluster.collectives)
+    kind_fit = "exchange" if any(k.split("@")[0] == "exchange" for k in fits) else "all_gather"
+    link = cluster.link_for(world, kind_fit)
+    gathered = len(world) * piece
+    combined = p * piece if kind in ("all_reduce", "all_gather", "reduce_scatter") else piece
+    local = 0.0 if kind in ("broadcast", "send_recv") else local_copy_time(combined, cluster)
+    return algorithm_time("all_gather", len(world), gathered, link) + local
+
+
+def groups_time(
+    kind: str, groups: Sequence[Sequence[int]], nbytes: float, cluster: Cluster, world_size: int | None = None
+) -> float:
+    """Concurrent collectives over disjoint groups: the slowest one.
+
+    Without ``world_size``, the world is the union of ``groups`` when there are several (the
+    planner passes every group of a mesh dim: together they are the mesh, every process of
+    which takes part). A pipeline stage's mesh is smaller than the run's world: there a
+    world exchange gathers from more ranks than priced.
+    """
+    groups = [tuple(g) for g in groups]
+    if world_size is not None:
+        world: frozenset[int] | None = frozenset(range(world_size))
+    else:
+        world = frozenset(r for g in groups for r in g) if len(groups) > 1 else None
+    return max((_time(str(kind), g, nbytes, cluster, world) for g in groups), default=0.0)

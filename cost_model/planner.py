@@ -6,8 +6,8 @@ over a set of mesh dims ``D`` (each step runs concurrently in every group ``mesh
 - ``all_reduce``: ``P(k)`` on every dim of D -> ``R``;
 - ``reduce_scatter``: ``P(k)`` -> ``S(t)`` (never all_reduce + slice: it moves less);
 - ``all_gather``: ``S(t)`` -> ``R``;  ``all_to_all``: ``S(t)`` -> ``S(u)`` on the same dims;
-- ``slice``: ``R`` -> ``S(t)``, local;  ``make_partial``: ``R`` -> ``P(k)``, local (sum/avg:
-  every rank but the group's first zeroes its copy; max/min: nothing to do).
+- ``slice``: ``R`` -> ``S(t)``, local;  ``make_partial``: ``R`` -> ``P(k)``, local (sum: every
+  rank but the group's first zeroes its copy; avg/max/min: every rank keeps its copy).
 
 An edge exists only if every rank's new piece can be built from what its group holds, checked
 on the concrete ``numpy.array_split`` bounds: with uneven shards, splitting a split dim
@@ -242,7 +242,7 @@ def _step(p: _Problem, kind: str, dims: tuple[int, ...], src: DistAttr, dst: Dis
     if kind == "slice":
         time = comm.local_copy_time(nbytes, p.cluster)
     elif kind == "make_partial":
-        if extra.get("reduce") in ("max", "min"):
+        if extra.get("reduce") in ("max", "min", "avg"):  # every rank keeps its copy
             nbytes, time = 0, 0.0
         else:
             time = nbytes / p.cluster.device.memory_bandwidth

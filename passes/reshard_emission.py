@@ -87,7 +87,7 @@ def _emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: A
     if step.kind is CollectiveKind.SLICE:
         out = _slice(x, step, value.shape, rank)
     elif step.kind is CollectiveKind.MAKE_PARTIAL:
-        if step.reduce in ("max", "min") or rank == group[0]:
+        if step.reduce in ("max", "min", "avg") or rank == group[0]:  # sum: one copy, the others zero
             return x
         out = paddle._C_ops.scale(x, 0.0, 0.0, True)
     else:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from autopar import DistAttr, ProcessMesh
 from autopar.cost_model import Cluster, Device, Link, plan_reshard, shipped_profile
 from autopar.cost_model.cluster import dtype_bytes
-from autopar.cost_model.planner import _cost, _edges, _Problem
+from autopar.cost_model.planner import ReshardPlan, _cost, _edges, _Problem
 from autopar.dist_attr import shard_bounds
 from autopar.pieces import REDUCERS, assemble, scatter
 
@@ -177,3 +177,25 @@ def test_split_order_survives_every_plan():
     # the first gather takes the innermost split (dp): its groups vary dp
     first = plan_reshard(mp_dp, whole, (8, 4)).steps[0]
     assert first.kind == "all_gather" and first.mesh_dims == (0,) and first.dst.mapping == ((1,), ())
+
+
+@given(problems())
+def test_every_edge_does_what_its_states_say(case):
+    mesh, shape, src, _, cluster = case
+    kinds = tuple(sorted(set(src.partial_dims.values()) | {"sum"}))
+    problem = _Problem(mesh, shape, dtype_bytes("float64"), kinds, cluster)
+    for step in _edges(problem, src):
+        check_numerically(ReshardPlan(src, step.dst, shape, "float64", (step,)))
+
+
+def test_replicated_to_pending_avg_keeps_every_copy():
+    """R -> P(avg) is local: the average of identical copies is the value (zeroing all but one
+    copy, as for a sum, would divide it by the group size)."""
+    from autopar.pieces import assemble
+
+    mesh = ProcessMesh([0, 1], ["x"])
+    plan = plan_reshard(DistAttr(mesh, [-1]), DistAttr(mesh, [-1], {0: "avg"}), (4,))
+    (step,) = plan.steps
+    assert step.kind == "make_partial" and step.bytes == 0 and step.time == 0.0
+    value = np.arange(4.0)
+    assert np.array_equal(assemble({0: value, 1: value}, step.dst, (4,)), value)
