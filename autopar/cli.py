@@ -145,7 +145,7 @@ def placement_lines(dist: Any) -> list[str]:
 
 def collective_lines(dist: Any) -> list[str]:
     """Every collective, merged over ranks that run the same one in different groups."""
-    from autopar.inspect.diff import format_bytes, format_time
+    from autopar.units import format_bytes, format_time
 
     merged: dict[tuple, list[tuple[int, ...]]] = {}
     for rank in dist.mesh.ranks:

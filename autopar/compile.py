@@ -15,6 +15,7 @@ from autopar.annotate import annotations_of
 from autopar.dist_attr import DistAttr
 from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
+from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.allreduce_fusion import AllreduceFusion
@@ -39,16 +40,18 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     ``callback(pass, state, rank_program_or_None)`` runs after each pass (compile-time
     planning, then per rank as rank programs are built): the hook for per-pass dumps.
     """
-    state = analyze(program, mesh, startup_program, strategy)
-    pipeline = PassPipeline(tuple(passes_for(state.strategy)), callback)
-    staged = sorted({str(m) for m in state.propagation.op_meshes.values() if m != mesh})
-    if staged:
-        # sub-mesh (pipeline stage) programs need stage splitting and send/recv: the pipeline
-        # issue. Propagation results stay available; rank programs say why they are missing.
-        state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
-    else:
-        pipeline.plan(state)
-    return DistributedProgram(program, startup_program, state, pipeline)
+    with gc_paused():
+        strategy = _checked(strategy)
+        pipeline = PassPipeline(tuple(passes_for(strategy)), callback)
+        state = analyze(program, mesh, startup_program, strategy, pipeline)
+        staged = sorted({str(m) for m in state.propagation.op_meshes.values() if m != mesh})
+        if staged:
+            # sub-mesh (pipeline stage) programs need stage splitting and send/recv: the pipeline
+            # issue. Propagation results stay available; rank programs say why they are missing.
+            state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
+        else:
+            pipeline.plan(state)
+        return DistributedProgram(program, startup_program, state, pipeline)
 
 
 def passes_for(strategy: Strategy) -> list[Pass]:
@@ -60,22 +63,32 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     return passes
 
 
-def analyze(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
-    """The first stages only: graph view, annotations and propagation (no program rewrites)."""
+def analyze(
+    program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None,
+    pipeline: PassPipeline | None = None,
+) -> CompileState:  # fmt: skip
+    """The first stages only: graph view, annotations (the user's, then those the pipeline's
+    passes ask for) and propagation; no program rewrites."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     if not hasattr(program, "global_block"):
         raise AutoparError(f"compile needs a Paddle static (PIR) Program, got {type(program).__name__}")
+    strategy = _checked(strategy)
+    graph = ProgramGraph(program)
+    user = _user_placements(program, graph, mesh)
+    made = pipeline.annotations(graph, mesh) if pipeline is not None else {}
+    op_meshes = _op_meshes(program, graph, mesh)
+    cluster = _cluster(strategy).fitted(mesh.ranks)
+    result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy=made)
+    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
+
+
+def _checked(strategy: Any) -> Strategy:
     if strategy is not None and not isinstance(strategy, Strategy):
         raise AutoparError(f"strategy must be an autopar.Strategy, got {type(strategy).__name__}")
     strategy = strategy or Strategy()
     strategy.check_implemented()
-    graph = ProgramGraph(program)
-    user = _user_placements(program, graph, mesh)
-    op_meshes = _op_meshes(program, graph, mesh)
-    cluster = _cluster(strategy).fitted(mesh.ranks)
-    result = propagate(graph, mesh, user, op_meshes, cluster=cluster)
-    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
+    return strategy
 
 
 def _cluster(strategy: Strategy) -> Any:

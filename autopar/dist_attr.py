@@ -228,11 +228,7 @@ class DistAttr:
 
     def local_slices(self, shape: Sequence[int], rank: int) -> tuple[slice, ...]:
         self.check_shape(shape)
-        out = []
-        for tensor_dim, size in enumerate(shape):
-            index, parts = self.shard_index(tensor_dim, rank)
-            out.append(slice(*shard_bounds(size, parts, index)))
-        return tuple(out)
+        return _local_slices(self, tuple(shape), rank)
 
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
         return tuple(s.stop - s.start for s in self.local_slices(shape, rank))
@@ -308,3 +304,13 @@ def _entry_dims(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
     if isinstance(entry, Iterable):
         return tuple(mesh.mesh_dim(e) for e in entry)
     raise PlacementError(f"dims_mapping entry must be a mesh dim name, index, None or -1; got {entry!r}")
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_slices(attr: DistAttr, shape: tuple[int, ...], rank: int) -> tuple[slice, ...]:
+    """Cached: passes ask for the same (placement, shape, rank) for many values."""
+    out = []
+    for tensor_dim, size in enumerate(shape):
+        index, parts = attr.shard_index(tensor_dim, rank)
+        out.append(slice(*shard_bounds(size, parts, index)))
+    return tuple(out)

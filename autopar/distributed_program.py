@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, PassPipeline, RankProgram
@@ -119,7 +120,8 @@ class DistributedProgram:
             return self._build_plan(self.build_rank(rank, backend, after), backend)
         cached = self._plans.get((rank, backend))
         if cached is None:
-            cached = self._plans[(rank, backend)] = self._build_plan(self.build_rank(rank, backend), backend)
+            with gc_paused():
+                cached = self._plans[(rank, backend)] = self._build_plan(self.build_rank(rank, backend), backend)
         return cached
 
     def build_rank(self, rank: int, backend: str = "host", upto: str | None = None) -> RankProgram:

@@ -13,11 +13,14 @@ see plain tensor lists (``concat([x, y], axis)``). Building the view never touch
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+
+from autopar.op_kinds import SOURCE_OPS
 
 ValueKey = tuple[int, int]  # (op index, result index)
 
@@ -25,8 +28,6 @@ VECTOR_OPS = ("builtin.combine", "builtin.split")
 OPTIMIZER_OPS = frozenset(
     {"pd_op.sgd_", "pd_op.momentum_", "pd_op.adam_", "pd_op.adamw_", "pd_op.lamb_", "pd_op.adagrad_", "pd_op.rmsprop_"}
 )
-CONSTANT_OPS = ("pd_op.full_int_array", "pd_op.full")
-SOURCE_OPS = ("builtin.parameter", "pd_op.data")
 
 
 class Role(enum.Enum):
@@ -87,7 +88,6 @@ class ProgramGraph:
         self.by_name: dict[str, ValueKey] = {}
         self._by_impl: dict[str, ValueKey] = {}
         self.vectors: dict[ValueKey, list[ValueKey]] = {}  # vector value -> member tensors
-        self.nx = nx.DiGraph()
         self._build(list(program.global_block().ops))
         assign_roles(self)
 
@@ -152,20 +152,14 @@ class ProgramGraph:
                 outputs.append(node.key)
         node = OpNode(index, name, attrs, inputs, names, outputs, op_id=op.id(), sites=sites)
         self.ops.append(node)
-        self.nx.add_node(("op", index), kind="op", name=name)
-        for pos, key in enumerate(inputs):
+        for key in inputs:
             if key is not None:
                 self.values[key].users.append(index)
-                self.nx.add_edge(("v", *key), ("op", index), position=pos)
-        for pos, key in enumerate(node.outputs):
-            if key is not None:
-                self.nx.add_edge(("op", index), ("v", *key), position=pos)
         for name_attr, key in _constant_inputs(node, self.values):
             node.attrs.setdefault(name_attr, self.values[key].const)
 
     def _value_node(self, key: ValueKey, result: Any, op: Any, op_name: str, attrs: dict[str, Any]) -> ValueNode:
         if not result.is_dense_tensor_type():
-            self.nx.add_node(("v", *key), kind="value")
             return ValueNode(key, (), "vector", kind="vector")
         shape = tuple(int(s) for s in result.shape)
         dtype = str(result.dtype).replace("paddle.", "")
@@ -181,8 +175,23 @@ class ProgramGraph:
             kind, const = "constant", attrs["value"]
         if name is not None:
             self.by_name[name] = key
-        self.nx.add_node(("v", *key), kind="value", shape=shape, dtype=dtype)
         return ValueNode(key, shape, dtype, name, kind, const)
+
+    @functools.cached_property
+    def nx(self) -> nx.DiGraph:
+        """The graph as a networkx DiGraph (built on first use: compile itself walks ``ops``)."""
+        graph = nx.DiGraph()
+        for key, value in self.values.items():
+            graph.add_node(("v", *key), kind="value", shape=value.shape, dtype=value.dtype)
+        for op in self.ops:
+            graph.add_node(("op", op.index), kind="op", name=op.name)
+            for pos, key in enumerate(op.inputs):
+                if key is not None:
+                    graph.add_edge(("v", *key), ("op", op.index), position=pos)
+            for pos, key in enumerate(op.outputs):
+                if key is not None:
+                    graph.add_edge(("op", op.index), ("v", *key), position=pos)
+        return graph
 
     # ---- queries ---------------------------------------------------------------------
     def key_of(self, value: Any) -> ValueKey | None:

@@ -29,16 +29,27 @@ from typing import Any
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import SOURCE_OPS, VECTOR_OPS, OpNode, ProgramGraph, ValueKey
+from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.op_kinds import SOURCE_OPS
 from autopar.spmd import Conflict, RuleContext, RuleResult, TensorSpec, get_rule
 
 
 class Priority(enum.IntEnum):
+    """Who decided a placement; a higher one is never overridden by a lower one. ``STRATEGY``:
+    annotations a Strategy makes (ZeRO's state sharding, sequence-parallel activations) — below
+    the user's own, above anything a rule derives. Both are *fixed*: kept where the producer
+    makes something else (a reshard right after the producer)."""
+
     DEFAULT = 0
     REQUIRED = 1
     DERIVED = 2
-    USER = 3
+    STRATEGY = 3
+    USER = 4
+
+    @property
+    def fixed(self) -> bool:
+        return self >= Priority.STRATEGY
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +168,14 @@ class Propagator:
         user: dict[ValueKey, DistAttr],
         op_meshes: dict[int, ProcessMesh],
         cluster: Any = None,
+        strategy: dict[ValueKey, DistAttr] | None = None,
     ) -> None:
         self.graph = graph
         self.mesh = mesh
         self.user_op_meshes = op_meshes
         self.cluster = cluster
-        self.states: dict[ValueKey, ValueState] = {k: ValueState(d, Priority.USER, "user") for k, d in user.items()}
+        self.states: dict[ValueKey, ValueState] = {k: ValueState(d, Priority.STRATEGY, "strategy") for k, d in (strategy or {}).items()}
+        self.states.update({k: ValueState(d, Priority.USER, "user") for k, d in user.items()})
         self.ops = [op for op in graph.ops if op.name not in VECTOR_OPS and op.name not in SOURCE_OPS]
         self.choice_reasons: dict[ValueKey, str] = {}
 
@@ -334,15 +347,15 @@ class Propagator:
             if key is None or produced is None or self.graph.values[key].kind == "vector":
                 continue
             state = self.states.get(key)
-            if state is not None and state.priority is Priority.USER:
+            if state is not None and state.priority.fixed:
                 if state.dist != produced:
                     site = ReshardSite(SiteKind.AFTER_PRODUCER, op.index, pos)
                     result.reshards.append(ReshardNeed(site, key, produced, state.dist))
                     result.conflicts.append(
                         ConflictRecord(
                             str(op), (self.graph.values[key].label,),
-                            (("rule", str(produced)), ("user annotation", str(state.dist))),
-                            str(state.dist), "user annotation wins; reshard after the producer",
+                            (("rule", str(produced)), (f"{state.source} annotation", str(state.dist))),
+                            str(state.dist), f"{state.source} annotation wins; reshard after the producer",
                         )
                     )  # fmt: skip
                 continue
@@ -372,7 +385,7 @@ class Propagator:
         changed = False
         for key, wants in self.competing_sources(result).items():
             state = self.states[key]
-            if state.priority is Priority.USER:
+            if state.priority.fixed:
                 continue
             value = self.graph.values[key]
             candidates = list(dict.fromkeys(_complete(d) for _, d in wants))
@@ -401,9 +414,9 @@ class Propagator:
                 state = self.states[key]
                 if state.dist == need:
                     continue
-                if state.priority is Priority.USER:
+                if state.priority.fixed:
                     raise AutoparError(
-                        f"{self.graph.values[key].label} is annotated {state.dist} but {op} updates it in place "
+                        f"{self.graph.values[key].label} is annotated {state.dist} ({state.source}) but {op} updates it in place "
                         f"as {need}; annotate it {need} (or leave it to propagation)"
                     )
                 self.states[key] = ValueState(_complete(need), Priority.DERIVED, f"{op} (updated in place)")
@@ -415,7 +428,7 @@ class Propagator:
         for key, wants in self.competing_sources(result).items():
             value = self.graph.values[key]
             state = self.states[key]
-            how = self.choice_reasons.get(key) if state.priority is not Priority.USER else None
+            how = self.choice_reasons.get(key) if not state.priority.fixed else None
             reason = how or f"decided by {state.source} ({state.priority.name.lower()})"
             result.conflicts.append(
                 ConflictRecord(
@@ -437,14 +450,17 @@ def propagate(
     user: dict[ValueKey, DistAttr],
     op_meshes: dict[int, ProcessMesh] | None = None,
     cluster: Any = None,
+    strategy: dict[ValueKey, DistAttr] | None = None,
 ) -> PropagationResult:
     """Placement of every value of ``graph``: see the module docstring.
 
+    ``user``: the user's annotations; ``strategy``: annotations a Strategy pass made (lower
+    priority: a user annotation of the same value wins).
     With a ``cluster`` (a cost_model profile), competing placements are settled by cost:
     inside a rule (which operand's split a dim takes) and for a source tensor whose
     consumers need different placements; without one, by the fixed priority order.
     """
-    propagator = Propagator(graph, mesh, user, op_meshes or {}, cluster)
+    propagator = Propagator(graph, mesh, user, op_meshes or {}, cluster, strategy)
     rounds = propagator.fixed_point()
     if propagator.seed_defaults():
         rounds += propagator.fixed_point()

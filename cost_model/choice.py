@@ -21,9 +21,10 @@ from typing import Any
 
 from autopar.cost_model.cluster import Cluster, default_cluster
 from autopar.cost_model.compute import einsum_cost
-from autopar.cost_model.planner import ReshardPlan, format_time, plan_reshard
+from autopar.cost_model.planner import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.mesh import ProcessMesh
+from autopar.units import format_time
 
 
 @dataclass(frozen=True, slots=True)

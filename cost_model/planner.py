@@ -45,6 +45,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import CostModelError
 from autopar.mesh import ProcessMesh
 from autopar.placement import Partial, Placement, Replicate, Shard
+from autopar.units import format_bytes, format_time  # noqa: F401  (re-exported: cost_model.planner.format_*)
 
 STEP_KINDS = tuple(CollectiveKind(k) for k in (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "slice", "send_recv", "broadcast", "make_partial",
@@ -139,19 +140,6 @@ def group_at(mesh: ProcessMesh, rank: int, mesh_dims: Sequence[int]) -> tuple[in
             coord[d] = i
         group.append(mesh.rank_at(coord))
     return tuple(group)
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_time(t: float) -> str:
-    if t >= 1e-3:
-        return f"{t * 1e3:.2f}ms"
-    return f"{t * 1e6:.1f}us"
 
 
 # ---- the problem: one mesh, one tensor ------------------------------------------------

@@ -73,6 +73,7 @@ class CompileState:
     buckets: list[GradientBucket] = field(default_factory=list)
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
+    _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 
     def mesh_dim_sets(self) -> list[tuple[int, ...]]:
         """Mesh-dim sets some collective runs along, in plan order (the basis of ring ids)."""
@@ -89,9 +90,12 @@ class CompileState:
         """A communicator id every member of ``group`` computes alike, from values only.
 
         ``mesh_dims``-set index x world size + the group's index among the mesh's groups
-        along those dims (its coordinate on the other dims, row-major).
+        along those dims (its coordinate on the other dims, row-major). Asked once planning
+        is done (rank programs are built after compile).
         """
-        sets = self.mesh_dim_sets()
+        if self._dim_sets is None:
+            self._dim_sets = self.mesh_dim_sets()
+        sets = self._dim_sets
         dims = tuple(mesh_dims)
         coord = self.mesh.coordinate(group[0])
         index = 0
@@ -139,6 +143,11 @@ class Pass:
     emit_requires: ClassVar[tuple[str, ...]] = ()
     emit_ensures: ClassVar[str] = ""
 
+    def annotate(self, graph: ProgramGraph, mesh: ProcessMesh) -> dict[ValueKey, Any]:
+        """Placements this pass asks of propagation (priority between the user's and the
+        rules'), e.g. ZeRO's state sharding; default: none."""
+        return {}
+
     def plan(self, state: CompileState) -> None:
         """Compile-time, rank-independent decisions (default: none)."""
 
@@ -164,6 +173,19 @@ class PassPipeline:
 
     passes: tuple[Pass, ...]
     callback: Callable[[Pass, CompileState, RankProgram | None], None] | None = None
+
+    def annotations(self, graph: ProgramGraph, mesh: ProcessMesh) -> dict[ValueKey, Any]:
+        """Every pass's :meth:`Pass.annotate`, merged; two passes placing one value differently
+        is refused by name."""
+        merged: dict[ValueKey, tuple[str, Any]] = {}
+        for p in self.passes:
+            for key, attr in p.annotate(graph, mesh).items():
+                earlier = merged.setdefault(key, (p.name, attr))
+                if earlier[1] != attr:
+                    raise AutoparError(
+                        f"passes {earlier[0]!r} and {p.name!r} place {graph.values[key].label} differently: {earlier[1]} vs {attr}"
+                    )
+        return {key: attr for key, (_, attr) in merged.items()}
 
     def plan(self, state: CompileState) -> CompileState:
         for p in self.passes:

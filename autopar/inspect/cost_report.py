@@ -22,7 +22,7 @@ from typing import Any
 from autopar.cost_model import MemoryEstimate, OpCost, TensorInfo, memory_per_rank, op_cost, tensor_bytes
 from autopar.errors import CostModelError
 from autopar.graph import Role
-from autopar.inspect.diff import format_bytes, format_time
+from autopar.units import format_bytes, format_time
 
 FREE_OPS = frozenset({
     "pd_op.data", "builtin.parameter", "pd_op.full_int_array", "pd_op.full", "builtin.combine", "builtin.split",

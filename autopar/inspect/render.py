@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.graph import Role
-from autopar.inspect.diff import format_bytes, format_time
 from autopar.inspect.view import OpView, RankView
+from autopar.op_kinds import SOURCE_OPS
+from autopar.units import format_bytes, format_time
 
 COMM_FILL, LOCAL_FILL, REMOVED_FILL = "#f4a09c", "#fff2a8", "#eeeeee"
 ROLE_FILL = {Role.FORWARD: "#f3f9f1", Role.BACKWARD: "#f4f1fa", Role.OPTIMIZER: "#f7f7f7"}
-SOURCE_OPS = ("builtin.parameter", "pd_op.data")
 INLINE_KINDS = ("parameter", "state")  # drawn inside the op box that reads them, not as nodes
 
 

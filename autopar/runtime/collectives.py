@@ -15,15 +15,14 @@ import numpy as np
 from autopar.collective import Collective, CollectiveKind
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError
-
-REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
+from autopar.pieces import REDUCERS
 
 
 def _reduce(arrays: list[np.ndarray], kind: str) -> np.ndarray:
     shapes = {a.shape for a in arrays}
     if len(shapes) != 1:
         raise AutoparError(f"reduction over pieces of different shapes {sorted(shapes)}")
-    return REDUCE[kind](np.stack(arrays), axis=0).astype(arrays[0].dtype)
+    return REDUCERS[kind](np.stack(arrays), axis=0).astype(arrays[0].dtype)
 
 
 def _own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:

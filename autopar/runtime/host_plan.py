@@ -17,11 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.rank_plan import RankPlan
 from autopar.runtime.jobs import CollectiveCall, Job, Segment
-
-SOURCE_OPS = ("builtin.parameter", "pd_op.data")
-CONSTANT_OPS = ("pd_op.full_int_array", "pd_op.full")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import pytest
 import autopar
 from autopar.collective import Collective, CollectiveKind
 from autopar.errors import AutoparError
+from autopar.passes.base import Pass
 from autopar.testing.models import simple_net
 
 RUNTIME = Path(autopar.__file__).parent / "runtime"
@@ -169,3 +170,44 @@ def test_shard_tensor_takes_autopar_placements():
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
     assert str(dist.dist_attr("x")) == "[S(0),R]"
     assert str(dist.dist_attr(seed.layers["linear1"].weight)) == "[R,S(1)]"
+
+
+class _ShardBatch(Pass):
+    """A stand-in for a strategy pass (ZeRO, sequence parallel) that asks for a placement."""
+
+    name = "shard_batch"
+
+    def annotate(self, graph, mesh):
+        key = graph.by_name["x"]
+        return {key: autopar.DistAttr(mesh, [0, -1])}
+
+
+def test_strategy_annotations_rank_between_user_and_rules():
+    from autopar.compile import analyze
+    from autopar.passes.base import PassPipeline
+    from autopar.propagation import Priority
+
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
+    state = analyze(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
+    x = state.graph.by_name["x"]
+    assert str(state.propagation.dist(x)) == "[S(0)]" and state.propagation.states[x].priority is Priority.STRATEGY
+    assert str(state.propagation.dist(state.graph.key_of(seed.values["linear1"]))) == "[S(0)]"  # rules follow it
+    autopar.shard_tensor(seed.feeds["x"], mesh, [None, None])  # the user's own annotation wins
+    state = analyze(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
+    assert str(state.propagation.dist(x)) == "[R]" and state.propagation.states[x].priority is Priority.USER
+
+
+def test_two_passes_placing_one_value_differently_are_refused():
+    class _Replicate(_ShardBatch):
+        name = "replicate_batch"
+
+        def annotate(self, graph, mesh):
+            return {graph.by_name["x"]: autopar.DistAttr(mesh, [-1, -1])}
+
+    from autopar.compile import analyze
+    from autopar.passes.base import PassPipeline
+
+    seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
+    with pytest.raises(AutoparError, match="passes 'shard_batch' and 'replicate_batch' place x differently"):
+        analyze(seed.main, autopar.ProcessMesh([0, 1]), pipeline=PassPipeline((_ShardBatch(), _Replicate())))

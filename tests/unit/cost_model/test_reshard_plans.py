@@ -44,7 +44,7 @@ def test_partial_to_replicate_on_a_line_is_one_all_reduce():
 def test_step_text_and_plan_sum():
     plan = plan_reshard(attr("[R,P(sum)]", ndim=1), attr("[R,S(0)]", ndim=1), (1024,))
     (step,) = plan.steps
-    assert str(step).startswith("reduce_scatter(mp over ranks (0,1,2,3) (+1 groups), 4.0 KiB, ")
+    assert str(step).startswith("reduce_scatter(mp over ranks (0,1,2,3) (+1 groups), 4 KiB, ")
     assert str(step).endswith("us): [R,P(sum)] -> [R,S(0)]")
     assert plan.time == sum(s.time for s in plan.steps)
     assert "reshard float32[1024]" in str(plan)
