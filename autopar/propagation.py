@@ -178,6 +178,8 @@ class Propagator:
         self.states.update({k: ValueState(d, Priority.USER, "user") for k, d in user.items()})
         self.ops = [op for op in graph.ops if op.name not in VECTOR_OPS and op.name not in SOURCE_OPS]
         self.choice_reasons: dict[ValueKey, str] = {}
+        self._memo: dict[tuple, RuleResult] = {}
+        self._attrs_keys: dict[int, tuple] = {}
 
     # ---- shared pieces ---------------------------------------------------------------
     def op_mesh(self, op: OpNode) -> ProcessMesh:
@@ -205,15 +207,30 @@ class Propagator:
         return out
 
     def infer(self, op: OpNode, mesh: ProcessMesh, specs: list[TensorSpec | None]) -> RuleResult | None:
+        """The op's rule on ``specs``. Rules are pure functions of (specs, attrs, mesh, which
+        outputs are read), so results are memoized: the layers of a deep model repeat."""
         rule = get_rule(op.name)
         if rule is None:
             return None
-        with _rule_errors(op, rule, specs):
-            return rule.infer_forward(specs, op.attrs, self.context(op, mesh))
+        key = (op.name, tuple(specs), self._attrs_key(op), self._live(op), mesh)
+        found = self._memo.get(key)
+        if found is None:
+            with _rule_errors(op, rule, specs):
+                found = self._memo[key] = rule.infer_forward(specs, op.attrs, self.context(op, mesh))
+        return found
+
+    def _attrs_key(self, op: OpNode) -> tuple:
+        found = self._attrs_keys.get(op.index)
+        if found is None:
+            found = self._attrs_keys[op.index] = tuple(sorted((k, repr(v)) for k, v in op.attrs.items()))
+        return found
+
+    def _live(self, op: OpNode) -> tuple[bool, ...]:
+        return tuple(k is not None and bool(self.graph.values[k].users) for k in op.outputs)
 
     def context(self, op: OpNode, mesh: ProcessMesh) -> RuleContext:
         """Rule context; with a cluster, competing splits are settled by the cost model."""
-        live = tuple(k is not None and bool(self.graph.values[k].users) for k in op.outputs)
+        live = self._live(op)
         if self.cluster is None:
             return RuleContext(mesh, op_name=op.name, live_outputs=live)
         from autopar.cost_model import make_resolver
@@ -297,8 +314,11 @@ class Propagator:
             for k, s in zip(op.outputs, outs)
         ]
         rule, specs = get_rule(op.name), self.specs(op, mesh)
-        with _rule_errors(op, rule, specs):
-            result = rule.infer_backward(specs, out_specs, op.attrs, self.context(op, mesh))
+        key = ("backward", op.name, tuple(specs), tuple(out_specs), self._attrs_key(op), self._live(op), mesh)
+        result = self._memo.get(key)
+        if result is None:
+            with _rule_errors(op, rule, specs):
+                result = self._memo[key] = rule.infer_backward(specs, out_specs, op.attrs, self.context(op, mesh))
         changed = set()
         for key, dist in zip(op.inputs, result.inputs):
             if key is not None and self.graph.values[key].kind != "constant":

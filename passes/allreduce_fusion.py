@@ -126,13 +126,13 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket) -
     paddle.pir.set_insertion_point(first_reader)
     inputs = [rp.current(m.need.value) for m in members]
     shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
-    flat = paddle._C_ops.concat([paddle._C_ops.reshape(x, [-1]) for x in inputs], 0)
+    flat = paddle._C_ops.concat([x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)], 0)
     group = group_at(state.mesh, rp.rank, bucket.mesh_dims)
     ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
     fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
     pieces = paddle._C_ops.split(fused, [math.prod(s) for s in shapes], 0)
     for member, piece, shape in zip(members, pieces, shapes):
-        out = paddle._C_ops.reshape(piece, list(shape))
+        out = piece if len(shape) == 1 else paddle._C_ops.reshape(piece, list(shape))
         consumer, slot = read_site(state, rp, member)
         consumer.operand(slot).set_source(out)
         rp.resharded[member.index] = out

@@ -18,6 +18,7 @@ from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.spmd import TensorSpec, get_rule
+from autopar.spmd.base import SpmdRule
 
 RESHAPE_OPS = ("pd_op.reshape", "pd_op.reshape_")
 
@@ -158,8 +159,8 @@ def produced_shape(state: CompileState, key: Any, rank: int) -> tuple[int, ...] 
 def local_scale(state: CompileState, op: OpNode, rank: int) -> float:
     """The rule's correction factor for ``op``'s local result on ``rank`` (1.0 for most ops)."""
     rule = get_rule(op.name)
-    if rule is None:
-        return 1.0
+    if rule is None or type(rule).local_scale is SpmdRule.local_scale:
+        return 1.0  # the rule keeps the default: local results need no correction
     required = state.propagation.op_results[op.index].inputs
     specs: list[Any] = []
     for key, dist in zip(op.inputs, required):

@@ -69,3 +69,18 @@ def test_unknown_profile_and_dtype():
         dtype_bytes("float7")
     assert dtype_bytes("paddle.bfloat16") == 2
     assert isinstance(Cluster.from_dict(_profile()), Cluster)
+
+
+def test_subgroups_and_knee_round_trip_and_are_validated(tmp_path):
+    gloo = shipped_profile("cpu-gloo")
+    assert gloo.subgroups == "world_exchange"
+    path = tmp_path / "gloo.json"
+    gloo.save(path)
+    assert load_cluster(path) == gloo
+    assert shipped_profile("h100-node").subgroups == "native"  # the default when the field is absent
+    for changes, field in (({"subgroups": "carrier_pigeon"}, "subgroups"),
+                           ({"intra.knee": 1e6}, "intra.knee_bandwidth"),
+                           ({"intra.knee": 0, "intra.knee_bandwidth": 1e9}, "intra.knee")):  # fmt: skip
+        path.write_text(json.dumps(_profile(**changes)))
+        with pytest.raises(AutoparError, match=field.replace(".", r"\.")):
+            load_cluster(path)
