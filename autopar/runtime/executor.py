@@ -21,6 +21,7 @@ from autopar.errors import AutoparError
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan
 from autopar.runtime.rank_runner import RankRunner
+from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
 
 
 class Communicator(Protocol):
@@ -86,9 +87,24 @@ class Executor:
         return runner
 
     def run_startup(self) -> None:
-        """Initialize this rank's parameters and states: the serial values, sliced."""
+        """Initialize this rank's parameters and states: the serial values, sliced. Every rank
+        draws from rank 0's random generator state, so replicated copies are bit-identical
+        whatever the seeding, and equal to a serial start-up run from that state."""
+        use_generator_state(self.comm.all_gather_object(generator_state())[0])
         self._runner_for(()).run_startup()
         self._started = True
+
+    def check_replicas(self) -> None:
+        """Raise naming the first parameter / optimizer state whose copies differ across the
+        ranks that should hold the same piece (compares digests, not arrays)."""
+        if self._runner is None:
+            raise AutoparError("call run_startup() first")
+        names = [*self.plan.values.named("parameter"), *self.plan.values.named("state")]
+        mine = {n: digest(self._runner.parameter_piece(n)) for n in names}
+        everyone = self.comm.all_gather_object(mine)
+        mismatch = first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
+        if mismatch:
+            raise AutoparError(f"rank {self.rank}: {mismatch}")
 
     def run(self, feed: Mapping[str, Any], fetch_list: Sequence[Any] = ()) -> list[np.ndarray]:
         """One step on the global ``feed``; returns each fetch as a global array."""

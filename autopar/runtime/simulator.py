@@ -20,6 +20,7 @@ from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan, ValueTable
 from autopar.runtime.collectives import perform
 from autopar.runtime.rank_runner import RankRunner
+from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
 
 
 @dataclass
@@ -40,7 +41,9 @@ def simulate_plans(
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
     runners = {rank: RankRunner(plan, keys) for rank, plan in plans.items()}
+    start = generator_state()  # every rank draws its start-up values from the same state
     for runner in runners.values():
+        use_generator_state(start)
         runner.run_startup()
     fetches = []
     for feed in feeds:
@@ -77,6 +80,13 @@ def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np
 
 
 def parameters(values: ValueTable, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:
+    """Every parameter as a full array; first checks that replicated copies agree (parameters
+    and optimizer states), instead of silently keeping one rank's copy."""
+    names = [*values.named("parameter"), *values.named("state")]
+    digests = {rank: {n: digest(runner.read(n)) for n in names} for rank, runner in runners.items()}
+    mismatch = first_mismatch(values, digests)
+    if mismatch:
+        raise AutoparError(f"simulate: {mismatch}")
     out = {}
     for name, key in values.named("parameter").items():
         info = values.info(key)

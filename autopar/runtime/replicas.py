@@ -1,0 +1,64 @@
+"""Replicated values must be the same on every rank (stage: runtime).
+
+Every rank runs its own start-up program. Unless every rank draws from the same random
+generator state, the replicated copies of a parameter differ from rank to rank — silently:
+the step still runs. :func:`agreed_start` makes every rank start from rank 0's generator
+state (so every copy is bit-identical, and equal to a serial start-up run from that state:
+:func:`generator_state` on rank 0, :func:`use_generator_state` everywhere before start-up);
+:func:`first_mismatch` finds a value whose copies differ anyway (the check behind
+``Executor.check_replicas()`` and ``simulate``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from autopar.rank_plan import ValueTable
+
+
+def generator_state() -> Any:
+    """This process's random generator state for the current device (picklable)."""
+    import paddle
+
+    return paddle.get_rng_state()
+
+
+def use_generator_state(state: Any) -> None:
+    """Draw from ``state`` from now on (ranks that start from one state draw the same values)."""
+    import paddle
+
+    paddle.set_rng_state(state)
+
+
+def digest(array: np.ndarray) -> str:
+    array = np.ascontiguousarray(array)
+    return hashlib.blake2b(array.tobytes() + str((array.dtype, array.shape)).encode(), digest_size=16).hexdigest()
+
+
+def first_mismatch(values: ValueTable, digests: Mapping[int, Mapping[str, str]]) -> str | None:
+    """A message naming the first parameter / state (in name order) whose copies on ranks
+    holding the same piece differ, or None. ``digests``: rank -> name -> digest."""
+    names = {**values.named("parameter"), **values.named("state")}
+    for name in sorted(names):
+        info = values.info(names[name])
+        if info.placement.is_partial:
+            continue  # pending sums differ by design
+        holders: dict[tuple, list[int]] = {}
+        for rank in sorted(digests):
+            if name in digests[rank]:
+                piece = tuple((s.start, s.stop) for s in info.placement.local_slices(info.shape, rank))
+                holders.setdefault(piece, []).append(rank)
+        for piece, ranks in holders.items():
+            seen = {digests[r][name] for r in ranks}
+            if len(seen) > 1:
+                differ = [r for r in ranks if digests[r][name] != digests[ranks[0]][name]]
+                where = "" if len(piece) == 0 else f" (piece {[list(p) for p in piece]})"
+                return (
+                    f"{name}{where} differs across the ranks that replicate it: rank {ranks[0]} vs ranks {differ} "
+                    f"(placement {info.placement})"
+                )
+    return None
