@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.annotate import annotations_of
+from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
 from autopar.dist_attr import DistAttr
 from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
@@ -40,6 +40,8 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     ``callback(pass, state, rank_program_or_None)`` runs after each pass (compile-time
     planning, then per rank as rank programs are built): the hook for per-pass dumps.
     """
+    if callback is not None and not callable(callback):
+        raise AutoparError(f"callback must be callable (pass, state, rank_program_or_None) or None, got {type(callback).__name__}")
     with gc_paused():
         strategy = _checked(strategy)
         pipeline = PassPipeline(tuple(passes_for(strategy)), callback)
@@ -71,16 +73,88 @@ def analyze(
     passes ask for) and propagation; no program rewrites."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-    if not hasattr(program, "global_block"):
-        raise AutoparError(f"compile needs a Paddle static (PIR) Program, got {type(program).__name__}")
+    _check_program(program, "program")
+    if startup_program is not None:
+        _check_program(startup_program, "startup_program")
     strategy = _checked(strategy)
     graph = ProgramGraph(program)
+    _check_static_shapes(graph)
+    _check_startup(graph, startup_program)
+    warn_foreign_annotations(program, graph)
     user = _user_placements(program, graph, mesh)
+    _refuse_meaningless_partials(graph, user)
     made = pipeline.annotations(graph, mesh) if pipeline is not None else {}
     op_meshes = _op_meshes(program, graph, mesh)
     cluster = _cluster(strategy).fitted(mesh.ranks)
     result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy=made)
     return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
+
+
+def _refuse_meaningless_partials(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
+    """Partial annotations with no defined value: on a parameter or optimizer state (initialized
+    whole by the start-up program and updated in place), or mixing reductions that do not
+    commute. (A Partial *feed* has one: rank 0 of each group gets the value, the others the
+    reduction's identity; an intermediate is resharded after its producer.)"""
+    for key, attr in user.items():
+        value = graph.values[key]
+        kinds = set(attr.partial_dims.values())
+        if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
+            raise AnnotationError(
+                f"tensor {value.label!r} is annotated {attr}: pending {' and '.join(sorted(kinds))} reductions do not "
+                "commute, so the value they stand for is ambiguous; use one kind (sum and avg may be mixed)"
+            )
+        if attr.is_partial and value.kind in ("parameter", "state"):
+            raise AnnotationError(
+                f"{value.kind} {value.label!r} is annotated {attr}: a {value.kind} cannot be Partial (it is "
+                "initialized whole and updated in place); annotate it Shard or Replicate"
+            )
+
+
+def _check_program(program: Any, what: str) -> None:
+    import paddle
+
+    if isinstance(program, paddle.pir.Program):
+        return
+    if is_legacy(program):
+        raise AutoparError(f"{what} is a legacy (non-PIR) Program: build the program under PIR (the default in Paddle 3)")
+    raise AutoparError(f"compile needs a Paddle static (PIR) Program as {what}, got {type(program).__name__}")
+
+
+def _check_static_shapes(graph: ProgramGraph) -> None:
+    """autopar slices global arrays by their sizes: every tensor needs a static shape."""
+    for value in graph.values.values():
+        if any(size < 0 for size in value.shape):
+            raise AutoparError(
+                f"tensor {value.label!r} has shape {list(value.shape)}: autopar needs static shapes; "
+                "declare every size (the global batch too) when building the program"
+            )
+
+
+def _check_startup(graph: ProgramGraph, startup: Any) -> None:
+    """Every parameter and persistable state of the program must be made by the startup
+    program, by name and shape (a startup of another net fails later inside Paddle)."""
+    if startup is None:
+        return
+    made = {}
+    for op in startup.global_block().ops:
+        attrs = op.attrs()
+        name = attrs.get("parameter_name") if op.name() == "builtin.set_parameter" else attrs.get("output_name")
+        if op.name() in ("builtin.set_parameter", "builtin.shadow_output") and name is not None:
+            made[str(name)] = tuple(int(s) for s in op.operand_source(0).shape)
+    needed = [v for v in graph.values.values() if v.kind in ("parameter", "state")]
+    missing = sorted(v.name for v in needed if v.name not in made)
+    if missing:
+        shown = ", ".join(map(repr, missing[:6])) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise AutoparError(
+            f"startup_program does not initialize {shown} of the program: pass the startup program built "
+            "with it (paddle.static.program_guard(main, startup))"
+        )
+    for v in needed:
+        if made[v.name] != tuple(v.shape):
+            raise AutoparError(
+                f"startup_program initializes {v.name!r} with shape {list(made[v.name])}, the program declares "
+                f"{list(v.shape)}: pass the startup program built with it"
+            )
 
 
 def _checked(strategy: Any) -> Strategy:
@@ -105,6 +179,12 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> di
             raise AnnotationError(f"tensor {label!r} is annotated but is not a value of the compiled program")
         if not mesh.contains(attr.mesh):
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh}, which is not a sub-mesh of {mesh}")
+        if attr.mesh != mesh:
+            why = (
+                "annotate with the mesh given to compile" if attr.mesh.size == mesh.size
+                else "sub-mesh placements land with the pipeline (place a stage's ops with shard_op)"
+            )  # fmt: skip
+            raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh} but compile was given {mesh}; {why}")
         shape = graph.values[key].shape
         for tensor_dim, size in enumerate(shape):
             parts = attr.shard_index(tensor_dim, attr.mesh.ranks[0])[1]

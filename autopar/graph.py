@@ -20,6 +20,7 @@ from typing import Any
 
 import networkx as nx
 
+from autopar.errors import AutoparError
 from autopar.op_kinds import SOURCE_OPS
 
 ValueKey = tuple[int, int]  # (op index, result index)
@@ -112,6 +113,12 @@ class ProgramGraph:
 
     def _add_op(self, index: int, op: Any, keys: dict[str, ValueKey]) -> None:
         name = op.name()
+        if op.num_regions():
+            raise AutoparError(
+                f"{name}#{index} has {op.num_regions()} region(s) (control flow: paddle.static.nn.cond / while_loop): "
+                "autopar does not propagate placements into control-flow regions yet; keep the control flow "
+                "outside the compiled program, or express it with ops such as paddle.where"
+            )
         attrs = {k: v for k, v in op.attrs().items() if k != "op_callstack"}
         try:
             input_names = list(op.get_input_names())

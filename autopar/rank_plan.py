@@ -11,6 +11,7 @@ computes it.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,15 +49,29 @@ class ValueTable:
         self._infos = infos
 
     def key(self, item: Any) -> ValueKey:
-        """The key of a feed / parameter / state name, or of a Value of the serial program."""
+        """The key of a feed / parameter / state name, or of a Value of the serial program.
+
+        A Value is matched by its id (the address of its C++ value, read without following
+        it) and nothing else is read from it before it matches: a Value whose program was
+        garbage-collected points to freed memory, and printing it would crash the process.
+        """
+        import paddle
+
         if isinstance(item, str):
             key = self._by_name.get(item)
             if key is None:
                 raise AutoparError(f"no parameter, feed or state named {item!r} in the compiled program")
             return key
+        if not isinstance(item, paddle.pir.Value):
+            raise AutoparError(
+                f"expected a Value of the compiled program or the name of a feed, parameter or state, got {_describe(item)}"
+            )
         key = self._resolve(item)
         if key is None:
-            raise AutoparError(f"{item!r} is not a value of the compiled program")
+            raise AutoparError(
+                "a Value that is not a value of the compiled program (it belongs to another program, or to one "
+                "that no longer exists): pass Values of the program given to compile, or feed / parameter names"
+            )
         return key
 
     def info(self, key: ValueKey) -> ValueInfo:
@@ -68,6 +83,29 @@ class ValueTable:
     def named(self, kind: str) -> dict[str, ValueKey]:
         """Names of the values of ``kind`` ("parameter", "feed", "state")."""
         return {n: k for n, k in self._by_name.items() if self._infos[k].kind == kind}
+
+
+def _feed_array(name: str, array: Any, info: ValueInfo) -> np.ndarray:
+    """A global feed as a numpy array of the dtype the program declares (refused, never cast)."""
+    try:
+        array = np.asarray(array)
+    except (ValueError, TypeError) as err:
+        raise AutoparError(f"feed {name!r} must be an array of shape {list(info.shape)}, got {type(array).__name__}: {err}") from err
+    try:
+        declared = np.dtype(info.dtype)
+    except TypeError:
+        return array  # a dtype numpy does not know (bfloat16): Paddle checks it
+    if array.dtype != declared:
+        raise AutoparError(
+            f"feed {name!r} has dtype {array.dtype}, the program declares {declared}: convert it (array.astype('{declared}'))"
+        )
+    return array
+
+
+def _describe(item: Any) -> str:
+    """A short, safe description of a user's argument for an error message."""
+    text = reprlib.repr(item) if isinstance(item, (int, float, complex, bytes, type(None))) else ""
+    return f"{text} ({type(item).__name__})" if text else type(item).__name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +167,24 @@ class RankPlan:
         feeds = self.values.named("feed")
         local = {}
         for name, array in feed.items():
+            if not isinstance(name, str):
+                raise AutoparError(f"feed keys are feed names (str), got {_describe(name)}; the program's feeds are {sorted(feeds)}")
             if name not in feeds:
                 raise AutoparError(f"{name!r} is not a feed of the compiled program; its feeds are {sorted(feeds)}")
             info = self.values.info(feeds[name])
-            array = np.asarray(array)
+            array = _feed_array(name, array, info)
             if tuple(array.shape) != info.shape:
                 raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(info.shape)}")
-            local[name] = np.ascontiguousarray(array[info.placement.local_slices(info.shape, self.rank)])
+            local[name] = self._piece(info, array)
         return local
+
+    def _piece(self, info: ValueInfo, array: np.ndarray) -> np.ndarray:
+        """This rank's piece of a global feed; a Partial feed is split as a pending reduction:
+        along each partial mesh dim the group's first rank holds the value, the others the
+        reduction's identity (zeros for sum; a copy for avg / max / min)."""
+        piece = np.require(array[info.placement.local_slices(info.shape, self.rank)], requirements="C")
+        coord = self.mesh.coordinate(self.rank)
+        for mesh_dim, kind in info.placement.partial:
+            if kind == "sum" and coord[mesh_dim] != 0:
+                piece = np.zeros_like(piece)
+        return piece

@@ -296,9 +296,16 @@ def _replicate_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...]) -> list
             new = _moved(attr, order, Shard(t))
             if _contained(p, new, attr):
                 out.append(_step(p, "slice", order, attr, new, tensor_dims=(t,)))
-    for kind in (k for k in p.kinds if set(attr.partial_dims.values()) <= {k}):
+    for kind in (k for k in p.kinds if _can_add_partial(attr, k)):
         out.append(_step(p, "make_partial", dims, attr, _moved(attr, dims, Partial(kind)), reduce=kind))
     return out
+
+
+def _can_add_partial(attr: DistAttr, kind: str) -> bool:
+    """A pending ``kind`` may join the placement's pending reductions if they reduce alike, or
+    all are linear (sum and avg commute: their order of reduction does not matter)."""
+    kinds = set(attr.partial_dims.values()) | {kind}
+    return len(kinds) == 1 or kinds <= {"sum", "avg"}
 
 
 def _cost(step: ReshardStep) -> int:

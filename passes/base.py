@@ -116,6 +116,7 @@ class RankProgram:
     startup: Any = None  # the rank's startup program: serial initial values, sliced
     collectives: list[tuple[Collective, int]] = field(default_factory=list)  # (value, id of the op carrying it)
     replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after a local-scale correction
+    final: dict[ValueKey, Any] = field(default_factory=dict)  # value after its after-producer reshard
     resharded: dict[int, Any] = field(default_factory=dict)  # planned reshard index -> its result
     rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # groups this rank is in -> ring id
     stages: list[str] = field(default_factory=list)
@@ -124,10 +125,17 @@ class RankProgram:
         """The serial value's result in this clone, as its op made it."""
         return self.ops[key[0]].result(key[1])
 
-    def current(self, key: ValueKey) -> Any:
-        """What later ops read for the serial value (after a local-scale correction, if any)."""
+    def produced(self, key: ValueKey) -> Any:
+        """The serial value as its producer makes it (after a local-scale correction, if any):
+        what a fetch reads, in the produced placement."""
         replaced = self.replaced.get(key)
         return replaced if replaced is not None else self.value(key)
+
+    def current(self, key: ValueKey) -> Any:
+        """What later ops read for the serial value: in its final placement (after an
+        after-producer reshard, if any)."""
+        final = self.final.get(key)
+        return final if final is not None else self.produced(key)
 
 
 class Pass:

@@ -127,7 +127,10 @@ class Partition(Pass):
                 if key is None or not state.graph.values[key].dtype.startswith(("float", "bfloat")):
                     continue
                 produced = rp.value(key)
-                scaled = paddle._C_ops.scale(produced, float(factor), 0.0, True)
+                # the factor as a tensor of the value's own dtype: scale's float attribute is
+                # float32, which would round n_local / n_global in a float64 program
+                weight = paddle._C_ops.full([], float(factor), produced.dtype, paddle.CPUPlace())
+                scaled = paddle._C_ops.scale(produced, weight, 0.0, True)
                 rp.replaced[key] = scaled
                 users = [u for u in produced.all_used_ops() if u.id() != scaled.get_defining_op().id()]
                 for user in users:

@@ -61,7 +61,8 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
             return
         paddle.pir.set_insertion_point(consumer)
     value = state.graph.values[need.value]
-    source = rp.current(need.value)
+    after = need.site.kind is SiteKind.AFTER_PRODUCER
+    source = rp.produced(need.value) if after else rp.current(need.value)
     current, inserted = source, set()
     for number, step in enumerate(planned.plan.steps):
         key = CollectiveKey("reshard", planned.index, number)
@@ -70,6 +71,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
             inserted.add(current.get_defining_op().id())
     if need.site.kind is SiteKind.AFTER_PRODUCER:
         _replace_uses_after(source, current, inserted)
+        rp.final[need.value] = current
     else:
         consumer.operand(slot).set_source(current)
     rp.resharded[planned.index] = current

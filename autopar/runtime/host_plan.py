@@ -40,8 +40,22 @@ def _scope_name(op: Any, position: int, result: int) -> str:
     return f"autopar.v{position}.{result}"
 
 
+# ops that fill a constant in place (``paddle.to_tensor`` in a static program: full + assign_value_)
+CONSTANT_FILLS = ("pd_op.assign_value_", "pd_op.assign_value")
+
+
 def _is_source(op: Any) -> bool:
-    return op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0)
+    """Ops every segment re-makes or re-reads instead of receiving from another segment:
+    parameters and feeds (read by name) and constants (cheap to make again)."""
+    if op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0):
+        return True
+    if op.name() in CONSTANT_FILLS:
+        return all(s.initialized() and _is_source(s.get_defining_op()) for s in op.operands_source())
+    return False
+
+
+def _is_feed(op: Any) -> bool:
+    return op.name() == "pd_op.data" and not op.attrs().get("persistable", [False])[0]
 
 
 def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> HostPlan:
@@ -55,6 +69,12 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> Host
     for k, (lo, hi) in enumerate(bounds):
         for i in range(lo + 1, hi):
             segment_of[i] = k
+    position = {op.id(): i for i, op in enumerate(ops)}
+    for i, op in enumerate(ops):
+        if op.name() == "builtin.combine":  # a vector cannot live in the scope: build it where it is read
+            users = [position[u.id()] for u in op.result(0).all_used_ops()]
+            if users and all(u in segment_of for u in users):
+                segment_of[i] = segment_of[min(users)]
     producer = {}
     for i, op in enumerate(ops):
         for j, result in enumerate(op.results()):
@@ -63,12 +83,15 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> Host
     crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
     names = {key: _scope_name(ops[key[0]], *key) for key in crossing}
     jobs: list[Job] = []
-    for k, (lo, hi) in enumerate(bounds):
-        members = set(range(lo + 1, hi))
+    for k, (_, hi) in enumerate(bounds):
+        members = {i for i, s in segment_of.items() if s == k}
         if any(not _is_source(ops[i]) for i in members):
             jobs.append(_segment(program, k, members, crossing, names, segment_of))
         if hi < len(ops):
             source = producer[ops[hi].operand_source(0).id]
+            if _is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
+                jobs.append(CollectiveCall(comm_at[hi], str(ops[source[0]].attrs()["name"]), names[(hi, 0)], from_feed=True))
+                continue
             source_name = names.get(source) or _scope_name(ops[source[0]], *source)
             jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
     return HostPlan(jobs, names)
@@ -98,10 +121,14 @@ def _segment(program: Any, k: int, members: set[int], crossing: set, names: dict
     ops = list(clone.global_block().ops)
     index = {op.id(): i for i, op in enumerate(ops)}
     keep = set(members)
-    for i in members:  # the sources and constants a member reads
-        for source in ops[i].operands_source():
+    pending = list(members)
+    while pending:  # the sources and constants a member reads, and what those read
+        for source in ops[pending.pop()].operands_source():
             if source.initialized() and _is_source(source.get_defining_op()):
-                keep.add(index[source.get_defining_op().id()])
+                found = index[source.get_defining_op().id()]
+                if found not in keep:
+                    keep.add(found)
+                    pending.append(found)
     block = clone.global_block()
     with paddle.static.program_guard(clone):
         for key in sorted(crossing):

@@ -26,11 +26,13 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class CollectiveCall:
-    """``collective`` performed on the scope variable ``input``; the result goes to ``output``."""
+    """``collective`` performed on the scope variable ``input`` (or, ``from_feed``, on this
+    rank's piece of the feed named ``input``); the result goes to the scope variable ``output``."""
 
     collective: Collective
     input: str
     output: str
+    from_feed: bool = False
 
 
 Job = Segment | CollectiveCall

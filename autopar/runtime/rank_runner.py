@@ -66,7 +66,12 @@ class RankRunner:
 
     def collective_input(self) -> np.ndarray:
         """This rank's input to the collective it stopped at."""
-        return self.read(self.host.jobs[self.position].input)
+        job = self.host.jobs[self.position]
+        if job.from_feed:
+            if job.input not in self.feeds:
+                raise AutoparError(f"rank {self.rank}: no feed given for {job.input!r}")
+            return self.feeds[job.input]
+        return self.read(job.input)
 
     def read(self, name: str) -> np.ndarray:
         var = self.scope.find_var(name)
@@ -77,7 +82,7 @@ class RankRunner:
     def write(self, name: str, array: np.ndarray) -> None:
         import paddle
 
-        self.scope.var(name).get_tensor().set(np.ascontiguousarray(array), paddle.CPUPlace())
+        self.scope.var(name).get_tensor().set(np.require(array, requirements="C"), paddle.CPUPlace())  # keeps 0-d arrays 0-d
 
     def finish_collective(self, output: np.ndarray | None) -> None:
         job = self.host.jobs[self.position]

@@ -35,7 +35,7 @@ def use_generator_state(state: Any) -> None:
 
 
 def digest(array: np.ndarray) -> str:
-    array = np.ascontiguousarray(array)
+    array = np.require(array, requirements="C")
     return hashlib.blake2b(array.tobytes() + str((array.dtype, array.shape)).encode(), digest_size=16).hexdigest()
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan, ValueTable
 from autopar.runtime.collectives import perform
@@ -31,8 +32,23 @@ class SimulationResult:
 
 def simulate(dist: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = ()) -> SimulationResult:
     """Run ``len(feeds)`` steps of ``dist`` on all ranks in this process (startup first)."""
+    _check_arguments(dist, feeds, fetch_list)
     plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
     return simulate_plans(plans, feeds, fetch_list)
+
+
+def _check_arguments(dist: Any, feeds: Any, fetch_list: Any) -> None:
+    if not (callable(getattr(dist, "rank_plan", None)) and isinstance(getattr(dist, "mesh", None), ProcessMesh)):
+        raise AutoparError(f"simulate needs the DistributedProgram autopar.compile returned, got {type(dist).__name__}")
+    if isinstance(feeds, Mapping):
+        raise AutoparError("feeds must be a list of feed dicts, one per step; got one dict (pass [feed] for one step)")
+    if isinstance(feeds, (str, bytes)) or not isinstance(feeds, Sequence):
+        raise AutoparError(f"feeds must be a list of feed dicts, one per step; got {type(feeds).__name__}")
+    for step, feed in enumerate(feeds):
+        if not isinstance(feed, Mapping):
+            raise AutoparError(f"feeds[{step}] must be a dict of feed name -> global array, got {type(feed).__name__}")
+    if isinstance(fetch_list, (str, bytes)) or not isinstance(fetch_list, Sequence):
+        raise AutoparError(f"fetch_list must be a list of Values or names, got {type(fetch_list).__name__}")
 
 
 def simulate_plans(
@@ -92,6 +108,4 @@ def parameters(values: ValueTable, runners: Mapping[int, RankRunner]) -> dict[st
         info = values.info(key)
         pieces = {rank: runner.parameter_piece(name) for rank, runner in runners.items()}
         out[name] = assemble(pieces, info.placement, info.shape)
-    if not out:
-        raise AutoparError("the program has no parameters to gather")
     return out
