@@ -2,11 +2,11 @@
 reshard planner's choices measured on 4 processes.
 
 **Accuracy.** Each world size runs one set of worker processes that time every collective, in
-rounds spread over the run (a burst of load from elsewhere hits every kind alike; each figure is
-the median over reps of the slowest rank), on two disjoint size sets: the calibration sizes
-(6 KiB x 4^k, 40 MiB, 96 MiB: what ``python -m autopar.cost_model.calibrate`` uses; all_gather
-also at 192 MiB, since an emulated all_to_all gathers p times its send buffer) and the evaluation
-sizes (4 KiB x 4^k up to 64 MiB). The profile is fitted on the calibration samples only; the
+rounds spread over the run (a burst of load from elsewhere hits every kind alike; each figure
+is the lower quartile over reps of the slowest rank: ``calibrate.summary``), on two disjoint
+size sets: the calibration sizes (6 KiB x 4^k, 40 MiB, 96 MiB: what ``python -m
+autopar.cost_model.calibrate`` uses; all_gather also at 192 MiB, since an emulated all_to_all
+gathers p times its send buffer) and the evaluation sizes (4 KiB x 4^k up to 64 MiB). The profile is fitted on the calibration samples only; the
 table compares its predictions with the evaluation samples. reduce_scatter and all_to_all run
 as their gloo emulations (all_reduce / all_gather of the whole send buffer plus a slice, what
 the native backend's lowering runs) and are predicted as such; ``sub_all_reduce`` /
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -40,19 +39,21 @@ from pathlib import Path
 from autopar.cost_model.calibrate import (
     CALIBRATION_SIZES,
     EMULATED,
+    EXTRA_SIZES,
     MEASURED,
     ROUNDS,
     SUBGROUP,
     build_profile,
     measure,
     run_processes,
+    summary,
 )
+from autopar.cost_model.cluster import load_cluster
 from autopar.cost_model.comm import collective_time
 from autopar.cost_model.planner import format_bytes, format_time
 
 EVALUATION_SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB ... 64 MiB
 SUBGROUP_SIZES = tuple(n for n in EVALUATION_SIZES if n <= 16 << 20)
-GATHER_ONLY_SIZES = (192 << 20,)  # calibration: all_gather up to what a 4-rank all_to_all of 48 MiB gathers
 KINDS = ("all_reduce", "all_gather", "broadcast", *EMULATED, "send_recv", *SUBGROUP)
 TARGET_MAPE, TARGET_KIND_MAPE = 20.0, 30.0
 DECOMPOSITION_WORLD = 4
@@ -63,12 +64,14 @@ DECOMPOSITION_SIZES = (4 << 20, 16 << 20)
 
 
 def measure_accuracy(worlds: tuple[int, ...]) -> list:
-    assert not set(CALIBRATION_SIZES + GATHER_ONLY_SIZES) & set(EVALUATION_SIZES)
+    assert not {*CALIBRATION_SIZES, *(n for more in EXTRA_SIZES.values() for n in more)} & set(EVALUATION_SIZES)
     both = sorted(CALIBRATION_SIZES + EVALUATION_SIZES)
     samples = []
     for world in worlds:
         sizes_of = {kind: EVALUATION_SIZES for kind in EMULATED}
-        sizes_of.update(all_gather=sorted(both + list(GATHER_ONLY_SIZES)), exchange=CALIBRATION_SIZES)
+        sizes_of.update(
+            {kind: sorted({*both, *more}) for kind, more in EXTRA_SIZES.items()}, exchange=CALIBRATION_SIZES
+        )
         kinds = [k for k in MEASURED if k != "send_recv" or world == 2] + list(EMULATED)
         if world > 2:
             kinds += list(SUBGROUP)
@@ -86,7 +89,8 @@ def predict(sample, cluster) -> float:
 
 def report_accuracy(samples: list, worlds: tuple[int, ...]) -> bool:
     calibration = [s for s in samples if s.nbytes not in EVALUATION_SIZES]
-    cluster = build_profile(calibration, worlds, CALIBRATION_SIZES)
+    device = load_cluster("cpu-gloo").device  # measured now, on a busy machine, a slice would look slow
+    cluster = build_profile(calibration, worlds, CALIBRATION_SIZES, device)
     rows = []
     print(f"{'collective':>15} {'procs':>5} {'size':>10} {'measured':>10} {'predicted':>10} {'error':>7}")
     order = {kind: i for i, kind in enumerate(KINDS)}
@@ -192,7 +196,6 @@ def decomposition_worker(out: str) -> None:
     import numpy as np
 
     from autopar.collective import Collective, CollectiveKey
-    from autopar.cost_model import load_cluster
     from autopar.runtime.gloo import GlooCommunicator
 
     rank, world = int(os.environ["PADDLE_TRAINER_ID"]), int(os.environ["PADDLE_TRAINERS_NUM"])
@@ -242,14 +245,12 @@ def decomposition_worker(out: str) -> None:
         rows = []
         for i, (name, nbytes, label, _) in enumerate(runs):
             per_rep = [max(t[i][rep] for t, _ in everyone) for rep in range(ROUNDS)]
-            rows.append({"case": name, "nbytes": nbytes, "label": label, "seconds": statistics.median(per_rep),
+            rows.append({"case": name, "nbytes": nbytes, "label": label, "seconds": summary(per_rep),
                          "correct": all(c[i] for _, c in everyone)})  # fmt: skip
         Path(out).write_text(json.dumps(rows))
 
 
 def report_decompositions() -> bool:
-    from autopar.cost_model import load_cluster
-
     cluster = load_cluster("cpu-gloo")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "decompositions.json"
@@ -259,7 +260,7 @@ def report_decompositions() -> bool:
         measured = {(r["case"], r["nbytes"], r["label"]): r for r in json.loads(out.read_text())}
     print(f"\nReshard decompositions on a 2 x 2 mesh, {DECOMPOSITION_WORLD} processes, host backend communicator "
           "(GlooCommunicator: world collectives native on gloo, sub-group steps as a world exchange); "
-          f"median of {ROUNDS} reps, slowest rank")  # fmt: skip
+          f"lower quartile of {ROUNDS} reps of the slowest rank")  # fmt: skip
     print(f"{'case':>31} {'size':>7} {'plan':>23} {'measured':>10} {'predicted':>10} {'error':>7}  planner")
     all_right = True
     for case in CASES:

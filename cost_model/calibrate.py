@@ -3,47 +3,55 @@
 Spawns 2 and 4 local processes (the ``PADDLE_*`` variables set, dynamic-mode
 ``paddle.distributed`` on gloo), times all_reduce, all_gather, broadcast, send/recv and the
 host backend's *exchange* (``all_gather_object`` of a numpy array: how it runs a sub-group
-collective) over a set of sizes, each size in several rounds spread over the run, and fits,
-per collective, the latency and bandwidth of the alpha-beta formula in
-:mod:`autopar.cost_model.comm`, plus the bandwidth of its knee (buffers of at least 32 MiB are
-fresh memory: see :class:`~autopar.cost_model.cluster.Link`), minimizing the mean absolute
-relative error (over both world sizes at once, so the fit keeps the formula's dependence on
-the group size), and per world size (``all_reduce@4``: with 4 processes on 2 cores the
-processes contend for the cores, which no link formula predicts; a group of that size uses its
-own fit). gloo has no reduce_scatter and no all_to_all (``ProcessGroupGloo does not support
-...``): the profile marks them *emulated*, priced as the all_reduce / all_gather plus slice
-that runs instead; the workers time those emulations too (the benchmark compares them).
+collective) over a set of sizes (all_gather up to 192 MiB: an emulated all_to_all gathers p
+times its send buffer), each size in several rounds spread over the run (reduced to the lower
+quartile of the reps: :func:`summary`), and fits, per collective, the latency and bandwidth of
+the alpha-beta formula in :mod:`autopar.cost_model.comm` plus, where it lowers the error, a
+knee at 32 MiB (from that size on the buffers are fresh memory: see
+:class:`~autopar.cost_model.cluster.Link`), minimizing the mean absolute relative error (over
+both world sizes at once, so the fit keeps the formula's dependence on the group size), and
+per world size (``all_reduce@4``: with 4 processes on 2 cores the processes contend for the
+cores, which no link formula predicts; a group of that size uses its own fit). gloo has no
+reduce_scatter and no all_to_all (``ProcessGroupGloo does not support ...``): the profile
+marks them *emulated*, priced as the all_reduce / all_gather plus slice that runs instead; the
+benchmark times those emulations and the host backend's sub-group collectives too.
 
-Also measured: float32 matmul FLOP/s and copy bandwidth of one process (numpy), and the
-machine's memory. The profile is written to ``cost_model/profiles/cpu_gloo.json`` (an input
-profile, committed), or ``--out``. About a minute on 2 cores.
+Also measured: float32 matmul FLOP/s and copy bandwidth of one process (numpy, the best of 7
+trials), and the machine's memory; ``--device-from PROFILE`` keeps an earlier profile's device
+figures instead (a busy machine measures them low), ``--samples-from`` refits saved samples.
+The profile is written to ``cost_model/profiles/cpu_gloo.json`` (an input profile, committed),
+or ``--out``. About four minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from autopar.cost_model.cluster import Cluster, Device, Link
+from autopar.cost_model.cluster import Cluster, Device, Link, load_cluster
 from autopar.cost_model.comm import coefficients
 
 MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv", "exchange")
 EMULATED = ("reduce_scatter", "all_to_all")
 CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 40 << 20, 96 << 20)
+ROUNDS = 6  # each size is timed in 6 rounds spread over the run (a burst of load hits one round)
 KNEE = 32 << 20  # glibc's largest dynamic mmap threshold: every allocation this big is fresh memory
-ROUNDS = 3  # each size is timed in 3 rounds spread over the run (a burst of load hits one round)
+EXTRA_SIZES = {"all_gather": (192 << 20,)}  # what an emulated all_to_all of 48 MiB over 4 ranks gathers
+SUBGROUP = {"sub_all_reduce": "all_reduce", "sub_all_gather": "all_gather"}  # over ranks (0, 1), host backend
 PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_gloo.json"
 
 
@@ -54,7 +62,8 @@ class Sample:
     kind: str
     world: int
     nbytes: int
-    seconds: float
+    seconds: float  # the lower quartile over reps of the slowest rank's time (see :func:`summary`)
+    reps: tuple[float, ...] = field(default=(), compare=False)  # every rep's slowest-rank time
 
 
 # ---- parent side -----------------------------------------------------------------------
@@ -70,38 +79,64 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def measure(world: int, sizes: Sequence[int], kinds: Sequence[str] = MEASURED, timeout: float = 600.0) -> list[Sample]:
-    """Run ``world`` gloo processes here and time each collective at each size."""
-    ports = _free_ports(world + 1)
-    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports[:world])
+def measure(
+    world: int,
+    sizes: Sequence[int],
+    kinds: Sequence[str] = MEASURED,
+    timeout: float = 600.0,
+    sizes_of: Mapping[str, Sequence[int]] | None = None,
+) -> list[Sample]:
+    """Run ``world`` gloo processes here and time each collective at each size (``sizes_of``:
+    other sizes for some kinds). All kinds and sizes are timed in the same rounds, so a burst
+    of load from elsewhere hits all of them alike."""
+    plan = {kind: [int(n) for n in (sizes_of or {}).get(kind, sizes)] for kind in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "samples.json"
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ)
-            env.update(
-                PADDLE_DISTRI_BACKEND="gloo", PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(world),
-                PADDLE_TRAINER_ENDPOINTS=endpoints, PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank]}",
-                PADDLE_MASTER=f"127.0.0.1:{ports[world]}", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[world]),
-                OMP_NUM_THREADS="1", GLOG_v="0", GLOG_minloglevel="2",
-            )  # fmt: skip
-            cmd = [sys.executable, "-m", "autopar.cost_model.calibrate", "--worker", "--out", str(out),
-                   "--sizes", *map(str, sizes), "--kinds", *kinds]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-            if rank == 0:
-                time.sleep(0.5)  # rank 0 hosts the store; later ranks retry slowly if early
-        errors = []
-        for rank, proc in enumerate(procs):
-            try:
-                _, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            if proc.returncode != 0:
-                errors.append(f"rank {rank} exited {proc.returncode}: {err[-2000:]}")
-        if errors:
-            raise RuntimeError("calibration workers failed:\n" + "\n".join(errors))
-        return [Sample(**item) for item in json.loads(out.read_text())]
+        argv = ["-m", "autopar.cost_model.calibrate", "--worker", "--out", str(out), "--plan", json.dumps(plan)]
+        run_processes(world, argv, timeout)
+        return [
+            Sample(i["kind"], i["world"], i["nbytes"], i["seconds"], tuple(i["reps"]))
+            for i in json.loads(out.read_text())
+        ]
+
+
+def run_processes(world: int, argv: Sequence[str], timeout: float = 600.0) -> None:
+    """``python *argv`` in ``world`` local processes with the ``PADDLE_*`` variables of a gloo
+    job (``paddle.distributed.init_parallel_env()`` works in them); raises if one fails."""
+    ports = _free_ports(world + 1)
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports[:world])
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            PADDLE_DISTRI_BACKEND="gloo", PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(world),
+            PADDLE_TRAINER_ENDPOINTS=endpoints, PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank]}",
+            PADDLE_MASTER=f"127.0.0.1:{ports[world]}", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[world]),
+            OMP_NUM_THREADS="1", GLOG_v="0", GLOG_minloglevel="2",
+        )  # fmt: skip
+        cmd = [sys.executable, *argv]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        if rank == 0:
+            time.sleep(0.5)  # rank 0 hosts the store; later ranks retry slowly if early
+    errors = []
+    for rank, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0:
+            errors.append(f"rank {rank} exited {proc.returncode}: {err[-2000:]}")
+    if errors:
+        raise RuntimeError("worker processes failed:\n" + "\n".join(errors))
+
+
+def summary(reps: Sequence[float]) -> float:
+    """The figure a set of reps is reduced to: their lower quartile. The machine may be shared
+    (other processes only ever add time to a rep: a scheduler time slice is ~4 ms, more than a
+    1 MiB collective takes), while the contention of 4 processes on 2 cores, which every rep
+    sees, stays in."""
+    return float(np.quantile(np.asarray(reps, dtype=float), 0.25))
 
 
 def fit_links(samples: Sequence[Sample]) -> dict[str, Link]:
@@ -119,27 +154,30 @@ def _formula(kind: str) -> str:
 
 
 def fit_link(samples: Sequence[Sample], kind: str, knee: float = KNEE) -> Link:
-    """Latency, bandwidth and (when samples reach ``knee`` bytes and it helps) the knee's
-    bandwidth of ``kind``'s ring formula, minimizing the mean absolute *relative* error (the
-    benchmark's measure; robust to the odd sample a burst of load slowed down): iteratively
-    reweighted least squares, every figure kept >= 0."""
+    """Latency and bandwidth of ``kind``'s ring formula and, where it lowers the error, the
+    bandwidth of a knee at ``knee`` bytes (from that size on the buffers are fresh memory:
+    :class:`Link`). The fit minimizes the mean absolute *relative* error (the benchmark's
+    measure; robust to the odd sample a burst of load slowed down): iteratively reweighted
+    least squares, every figure kept >= 0."""
     rows = [s for s in samples if s.kind == kind and s.world > 1]
     design = np.array([(*coefficients(_formula(kind), s.world, s.nbytes), s.nbytes * (s.nbytes >= knee)) for s in rows])
-    times = np.array([s.seconds for s in rows])
-    scaled = design / times[:, None]  # row i: predicted / measured time per unit of each figure
-    weights = np.ones(len(rows))
+    alpha, beta, gamma = _least_relative_error(design / np.array([[s.seconds] for s in rows]))
+    bandwidth = 1.0 / max(beta, 1e-15)
+    if gamma <= 0:
+        return Link(latency=float(alpha), bandwidth=float(bandwidth))
+    return Link(latency=float(alpha), bandwidth=float(bandwidth), knee=float(knee), knee_bandwidth=float(1.0 / gamma))
+
+
+def _least_relative_error(scaled: np.ndarray) -> np.ndarray:
+    """``argmin sum |scaled x - 1|`` over ``x >= 0`` by iteratively reweighted least squares."""
+    weights = np.ones(len(scaled))
     for _ in range(100):
         figures = _nonnegative_lstsq(scaled * weights[:, None], weights)
-        residual = np.abs(scaled @ figures - 1.0)
-        new = 1.0 / np.sqrt(np.maximum(residual, 1e-4))  # sum w^2 r^2 = sum |r|
+        new = 1.0 / np.sqrt(np.maximum(np.abs(scaled @ figures - 1.0), 1e-4))  # sum w^2 r^2 = sum |r|
         if np.allclose(new, weights, rtol=1e-6):
             break
         weights = new
-    alpha, beta, gamma = figures
-    beta = max(beta, 1e-15)
-    if gamma <= 0:
-        return Link(latency=float(alpha), bandwidth=float(1.0 / beta))
-    return Link(latency=float(alpha), bandwidth=float(1.0 / beta), knee=float(knee), knee_bandwidth=float(1.0 / gamma))
+    return figures
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -157,55 +195,65 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def measure_device() -> Device:
-    """float32 matmul FLOP/s and copy bandwidth of one process; the machine's memory."""
+def measure_device(trials: int = 7) -> Device:
+    """float32 matmul FLOP/s and copy bandwidth of one process, the best of ``trials`` (peak
+    figures; other work on the machine only ever slows a trial down); the machine's memory."""
     a = np.random.default_rng(0).standard_normal((512, 512), dtype=np.float32)
-    a @ a
-    reps, start = 20, time.perf_counter()
-    for _ in range(reps):
-        a @ a
-    flops = reps * 2 * 512**3 / (time.perf_counter() - start)
     src, dst = np.ones(8 << 20, np.float32), np.empty(8 << 20, np.float32)
+    a @ a
     np.copyto(dst, src)
-    reps, start = 10, time.perf_counter()
-    for _ in range(reps):
-        np.copyto(dst, src)
-    bandwidth = reps * 2 * src.nbytes / (time.perf_counter() - start)
+    flops, bandwidth = 0.0, 0.0
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ a
+        flops = max(flops, 5 * 2 * 512**3 / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(3):
+            np.copyto(dst, src)
+        bandwidth = max(bandwidth, 3 * 2 * src.nbytes / (time.perf_counter() - start))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Device((("float32", float(flops)),), float(bandwidth), float(memory))
 
 
-def calibrate(worlds: Sequence[int] = (2, 4), sizes: Sequence[int] = CALIBRATION_SIZES) -> tuple[Cluster, list[Sample]]:
+def calibrate(
+    worlds: Sequence[int] = (2, 4), sizes: Sequence[int] = CALIBRATION_SIZES, device: Device | None = None
+) -> tuple[Cluster, list[Sample]]:
     """Measure here and build the ``cpu-gloo`` profile (send/recv is timed on 2 processes only)."""
     samples = []
     for world in worlds:
         kinds = [k for k in MEASURED if k != "send_recv" or world == 2]
-        samples += measure(world, sizes, kinds)
-    return build_profile(samples, worlds, sizes), samples
+        samples += measure(
+            world, sizes, kinds, sizes_of={k: sorted({*sizes, *more}) for k, more in EXTRA_SIZES.items()}
+        )
+    return build_profile(samples, worlds, sizes, device), samples
 
 
-def build_profile(samples: Sequence[Sample], worlds: Sequence[int], sizes: Sequence[int]) -> Cluster:
-    """The ``cpu-gloo`` cluster from measured samples of the MEASURED kinds."""
+def build_profile(
+    samples: Sequence[Sample], worlds: Sequence[int], sizes: Sequence[int], device: Device | None = None
+) -> Cluster:
+    """The ``cpu-gloo`` cluster from measured samples of the MEASURED kinds (``device``: these
+    figures instead of measuring them now)."""
     fits = fit_links([s for s in samples if s.kind in MEASURED])
     return Cluster(
         name="cpu-gloo", nodes=1, devices_per_node=8, intra=fits["all_reduce"], inter=fits["all_reduce"],
-        device=measure_device(), collectives=tuple(sorted(fits.items())), emulated=EMULATED, tree=False,
+        device=device or measure_device(), collectives=tuple(sorted(fits.items())), emulated=EMULATED, tree=False,
         subgroups="world_exchange",
         sources=(
             ("collectives", f"fitted by python -m autopar.cost_model.calibrate: gloo over loopback, {list(worlds)} processes, "
-                            f"sizes {list(sizes)} bytes, each timed in {ROUNDS} rounds (median of the slowest rank per rep), "
+                            f"sizes {list(sizes)} bytes, each timed in {ROUNDS} rounds (lower quartile over reps of the slowest rank), "
                             "ring formulas, least absolute relative error; "
                             "kind@p: fitted on p processes only (used for groups of p: 4 processes on 2 cores contend)"),
             ("knee", f"{KNEE} bytes: glibc's largest dynamic mmap threshold; a buffer this big is fresh memory each call "
                      "(Paddle allocates collective outputs per call) and its 4 KiB pages fault in (3-6 us each here); "
-                     "knee_bandwidth fitted per collective, absent where it does not help the fit"),
+                     "knee_bandwidth fitted per collective, absent where it does not lower the error"),
             ("exchange", "paddle.distributed.all_gather_object of a numpy array from every rank (what the host backend "
                          "does for a sub-group collective); nbytes = the gathered bytes, world x input"),
             ("subgroups", "world_exchange: gloo sub-groups deadlock with 4 processes (PADDLE_NOTES), the host backend "
                           "runs every sub-group collective as a world exchange"),
             ("intra", "the all_reduce fit; inter = intra (one host)"),
             ("emulated", "gloo has no reduce_scatter / all_to_all: all_reduce + slice, all_gather + slice"),
-            ("device", "numpy float32 512x512 matmul and a 32 MiB copy in one process; memory = physical RAM"),
+            ("device", "numpy float32 512x512 matmul and a 32 MiB copy in one process, best of 7; memory = physical RAM"),
             ("devices_per_node", f"processes, not cores: the machine has {os.cpu_count() or 0} cores"),
         ),
     )  # fmt: skip
@@ -214,23 +262,23 @@ def build_profile(samples: Sequence[Sample], worlds: Sequence[int], sizes: Seque
 # ---- worker side -----------------------------------------------------------------------
 
 
-def _worker(sizes: Sequence[int], kinds: Sequence[str], out: str) -> None:
+def _worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
     import paddle
     import paddle.distributed as dist
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
-    for kind in kinds:  # connections and buffers are set up lazily: not part of any timing
+    for kind in plan:  # connections and buffers are set up lazily: not part of any timing
         warm = _operation(paddle, dist, kind, 64 << 10, rank, world)
         for _ in range(5):
             warm()
-    local: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind in kinds for n in sizes}
+    local: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind, sizes in plan.items() for n in sizes}
     for _ in range(ROUNDS):  # each round: every (kind, size) once more, so noise spreads over all
-        for kind in kinds:
+        for kind, sizes in plan.items():
             for nbytes in sizes:
                 run = _operation(paddle, dist, kind, nbytes, rank, world)
                 run()  # the steady state of a training loop: the same collective ran before
-                reps = 2 if nbytes >= 8 << 20 else (4 if nbytes >= 1 << 20 else 10)
+                reps = 1 if nbytes >= 8 << 20 else (3 if nbytes >= 1 << 20 else 6)
                 for _ in range(reps):
                     dist.barrier()
                     start = time.perf_counter()
@@ -242,8 +290,9 @@ def _worker(sizes: Sequence[int], kinds: Sequence[str], out: str) -> None:
     per_rep = np.max(np.stack([g.numpy() for g in gathered]), axis=0)  # a rep ends when its slowest rank does
     results, at = [], 0
     for (kind, nbytes), times in local.items():
-        seconds = float(np.median(per_rep[at : at + len(times)]))
-        results.append({"kind": kind, "world": world, "nbytes": int(nbytes), "seconds": seconds})
+        reps = per_rep[at : at + len(times)]
+        results.append({"kind": kind, "world": world, "nbytes": int(nbytes), "seconds": summary(reps),
+                        "reps": reps.tolist()})  # fmt: skip
         at += len(times)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -273,6 +322,8 @@ def _operation(paddle, dist, kind: str, nbytes: int, rank: int, world: int):
     if kind == "exchange":  # the host backend's sub-group transport; nbytes = gathered (world x input)
         mine = np.ones(count // world, np.float32)
         return lambda: dist.all_gather_object([], mine)
+    if kind in SUBGROUP:  # the host backend's collective over ranks (0, 1) of a bigger world
+        return _subgroup(dist, SUBGROUP[kind], count, rank)
     if kind == "all_to_all":  # emulated: all_gather every send buffer, keep the own column
         send = paddle.ones([count], dtype="float32")
         chunk = count // world
@@ -286,8 +337,25 @@ def _operation(paddle, dist, kind: str, nbytes: int, rank: int, world: int):
     raise ValueError(kind)
 
 
+def _subgroup(dist, kind: str, count: int, rank: int):
+    """What the host backend does for ``kind`` over ranks (0, 1) (autopar.runtime.gloo): every
+    rank's input to every rank (all_gather_object), then the group's result in numpy."""
+    mine = np.ones(count // 2 if kind == "all_gather" else count, np.float32)  # all_gather: nbytes = output
+
+    def run():
+        everyone: list = []
+        dist.all_gather_object(everyone, mine)
+        if rank > 1:
+            return None
+        if kind == "all_gather":
+            return np.concatenate(everyone[:2])
+        return np.sum(np.stack(everyone[:2]), axis=0)
+
+    return run
+
+
 def vars_of(sample: Sample) -> dict:
-    return {"kind": sample.kind, "world": sample.world, "nbytes": sample.nbytes, "seconds": sample.seconds}
+    return asdict(sample)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -296,21 +364,41 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--out", default=str(PROFILE_PATH), help="profile to write (default: the shipped cpu_gloo.json)"
     )
+    parser.add_argument("--plan", help=argparse.SUPPRESS)  # worker: JSON {kind: [sizes]}
     parser.add_argument("--sizes", type=int, nargs="+", default=list(CALIBRATION_SIZES))
-    parser.add_argument("--kinds", nargs="+", default=list(MEASURED))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--samples", help="also write the measured samples (JSON) here")
+    parser.add_argument("--samples-from", help="fit the samples an earlier --samples wrote instead of measuring")
+    parser.add_argument(
+        "--device-from", metavar="PROFILE", help="keep this profile's device figures (a busy machine measures them low)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.sizes, args.kinds, args.out)
+        _worker(json.loads(args.plan), args.out)
         return
     start = time.perf_counter()
-    cluster, samples = calibrate(args.worlds, args.sizes)
+    kept = load_cluster(args.device_from) if args.device_from else None
+    device = kept.device if kept else None
+    if args.samples_from:
+        samples = [
+            Sample(**{**item, "reps": tuple(item["reps"])}) for item in json.loads(Path(args.samples_from).read_text())
+        ]
+        cluster = build_profile(samples, args.worlds, args.sizes, device)
+    else:
+        cluster, samples = calibrate(args.worlds, args.sizes, device)
+    if kept:
+        note = f"kept from an earlier calibration ({dict(kept.sources).get('device', 'no source given')})"
+        cluster = dataclasses.replace(
+            cluster, sources=tuple((k, note if k == "device" else v) for k, v in cluster.sources)
+        )
     cluster.save(args.out)
     if args.samples:
         Path(args.samples).write_text(json.dumps([vars_of(s) for s in samples], indent=1))
     for kind, link in cluster.collectives:
-        print(f"{kind:>12}: latency {link.latency * 1e6:8.1f} us, bandwidth {link.bandwidth / 1e9:7.3f} GB/s")
+        knee = (
+            f", from {link.knee / 2**20:.1f} MiB + {link.knee_bandwidth / 1e9:.3f} GB/s" if link.knee < math.inf else ""
+        )
+        print(f"{kind:>12}: latency {link.latency * 1e6:8.1f} us, bandwidth {link.bandwidth / 1e9:7.3f} GB/s{knee}")
     print(
         f"device: {cluster.device.flops_for('float32') / 1e9:.1f} GFLOP/s, copy {cluster.device.memory_bandwidth / 1e9:.1f} GB/s"
     )

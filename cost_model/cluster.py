@@ -76,11 +76,12 @@ class Link:
     """Alpha-beta link: ``latency`` seconds per message step, ``bandwidth`` bytes/s per direction.
 
     Optional *knee* (fitted on ``cpu-gloo``): a collective whose buffer (its nccl-tests size) is
-    at least ``knee`` bytes also pays ``buffer / knee_bandwidth`` seconds. On glibc, every
-    allocation of at least 32 MiB (the largest dynamic mmap threshold) is a fresh mapping whose
-    pages fault on first touch, and Paddle's CPU tensors allocate their outputs per call: above
-    that size a collective's time per byte steps up (measured: all_gather on 2 processes,
-    0.35 GB/s of output at 48-128 MiB against 0.6 GB/s at 4-32 MiB). Default: no knee.
+    at least ``knee`` bytes also pays ``buffer / knee_bandwidth`` seconds: from that size on its
+    buffers are fresh memory. On glibc every allocation of at least 32 MiB (the largest dynamic
+    mmap threshold) is a fresh mapping, Paddle's CPU collectives allocate their outputs per call,
+    and each 4 KiB page then faults in on first touch (3-6 us here: 32 MiB of ``paddle.ones``
+    took 25 ms, 8193 faults). Measured on 2 processes: the time per byte of an all_gather
+    roughly doubles between 16 and 64 MiB of output. Default: no knee.
     """
 
     latency: float
