@@ -7,13 +7,14 @@ written into it: the user's program stays exactly as built. ``compile`` reads th
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.dist_attr import DistAttr
-from autopar.errors import AnnotationError, AutoparError, PlacementError
+from autopar.errors import AnnotationError, AnnotationWarning, AutoparError, PlacementError
 from autopar.mesh import ProcessMesh
 from autopar.placement import Placement
 
@@ -56,10 +57,23 @@ def value_label(value: Any) -> str:
 
 
 def program_of(value: Any) -> Any:
-    try:
-        return value.get_defining_op().get_parent_block().program
-    except (AttributeError, ValueError) as err:
-        raise AnnotationError(f"shard_tensor expects a Value of a static PIR program, got {type(value).__name__}") from err
+    """The PIR program a Value belongs to (refuses legacy Variables and block arguments by name)."""
+    import paddle
+
+    if not isinstance(value, paddle.pir.Value):
+        hint = " (a legacy static Variable: build the program under PIR, the default in Paddle 3)" if is_legacy(value) else ""
+        raise AnnotationError(f"shard_tensor expects a Value of a static PIR program, got {type(value).__name__}{hint}")
+    op = value.get_defining_op()
+    if op is None:
+        raise AnnotationError("shard_tensor expects a Value made by an op of a PIR program, got a block argument")
+    return op.get_parent_block().program
+
+
+def is_legacy(obj: Any) -> bool:
+    """A value or program of Paddle's legacy (pre-PIR) static graph."""
+    from paddle.base import framework
+
+    return isinstance(obj, (framework.Variable, framework.Program))
 
 
 def _is_placement_list(spec: Sequence[Any]) -> bool:
@@ -71,6 +85,8 @@ def _is_placement_list(spec: Sequence[Any]) -> bool:
 def to_dist_attr(spec: Any, mesh: ProcessMesh, ndim: int, label: str) -> DistAttr:
     """A user's dims_mapping (names, indices, None/-1) or Paddle placement list -> DistAttr."""
     if isinstance(spec, DistAttr):
+        if spec.mesh != mesh:
+            raise PlacementError(f"tensor {label!r}: its DistAttr is on {spec.mesh} but shard_tensor was given {mesh}")
         if spec.ndim != ndim:
             raise PlacementError(f"tensor {label!r} has {ndim} dims but its DistAttr {spec} has {spec.ndim}")
         return spec
@@ -98,10 +114,52 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
         raise AnnotationError(f"shard_tensor needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     program = program_of(value)
     label = value_label(value)
+    if not value.is_dense_tensor_type():
+        raise AnnotationError(f"shard_tensor annotates tensors; {label} is a {value.type()} (annotate its members)")
     _check_current_program(program, label)
     attr = to_dist_attr(dims_mapping, mesh, len(value.shape), label)
+    _check_static_dims(attr, list(value.shape), label)
     _record(program).tensors[value.id] = (attr, label)
     return value
+
+
+def _check_static_dims(attr: DistAttr, shape: list[int], label: str) -> None:
+    """A dim of unknown size (-1) cannot be split: autopar slices global arrays by their sizes."""
+    for tensor_dim, (size, dims) in enumerate(zip(shape, attr.mapping)):
+        if dims and size < 0:
+            raise AnnotationError(
+                f"tensor {label!r} of shape {shape}: dim {tensor_dim} has no static size and cannot be split; "
+                "declare its size (the global batch) when building the program"
+            )
+
+
+def warn_foreign_annotations(program: Any, graph: Any) -> None:
+    """Warn about parameters of ``program`` annotated only on another program (a clone, or the
+    same net built again): annotations belong to the program whose Value was annotated.
+
+    Only parameters are matched, by name (and number of dims): Paddle names parameters uniquely per
+    process, so another live program holding an annotated parameter of the same name is its
+    clone or a rebuild of the same net. Feeds ("x") and activations repeat across unrelated
+    programs, so an annotation on them in program A cannot be told from a deliberate one and
+    is not reported; it is never applied to another program either way.
+    """
+    own = {label for _, label in annotations_of(program).tensors.values()}
+    params = {v.name: len(v.shape) for v in graph.values.values() if v.kind == "parameter"}
+    foreign = set()
+    for other, notes in list(_TABLE.items()):
+        if other is program:
+            continue
+        foreign |= {
+            label for attr, label in notes.tensors.values()
+            if label in params and label not in own and attr.ndim == params[label]
+        }  # fmt: skip
+    if foreign:
+        warnings.warn(
+            f"parameters {sorted(foreign)} were annotated in another program (a clone or a rebuild of this one); "
+            "annotations apply only to the program whose values were annotated: annotate this program's values",
+            AnnotationWarning,
+            stacklevel=3,
+        )
 
 
 def _check_current_program(program: Any, label: str) -> None:

@@ -21,6 +21,7 @@ from autopar.mesh import ProcessMesh
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
+from autopar.passes.fetch_replication import FetchReplication
 from autopar.passes.partition import Partition
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
@@ -61,7 +62,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes: list[Pass] = [Partition(), ReshardPlanning(), ReshardEmission()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
-    passes.append(BackendLowering())
+    passes += [FetchReplication(), BackendLowering()]
     return passes
 
 
@@ -121,9 +122,10 @@ def _check_program(program: Any, what: str) -> None:
 
 
 def _check_static_shapes(graph: ProgramGraph) -> None:
-    """autopar slices global arrays by their sizes: every tensor needs a static shape."""
+    """autopar slices feeds, parameters and states by their sizes: each needs a static shape.
+    (Auxiliary op outputs such as batch_norm's reserve space may keep a -1.)"""
     for value in graph.values.values():
-        if any(size < 0 for size in value.shape):
+        if value.name is not None and any(size < 0 for size in value.shape):
             raise AutoparError(
                 f"tensor {value.label!r} has shape {list(value.shape)}: autopar needs static shapes; "
                 "declare every size (the global batch too) when building the program"

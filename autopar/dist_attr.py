@@ -24,6 +24,7 @@ the one definition every pass and the runtime use.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,17 +52,48 @@ def shard_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-def _normalize_partial(partial: Any) -> tuple[tuple[int, str], ...]:
+_PARTIAL_FORM = (
+    "partial_dims must be a set of mesh dims (names or indices), a dict mesh dim -> reduce kind, or (dim, kind) pairs"
+)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _partial_item(item: Any) -> tuple[Any, Any]:
+    if _is_index(item) or isinstance(item, str):
+        return item, "sum"
+    if isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and len(item) == 2:
+        return item[0], item[1]
+    raise PlacementError(f"{_PARTIAL_FORM}; got the entry {item!r}")
+
+
+def _normalize_partial(partial: Any, mesh: ProcessMesh | None = None) -> tuple[tuple[int, str], ...]:
+    """Partial mesh dims -> sorted ((mesh dim, kind), ...); names need ``mesh``."""
     if partial is None:
         return ()
     if isinstance(partial, Mapping):
         items = list(partial.items())
+    elif isinstance(partial, (str, bytes)) or not isinstance(partial, Iterable):
+        raise PlacementError(f"{_PARTIAL_FORM}; got {partial!r}")
     else:
-        items = [(p, "sum") if isinstance(p, int) else tuple(p) for p in partial]
+        items = [_partial_item(p) for p in partial]
     out = {}
     for mesh_dim, kind in items:
-        out[int(mesh_dim)] = Partial(kind).reduce  # validates the kind
+        out[_partial_dim(mesh_dim, mesh)] = Partial(kind).reduce  # validates the kind
     return tuple(sorted(out.items()))
+
+
+def _partial_dim(mesh_dim: Any, mesh: ProcessMesh | None) -> int:
+    if isinstance(mesh_dim, str) and mesh is not None:
+        try:
+            return mesh.mesh_dim(mesh_dim)
+        except MeshError as err:
+            raise PlacementError(f"partial_dims: {err}") from err
+    if not _is_index(mesh_dim) or mesh_dim < 0:
+        raise PlacementError(f"partial_dims: a mesh dim is a name or an index >= 0, got {mesh_dim!r}")
+    return int(mesh_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +132,8 @@ class DistAttr:
             if partial_dims is not None:
                 raise PlacementError(f"DistAttr takes partial_dims or partial= (its field name), not both: {partial!r}")
             partial_dims = partial
-        entries = tuple(_normalize_entry(e, mesh) for e in (dims_mapping if dims_mapping is not None else ()))
-        partial_t = _normalize_partial(partial_dims)
+        entries = tuple(_normalize_entry(e, mesh) for e in _mapping_entries(dims_mapping))
+        partial_t = _normalize_partial(partial_dims, mesh)
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "mapping", entries)
         object.__setattr__(self, "partial", partial_t)
@@ -191,18 +223,24 @@ class DistAttr:
     def of(cls, mesh: ProcessMesh, mapping: tuple[tuple[int, ...], ...], partial: Any = None) -> DistAttr:
         """Fast, cached constructor for the normalized form rules produce (hot in propagation)."""
         if partial and not isinstance(partial, tuple):
-            partial = tuple(sorted(partial.items())) if isinstance(partial, Mapping) else _normalize_partial(partial)
+            partial = (
+                tuple(sorted(partial.items())) if isinstance(partial, Mapping) else _normalize_partial(partial, mesh)
+            )
         return _cached(mesh, tuple(tuple(d) for d in mapping), partial or ())
 
     def with_mapping(self, mapping: Sequence[Any]) -> DistAttr:
         return DistAttr(self.mesh, mapping, self.partial)
 
     def with_partial(self, partial: Any) -> DistAttr:
-        return DistAttr.of(self.mesh, self.mapping, _normalize_partial(partial))
+        return DistAttr.of(self.mesh, self.mapping, _normalize_partial(partial, self.mesh))
 
     @classmethod
     def parse(cls, text: str, mesh: ProcessMesh, ndim: int) -> DistAttr:
         """Invert ``str``: ``"[S(0),P(sum)]"`` on a 2-d mesh for a tensor of ``ndim`` dims."""
+        if not isinstance(text, str):
+            raise PlacementError(f"DistAttr.parse takes the text form, e.g. '[S(0),R]', got {text!r}")
+        if not isinstance(mesh, ProcessMesh):
+            raise PlacementError(f"DistAttr.parse needs an autopar.ProcessMesh, got {type(mesh).__name__}")
         items = [t for t in text.strip().strip("[]").split(",") if t.strip()]
         if len(items) != mesh.ndim:
             raise PlacementError(f"{text!r} has {len(items)} placements, {mesh} has {mesh.ndim} dims")
@@ -219,6 +257,8 @@ class DistAttr:
         listed is the major digit, the last the minor one (a new split appended innermost
         subdivides each existing piece).
         """
+        if not _is_index(tensor_dim) or not 0 <= tensor_dim < len(self.mapping):
+            raise PlacementError(f"tensor dim {tensor_dim!r} is out of range for dims_mapping {self.dims_mapping_text}")
         coord = self.mesh.coordinate(rank)
         index, parts = 0, 1
         for mesh_dim in self.mapping[tensor_dim]:
@@ -228,12 +268,20 @@ class DistAttr:
 
     def local_slices(self, shape: Sequence[int], rank: int) -> tuple[slice, ...]:
         self.check_shape(shape)
+        if not all(_is_index(size) and size >= -1 for size in shape):  # -1: a size Paddle leaves unknown
+            raise PlacementError(f"a shape is a list of sizes (ints >= 0, or -1 for unknown), got {list(shape)}")
+        if not _is_index(rank):
+            raise PlacementError(f"rank must be an int rank of {self.mesh}, got {rank!r}")
         return _local_slices(self, tuple(shape), rank)
 
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
         return tuple(s.stop - s.start for s in self.local_slices(shape, rank))
 
     def check_shape(self, shape: Sequence[int], what: str = "tensor") -> None:
+        if not isinstance(shape, (tuple, list)) and (
+            isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence)
+        ):
+            raise PlacementError(f"{what} shape must be a list of sizes, got {shape!r}")
         if len(shape) != self.ndim:
             raise PlacementError(
                 f"{what} of shape {list(shape)} has {len(shape)} dims, dims_mapping {self.dims_mapping_text} has {self.ndim}"
@@ -251,6 +299,12 @@ class DistAttr:
         Mesh dims splitting the same tensor dim are ordered by ``shard_order``, then by mesh
         dim (Paddle's rule), so all-zero orders mean ascending mesh-dim order.
         """
+        if not isinstance(mesh, ProcessMesh):
+            raise PlacementError(f"from_placements needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
+            raise PlacementError(f"placements must be a list with one placement per mesh dim, got {placements!r}")
+        if not _is_index(ndim) or ndim < 0:
+            raise PlacementError(f"ndim must be the tensor's number of dims (an int >= 0), got {ndim!r}")
         if len(placements) != mesh.ndim:
             raise PlacementError(f"{len(placements)} placements given for {mesh} with {mesh.ndim} dims")
         splits: list[list[tuple[int, int]]] = [[] for _ in range(ndim)]
@@ -296,14 +350,30 @@ def _normalize_entry(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
         raise PlacementError(str(err)) from err
 
 
-def _entry_dims(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
-    if entry is None or (isinstance(entry, int) and not isinstance(entry, bool) and entry == -1):
+def _mapping_entries(dims_mapping: Any) -> tuple[Any, ...]:
+    if dims_mapping is None:
         return ()
-    if isinstance(entry, (str, int)) and not isinstance(entry, bool):
+    if isinstance(dims_mapping, (str, bytes, Mapping)) or not isinstance(dims_mapping, Sequence):
+        raise PlacementError(
+            f"dims_mapping must be a list with one entry per tensor dim (a mesh dim name or index, None or -1), got {dims_mapping!r}"
+        )
+    return tuple(dims_mapping)
+
+
+_ENTRY_FORM = "dims_mapping entry must be a mesh dim name, index, None or -1, or a tuple of mesh dims"
+
+
+def _entry_dims(entry: Any, mesh: ProcessMesh) -> tuple[int, ...]:
+    if entry is None or (_is_index(entry) and entry == -1):
+        return ()
+    if isinstance(entry, str) or (_is_index(entry) and entry >= 0):
         return (mesh.mesh_dim(entry),)
-    if isinstance(entry, Iterable):
+    if isinstance(entry, (tuple, list)):
+        for item in entry:
+            if not (isinstance(item, str) or (_is_index(item) and item >= 0)):
+                raise PlacementError(f"{_ENTRY_FORM}; the tuple {entry!r} holds {item!r}")
         return tuple(mesh.mesh_dim(e) for e in entry)
-    raise PlacementError(f"dims_mapping entry must be a mesh dim name, index, None or -1; got {entry!r}")
+    raise PlacementError(f"{_ENTRY_FORM}; got {entry!r}")
 
 
 @functools.lru_cache(maxsize=65536)

@@ -9,6 +9,7 @@ per-rank contract the runtime consumes, and caches it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ class DistributedProgram:
         self.serial_startup_program = startup_program
         self.state = state
         self.pipeline = pipeline
-        self._plans: dict[tuple[int, str], RankPlan] = {}
+        self._plans: dict[tuple[int, str, tuple], RankPlan] = {}
         self.mesh: ProcessMesh = state.mesh
         self.strategy: Strategy = state.strategy
         self.graph: ProgramGraph = state.graph
@@ -108,27 +109,38 @@ class DistributedProgram:
             return tuple(self.propagation.dist(k) for k in members)
         return self.propagation.dist(key)
 
-    def rank_plan(self, rank: int, backend: str = "host", after: str | None = None) -> RankPlan:
-        """The per-rank contract for ``backend`` ("host", "native", or "auto": native when every
-        collective spans the world), built on first use and cached. ``after``: the program as
-        it is after the pass of that name (not cached; for dumps)."""
+    def rank_plan(
+        self, rank: int, backend: str = "host", after: str | None = None, fetches: Sequence[Any] = ()
+    ) -> RankPlan:
+        """The per-rank contract for ``backend`` ("host", "native", or "auto": native on GPUs, and
+        on CPU when every collective spans the world), built on first use and cached. ``fetches`` (values or
+        names): made whole on every rank at the end of the step, inside the program, so the
+        runtime reads them without an exchange. ``after``: the program as it is after the pass
+        of that name (not cached; for dumps)."""
         if backend not in self.BACKENDS:
             raise AutoparError(f"unknown backend {backend!r}; expected one of {self.BACKENDS}")
         if backend == "auto":
-            backend = "native" if self.collectives_span_world else "host"
+            from autopar.runtime.device import current_device
+
+            on_gpu = current_device().kind == "gpu"  # NCCL runs sub-groups in the program
+            backend = "native" if on_gpu or self.collectives_span_world else "host"
+        keys = tuple(item if isinstance(item, tuple) and item in self.values else self.key(item) for item in fetches)
         if after is not None:
-            return self._build_plan(self.build_rank(rank, backend, after), backend)
-        cached = self._plans.get((rank, backend))
+            return self._build_plan(self.build_rank(rank, backend, after, keys), backend)
+        cached = self._plans.get((rank, backend, keys))
         if cached is None:
             with gc_paused():
-                cached = self._plans[(rank, backend)] = self._build_plan(self.build_rank(rank, backend), backend)
+                cached = self._build_plan(self.build_rank(rank, backend, fetches=keys), backend)
+            self._plans[(rank, backend, keys)] = cached
         return cached
 
-    def build_rank(self, rank: int, backend: str = "host", upto: str | None = None) -> RankProgram:
+    def build_rank(
+        self, rank: int, backend: str = "host", upto: str | None = None, fetches: tuple[ValueKey, ...] = ()
+    ) -> RankProgram:
         """``rank``'s program rewritten by the passes (up to ``upto``), uncached: for dumps."""
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise AutoparError(f"rank must be an int, got {rank!r}")
-        return self.pipeline.build_rank(self.state, rank, backend, upto)
+        return self.pipeline.build_rank(self.state, rank, backend, upto, fetches)
 
     @property
     def collectives_span_world(self) -> bool:
@@ -143,9 +155,11 @@ class DistributedProgram:
         where = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
         replaced = {key: (where[v.get_defining_op().id()], v.index()) for key, v in rp.replaced.items()}
         collectives = tuple(sorted(((c, where[op_id]) for c, op_id in rp.collectives), key=lambda item: item[1]))
+        fetched = tuple((where[v.get_defining_op().id()], v.index()) for v in (rp.fetched[k] for k in rp.fetches if k in rp.fetched))
         return RankPlan(
             rp.rank, self.mesh, backend, rp.program, rp.startup, collectives, dict(rp.rings), self.values,
             tuple(where[op.id()] for op in rp.ops), replaced, tuple(rp.stages), tuple(self.pipeline.names()),
+            rp.fetches if len(fetched) == len(rp.fetches) else (), fetched,
         )
 
     def rank_program(self, rank: int) -> Any:

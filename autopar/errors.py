@@ -25,3 +25,7 @@ class AnnotationError(AutoparError):
 
 class CostModelError(AutoparError):
     """A cluster profile, dtype or reshard request the cost model cannot price (names the field)."""
+
+
+class AnnotationWarning(UserWarning):
+    """An annotation that compile can see but not apply (made on another program's value)."""

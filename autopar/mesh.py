@@ -9,26 +9,66 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from autopar.errors import MeshError
 
+MAX_DIMS = 32  # deeper nesting is a mistake (and would exhaust Python's recursion limit)
 
-def _shape_and_ranks(nested: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+
+def _rank(value: Any, what: str) -> int:
+    """An integer rank >= 0 (ints and numpy integers; never bools, floats or strings)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise MeshError(f"{what} must be integer ranks >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise MeshError(f"{what} must be integer ranks >= 0, got {value!r}")
+    return int(value)
+
+
+def _is_nested(value: Any) -> bool:
+    """A list of ranks (or of lists): sequences and numpy arrays, never strings."""
+    if isinstance(value, np.ndarray):
+        return value.ndim > 0
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _shape_and_ranks(nested: Any, depth: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Flatten a nested list of ranks, checking it is rectangular (not ragged)."""
-    if isinstance(nested, int) or not isinstance(nested, Sequence):
-        if isinstance(nested, bool) or not isinstance(nested, int):
-            raise MeshError(f"mesh entries must be integer ranks, got {nested!r}")
-        return (), (nested,)
+    if not _is_nested(nested):
+        return (), (_rank(nested, "mesh entries"),)
+    if depth >= MAX_DIMS:
+        raise MeshError(f"mesh is nested more than {MAX_DIMS} levels deep; expected a nested list of integer ranks")
     if len(nested) == 0:
         raise MeshError("mesh has an empty dim")
-    parts = [_shape_and_ranks(item) for item in nested]
+    parts = [_shape_and_ranks(item, depth + 1) for item in nested]
     inner = {shape for shape, _ in parts}
     if len(inner) != 1:
         raise MeshError(f"mesh is ragged: sub-lists have shapes {sorted(inner)}")
     return (len(nested), *parts[0][0]), tuple(r for _, ranks in parts for r in ranks)
+
+
+def _sequence(value: Any, what: str) -> tuple[Any, ...]:
+    if not _is_nested(value):
+        raise MeshError(f"{what} must be a list, got {value!r} ({type(value).__name__})")
+    return tuple(value)
+
+
+def _flat_layout(shape: Any, process_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, ranks) from ``shape=`` and ``process_ids=``: integers only, never coerced."""
+    mesh_shape = _sequence(shape, "ProcessMesh shape=")
+    for extent in mesh_shape:
+        if isinstance(extent, bool) or not isinstance(extent, numbers.Integral) or extent <= 0:
+            raise MeshError(f"ProcessMesh shape= must be a list of integers >= 1, got {list(mesh_shape)}")
+    ranks = tuple(_rank(r, "ProcessMesh process_ids=") for r in _sequence(process_ids, "ProcessMesh process_ids="))
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if math.prod(mesh_shape) != len(ranks):
+        raise MeshError(f"mesh shape {list(mesh_shape)} does not hold {len(ranks)} ranks")
+    return mesh_shape, ranks
 
 
 def _layout(
@@ -38,11 +78,11 @@ def _layout(
     if mesh is None:
         if shape is None or process_ids is None:
             raise MeshError("ProcessMesh needs a nested rank list, or shape= and process_ids=")
-        if math.prod(shape) != len(process_ids) or any(s <= 0 for s in shape):
-            raise MeshError(f"mesh shape {list(shape)} does not hold {len(process_ids)} ranks")
-        mesh_shape, ranks = tuple(int(s) for s in shape), tuple(int(r) for r in process_ids)
+        mesh_shape, ranks = _flat_layout(shape, process_ids)
     else:
-        if hasattr(mesh, "tolist"):
+        if shape is not None or process_ids is not None:
+            raise MeshError("ProcessMesh takes a nested rank list or shape= and process_ids=, not both")
+        if isinstance(mesh, ProcessMesh):
             mesh = mesh.tolist()
         mesh_shape, ranks = _shape_and_ranks(mesh)
     if not mesh_shape:
@@ -50,15 +90,22 @@ def _layout(
     return mesh_shape, ranks
 
 
+def _names(dim_names: Any, ndim: int) -> tuple[str, ...]:
+    """The dim names: a list of strings (a single string is refused, not split into letters)."""
+    if dim_names is None:
+        return tuple(f"d{i}" for i in range(ndim))
+    if isinstance(dim_names, str) or not _is_nested(dim_names):
+        raise MeshError(f"dim_names must be a list of strings, one per mesh dim, got {dim_names!r}")
+    return tuple(dim_names)
+
+
 def _check(shape: tuple[int, ...], ranks: tuple[int, ...], names: tuple[str, ...]) -> None:
     if len(set(ranks)) != len(ranks):
         dup = sorted({r for r in ranks if ranks.count(r) > 1})
         raise MeshError(f"mesh has duplicate ranks {dup}")
-    if any(r < 0 for r in ranks):
-        raise MeshError(f"mesh ranks must be >= 0, got {list(ranks)}")
     if len(names) != len(shape):
         raise MeshError(f"mesh of shape {list(shape)} needs {len(shape)} dim names, got {list(names)}")
-    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
         raise MeshError(f"mesh dim names must be distinct non-empty strings, got {list(names)}")
 
 
@@ -92,7 +139,7 @@ class ProcessMesh:
                 raise MeshError("ProcessMesh takes process_ids= or ranks= (the same thing), not both")
             process_ids = ranks
         mesh_shape, mesh_ranks = _layout(mesh, shape, process_ids)
-        names = tuple(dim_names) if dim_names is not None else tuple(f"d{i}" for i in range(len(mesh_shape)))
+        names = _names(dim_names, len(mesh_shape))
         _check(mesh_shape, mesh_ranks, names)
         object.__setattr__(self, "shape", mesh_shape)
         object.__setattr__(self, "ranks", mesh_ranks)
@@ -126,8 +173,9 @@ class ProcessMesh:
             if name_or_index not in self.dim_names:
                 raise MeshError(f"unknown mesh dim {name_or_index!r}; {self} has dims {list(self.dim_names)}")
             return self.dim_names.index(name_or_index)
-        if isinstance(name_or_index, bool) or not isinstance(name_or_index, int):
+        if isinstance(name_or_index, bool) or not isinstance(name_or_index, numbers.Integral):
             raise MeshError(f"mesh dim must be a name or an index, got {name_or_index!r}")
+        name_or_index = int(name_or_index)
         if not -self.ndim <= name_or_index < self.ndim:
             raise MeshError(f"mesh dim {name_or_index} out of range for {self}")
         return name_or_index % self.ndim
@@ -137,7 +185,7 @@ class ProcessMesh:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """The position of ``rank`` in the grid (row-major, last mesh dim innermost)."""
-        if rank not in self.ranks:
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank not in self.ranks:
             raise MeshError(f"rank {rank} is not in {self}")
         flat = self.ranks.index(rank)
         coord = []
@@ -147,6 +195,14 @@ class ProcessMesh:
         return tuple(reversed(coord))
 
     def rank_at(self, coordinate: Sequence[int]) -> int:
+        if not _is_nested(coordinate) or len(coordinate) != self.ndim:
+            raise MeshError(f"a coordinate of {self} is a list of {self.ndim} indices, got {coordinate!r}")
+        for index, extent in zip(coordinate, self.shape):
+            if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < extent:
+                raise MeshError(f"coordinate {list(coordinate)} is out of range for {self}")
+        return self._rank_at(coordinate)
+
+    def _rank_at(self, coordinate: Sequence[int]) -> int:
         flat = 0
         for index, extent in zip(coordinate, self.shape, strict=True):
             flat = flat * extent + index
@@ -154,8 +210,10 @@ class ProcessMesh:
 
     def groups(self, mesh_dims: str | int | Sequence[str | int]) -> list[tuple[int, ...]]:
         """Rank groups that vary along ``mesh_dims`` (all other coordinates fixed), in order."""
-        if isinstance(mesh_dims, (str, int)):
+        if isinstance(mesh_dims, (str, numbers.Integral)):
             mesh_dims = [mesh_dims]
+        if not _is_nested(mesh_dims):
+            raise MeshError(f"mesh_dims must be a mesh dim name or index, or a list of them, got {mesh_dims!r}")
         along = [self.mesh_dim(d) for d in mesh_dims]
         fixed = [d for d in range(self.ndim) if d not in along]
         result = []
@@ -167,7 +225,7 @@ class ProcessMesh:
                     coord[d] = i
                 for d, i in zip(along, inner):
                     coord[d] = i
-                group.append(self.rank_at(coord))
+                group.append(self._rank_at(coord))
             result.append(tuple(group))
         return result
 
@@ -180,6 +238,9 @@ class ProcessMesh:
 
     def __getitem__(self, index: int) -> ProcessMesh:
         """The sub-mesh at ``index`` of the first mesh dim (keeps the remaining dims)."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+            raise MeshError(f"{self}[...] takes an int index into the first mesh dim, got {index!r}")
+        index = int(index)
         if not -self.shape[0] <= index < self.shape[0]:
             raise MeshError(f"{self}[{index}] is out of range (first dim has {self.shape[0]} entries)")
         index %= self.shape[0]
@@ -190,6 +251,8 @@ class ProcessMesh:
         return ProcessMesh(shape=self.shape[1:], process_ids=sub, dim_names=self.dim_names[1:])
 
     def contains(self, other: ProcessMesh) -> bool:
+        if not isinstance(other, ProcessMesh):
+            raise MeshError(f"contains() takes an autopar.ProcessMesh, got {type(other).__name__}")
         return set(other.ranks) <= set(self.ranks)
 
     def tolist(self) -> Any:

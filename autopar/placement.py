@@ -84,7 +84,7 @@ class Partial(Placement):
     reduce: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.reduce not in REDUCE_KINDS:
+        if not isinstance(self.reduce, str) or self.reduce not in REDUCE_KINDS:
             raise PlacementError(f"unknown partial reduce kind {self.reduce!r}; expected one of {REDUCE_KINDS}")
 
     def __str__(self) -> str:
@@ -93,6 +93,8 @@ class Partial(Placement):
 
 def parse_placement(text: str) -> Placement:
     """Invert ``str``: ``"S(0)"``, ``"S(0)#1"``, ``"R"``, ``"P(sum)"``."""
+    if not isinstance(text, str):
+        raise PlacementError(f"parse_placement takes the text form (S(<dim>), R or P(<reduce>)), got {text!r}")
     item = text.strip()
     if item == "R":
         return Replicate()

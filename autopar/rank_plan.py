@@ -133,6 +133,8 @@ class RankPlan:
     replaced: Mapping[ValueKey, tuple[int, int]]  # values read after a local correction op: (position, result)
     stages: tuple[str, ...] = ()
     passes: tuple[str, ...] = ()
+    fetches: tuple[ValueKey, ...] = ()  # values the program makes whole on every rank at the end of the step
+    fetch_positions: tuple[tuple[int, int], ...] = ()  # where (op position, result), in ``fetches`` order
     _jobs: list = field(default_factory=list, repr=False, compare=False)
 
     @property

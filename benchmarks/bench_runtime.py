@@ -11,7 +11,8 @@ SimpleNet (Linear 256->1024->256->10, ReLU, cross-entropy, Momentum + L2), globa
 
 Both run on the native backend (whole program per step, gloo collectives inside) in the same
 two processes, interleaved in blocks; the figure is the median over blocks of the mean step
-time, without fetches. autopar runs with its gradient all-reduce fusion (the default) and
+time, without fetches and (``+loss``) fetching the loss every step, as training loops do
+(autopar's fetch is made whole inside the program: one small collective, no exchange). autopar runs with its gradient all-reduce fusion (the default) and
 without it (``-unfused``: the like-for-like comparison with the hand-written program, which
 all-reduces each gradient on its own). Also printed: the host backend (segments +
 process-group collectives), which runs any mesh on CPU but pays a round trip per collective.
@@ -59,7 +60,7 @@ def hand_written(mode: str, rank: int, world: int):
         opt.apply_gradients(params_grads)
         if mode == "mp":  # row-parallel output: sum the partials (its backward is the identity)
             _all_reduce_after(partial)
-    return main, startup, local_batch
+    return main, startup, local_batch, loss
 
 
 def _all_reduce_after(value) -> None:
@@ -77,6 +78,7 @@ def _all_reduce_after(value) -> None:
 
 
 def autopar_program(mode: str, fuse: bool = True):
+    """The DistributedProgram and the serial loss Value."""
     import autopar
     from autopar.testing.models import simple_net
 
@@ -88,7 +90,8 @@ def autopar_program(mode: str, fuse: bool = True):
         autopar.shard_tensor(net.layers["linear1"].weight, mesh, [None, "mp"])
         autopar.shard_tensor(net.layers["linear1"].bias, mesh, ["mp"])
         autopar.shard_tensor(net.layers["linear2"].weight, mesh, ["mp", None])
-    return autopar.compile(net.main, mesh, startup_program=net.startup, strategy=autopar.Strategy(fuse_allreduce=fuse))
+    dist = autopar.compile(net.main, mesh, startup_program=net.startup, strategy=autopar.Strategy(fuse_allreduce=fuse))
+    return dist, net.loss
 
 
 def timed(step) -> float:
@@ -111,12 +114,15 @@ def bench(mode: str, rank: int, world: int) -> dict[str, float]:
             "label": rng.integers(0, SIZES[3], (BATCH, 1)).astype("int64")}  # fmt: skip
     runs = {}
     for fuse in (True, False):
-        dist = autopar_program(mode, fuse)
+        dist, loss = autopar_program(mode, fuse)
         for backend in ("host", "native"):  # host first: it starts the process group
             exe = autopar.Executor(dist, backend=backend)
             exe.run_startup()
-            runs[f"autopar-{backend}" + ("" if fuse else "-unfused")] = lambda exe=exe: exe.run(feed)
-    main, startup, local_batch = hand_written(mode, rank, world)
+            name = f"autopar-{backend}" + ("" if fuse else "-unfused")
+            runs[name] = lambda exe=exe: exe.run(feed)
+            if fuse:  # what every training loop does: fetch the loss each step
+                runs[name + "+loss"] = lambda exe=exe, loss=loss: exe.run(feed, fetch_list=[loss])
+    main, startup, local_batch, hand_loss = hand_written(mode, rank, world)
     scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     lo = rank * local_batch if mode == "dp" else 0
     local = {k: v[lo : lo + local_batch] for k, v in feed.items()}
@@ -127,7 +133,12 @@ def bench(mode: str, rank: int, world: int) -> dict[str, float]:
         with paddle.static.scope_guard(scope):
             exe.run(main, feed=local, fetch_list=[])
 
+    def hand_step_loss():
+        with paddle.static.scope_guard(scope):
+            exe.run(main, feed=local, fetch_list=[hand_loss])
+
     runs["hand-written"] = hand_step
+    runs["hand-written+loss"] = hand_step_loss
     blocks: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(BLOCKS):
         for name, step in runs.items():
@@ -144,10 +155,12 @@ def main() -> None:
     for mode in ("dp", "mp"):
         times = bench(mode, rank, world)
         if rank == 0:
-            hand = times["hand-written"]
             print(f"SimpleNet {mode}=2, batch {BATCH}, sizes {SIZES}:")
             for name, t in times.items():
-                print(f"  {name:22s} {t * 1e3:7.2f} ms/step   ratio to hand-written {t / hand:5.2f}")
+                fetching = name.endswith("+loss")
+                hand = times["hand-written+loss" if fetching else "hand-written"]
+                own = f"   vs its own no-fetch step {t / times[name.removesuffix('+loss')]:5.2f}" if fetching else ""
+                print(f"  {name:24s} {t * 1e3:7.2f} ms/step   ratio to hand-written{'+loss' if fetching else ''} {t / hand:5.2f}{own}")
 
 
 if __name__ == "__main__":

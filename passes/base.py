@@ -102,7 +102,9 @@ class CompileState:
         for d in range(self.mesh.ndim):
             if d not in dims:
                 index = index * self.mesh.shape[d] + coord[d]
-        return sets.index(dims) * self.mesh.size + index
+        # a set no planned collective uses (a fetch's): after the planned ones, by its bitmask
+        slot = sets.index(dims) if dims in sets else len(sets) + sum(1 << d for d in dims)
+        return slot * self.mesh.size + index
 
 
 @dataclass
@@ -120,6 +122,8 @@ class RankProgram:
     resharded: dict[int, Any] = field(default_factory=dict)  # planned reshard index -> its result
     rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # groups this rank is in -> ring id
     stages: list[str] = field(default_factory=list)
+    fetches: tuple[ValueKey, ...] = ()  # values the runtime fetches (made whole by fetch_replication)
+    fetched: dict[ValueKey, Any] = field(default_factory=dict)  # fetch -> its whole value
 
     def value(self, key: ValueKey) -> Any:
         """The serial value's result in this clone, as its op made it."""
@@ -205,9 +209,13 @@ class PassPipeline:
                 self.callback(p, state, None)
         return state
 
-    def build_rank(self, state: CompileState, rank: int, backend: str = "host", upto: str | None = None) -> RankProgram:
-        """``rank``'s program for ``backend``: a clone of the serial one rewritten by every
-        per-rank pass in order (up to and including the pass named ``upto``)."""
+    def build_rank(
+        self, state: CompileState, rank: int, backend: str = "host", upto: str | None = None,
+        fetches: tuple[ValueKey, ...] = (),
+    ) -> RankProgram:  # fmt: skip
+        """``rank``'s program for ``backend`` (and the values ``fetches`` the runtime will read):
+        a clone of the serial one rewritten by every per-rank pass in order (up to and including
+        the pass named ``upto``)."""
         if state.unavailable:
             raise AutoparError(state.unavailable)
         if rank not in state.mesh.ranks:
@@ -215,7 +223,7 @@ class PassPipeline:
         if upto is not None and upto not in self.names():
             raise AutoparError(f"no pass named {upto!r}; the passes are {self.names()}")
         clone = state.graph.program.clone()
-        rp = RankProgram(rank, clone, list(clone.global_block().ops), backend, stages=["propagated"])
+        rp = RankProgram(rank, clone, list(clone.global_block().ops), backend, stages=["propagated"], fetches=fetches)
         for p in self.passes:
             if p.per_rank:
                 _check_stages(p, p.emit_requires, rp.stages + state.stages, f"rank {rank}'s program")

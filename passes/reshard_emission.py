@@ -66,7 +66,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     current, inserted = source, set()
     for number, step in enumerate(planned.plan.steps):
         key = CollectiveKey("reshard", planned.index, number)
-        current = _emit_step(state, rp, step, current, value, planned.reason, key)
+        current = emit_step(state, rp, step, current, value, planned.reason, key)
         if current is not source:
             inserted.add(current.get_defining_op().id())
     if need.site.kind is SiteKind.AFTER_PRODUCER:
@@ -77,7 +77,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     rp.resharded[planned.index] = current
 
 
-def _emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey) -> Any:
+def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey) -> Any:
     """Emit one plan step on ``rp.rank``; returns the value holding the new placement."""
     import paddle
 

@@ -10,6 +10,8 @@ thing taken from the compiler is this rank's :class:`~autopar.rank_plan.RankPlan
 
 from __future__ import annotations
 
+import functools
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -18,6 +20,7 @@ import numpy as np
 
 from autopar.collective import Collective
 from autopar.errors import AutoparError
+from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan
 from autopar.runtime.rank_runner import RankRunner
@@ -38,6 +41,26 @@ def rank_from_env() -> int:
     value = os.environ.get("PADDLE_TRAINER_ID", os.environ.get("RANK"))
     if value is None:
         raise AutoparError("no rank in the environment: run under python -m autopar.launch --nproc N (PADDLE_TRAINER_ID)")
+    if not value.strip().isdigit():
+        raise AutoparError(f"PADDLE_TRAINER_ID (or RANK) must be this process's rank, got {value!r}")
+    return int(value)
+
+
+def _check_arguments(dist: Any, rank: Any, communicator: Any) -> None:
+    if not (callable(getattr(dist, "rank_plan", None)) and isinstance(getattr(dist, "mesh", None), ProcessMesh)):
+        raise AutoparError(f"Executor needs the DistributedProgram autopar.compile returned, got {type(dist).__name__}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)):
+        raise AutoparError(f"rank must be an int (or None: from the environment), got {rank!r}")
+    if communicator is not None and not all(callable(getattr(communicator, m, None)) for m in ("run", "all_gather_object")):
+        raise AutoparError(f"communicator must have run(job, x) and all_gather_object(obj), got {type(communicator).__name__}")
+
+
+def _world_size(dist: Any) -> int:
+    value = os.environ.get("PADDLE_TRAINERS_NUM")
+    if value is None:
+        return dist.world_size
+    if not value.strip().isdigit():
+        raise AutoparError(f"PADDLE_TRAINERS_NUM must be the number of processes, got {value!r}")
     return int(value)
 
 
@@ -47,14 +70,24 @@ class Executor:
     "auto" (native when every collective spans the world, else host)."""
 
     def __init__(self, dist: Any, rank: int | None = None, backend: str = "auto", communicator: Communicator | None = None) -> None:
-        self.rank = rank_from_env() if rank is None else rank
-        self.world = int(os.environ.get("PADDLE_TRAINERS_NUM", dist.world_size))
+        _check_arguments(dist, rank, communicator)
+        if not isinstance(backend, str):
+            raise AutoparError(f"backend must be one of 'host', 'native', 'auto', got {type(backend).__name__}")
+        self.rank = rank_from_env() if rank is None else int(rank)
+        self.world = _world_size(dist)
         if dist.world_size > self.world:
             raise AutoparError(f"the mesh {dist.mesh} needs {dist.world_size} processes, only {self.world} were started")
         if self.rank not in dist.mesh.ranks:
             raise AutoparError(f"rank {self.rank} is not in {dist.mesh}")
         self.plan: RankPlan = dist.rank_plan(self.rank, backend)
         self.backend = self.plan.backend
+        # the plan for a fetch list makes the fetches whole inside the program (no exchange)
+        self._plan_for = functools.partial(dist.rank_plan, self.rank, self.backend)
+        if (self.backend == "native" or communicator is None) and "PADDLE_TRAINER_ENDPOINTS" not in os.environ:
+            raise AutoparError(
+                f"the {self.backend} backend needs a launched job (PADDLE_TRAINER_ENDPOINTS is not set): run under "
+                "python -m autopar.launch --nproc N; for every rank in one process use autopar.simulate"
+            )
         if self.backend == "native":
             from autopar.runtime.native import StoreExchange, create_rings
 
@@ -76,12 +109,13 @@ class Executor:
         runner = self._runners.get(keys)
         if runner is None:
             scope = self._runner.scope if self._runner is not None else None  # one scope per rank
+            plan = self._plan_for(fetches=keys) if keys else self.plan
             if self.backend == "native":
                 from autopar.runtime.native import NativeRunner
 
-                runner = NativeRunner(self.plan, list(keys), scope)
+                runner = NativeRunner(plan, list(keys), scope)
             else:
-                runner = RankRunner(self.plan, list(keys), scope)
+                runner = RankRunner(plan, list(keys), scope)
             self._runners[keys] = runner
         self._runner = runner
         return runner
@@ -110,6 +144,11 @@ class Executor:
         """One step on the global ``feed``; returns each fetch as a global array."""
         if not self._started:
             raise AutoparError("call run_startup() before run()")
+        if not isinstance(feed, Mapping):
+            raise AutoparError(f"feed must be a dict of feed name -> global array, got {type(feed).__name__}")
+        missing = sorted(set(self.plan.values.named("feed")) - set(feed))
+        if missing and self.backend == "native":
+            raise AutoparError(f"feed has no array for {missing}: every feed of the program is needed each step")
         runner = self._runner_for(fetch_list)
         if self.backend == "native":
             pieces = runner.run(self.plan.local_feeds(feed))
@@ -122,6 +161,8 @@ class Executor:
             pieces = runner.fetch_pieces()
         if not runner.fetch_keys:
             return []  # nothing to assemble: no exchange, the step costs what the program costs
+        if runner.whole:
+            return pieces  # the program made every fetch whole on this rank
         everyone = self.comm.all_gather_object(pieces)
         out = []
         for i, key in enumerate(runner.fetch_keys):

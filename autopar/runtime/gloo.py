@@ -13,74 +13,78 @@ planned reshard step emits one collective on every rank of the mesh (its own gro
 
 What gloo lacks is emulated the same way: reduce_scatter (all_reduce + own slice),
 all_to_all, uneven all_gather. Each collective switches to dynamic mode and back (about 1 ms
-per call here). A collective that does not finish within ``AUTOPAR_COLLECTIVE_TIMEOUT``
-seconds (default 120) ends the process with a message naming the rank and the collective;
-the launcher then stops the other ranks.
+per call here). Start-up (joining the TCP store, the world process group), every collective
+and every exchange is a wait reported to the launcher (:func:`autopar.launch.waiting`), which
+stops the job when one lasts longer than its ``--timeout`` and names the rank that never
+arrived. The rank bounds the same waits itself (``AUTOPAR_COLLECTIVE_TIMEOUT``, default 120 s:
+the process ends with a line naming the rank and the wait), so the bound holds under
+``python -m paddle.distributed.launch`` too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from autopar.collective import Collective
+from autopar.collective import Collective, CollectiveKind
+from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError
+from autopar.launch import collective_timeout, waiting
 from autopar.paddle_mode import dygraph
 from autopar.runtime.collectives import perform
+from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
 
 
 class GlooCommunicator:
     """One per process; every rank must call :meth:`run` for the same jobs in the same order."""
 
-    def __init__(self, rank: int, world: int, groups: Sequence[Sequence[int]] = (), timeout: float | None = None) -> None:
+    def __init__(
+        self, rank: int, world: int, groups: Sequence[Sequence[int]] = (), timeout: float | None = None
+    ) -> None:
         import paddle.distributed as pdist
 
         self.rank = rank
         self.world = world
-        self.timeout = float(timeout or os.environ.get("AUTOPAR_COLLECTIVE_TIMEOUT", 120))
+        self.timeout = float(timeout) if timeout else collective_timeout()
         with dygraph():
             if not pdist.is_initialized():
-                from autopar.runtime.native import CREATED_RINGS
-
                 if CREATED_RINGS:
                     raise AutoparError(
                         "a native-backend Executor already made this process's communicators; the host "
                         "backend cannot start its process group after it: create host Executors first"
                     )
-                pdist.init_parallel_env()
-
-    @contextlib.contextmanager
-    def _watchdog(self, what: str) -> Iterator[None]:
-        def expire() -> None:
-            sys.stderr.write(f"autopar: rank {self.rank}: {what} did not finish within {self.timeout:.0f} s; stopping\n")
-            sys.stderr.flush()
-            os._exit(3)
-
-        timer = threading.Timer(self.timeout, expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            yield
-        finally:
-            timer.cancel()
+                with waiting(startup_label(), timeout=self.timeout):
+                    wait_for_store(rank)
+                    pdist.init_parallel_env()
 
     def run(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
-        with self._watchdog(f"{job.kind} over ranks {list(job.group)}"), dygraph():
-            if sorted(job.group) == list(range(self.world)) and job.kind in ("all_reduce", "all_gather", "broadcast"):
-                return self._world(job, np.ascontiguousarray(x))
+        what = f"{job.kind} over {list(job.group)} of {job.value}"
+        with waiting(what, timeout=self.timeout), dygraph():
+            world = sorted(job.group) == list(range(self.world))
+            if world and job.kind in ("all_reduce", "all_gather", "broadcast"):
+                return self._world(job, np.require(x, requirements="C"))
+            if world and job.kind in ("reduce_scatter", "all_to_all"):
+                return self._lowered(job, np.require(x, requirements="C"))
             everyone: list[Any] = []
             import paddle.distributed as pdist
 
-            pdist.all_gather_object(everyone, np.ascontiguousarray(x))
+            pdist.all_gather_object(everyone, np.require(x, requirements="C"))
             if self.rank not in job.group:
                 return None
             return perform(job, {r: everyone[r] for r in job.group})[self.rank]
+
+    def _lowered(self, job: Collective, x: np.ndarray) -> np.ndarray:
+        """A world reduce_scatter / all_to_all as gloo runs it natively (what the cost model
+        prices and the native backend's lowering does): all_reduce / all_gather + own piece."""
+        index = job.group.index(self.rank)
+        if job.kind == "reduce_scatter":
+            whole = self._world(replace(job, kind=CollectiveKind.ALL_REDUCE), x)
+            return _piece(whole, job.axis, len(job.group), index)
+        gathered = self._world(replace(job, kind=CollectiveKind.ALL_GATHER), x)
+        return _piece(gathered, job.split_axis, len(job.group), index)
 
     def _world(self, job: Collective, x: np.ndarray) -> np.ndarray:
         import paddle
@@ -88,7 +92,12 @@ class GlooCommunicator:
 
         if job.kind == "all_reduce" and job.reduce in ("sum", "avg", "max", "min"):
             tensor = paddle.to_tensor(x)
-            op = {"sum": pdist.ReduceOp.SUM, "avg": pdist.ReduceOp.SUM, "max": pdist.ReduceOp.MAX, "min": pdist.ReduceOp.MIN}
+            op = {
+                "sum": pdist.ReduceOp.SUM,
+                "avg": pdist.ReduceOp.SUM,
+                "max": pdist.ReduceOp.MAX,
+                "min": pdist.ReduceOp.MIN,
+            }
             pdist.all_reduce(tensor, op=op[job.reduce])
             out = tensor.numpy()
             return out / len(job.group) if job.reduce == "avg" else out
@@ -114,10 +123,15 @@ class GlooCommunicator:
         pdist.all_gather(shapes, paddle.to_tensor(np.asarray(x.shape, dtype="int64")))
         return len({tuple(s.numpy().tolist()) for s in shapes}) == 1
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, what: str | None = None) -> list[Any]:
         import paddle.distributed as pdist
 
-        with self._watchdog("gathering results"), dygraph():
+        with waiting(what or exchange_label(), timeout=self.timeout), dygraph():
             out: list[Any] = []
             pdist.all_gather_object(out, obj)
             return out
+
+
+def _piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
+    lo, hi = shard_bounds(x.shape[axis], parts, index)
+    return np.take(x, np.arange(lo, hi), axis=axis)

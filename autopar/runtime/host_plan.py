@@ -54,7 +54,7 @@ def _is_source(op: Any) -> bool:
     return False
 
 
-def _is_feed(op: Any) -> bool:
+def is_feed(op: Any) -> bool:
     return op.name() == "pd_op.data" and not op.attrs().get("persistable", [False])[0]
 
 
@@ -89,7 +89,7 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> Host
             jobs.append(_segment(program, k, members, crossing, names, segment_of))
         if hi < len(ops):
             source = producer[ops[hi].operand_source(0).id]
-            if _is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
+            if is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
                 jobs.append(CollectiveCall(comm_at[hi], str(ops[source[0]].attrs()["name"]), names[(hi, 0)], from_feed=True))
                 continue
             source_name = names.get(source) or _scope_name(ops[source[0]], *source)

@@ -16,7 +16,8 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.errors import AutoparError
 from autopar.rank_plan import RankPlan, ValueKey
-from autopar.runtime.host_plan import HostPlan, build_host_plan
+from autopar.runtime.device import current_device
+from autopar.runtime.host_plan import HostPlan, build_host_plan, is_feed
 from autopar.runtime.jobs import Segment
 
 
@@ -27,10 +28,16 @@ class RankRunner:
         self.plan = plan
         self.rank = plan.rank
         self.fetch_keys = list(fetch_keys)
-        self.exports = {key: plan.position(key) for key in self.fetch_keys}
-        self.host: HostPlan = build_host_plan(plan, list(self.exports.values()))
+        self.whole = bool(self.fetch_keys) and plan.fetches == tuple(self.fetch_keys)
+        positions = plan.fetch_positions if self.whole else [plan.position(key) for key in self.fetch_keys]
+        self.exports = dict(zip(self.fetch_keys, positions))
+        # a fetched feed is read from the feed dict (a feed variable cannot be exported by a segment)
+        ops = list(plan.program.global_block().ops)
+        self.fed = {k: str(ops[p].attrs()["name"]) for k, (p, _) in self.exports.items() if is_feed(ops[p])}
+        self.host: HostPlan = build_host_plan(plan, [pos for k, pos in self.exports.items() if k not in self.fed])
         self.scope = scope if scope is not None else paddle.static.Scope()
-        self.executor = paddle.static.Executor(paddle.CPUPlace())
+        self.place = current_device().place
+        self.executor = paddle.static.Executor(self.place)
         self.position = 0
         self.feeds: dict[str, np.ndarray] = {}
 
@@ -80,9 +87,8 @@ class RankRunner:
         return np.array(var.get_tensor())
 
     def write(self, name: str, array: np.ndarray) -> None:
-        import paddle
 
-        self.scope.var(name).get_tensor().set(np.require(array, requirements="C"), paddle.CPUPlace())  # keeps 0-d arrays 0-d
+        self.scope.var(name).get_tensor().set(np.require(array, requirements="C"), self.place)  # keeps 0-d arrays 0-d
 
     def finish_collective(self, output: np.ndarray | None) -> None:
         job = self.host.jobs[self.position]
@@ -92,7 +98,7 @@ class RankRunner:
 
     # ---- results ---------------------------------------------------------------------
     def fetch_pieces(self) -> list[np.ndarray]:
-        return [self.read(self.host.names[self.exports[key]]) for key in self.fetch_keys]
+        return [self.feeds[self.fed[k]] if k in self.fed else self.read(self.host.names[self.exports[k]]) for k in self.fetch_keys]
 
     def parameter_piece(self, name: str) -> np.ndarray:
         return self.read(name)

@@ -1,8 +1,11 @@
-"""Real processes: examples equal serial under the launcher; failures are clean and fast.
+"""Real processes: examples equal serial under the launcher; failures are clean and fast; the
+same scripts run under ``python -m paddle.distributed.launch`` (one node, and two "nodes" on
+127.0.0.1). tests/multiproc/test_faults.py has every fault on both backends.
 
 Each case starts 2-4 processes (``import paddle`` ~1.5 s each on this machine).
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from autopar.launch import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -92,7 +97,9 @@ def test_a_crashing_rank_stops_the_others_quickly(tmp_path):
     assert "rank 1 exited with code 7" in result.stdout
     for rank in range(3):
         pid = int((tmp_path / f"pid{rank}").read_text())
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], f"rank {rank} orphaned"
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], (
+            f"rank {rank} orphaned"
+        )
 
 
 def test_a_stuck_collective_times_out_naming_rank_and_op(tmp_path):
@@ -138,3 +145,55 @@ def test_mesh_larger_than_nproc_is_refused(tmp_path):
     result = launch(2, script, timeout=60)
     assert result.returncode == 3
     assert "needs 4 processes, only 2 were started" in result.stdout
+
+
+# ---- the same scripts under Paddle's own launcher ---------------------------------------------
+def paddle_launch(log_dir, *args):
+    """``python -m paddle.distributed.launch`` with gloo, logs in ``log_dir``, not yet waited for."""
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(log_dir), *map(str, args)]
+    env = dict(os.environ, PADDLE_DISTRI_BACKEND="gloo")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def results(log_dir):
+    return [
+        line
+        for log in sorted(Path(log_dir).glob("workerlog.*"))
+        for line in log.read_text().splitlines()
+        if "max |loss - serial|" in line
+    ]
+
+
+def test_example_runs_under_paddles_launcher(tmp_path):
+    """One node, two processes (the native backend: auto picks it for dp)."""
+    proc = paddle_launch(tmp_path, "--nproc_per_node", 2, "examples/simple_net.py", "--mode", "dp")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    lines = results(tmp_path)
+    assert sorted(line.split()[1] for line in lines) == ["0", "1"], out[-3000:]
+    assert all("(native backend)" in line for line in lines)
+
+
+def test_example_runs_as_two_nodes_on_one_host(tmp_path):
+    """Two launches, one per "node" (``--nnodes 2 --rank r``, the master on 127.0.0.1), host backend."""
+    master = f"127.0.0.1:{free_ports(1)[0]}"
+    args = [
+        "--master",
+        master,
+        "--nnodes",
+        2,
+        "--nproc_per_node",
+        1,
+        "examples/simple_net.py",
+        "--mode",
+        "dp",
+        "--backend",
+        "host",
+    ]
+    procs = [paddle_launch(tmp_path / f"node{r}", "--rank", r, *args) for r in range(2)]
+    outs = [proc.communicate(timeout=240)[0] for proc in procs]
+    for proc, out in zip(procs, outs):
+        assert proc.returncode == 0, out[-3000:]
+    lines = results(tmp_path / "node0") + results(tmp_path / "node1")
+    assert sorted(line.split()[1] for line in lines) == ["0", "1"], outs[0][-2000:] + outs[1][-2000:]
+    assert all("(host backend)" in line for line in lines)

@@ -79,7 +79,9 @@ def test_every_rank_computes_the_same_ring_for_a_group():
 def test_passes_are_declared_and_printable():
     _, dist = _compile(autopar.ProcessMesh([0, 1], ["dp"]), allreduce_bucket_mb=1.0)
     text = str(dist.passes)
-    assert dist.passes.names() == ["partition", "reshard_planning", "reshard_emission", "allreduce_fusion", "backend_lowering"]
+    assert dist.passes.names() == [
+        "partition", "reshard_planning", "reshard_emission", "allreduce_fusion", "fetch_replication", "backend_lowering"
+    ]
     assert "allreduce_fusion(bucket_bytes=1048576)" in text
     _, unfused = _compile(autopar.ProcessMesh([0, 1], ["dp"]), fuse_allreduce=False)
     assert "allreduce_fusion" not in unfused.passes.names()
@@ -211,3 +213,18 @@ def test_two_passes_placing_one_value_differently_are_refused():
     seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
     with pytest.raises(AutoparError, match="passes 'shard_batch' and 'replicate_batch' place x differently"):
         analyze(seed.main, autopar.ProcessMesh([0, 1]), pipeline=PassPipeline((_ShardBatch(), _Replicate())))
+
+
+def test_a_fetch_list_is_made_whole_inside_the_program():
+    seed, dist = _compile(autopar.ProcessMesh([0, 1], ["dp"]))
+    plain = dist.rank_plan(0)
+    plan = dist.rank_plan(0, fetches=[seed.loss])
+    assert plan.fetches == (dist.key(seed.loss),) and len(plan.fetch_positions) == 1
+    (added,) = [c for c, _ in plan.collectives if c.key.source == "fetch"]
+    assert added.kind == "all_reduce" and added.group == (0, 1) and added.shape == ()  # one scalar
+    assert len(plan.collectives) == len(plain.collectives) + 1 and "fetched" in added.reason
+    assert dist.rank_plan(0, fetches=[seed.loss]) is plan  # cached per fetch list
+    # a fetched feed split on the batch is gathered whole
+    gathered = dist.rank_plan(0, fetches=["x"])
+    (gather,) = [c for c, _ in gathered.collectives if c.key.source == "fetch"]
+    assert gather.kind == "all_gather" and gather.output_shape == (8, 16)

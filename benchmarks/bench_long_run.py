@@ -1,0 +1,73 @@
+"""Long runs do not grow: 2 processes train for ``--steps`` steps fetching the loss every step,
+on the host and the native backend, and rank 0 prints its resident memory at step 500 and at
+the end. Target: growth < 512 KiB (fetches are made whole inside the program, so nothing is
+stored per step; before, every step's fetched bytes stayed in the job's TCP store).
+
+    .venv/bin/python benchmarks/bench_long_run.py [--steps 5000]   # starts itself under autopar.launch
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+
+def resident_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def run(backend: str, steps: int) -> None:
+    import numpy as np
+
+    import autopar
+    from autopar.testing.models import simple_net
+
+    net = simple_net(batch=16, sizes=(32, 64, 32, 10), optimizer="sgd")
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(net.feeds["x"], mesh, ["dp", None])
+    dist = autopar.compile(net.main, mesh, startup_program=net.startup)
+    exe = autopar.Executor(dist, backend=backend)
+    exe.run_startup()
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.standard_normal((16, 32)).astype("float32"), "label": rng.integers(0, 10, (16, 1)).astype("int64")}
+    marks, start = {}, time.perf_counter()
+    for step in range(1, steps + 1):
+        exe.run(feed, fetch_list=[net.loss])
+        if step in (500, steps):
+            marks[step] = resident_kib()
+    seconds = time.perf_counter() - start
+    if exe.rank == 0:
+        growth = marks[steps] - marks[500]
+        print(f"{backend:6s} {steps} steps fetching the loss, {seconds / steps * 1e3:.2f} ms/step: rank 0 RSS "
+              f"{marks[500]} KiB at step 500, {marks[steps]} KiB at step {steps}: growth {growth} KiB "
+              f"({growth * 1024 / (steps - 500):.1f} B/step; target < 512 KiB)", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--backend", choices=["host", "native"], default=None)
+    args = parser.parse_args()
+    if "PADDLE_TRAINER_ID" not in os.environ:
+        root = Path(__file__).resolve().parents[1]
+        for backend in ("host", "native"):  # one job per backend: each starts fresh
+            cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", __file__, "--steps", str(args.steps), "--backend", backend]
+            if subprocess.call(cmd, cwd=root):
+                sys.exit(f"the {backend} run failed")
+        return
+    run(args.backend, args.steps)
+
+
+if __name__ == "__main__":
+    main()
