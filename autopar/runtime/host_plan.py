@@ -30,14 +30,14 @@ class HostPlan:
     names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
 
 
-def _scope_name(op: Any, position: int, result: int) -> str:
+def _scope_name(op: Any, position: int, result: int, prefix: str = "autopar") -> str:
     name = op.name()
     attrs = op.attrs()
     if name == "builtin.parameter":
         return str(attrs["parameter_name"])
     if name == "pd_op.data" and attrs.get("persistable", [False])[0]:
         return str(attrs["name"])
-    return f"autopar.v{position}.{result}"
+    return f"{prefix}.v{position}.{result}"
 
 
 # ops that fill a constant in place (``paddle.to_tensor`` in a static program: full + assign_value_)
@@ -58,8 +58,10 @@ def is_feed(op: Any) -> bool:
     return op.name() == "pd_op.data" and not op.attrs().get("persistable", [False])[0]
 
 
-def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> HostPlan:
-    """Cut the plan's program at its collectives; ``exports`` are values fetched after."""
+def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix: str = "autopar") -> HostPlan:
+    """Cut the plan's program at its collectives; ``exports`` are values fetched after.
+    ``prefix`` names the scope variables passed between segments: host plans sharing a scope
+    (one rank's runners for different fetch lists) must not share them."""
     program = plan.program
     ops = list(program.global_block().ops)
     comm_at = {position: collective for collective, position in plan.collectives}
@@ -81,7 +83,7 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> Host
             if result.initialized():
                 producer[result.id] = (i, j)
     crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
-    names = {key: _scope_name(ops[key[0]], *key) for key in crossing}
+    names = {key: _scope_name(ops[key[0]], *key, prefix) for key in crossing}
     jobs: list[Job] = []
     for k, (_, hi) in enumerate(bounds):
         members = {i for i, s in segment_of.items() if s == k}
@@ -92,7 +94,7 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = ()) -> Host
             if is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
                 jobs.append(CollectiveCall(comm_at[hi], str(ops[source[0]].attrs()["name"]), names[(hi, 0)], from_feed=True))
                 continue
-            source_name = names.get(source) or _scope_name(ops[source[0]], *source)
+            source_name = names.get(source) or _scope_name(ops[source[0]], *source, prefix)
             jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
     return HostPlan(jobs, names)
 
@@ -146,9 +148,13 @@ def _segment(program: Any, k: int, members: set[int], crossing: set, names: dict
                 kwarg.persistable = True
                 for user in list(value.all_used_ops()):
                     if index[user.id()] in members:
+                        source = kwarg
+                        if user.name() == "builtin.combine":  # a block argument cannot be a vector member
+                            paddle.pir.set_insertion_point(user)
+                            source = paddle._pir_ops.assign(kwarg)
                         for pos in range(user.num_operands()):
                             if user.operand_source(pos).is_same(value):
-                                user.operand(pos).set_source(kwarg)
+                                user.operand(pos).set_source(source)
         paddle.pir.reset_insertion_point_to_end()
     for i in reversed(range(len(ops))):
         if i not in keep:

@@ -8,6 +8,7 @@ driver (simulator or process-group executor) perform it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from autopar.rank_plan import RankPlan, ValueKey
 from autopar.runtime.device import current_device
 from autopar.runtime.host_plan import HostPlan, build_host_plan, is_feed
 from autopar.runtime.jobs import Segment
+
+_RUNNERS = itertools.count()
 
 
 class RankRunner:
@@ -34,7 +37,8 @@ class RankRunner:
         # a fetched feed is read from the feed dict (a feed variable cannot be exported by a segment)
         ops = list(plan.program.global_block().ops)
         self.fed = {k: str(ops[p].attrs()["name"]) for k, (p, _) in self.exports.items() if is_feed(ops[p])}
-        self.host: HostPlan = build_host_plan(plan, [pos for k, pos in self.exports.items() if k not in self.fed])
+        prefix = f"autopar.r{next(_RUNNERS)}"  # runners of one rank share its scope, not their transients
+        self.host: HostPlan = build_host_plan(plan, [pos for k, pos in self.exports.items() if k not in self.fed], prefix)
         self.scope = scope if scope is not None else paddle.static.Scope()
         self.place = current_device().place
         self.executor = paddle.static.Executor(self.place)
