@@ -99,13 +99,19 @@ class Executor:
         else:
             self.comm = communicator
         self._runners: dict[tuple, Any] = {}
+        self._last_fetch: tuple[list, tuple] = ([], ())
         self._runner: Any = None
         self._started = False
 
     def _runner_for(self, fetch_list: Sequence[Any]) -> Any:
         if isinstance(fetch_list, (str, bytes)) or not isinstance(fetch_list, Sequence):
             raise AutoparError(f"fetch_list must be a list of Values or names, got {type(fetch_list).__name__}")
-        keys = tuple(self.plan.values.key(item) for item in fetch_list)
+        last_list, last_keys = self._last_fetch
+        if len(last_list) == len(fetch_list) and all(a is b for a, b in zip(last_list, fetch_list)):
+            keys = last_keys  # the same fetch list as last step: no lookups (each leaves bytes behind in Paddle)
+        else:
+            keys = tuple(self.plan.values.key(item) for item in fetch_list)
+            self._last_fetch = (list(fetch_list), keys)
         runner = self._runners.get(keys)
         if runner is None:
             scope = self._runner.scope if self._runner is not None else None  # one scope per rank

@@ -48,6 +48,7 @@ class GlooCommunicator:
 
         self.rank = rank
         self.world = world
+        self._buffers: dict[tuple, Any] = {}
         self.timeout = float(timeout) if timeout else collective_timeout()
         with dygraph():
             if not pdist.is_initialized():
@@ -86,12 +87,25 @@ class GlooCommunicator:
         gathered = self._world(replace(job, kind=CollectiveKind.ALL_GATHER), x)
         return _piece(gathered, job.split_axis, len(job.group), index)
 
+    def _buffer(self, x: np.ndarray) -> Any:
+        """An eager tensor holding ``x``, reused per shape and dtype: every new eager tensor
+        leaves ~100 B behind in Paddle 3.3.1 (measured), which grows with every step."""
+        import paddle
+
+        key = (x.shape, x.dtype.str)
+        tensor = self._buffers.get(key)
+        if tensor is None:
+            tensor = self._buffers[key] = paddle.to_tensor(x)
+        else:
+            tensor.get_tensor().set(x, paddle.CPUPlace())
+        return tensor
+
     def _world(self, job: Collective, x: np.ndarray) -> np.ndarray:
         import paddle
         import paddle.distributed as pdist
 
         if job.kind == "all_reduce" and job.reduce in ("sum", "avg", "max", "min"):
-            tensor = paddle.to_tensor(x)
+            tensor = self._buffer(x)
             op = {
                 "sum": pdist.ReduceOp.SUM,
                 "avg": pdist.ReduceOp.SUM,
@@ -102,7 +116,7 @@ class GlooCommunicator:
             out = tensor.numpy()
             return out / len(job.group) if job.reduce == "avg" else out
         if job.kind == "broadcast":
-            tensor = paddle.to_tensor(x)
+            tensor = self._buffer(x)
             pdist.broadcast(tensor, src=job.group[job.root])
             return tensor.numpy()
         pieces: list[Any] = []
