@@ -8,12 +8,31 @@ done. A field whose pass does not exist yet is refused by name at compile
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autopar.errors import AutoparError
 
 SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B")
+
+
+def _named_fields(cls: type) -> type:
+    """An unknown keyword or a missing / extra positional argument is an AutoparError naming
+    the class's fields (the generated ``__init__`` would raise a bare TypeError)."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise AutoparError(f"{cls.__name__} has no field(s) {unknown}; its fields are {names}")
+        try:
+            init(self, *args, **kwargs)
+        except TypeError as err:
+            raise AutoparError(f"{cls.__name__}({', '.join(names)}): {err}") from err
+
+    cls.__init__ = __init__
+    return cls
 
 
 def _check_type(owner: str, name: str, value: Any, expected: type | tuple[type, ...], what: str) -> None:
@@ -23,6 +42,7 @@ def _check_type(owner: str, name: str, value: Any, expected: type | tuple[type, 
         raise AutoparError(f"{owner}.{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
+@_named_fields
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
     micro_batches: int = 1
@@ -46,6 +66,7 @@ NOT_YET = {
 }
 
 
+@_named_fields
 @dataclass(frozen=True, slots=True)
 class Strategy:
     pipeline: PipelineConfig | None = None

@@ -228,3 +228,10 @@ def test_a_fetch_list_is_made_whole_inside_the_program():
     gathered = dist.rank_plan(0, fetches=["x"])
     (gather,) = [c for c, _ in gathered.collectives if c.key.source == "fetch"]
     assert gather.kind == "all_gather" and gather.output_shape == (8, 16)
+
+
+def test_unknown_strategy_fields_are_named():
+    with pytest.raises(AutoparError, match="Strategy has no field\\(s\\) \\['zero'\\]; its fields are \\['pipeline'"):
+        autopar.Strategy(zero=1)
+    with pytest.raises(AutoparError, match="PipelineConfig\\(micro_batches, schedule\\)"):
+        autopar.PipelineConfig(2, "1F1B", 3)
