@@ -27,8 +27,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_propagation.py
+	$(PY) benchmarks/bench_compile_scale.py
 	$(PY) benchmarks/bench_cost_model.py
 	$(PY) benchmarks/bench_runtime.py
+	$(PY) benchmarks/bench_long_run.py
+	$(PY) benchmarks/bench_launch_faults.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
