@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.errors import AutoparError
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
 
@@ -117,6 +118,8 @@ def collective_op(collective: Collective, x: Any, ring: int) -> Any:
         return paddle._C_ops.all_gather(x, ring, len(collective.group))
     if kind is CollectiveKind.ALL_TO_ALL:
         return paddle._C_ops.all_to_all(x, ring)
+    if kind is not CollectiveKind.REDUCE_SCATTER:
+        raise AutoparError(f"no op carries {kind} in a rank program yet (reshard of {collective.value})")
     try:
         return paddle._C_ops.reduce_scatter(x, ring, len(collective.group))
     except ValueError:

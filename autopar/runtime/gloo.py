@@ -14,7 +14,7 @@ planned reshard step emits one collective on every rank of the mesh (its own gro
 What gloo lacks is emulated the same way: reduce_scatter (all_reduce + own slice),
 all_to_all, uneven all_gather. Each collective switches to dynamic mode and back (about 1 ms
 per call here). Start-up (joining the TCP store, the world process group), every collective
-and every exchange is a wait reported to the launcher (:func:`autopar.launch.waiting`), which
+and every exchange is a wait reported to the launcher (:func:`autopar.rank_status.waiting`), which
 stops the job when one lasts longer than its ``--timeout`` and names the rank that never
 arrived. The rank bounds the same waits itself (``AUTOPAR_COLLECTIVE_TIMEOUT``, default 120 s:
 the process ends with a line naming the rank and the wait), so the bound holds under
@@ -32,8 +32,8 @@ import numpy as np
 from autopar.collective import Collective, CollectiveKind
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError
-from autopar.launch import collective_timeout, waiting
 from autopar.paddle_mode import dygraph
+from autopar.rank_status import collective_timeout, waiting
 from autopar.runtime.collectives import perform
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
 

@@ -6,7 +6,7 @@ collective must span the world — backend lowering refuses the rest). The rank'
 the native form of its RankPlan (lowered at compile by the backend_lowering pass). Fetches
 and parameters are exchanged through the job's TCP store.
 
-Every wait is reported to the launcher (:func:`autopar.launch.waiting`): start-up (joining the
+Every wait is reported to the launcher (:func:`autopar.rank_status.waiting`): start-up (joining the
 store, making the communicators), each exchange, and each step (its collectives run inside
 gloo, where Python cannot interrupt them: the launcher bounds a step only while another rank
 has not reached it, and gloo gives up on a collective after its fixed 30 s). Start-up and
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError
-from autopar.launch import waiting
 from autopar.rank_plan import RankPlan, ValueKey
+from autopar.rank_status import waiting
 from autopar.runtime.device import create_ring, current_device
 
 

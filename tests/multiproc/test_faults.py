@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from autopar.launch import RankView, Status, Verdict, interrupted, judge
+from autopar.launch import RankView, Verdict, interrupted, judge
+from autopar.rank_status import Status
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0
