@@ -11,9 +11,10 @@ computes it.
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -135,26 +136,25 @@ class RankPlan:
     passes: tuple[str, ...] = ()
     fetches: tuple[ValueKey, ...] = ()  # values the program makes whole on every rank at the end of the step
     fetch_positions: tuple[tuple[int, int], ...] = ()  # where (op position, result), in ``fetches`` order
-    _jobs: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
         return self.mesh.size
 
-    @property
+    @functools.cached_property
     def jobs(self) -> tuple[Compute | Collective, ...]:
         """Compute ranges and collectives in the order the rank runs them."""
-        if not self._jobs:
-            ops = len(self.program.global_block().ops)
-            start = 0
-            for collective, position in self.collectives:
-                if position > start:
-                    self._jobs.append(Compute(start, position))
-                self._jobs.append(collective)
-                start = position + 1
-            if start < ops:
-                self._jobs.append(Compute(start, ops))
-        return tuple(self._jobs)
+        jobs: list[Compute | Collective] = []
+        start = 0
+        for collective, position in self.collectives:
+            if position > start:
+                jobs.append(Compute(start, position))
+            jobs.append(collective)
+            start = position + 1
+        ops = len(self.program.global_block().ops)
+        if start < ops:
+            jobs.append(Compute(start, ops))
+        return tuple(jobs)
 
     def position(self, key: ValueKey) -> tuple[int, int]:
         """Where the program computes the serial value ``key`` (as its producer makes it, after
