@@ -90,9 +90,8 @@ class DistributedProgram:
     def values(self) -> ValueTable:
         """Serial values as the runtime sees them (names, placements, shapes)."""
         graph, prop = self.graph, self.propagation
-        produced = prop.produced
         infos = {
-            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), produced.get(key, prop.dist(key)))
+            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), prop.made(key))
             for key, v in graph.values.items()
             if key in prop.states
         }

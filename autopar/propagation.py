@@ -122,6 +122,11 @@ class PropagationResult:
     def dist(self, key: ValueKey) -> DistAttr:
         return self.states[key].dist
 
+    def made(self, key: ValueKey) -> DistAttr:
+        """The placement ``key``'s producer makes (its own, unless resharded right after)."""
+        found = self.produced.get(key)
+        return found if found is not None else self.dist(key)
+
     @functools.cached_property
     def produced(self) -> dict[ValueKey, DistAttr]:
         """Values whose producer makes another placement than they have (resharded right after it;

@@ -162,6 +162,13 @@ class RankPlan:
         found = self.replaced.get(key)
         return found if found is not None else (self.op_positions[key[0]], key[1])
 
+    def fetch_sites(self, keys: tuple[ValueKey, ...]) -> tuple[bool, list[tuple[int, int]]]:
+        """Where the program holds each fetch of ``keys``, and whether whole: the plan built for
+        exactly this fetch list made them whole (fetch_replication); otherwise each is read
+        as its producer makes it, and the caller assembles the pieces."""
+        whole = bool(keys) and self.fetches == tuple(keys)
+        return whole, list(self.fetch_positions) if whole else [self.position(key) for key in keys]
+
     def local_feeds(self, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Each global feed sliced to this rank's piece (name, shape and dtype checked first)."""
         if not isinstance(feed, Mapping):

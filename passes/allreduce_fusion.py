@@ -71,9 +71,10 @@ class AllreduceFusion(Pass):
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
 
+        by_index = {p.index: p for p in state.reshards}
         with paddle.static.program_guard(rp.program):
             for bucket in state.buckets:
-                _emit_bucket(state, rp, bucket)
+                _emit_bucket(state, rp, bucket, [by_index[i] for i in bucket.members])
             paddle.pir.reset_insertion_point_to_end()
 
 
@@ -111,17 +112,15 @@ def _bucket(state: CompileState, number: int, members: list[PlannedReshard]) -> 
     names = ", ".join(state.graph.values[m.need.value].label for m in members)
     return GradientBucket(
         index=number, members=tuple(m.index for m in members), mesh_dims=tuple(step.mesh_dims),
-        reduce=step.reduce or "sum", dtype=first.plan.dtype, numel=numel,
+        reduce=step.reduce or "sum", src=src, dtype=first.plan.dtype, numel=numel,
         bytes=int(sum(m.plan.steps[0].bytes for m in members)), time=plan.time,
         reason=f"{len(members)} gradient all_reduces fused into one buffer: {names}",
     )  # fmt: skip
 
 
-def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket) -> None:
+def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, members: list[PlannedReshard]) -> None:
     import paddle
 
-    by_index = {p.index: p for p in state.reshards}
-    members = [by_index[i] for i in bucket.members]
     first_reader, _ = read_site(state, rp, members[0])
     paddle.pir.set_insertion_point(first_reader)
     inputs = [rp.current(m.need.value) for m in members]
@@ -137,11 +136,9 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket) -
         consumer.operand(slot).set_source(out)
         rp.resharded[member.index] = out
     total = sum(math.prod(s) for s in shapes)
-    mesh = state.mesh
-    flat_attr = DistAttr.of(mesh, ((),), tuple(sorted(_reduced(members[0]).items())))
     collective = Collective(
         kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
-        value=f"bucket {bucket.index} ({len(members)} gradients)", src=flat_attr, dst=DistAttr.of(mesh, ((),)),
+        value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
         shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
         reason=bucket.reason, reduce=bucket.reduce,
     )  # fmt: skip

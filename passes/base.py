@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 from autopar.collective import Collective
 from autopar.cost_model.planner import ReshardPlan
+from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
@@ -52,6 +53,7 @@ class GradientBucket:
     members: tuple[int, ...]  # planned reshard indices, program order
     mesh_dims: tuple[int, ...]
     reduce: str
+    src: DistAttr  # the flat buffer's pending reductions (dst: replicated)
     dtype: str
     numel: int
     bytes: int

@@ -41,7 +41,7 @@ class FetchReplication(Pass):
 
 def _replicate(state: CompileState, rp: RankProgram, index: int, key: tuple[int, int]) -> object:
     value = state.graph.values[key]
-    produced = state.propagation.produced.get(key, state.propagation.dist(key))
+    produced = state.propagation.made(key)
     whole = DistAttr.replicated(produced.mesh, len(value.shape))
     plan = plan_reshard(produced, whole, value.shape, value.dtype, state.cluster)
     current = rp.produced(key)

@@ -25,7 +25,8 @@ def _reduce(arrays: list[np.ndarray], kind: str) -> np.ndarray:
     return REDUCERS[kind](np.stack(arrays), axis=0).astype(arrays[0].dtype)
 
 
-def _own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
+def own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
+    """Piece ``index`` of ``parts`` along ``axis`` (the bounds every pass and backend use)."""
     lo, hi = shard_bounds(x.shape[axis], parts, index)
     return np.take(x, np.arange(lo, hi), axis=axis)
 
@@ -46,14 +47,14 @@ def perform(job: Collective, inputs: Mapping[int, np.ndarray]) -> dict[int, np.n
         return {r: out for r in group}
     if kind is CollectiveKind.REDUCE_SCATTER:
         total = _reduce(pieces, job.reduce)
-        return {r: _own_piece(total, job.axis, len(group), i) for i, r in enumerate(group)}
+        return {r: own_piece(total, job.axis, len(group), i) for i, r in enumerate(group)}
     if kind is CollectiveKind.BROADCAST:
         root = pieces[job.root]
         return {r: root for r in group}
     if kind is CollectiveKind.ALL_TO_ALL:
         parts = len(group)
         return {
-            r: np.concatenate([_own_piece(p, job.split_axis, parts, i) for p in pieces], axis=job.axis)
+            r: np.concatenate([own_piece(p, job.split_axis, parts, i) for p in pieces], axis=job.axis)
             for i, r in enumerate(group)
         }
     if kind in (CollectiveKind.SEND, CollectiveKind.RECV):

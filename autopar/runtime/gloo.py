@@ -30,11 +30,10 @@ from typing import Any
 import numpy as np
 
 from autopar.collective import Collective, CollectiveKind
-from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.rank_status import collective_timeout, waiting
-from autopar.runtime.collectives import perform
+from autopar.runtime.collectives import own_piece, perform
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
 
 
@@ -83,9 +82,9 @@ class GlooCommunicator:
         index = job.group.index(self.rank)
         if job.kind == "reduce_scatter":
             whole = self._world(replace(job, kind=CollectiveKind.ALL_REDUCE), x)
-            return _piece(whole, job.axis, len(job.group), index)
+            return own_piece(whole, job.axis, len(job.group), index)
         gathered = self._world(replace(job, kind=CollectiveKind.ALL_GATHER), x)
-        return _piece(gathered, job.split_axis, len(job.group), index)
+        return own_piece(gathered, job.split_axis, len(job.group), index)
 
     def _buffer(self, x: np.ndarray) -> Any:
         """An eager tensor holding ``x``, reused per shape and dtype: every new eager tensor
@@ -144,8 +143,3 @@ class GlooCommunicator:
             out: list[Any] = []
             pdist.all_gather_object(out, obj)
             return out
-
-
-def _piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
-    lo, hi = shard_bounds(x.shape[axis], parts, index)
-    return np.take(x, np.arange(lo, hi), axis=axis)

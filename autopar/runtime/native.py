@@ -112,8 +112,7 @@ class NativeRunner:
         if plan.backend != "native":
             raise AutoparError(f"rank {plan.rank}: the native runner needs the native form of the rank plan, got {plan.backend}")
         ops = list(plan.program.global_block().ops)
-        self.whole = bool(fetch_keys) and plan.fetches == tuple(fetch_keys)
-        positions = plan.fetch_positions if self.whole else [plan.position(key) for key in fetch_keys]
+        self.whole, positions = plan.fetch_sites(tuple(fetch_keys))
         self.fetch_values = [ops[p].result(i) for p, i in positions]
         self.plan, self.rank, self.fetch_keys = plan, plan.rank, list(fetch_keys)
         self.program = plan.program

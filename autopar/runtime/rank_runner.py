@@ -31,8 +31,7 @@ class RankRunner:
         self.plan = plan
         self.rank = plan.rank
         self.fetch_keys = list(fetch_keys)
-        self.whole = bool(self.fetch_keys) and plan.fetches == tuple(self.fetch_keys)
-        positions = plan.fetch_positions if self.whole else [plan.position(key) for key in self.fetch_keys]
+        self.whole, positions = plan.fetch_sites(tuple(self.fetch_keys))
         self.exports = dict(zip(self.fetch_keys, positions))
         # a fetched feed is read from the feed dict (a feed variable cannot be exported by a segment)
         ops = list(plan.program.global_block().ops)
