@@ -25,6 +25,7 @@ from autopar.passes.fetch_replication import FetchReplication
 from autopar.passes.partition import Partition
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
+from autopar.passes.zero_sharding import ZeroSharding
 from autopar.propagation import propagate
 from autopar.strategy import Strategy
 
@@ -59,7 +60,10 @@ def compile(  # noqa: A001  (the public name the design card fixes)
 
 def passes_for(strategy: Strategy) -> list[Pass]:
     """The declared pass list of a Strategy (``dist.passes`` prints it)."""
-    passes: list[Pass] = [Partition(), ReshardPlanning(), ReshardEmission()]
+    passes: list[Pass] = [Partition()]
+    if strategy.zero_stage:
+        passes.append(ZeroSharding(strategy.zero_stage))
+    passes += [ReshardPlanning(), ReshardEmission()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
     passes += [FetchReplication(), BackendLowering()]

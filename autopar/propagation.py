@@ -79,14 +79,14 @@ class SiteKind(enum.Enum):
 
     BEFORE_READ = "before read"  # right before op ``op`` reads operand ``slot``
     AFTER_PRODUCER = "after producer"  # right after op ``op`` makes result ``slot``
-    WRITE_BACK = "write back"  # after op ``op`` updates result ``slot`` in place (ZeRO's states)
+    WRITE_BACK = "write back"  # after op ``op`` updated operand ``slot`` in place through a resharded copy (ZeRO)
 
 
 @dataclass(frozen=True, slots=True)
 class ReshardSite:
     kind: SiteKind
     op: int  # serial op index
-    slot: int  # operand position (BEFORE_READ) or result position
+    slot: int  # operand position (BEFORE_READ, WRITE_BACK: the operand whose variable is written) or result position
 
     def __str__(self) -> str:
         return f"{self.kind.value} op {self.op}.{self.slot}"
@@ -94,12 +94,14 @@ class ReshardSite:
 
 @dataclass(frozen=True, slots=True)
 class ReshardNeed:
-    """A value must change placement from ``have`` to ``need`` at ``site``."""
+    """A value must change placement from ``have`` to ``need`` at ``site`` (by way of ``via``
+    when given: ZeRO-1 reduces a gradient whole, then slices its shard)."""
 
     site: ReshardSite
     value: ValueKey
     have: DistAttr
     need: DistAttr
+    via: DistAttr | None = None
 
     @property
     def op(self) -> int:

@@ -60,7 +60,6 @@ class PipelineConfig:
 # fields whose passes have not landed yet: value that means "off" -> the issue that builds it
 NOT_YET = {
     "pipeline": (None, "pipeline parallelism (stages, send/recv, schedules)"),
-    "zero_stage": (0, "ZeRO stages 1 / 2 / 3"),
     "sequence_parallel": (False, "sequence parallelism"),
     "recompute": (False, "recompute"),
 }

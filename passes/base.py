@@ -74,6 +74,8 @@ class CompileState:
     reshards: list[PlannedReshard] = field(default_factory=list)
     buckets: list[GradientBucket] = field(default_factory=list)
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
+    zero: tuple[Any, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
+    regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
     stages: list[str] = field(default_factory=lambda: ["propagated"])
     _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 

@@ -9,7 +9,8 @@ recorded as a :class:`~autopar.collective.Collective` value (why, group, bytes, 
 time) with the op that carries it; the host runtime performs it from that value, and
 backend lowering adapts the op for the native backend. A reshard that shares its result with
 an earlier one reads that result; gradient all-reduces planned into a bucket are left to
-:mod:`.allreduce_fusion`.
+:mod:`.allreduce_fusion`. A write-back (ZeRO: an in-place update of a resharded copy) reshards
+the updated copy right after the op and assigns it to the updated variable (``assign_out_``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     import paddle
 
     need = planned.need
-    if need.site.kind is SiteKind.AFTER_PRODUCER:
+    if need.site.kind is not SiteKind.BEFORE_READ:
         paddle.pir.set_insertion_point_after(rp.ops[need.op])
     else:
         consumer, slot = read_site(state, rp, planned)
@@ -62,7 +63,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
             return
         paddle.pir.set_insertion_point(consumer)
     value = state.graph.values[need.value]
-    after = need.site.kind is SiteKind.AFTER_PRODUCER
+    after = need.site.kind is not SiteKind.BEFORE_READ
     source = rp.produced(need.value) if after else rp.current(need.value)
     current, inserted = source, set()
     for number, step in enumerate(planned.plan.steps):
@@ -73,6 +74,10 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     if need.site.kind is SiteKind.AFTER_PRODUCER:
         _replace_uses_after(source, current, inserted)
         rp.final[need.value] = current
+    elif need.site.kind is SiteKind.WRITE_BACK:
+        # the op updated a resharded copy: its variable (a parameter) takes the result
+        target = rp.value(state.graph.ops[need.op].inputs[need.site.slot])
+        paddle._C_ops.assign_out_(current, target)
     else:
         consumer.operand(slot).set_source(current)
     rp.resharded[planned.index] = current

@@ -16,6 +16,7 @@ from typing import ClassVar
 from autopar.collective import CollectiveKind
 from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.errors import AutoparError
+from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard
 from autopar.propagation import ReshardNeed, SiteKind
 
@@ -28,17 +29,28 @@ class ReshardPlanning(Pass):
 
     def plan(self, state: CompileState) -> None:
         first_read: dict[tuple, int] = {}
+        written_back = {(n.op, n.site.slot) for n in state.propagation.reshards if n.site.kind is SiteKind.WRITE_BACK}
         for index, need in enumerate(state.propagation.reshards):
-            value = state.graph.values[need.value]
-            plan = plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
+            plan = _plan(state, need)
             if not plan.steps:
                 continue
-            _check_site(state, need, plan)
+            _check_site(state, need, plan, written_back)
             shared = None
             if need.site.kind is SiteKind.BEFORE_READ:
-                shared = first_read.setdefault((need.value, need.need), index)
+                # a value in ``regather`` (ZeRO-3 parameters) is gathered again for the backward
+                phase = state.graph.ops[need.op].role is Role.FORWARD if need.value in state.regather else None
+                shared = first_read.setdefault((need.value, need.need, need.via, phase), index)
                 shared = None if shared == index else shared
             state.reshards.append(PlannedReshard(index, need, plan, _reason(state, need), shared))
+
+
+def _plan(state: CompileState, need: ReshardNeed) -> ReshardPlan:
+    value = state.graph.values[need.value]
+    if need.via is None:
+        return plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
+    first = plan_reshard(need.have, need.via, value.shape, value.dtype, state.cluster)
+    then = plan_reshard(need.via, need.need, value.shape, value.dtype, state.cluster)
+    return ReshardPlan(need.have, need.need, first.shape, first.dtype, first.steps + then.steps)
 
 
 def _reason(state: CompileState, need: ReshardNeed) -> str:
@@ -46,21 +58,24 @@ def _reason(state: CompileState, need: ReshardNeed) -> str:
     op = state.graph.ops[need.op]
     if need.site.kind is SiteKind.AFTER_PRODUCER:
         return f"{label} is annotated {need.need}; its producer {op} makes {need.have}"
-    return f"{op} reads {label} as {need.need}; it is {need.have}"
+    if need.site.kind is SiteKind.WRITE_BACK:
+        target = state.graph.values[op.inputs[need.site.slot]].label
+        return f"{op} updated its {need.have} shard of {target} (ZeRO); gathered back into {target} ({need.need})"
+    via = f" by way of {need.via}" if need.via is not None else ""
+    return f"{op} reads {label} as {need.need}{via}; it is {need.have}"
 
 
-def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan) -> None:
+def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan, written_back: set[tuple[int, int]]) -> None:
     """Refuse, by name, reshards that have no place in the program (yet)."""
     value = state.graph.values[need.value]
     reader = state.graph.ops[need.op]
     for step in plan.steps:
         if step.kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST):
             raise AutoparError(f"reshard of {value.label} across meshes ({step}) lands with the pipeline issue")
-    if need.site.kind is SiteKind.WRITE_BACK:
-        raise AutoparError(f"{reader}: write-back reshards of {value.label} are emitted by the ZeRO passes (not built yet)")
     if need.site.kind is not SiteKind.BEFORE_READ:
         return
-    if reader.short_name.endswith("_") and value.kind in ("parameter", "state"):
+    in_place = reader.short_name.endswith("_") and value.kind in ("parameter", "state")
+    if in_place and (need.op, need.site.slot) not in written_back:
         raise AutoparError(
             f"{reader} updates {value.label} in place but needs it as {need.need} while it is {need.have}: "
             "a resharded copy would take the update and lose it"

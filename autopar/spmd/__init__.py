@@ -14,6 +14,7 @@ from autopar.spmd import (  # noqa: F401  (registration)
     matmul,
     metrics,
     norm,
+    norm_clip,
     optimizer,
     reduction,
     shape_ops,

@@ -116,7 +116,6 @@ def test_native_form_is_lowered_and_host_form_is_not():
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"zero_stage": 1}, "Strategy.zero_stage=1: ZeRO"),
         ({"recompute": True}, "Strategy.recompute=True"),
         ({"sequence_parallel": True}, "Strategy.sequence_parallel=True"),
         ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "Strategy.pipeline="),

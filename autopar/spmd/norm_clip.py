@@ -1,0 +1,212 @@
+"""Norms and the ops of global-norm gradient clipping: squared_l2_norm, p_norm, stack,
+unstack and their grads (stage: propagate).
+
+    squared_l2_norm       ab -> 1              (x -> out [1]): a split dim makes out P(sum)
+    squared_l2_norm_grad  ab,1 -> ab           (x, out_grad -> x_grad = 2·x·out_grad)
+    p_norm                abc -> ac            (axis 1; ``asvector``: every dim; keepdim: a1c)
+    p_norm_grad           abc,ac,ac -> abc     (x, out, out_grad -> x_grad)
+    stack, unstack_grad   ab,ab,... -> a1b     (axis 1: the new dim is never split)
+    unstack, stack_grad   a1b -> ab,ab,...     (stack_grad also reads x[0..n-1] for their shapes)
+
+``paddle.nn.ClipGradByGlobalNorm`` adds, per gradient ``g``: ``squared_l2_norm(g)``; then
+``stack`` of those scalars, ``sum``, ``sqrt``, ``maximum`` / ``divide`` with the clip norm,
+and ``multiply(g, scale)`` before the optimizer. The squared norm of a tensor split over mesh
+dim ``d`` is the sum of the pieces' squared norms: a pending sum over ``d`` (a scalar), reduced
+once where ``sqrt`` needs it whole. A *partial* gradient (data parallelism) is not: the squared
+norm of a sum is not the sum of squared norms, so ``x`` is required complete (the planner
+all-reduces the gradient in front of the norm).
+
+p_norm over a split dim: ``porder`` 0 (count of non-zeros) and 1 (sum of ``|x|``) are sums of
+the pieces' results, ``inf`` / ``-inf`` their max / min (pending max / min); any other order
+is ``(sum |x|^p)^(1/p)``, which no reduction of the pieces' results gives: the reduced dims
+are required whole there. Paddle's rule makes every order a pending sum (correct only with a
+kernel that reduces ``sum |x|^p`` before the root). Both grads are elementwise in ``x`` given
+the whole norm broadcast over the reduced dims (p_norm_grad's kernel counts no ties), so ``x``
+keeps any split; they are linear in ``out_grad``, whose pending sums pass through.
+
+stack only moves data, so pending sums pass through. Where some operands are pending sums
+over a mesh dim and the others are whole (tensor-parallel gradients' norms beside replicated
+ones'), the whole operands are made partial (a local step: one rank of the group keeps its
+copy, the others zero) and the stacked result stays one pending sum, reduced once later,
+instead of one reduction per partial operand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autopar.spmd.base import (
+    LINEAR_KINDS,
+    RuleContext,
+    RuleResult,
+    SpmdRule,
+    TensorSpec,
+    einsum_backward,
+    einsum_forward,
+    einsum_grad,
+)
+from autopar.spmd.letters import equation
+from autopar.spmd.operands import keep_pending, letters, spread
+from autopar.spmd.registry import register
+
+# ---- squared_l2_norm ----------------------------------------------------------------------
+
+
+@register("squared_l2_norm")
+class SquaredL2NormRule(SpmdRule):
+    """``x -> out [1]``: ``ab -> 1``; split dims make out a pending sum, x required complete."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        return einsum_forward(f"{letters(inputs[0].ndim)}->1", inputs[:1], ctx, reduce_kind="sum")
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return einsum_backward(f"{letters(inputs[0].ndim)}->1", inputs[:1], outputs[:1], ctx)
+
+
+@register("squared_l2_norm_grad")
+class SquaredL2NormGradRule(SpmdRule):
+    """``(x, out_grad) -> x_grad``: ``ab,1 -> ab``, linear in out_grad."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        x = letters(inputs[0].ndim)
+        out = "1" * inputs[1].ndim
+        return einsum_grad(f"{x},{out}->{x}", inputs[:2], ctx, grad_operands=[1])
+
+
+# ---- p_norm -------------------------------------------------------------------------------
+
+# porder -> the reduction that combines the pieces' results (absent: not combinable)
+P_NORM_KINDS = {0.0: "sum", 1.0: "sum", math.inf: "max", -math.inf: "min"}
+
+
+def p_norm_axes(ndim: int, attrs: Mapping[str, Any]) -> list[int]:
+    """The reduced dims: every dim for ``asvector``, else ``axis`` (normalized)."""
+    if not ndim:
+        return []
+    if attrs.get("asvector", False):
+        return list(range(ndim))
+    return [int(attrs.get("axis", -1)) % ndim]
+
+
+def p_norm_letters(ndim: int, attrs: Mapping[str, Any], whole_reduced: bool) -> tuple[str, str]:
+    """Letters of x (reduced dims ``1`` when they must stay whole) and of out."""
+    axes = set(p_norm_axes(ndim, attrs))
+    x = letters(ndim, whole=axes if whole_reduced else ())
+    keep = bool(attrs.get("keepdim", False))
+    return x, "".join("1" if i in axes else c for i, c in enumerate(x) if keep or i not in axes)
+
+
+def _p_norm_kind(attrs: Mapping[str, Any]) -> str | None:
+    return P_NORM_KINDS.get(float(attrs.get("porder", 2.0)))
+
+
+@register("p_norm")
+class PNormRule(SpmdRule):
+    """``x -> out``: ``abc -> ac`` (porder 0, 1: P(sum), inf: P(max), -inf: P(min) over a
+    split reduced dim); ``a1c -> ac`` for any other porder."""
+
+    def _equation(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+        x, out = p_norm_letters(inputs[0].ndim, attrs, whole_reduced=_p_norm_kind(attrs) is None)
+        return f"{x}->{out}"
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        kind = _p_norm_kind(attrs) or "sum"
+        return einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, reduce_kind=kind)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs[:1], ctx)
+
+
+@register("p_norm_grad")
+class PNormGradRule(SpmdRule):
+    """``(x, out, out_grad) -> x_grad``: ``abc,ac,ac -> abc``; out whole, linear in out_grad."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        x, out = p_norm_letters(inputs[0].ndim, attrs, whole_reduced=False)
+        return einsum_grad(f"{x},{out},{out}->{x}", inputs[:3], ctx, grad_operands=[2])
+
+
+# ---- stack / unstack ----------------------------------------------------------------------
+
+
+def _stacked_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
+    """Letters of one stacked tensor and of the stack (the new dim ``1``, at ``axis``)."""
+    names = letters(ndim)
+    axis = int(attrs.get("axis", 0)) % (ndim + 1)
+    return names, names[:axis] + "1" + names[axis:]
+
+
+def pending_alike(result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int]) -> RuleResult:
+    """An additive op's operands at ``positions``: where some are pending sums (or averages)
+    over a mesh dim no letter splits and the others are whole there, require all of them
+    pending alike (the whole ones made partial locally) and leave the output pending."""
+    required, outputs = list(result.inputs), list(result.outputs)
+    known = [i for i in positions if specs[i] is not None and specs[i].dist is not None and required[i] is not None]
+    if not known:
+        return result
+    split = {d for i in known for d in required[i].sharded_mesh_dims()}
+    kinds: dict[int, set[str]] = {}
+    for i in known:
+        for d, kind in specs[i].dist.partial:
+            kinds.setdefault(d, set()).add(kind)
+    add = {d: next(iter(k)) for d, k in kinds.items() if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS}
+    if not add:
+        return result
+    for i in positions:  # every operand, also those with no placement yet: all pending alike
+        if required[i] is not None:
+            required[i] = required[i].with_partial({**required[i].partial_dims, **add})
+    outputs = [None if o is None else o.with_partial({**o.partial_dims, **add}) for o in outputs]
+    return RuleResult(tuple(required), tuple(outputs), result.conflicts)
+
+
+@register("stack", "unstack_grad")
+class StackRule(SpmdRule):
+    """``(x[0], ..., x[n-1]) -> out``: ``ab,ab -> a1b``; pending sums stay pending (see
+    :func:`pending_alike`). unstack_grad reads ``(out_grad[0..n-1])`` and is the same op."""
+
+    def _equation(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+        names, stacked = _stacked_letters(inputs[0].ndim, attrs)
+        return equation([names] * len(inputs), [stacked])
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        result = einsum_forward(self._equation(inputs, attrs), inputs, ctx, linearity="additive")
+        return pending_alike(result, inputs, range(len(inputs)))
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return einsum_backward(self._equation(inputs, attrs), inputs, outputs[:1], ctx)
+
+
+def _unstack_count(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], axis: int) -> int:
+    return int(attrs.get("num") or inputs[0].shape[axis])
+
+
+@register("unstack")
+class UnstackRule(SpmdRule):
+    """``x -> out[0..n-1]``: ``a1b -> ab,ab,...`` (the unstacked axis whole)."""
+
+    def _equation(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+        ndim = inputs[0].ndim
+        axis = int(attrs.get("axis", 0)) % ndim
+        names = letters(ndim, whole=[axis])
+        return equation([names], [names[:axis] + names[axis + 1 :]] * _unstack_count(inputs, attrs, axis))
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        return spread(einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return spread(einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx), [0], inputs, ctx)
+
+
+@register("stack_grad")
+class StackGradRule(SpmdRule):
+    """``(x[0..n-1], out_grad) -> x_grad[0..n-1]``: ``ab,...,ab,a1b -> ab,...``; x read for
+    its shape only (its pending sums stay pending), linear in out_grad."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        count = len(inputs) - 1
+        names, stacked = _stacked_letters(inputs[0].ndim, attrs)
+        eq = equation([names] * count + [stacked], [names] * count)
+        result = einsum_grad(eq, inputs, ctx, grad_operands=[count])
+        return keep_pending(result, inputs, range(count))

@@ -1,0 +1,197 @@
+"""ZeRO: optimizer states, gradients and parameters sharded over the data-parallel mesh dim
+(stage: propagated -> zero-sharded; runs before reshard planning).
+
+Data parallelism keeps a whole copy of every optimizer state, gradient and parameter on each
+rank of the data-parallel (dp) axis. ZeRO (Rajbhandari et al. 2020) splits them over it:
+
+- stage 1: each optimizer state is split over dp; each rank updates its shard of each
+  parameter from the whole (all-reduced) gradient, sliced locally, and the updated shards are
+  all-gathered back into the whole parameter (a *write-back* reshard after the in-place update);
+- stage 2: also the gradient: a reduce_scatter replaces the all_reduce, each rank receives only
+  its shard (reduce_scatter + all_gather move what one all_reduce moves);
+- stage 3: also the parameter: each rank stores its shard, and every read of it is an
+  all_gather right before the reading op — once for the forward, again for the backward
+  (the gathered copy is not kept alive between them); the update needs no write-back.
+
+This pass decides after propagation because the shard must follow the placement propagation
+chose for the parameter: a tensor-parallel weight split over ``mp`` on one dim is split over
+``dp`` too (its first dim with at least one element per piece, the dp split nested inside
+the existing one). It rewrites the propagation result as values — the update op's required
+placements, the states' and (stage 3) the parameters' placements, the reshard needs at the
+update and at every stage-3 read — and records each decision (:class:`ZeroShard`); planning
+and emission then treat these needs like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import OpNode, Role, ValueKey
+from autopar.passes.base import CompileState, Pass
+from autopar.propagation import Priority, ReshardNeed, ReshardSite, SiteKind, ValueState
+from autopar.spmd import RuleResult, get_rule
+from autopar.spmd.optimizer import OptimizerRule
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroShard:
+    """ZeRO's decision for one parameter's update.
+
+    ``whole``: the placement the update had under plain data parallelism (the parameter's);
+    ``sharded``: the placement states, gradient and update take (None: left whole, ``reason``
+    says why).
+    """
+
+    param: ValueKey
+    label: str
+    update_op: int
+    whole: DistAttr
+    sharded: DistAttr | None
+    reason: str
+
+    def __str__(self) -> str:
+        if self.sharded is None:
+            return f"{self.label}: left whole ({self.reason})"
+        return f"{self.label}: updated as {self.sharded} (was {self.whole})"
+
+
+@dataclass(frozen=True)
+class ZeroSharding(Pass):
+    stage: int = 1
+
+    name: ClassVar[str] = "zero_sharding"
+    plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
+    plan_ensures: ClassVar[str] = "zero-sharded"
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise AutoparError(f"zero_sharding: stage must be 1, 2 or 3, got {self.stage!r}")
+
+    def plan(self, state: CompileState) -> None:
+        updates = [op for op in state.graph.ops if op.role is Role.OPTIMIZER and isinstance(get_rule(op.name), OptimizerRule)]
+        if not updates:
+            raise AutoparError(f"Strategy.zero_stage={self.stage}: the program has no optimizer update (sgd_, momentum_, adam_, adamw_)")
+        mesh_dim = data_parallel_dim(state, updates)
+        decisions = [self._shard(state, op, mesh_dim) for op in updates]
+        state.propagation.reshards.sort(key=lambda need: need.op)  # shared reads: the first in program order emits
+        state.zero = tuple(decisions)
+
+    def _shard(self, state: CompileState, op: OpNode, mesh_dim: int) -> ZeroShard:
+        rule = get_rule(op.name)
+        prop, graph = state.propagation, state.graph
+        param = op.inputs[0]
+        result = prop.op_results[op.index]
+        whole = result.inputs[0]
+        label = graph.values[param].label
+        sharded, reason = sharded_placement(whole, graph.values[param].shape, mesh_dim)
+        if sharded is None:
+            return ZeroShard(param, label, op.index, whole, None, reason)
+        like = [i for i in rule.like_param if i < len(op.inputs) and op.inputs[i] is not None]
+        grad = next(i for i in like if graph.values[op.inputs[i]].kind not in ("parameter", "state"))
+        inputs = tuple(sharded if i in like else d for i, d in enumerate(result.inputs))
+        outputs = tuple(
+            sharded if j < len(rule.updates) and rule.updates[j] in like and d is not None else d
+            for j, d in enumerate(result.outputs)
+        )
+        prop.op_results[op.index] = RuleResult(inputs, outputs, result.conflicts)
+        own = {ReshardSite(SiteKind.BEFORE_READ, op.index, i) for i in like}
+        prop.reshards[:] = [need for need in prop.reshards if need.site not in own]
+        for i in like:
+            key = op.inputs[i]
+            if graph.values[key].kind == "state":
+                prop.states[key] = ValueState(sharded, Priority.STRATEGY, f"zero stage {self.stage}")
+        for key, dist in zip(op.outputs, outputs):
+            if key is not None and dist is not None:
+                prop.states[key] = dataclasses.replace(prop.states[key], dist=dist)
+        self._gradient(state, op, grad, whole, sharded)
+        if self.stage == 3:
+            self._store_sharded(state, op, param, sharded)
+        else:
+            self._write_back(state, op, param, sharded)
+        return ZeroShard(param, label, op.index, whole, sharded, f"stage {self.stage}")
+
+    def _gradient(self, state: CompileState, op: OpNode, slot: int, whole: DistAttr, sharded: DistAttr) -> None:
+        """Stage 1 keeps the whole gradient (reduced to ``whole``, then sliced); stages 2 and
+        3 receive only their shard (a reduce_scatter where the gradient is partial)."""
+        key = op.inputs[slot]
+        have = state.propagation.dist(key)
+        via = whole if self.stage == 1 and have != whole else None
+        site = ReshardSite(SiteKind.BEFORE_READ, op.index, slot)
+        state.propagation.reshards.append(ReshardNeed(site, key, have, sharded, via))
+
+    def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr) -> None:
+        """Stages 1 and 2: the update reads its shard of the whole parameter and the updated
+        shards are gathered back into it."""
+        stored = state.propagation.dist(param)
+        reshards = state.propagation.reshards
+        reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, 0), param, stored, sharded))
+        updated = op.outputs[0]
+        reshards.append(ReshardNeed(ReshardSite(SiteKind.WRITE_BACK, op.index, 0), updated, sharded, stored))
+
+    def _store_sharded(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr) -> None:
+        """Stage 3: the parameter is stored as its shard; every other reader gathers it."""
+        prop, graph = state.propagation, state.graph
+        old = prop.dist(param)
+        prop.states[param] = ValueState(sharded, Priority.STRATEGY, f"zero stage {self.stage}")
+        existing = {need.site: n for n, need in enumerate(prop.reshards) if need.value == param}
+        for reader in graph.values[param].users:
+            reading = graph.ops[reader]
+            if reader == op.index or reader not in prop.op_results:
+                continue
+            for slot, key in enumerate(reading.inputs):
+                if key != param:
+                    continue
+                site = ReshardSite(SiteKind.BEFORE_READ, reader, slot)
+                if site in existing:
+                    index = existing[site]
+                    prop.reshards[index] = dataclasses.replace(prop.reshards[index], have=sharded)
+                else:
+                    need = prop.op_results[reader].inputs[slot] or old
+                    prop.reshards.append(ReshardNeed(site, param, sharded, need))
+        state.regather = state.regather | {param}
+
+
+def data_parallel_dim(state: CompileState, updates: list[OpNode]) -> int:
+    """The mesh dim named ``dp``; else the only dim of a 1-d mesh; else the one mesh dim every
+    partial gradient is pending over."""
+    mesh = state.mesh
+    if "dp" in mesh.dim_names:
+        return mesh.dim_names.index("dp")
+    if mesh.ndim == 1:
+        return 0
+    pending = set()
+    for op in updates:
+        for key in op.inputs:
+            if key is not None and state.graph.values[key].kind == "activation":
+                pending |= set(state.propagation.dist(key).partial_dims)
+    if len(pending) == 1:
+        return pending.pop()
+    raise AutoparError(
+        f"Strategy.zero_stage={state.strategy.zero_stage}: cannot tell which dim of {mesh} is data parallel "
+        f"(gradients are pending over {sorted(mesh.dim_names[d] for d in pending) or 'no dim'}); name it 'dp'"
+    )
+
+
+def sharded_placement(whole: DistAttr, shape: tuple[int, ...], mesh_dim: int) -> tuple[DistAttr | None, str]:
+    """``whole`` further split over ``mesh_dim``: on its first tensor dim that splits evenly
+    (every backend gathers even pieces), else on the first that keeps every piece non-empty
+    (None and why, where none does)."""
+    if mesh_dim in whole.sharded_mesh_dims():
+        return None, f"already split over mesh dim {whole.mesh.dim_names[mesh_dim]!r}"
+    if whole.is_partial:
+        return None, f"its update is partial ({whole})"
+    size = whole.mesh.shape[mesh_dim]
+    parts = [math.prod(whole.mesh.shape[d] for d in dims) for dims in whole.mapping]
+    even = [t for t, extent in enumerate(shape) if extent % (parts[t] * size) == 0]
+    filled = [t for t, extent in enumerate(shape) if extent // parts[t] >= size]
+    chosen = (even or filled or [None])[0]
+    if chosen is None:
+        return None, f"shape {list(shape)} has no dim with {size} elements per piece"
+    mapping = list(whole.mapping)
+    mapping[chosen] = (*mapping[chosen], mesh_dim)
+    return DistAttr.of(whole.mesh, tuple(mapping), whole.partial), ""
