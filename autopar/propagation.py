@@ -94,14 +94,12 @@ class ReshardSite:
 
 @dataclass(frozen=True, slots=True)
 class ReshardNeed:
-    """A value must change placement from ``have`` to ``need`` at ``site`` (by way of ``via``
-    when given: ZeRO-1 reduces a gradient whole, then slices its shard)."""
+    """A value must change placement from ``have`` to ``need`` at ``site``."""
 
     site: ReshardSite
     value: ValueKey
     have: DistAttr
     need: DistAttr
-    via: DistAttr | None = None
 
     @property
     def op(self) -> int:

@@ -31,7 +31,8 @@ class ReshardPlanning(Pass):
         first_read: dict[tuple, int] = {}
         written_back = {(n.op, n.site.slot) for n in state.propagation.reshards if n.site.kind is SiteKind.WRITE_BACK}
         for index, need in enumerate(state.propagation.reshards):
-            plan = _plan(state, need)
+            value = state.graph.values[need.value]
+            plan = plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
             if not plan.steps:
                 continue
             _check_site(state, need, plan, written_back)
@@ -39,30 +40,25 @@ class ReshardPlanning(Pass):
             if need.site.kind is SiteKind.BEFORE_READ:
                 # a value in ``regather`` (ZeRO-3 parameters) is gathered again for the backward
                 phase = state.graph.ops[need.op].role is Role.FORWARD if need.value in state.regather else None
-                shared = first_read.setdefault((need.value, need.need, need.via, phase), index)
+                shared = first_read.setdefault((need.value, need.need, phase), index)
                 shared = None if shared == index else shared
             state.reshards.append(PlannedReshard(index, need, plan, _reason(state, need), shared))
-
-
-def _plan(state: CompileState, need: ReshardNeed) -> ReshardPlan:
-    value = state.graph.values[need.value]
-    if need.via is None:
-        return plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
-    first = plan_reshard(need.have, need.via, value.shape, value.dtype, state.cluster)
-    then = plan_reshard(need.via, need.need, value.shape, value.dtype, state.cluster)
-    return ReshardPlan(need.have, need.need, first.shape, first.dtype, first.steps + then.steps)
 
 
 def _reason(state: CompileState, need: ReshardNeed) -> str:
     label = state.graph.values[need.value].label
     op = state.graph.ops[need.op]
+    zero = next((z for z in state.zero if need.value == z.gradient), None)
+    if zero is not None:
+        label = f"{label} (the gradient of {zero.label})"
+        if need.site.kind is SiteKind.AFTER_PRODUCER:
+            return f"ZeRO-{state.strategy.zero_stage}: {label} is reduced to its {need.need} shards right after {op} makes it ({need.have})"
     if need.site.kind is SiteKind.AFTER_PRODUCER:
         return f"{label} is annotated {need.need}; its producer {op} makes {need.have}"
     if need.site.kind is SiteKind.WRITE_BACK:
         target = state.graph.values[op.inputs[need.site.slot]].label
         return f"{op} updated its {need.have} shard of {target} (ZeRO); gathered back into {target} ({need.need})"
-    via = f" by way of {need.via}" if need.via is not None else ""
-    return f"{op} reads {label} as {need.need}{via}; it is {need.have}"
+    return f"{op} reads {label} as {need.need}; it is {need.have}"
 
 
 def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan, written_back: set[tuple[int, int]]) -> None:

@@ -53,6 +53,7 @@ class ZeroShard:
     whole: DistAttr
     sharded: DistAttr | None
     reason: str
+    gradient: ValueKey | None = None  # the value the update reads as the gradient
 
     def __str__(self) -> str:
         if self.sharded is None:
@@ -73,9 +74,13 @@ class ZeroSharding(Pass):
             raise AutoparError(f"zero_sharding: stage must be 1, 2 or 3, got {self.stage!r}")
 
     def plan(self, state: CompileState) -> None:
-        updates = [op for op in state.graph.ops if op.role is Role.OPTIMIZER and isinstance(get_rule(op.name), OptimizerRule)]
+        updates = [
+            op for op in state.graph.ops if op.role is Role.OPTIMIZER and isinstance(get_rule(op.name), OptimizerRule)
+        ]
         if not updates:
-            raise AutoparError(f"Strategy.zero_stage={self.stage}: the program has no optimizer update (sgd_, momentum_, adam_, adamw_)")
+            raise AutoparError(
+                f"Strategy.zero_stage={self.stage}: the program has no optimizer update (sgd_, momentum_, adam_, adamw_)"
+            )
         mesh_dim = data_parallel_dim(state, updates)
         decisions = [self._shard(state, op, mesh_dim) for op in updates]
         state.propagation.reshards.sort(key=lambda need: need.op)  # shared reads: the first in program order emits
@@ -108,21 +113,31 @@ class ZeroSharding(Pass):
         for key, dist in zip(op.outputs, outputs):
             if key is not None and dist is not None:
                 prop.states[key] = dataclasses.replace(prop.states[key], dist=dist)
-        self._gradient(state, op, grad, whole, sharded)
-        if self.stage == 3:
-            self._store_sharded(state, op, param, sharded)
+        self._gradient(state, op, grad, sharded)
+        if self.stage == 3:  # the parameter is stored as its shard; its other readers gather it
+            self._move(state, param, sharded, skip=op.index)
+            state.regather = state.regather | {param}
         else:
             self._write_back(state, op, param, sharded)
-        return ZeroShard(param, label, op.index, whole, sharded, f"stage {self.stage}")
+        return ZeroShard(param, label, op.index, whole, sharded, f"stage {self.stage}", op.inputs[grad])
 
-    def _gradient(self, state: CompileState, op: OpNode, slot: int, whole: DistAttr, sharded: DistAttr) -> None:
-        """Stage 1 keeps the whole gradient (reduced to ``whole``, then sliced); stages 2 and
-        3 receive only their shard (a reduce_scatter where the gradient is partial)."""
-        key = op.inputs[slot]
-        have = state.propagation.dist(key)
-        via = whole if self.stage == 1 and have != whole else None
-        site = ReshardSite(SiteKind.BEFORE_READ, op.index, slot)
-        state.propagation.reshards.append(ReshardNeed(site, key, have, sharded, via))
+    def _gradient(self, state: CompileState, op: OpNode, slot: int, sharded: DistAttr) -> None:
+        """Stage 1: the gradient stays whole until the update, which reads its shard (a
+        reduce_scatter there, where the gradient is partial). Stages 2 and 3: the gradient
+        is resharded right after the op that makes it, so only its shard outlives it."""
+        prop, key = state.propagation, op.inputs[slot]
+        if self.stage == 1:
+            have = prop.dist(key)
+            if have != sharded:
+                prop.reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, slot), key, have, sharded))
+            return
+        made = prop.made(key)
+        prop.reshards[:] = [n for n in prop.reshards if not (n.value == key and n.site.kind is SiteKind.AFTER_PRODUCER)]
+        self._move(state, key, sharded, skip=op.index)
+        if made != sharded:
+            site = ReshardSite(SiteKind.AFTER_PRODUCER, key[0], key[1])
+            prop.reshards.append(ReshardNeed(site, key, made, sharded))
+        prop.__dict__.pop("produced", None)  # the cached map of after-producer reshards
 
     def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr) -> None:
         """Stages 1 and 2: the update reads its shard of the whole parameter and the updated
@@ -133,27 +148,24 @@ class ZeroSharding(Pass):
         updated = op.outputs[0]
         reshards.append(ReshardNeed(ReshardSite(SiteKind.WRITE_BACK, op.index, 0), updated, sharded, stored))
 
-    def _store_sharded(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr) -> None:
-        """Stage 3: the parameter is stored as its shard; every other reader gathers it."""
+    def _move(self, state: CompileState, key: ValueKey, placement: DistAttr, skip: int) -> None:
+        """``key`` now lies as ``placement``: every reader but op ``skip`` (the update, which
+        reads it so) reshards it to what it reads (stage-3 parameters: an all_gather)."""
         prop, graph = state.propagation, state.graph
-        old = prop.dist(param)
-        prop.states[param] = ValueState(sharded, Priority.STRATEGY, f"zero stage {self.stage}")
-        existing = {need.site: n for n, need in enumerate(prop.reshards) if need.value == param}
-        for reader in graph.values[param].users:
-            reading = graph.ops[reader]
-            if reader == op.index or reader not in prop.op_results:
-                continue
-            for slot, key in enumerate(reading.inputs):
-                if key != param:
-                    continue
-                site = ReshardSite(SiteKind.BEFORE_READ, reader, slot)
-                if site in existing:
-                    index = existing[site]
-                    prop.reshards[index] = dataclasses.replace(prop.reshards[index], have=sharded)
-                else:
-                    need = prop.op_results[reader].inputs[slot] or old
-                    prop.reshards.append(ReshardNeed(site, param, sharded, need))
-        state.regather = state.regather | {param}
+        old = prop.dist(key)
+        prop.states[key] = ValueState(placement, Priority.STRATEGY, f"zero stage {self.stage}")
+        readers = [r for r in dict.fromkeys(graph.values[key].users) if r != skip and r in prop.op_results]
+        sites = {
+            ReshardSite(SiteKind.BEFORE_READ, r, slot)
+            for r in readers
+            for slot, k in enumerate(graph.ops[r].inputs)
+            if k == key
+        }
+        prop.reshards[:] = [n for n in prop.reshards if n.site not in sites]
+        for site in sorted(sites, key=lambda s: (s.op, s.slot)):
+            need = prop.op_results[site.op].inputs[site.slot] or old
+            if need != placement:
+                prop.reshards.append(ReshardNeed(site, key, placement, need))
 
 
 def data_parallel_dim(state: CompileState, updates: list[OpNode]) -> int:

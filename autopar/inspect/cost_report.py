@@ -147,7 +147,10 @@ def cost_report(dist: Any) -> CostReport:
     acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, prop.dist(k))
             for k in saved_activations(graph)]  # fmt: skip
     states = [(v, prop.dist(k)) for k, v in graph.values.items() if v.kind == "state"]
-    memory = memory_per_rank(dist.mesh.ranks, params, acts, optimizer="sgd")
+    # ZeRO-2/3: each rank keeps only its shard of each gradient (stage 1 keeps it whole)
+    zero = dist.state.zero if dist.state.strategy.zero_stage >= 2 else ()
+    grads = {graph.values[z.param].name: z.sharded for z in zero if z.sharded is not None}
+    memory = memory_per_rank(dist.mesh.ranks, params, acts, optimizer="sgd", grad_dists=grads)
     unpriced: set[str] = set()
     ranks = []
     for rank in dist.mesh.ranks:
