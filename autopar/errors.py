@@ -29,3 +29,7 @@ class CostModelError(AutoparError):
 
 class AnnotationWarning(UserWarning):
     """An annotation that compile can see but not apply (made on another program's value)."""
+
+
+class ScheduleError(AutoparError):
+    """A pipeline schedule request that cannot be built, or a schedule that fails verification."""

@@ -1,18 +1,13 @@
 """Pipeline schedules as data (stage: pipeline scheduling).
 
-A pipeline schedule is, per rank, the ordered list of :class:`Action` values that rank runs in one
-training step: ``2F0`` is stage 2's forward of micro-batch 0, ``1SEND_B3`` stage 1 sending the
-input gradient of micro-batch 3 to stage 0, ``0OPT`` stage 0's optimizer. Schedules are data, not
-a loop inside a runtime, so that each one is built, printed, compared and *verified* before
-anything runs, for every rank in one process (model: PyTorch's
-``torch/distributed/pipelining/schedules.py``). Three steps, each a pure function:
-
-1. a generator (:func:`fthenb`, :func:`one_f_one_b`, :func:`interleaved_1f1b`, :func:`zb_h1`, or
-   :func:`make_schedule` by name) emits the compute-only actions of every rank;
-2. :func:`add_send_recv`, the one lowering every schedule shares, adds the send / recv actions;
-3. :func:`verify` checks the lowered schedule: complete, in dependency order, matched on every
-   link, free of deadlock (by :func:`replay`, the one simulator, which also times schedules for
-   :mod:`autopar.schedule_timeline`).
+A schedule is, per rank, the ordered list of :class:`Action` values the rank runs in one training
+step (``2F0``: stage 2's forward of micro-batch 0). Data, not a loop inside a runtime, so that each
+schedule is built, printed and *verified* before anything runs, for every rank in one process
+(model: PyTorch's ``torch/distributed/pipelining/schedules.py``). Three pure steps: a generator
+(:func:`make_schedule` by name) emits compute-only actions per rank; :func:`add_send_recv`, the
+one lowering all schedules share, adds the sends and recvs; :func:`verify` checks the result
+(complete, in dependency order, matched on every link, no deadlock by :func:`replay`, the one
+simulator, which also times schedules for :mod:`autopar.schedule_timeline`).
 
 Placement: ``num_ranks * virtual_stages`` stages, stage ``s`` on rank ``s % num_ranks`` (Megatron's
 looping placement; one stage per rank without virtual stages).
@@ -30,13 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from autopar.errors import AutoparError
+from autopar.errors import ScheduleError
 
 Schedule = dict[int, list["Action"]]
-
-
-class ScheduleError(AutoparError):
-    """A schedule request that cannot be built, or a schedule that fails verification."""
+Link = tuple[int, int]  # (sending rank, receiving rank)
 
 
 class ActionKind(str, Enum):
@@ -89,9 +81,7 @@ class Action:
         if not isinstance(self.kind, ActionKind):
             raise ScheduleError(f"Action kind must be an ActionKind, got {self.kind!r}")
         if self.kind is OPTIMIZER and self.micro_batch is not None:
-            raise ScheduleError(
-                f"the optimizer runs once per step, not per micro-batch: got micro_batch {self.micro_batch!r}"
-            )
+            raise ScheduleError(f"the optimizer runs once per step, not per micro-batch; got {self.micro_batch!r}")
         if self.kind is not OPTIMIZER and not _is_index(self.micro_batch):
             raise ScheduleError(f"a {self.kind.name} action needs a micro_batch int >= 0, got {self.micro_batch!r}")
 
@@ -105,9 +95,7 @@ class Action:
         """Invert ``str``: ``"2F0"``, ``"1SEND_F3"``, ``"0OPT"``."""
         match = _ACTION_TEXT.fullmatch(text.strip()) if isinstance(text, str) else None
         if match is None:
-            raise ScheduleError(
-                f"cannot parse action {text!r}; expected <stage><kind>[<micro_batch>] such as 2F0 or 0OPT"
-            )
+            raise ScheduleError(f"cannot parse action {text!r}; expected <stage><kind>[<micro_batch>], e.g. 2F0")
         stage, kind, micro_batch = match.groups()
         return Action(int(stage), ActionKind(kind), int(micro_batch) if micro_batch else None)
 
@@ -134,11 +122,8 @@ def fthenb(num_ranks: int, micro_batches: int) -> Schedule:
     """GPipe: every forward, then every backward (peak stash: all ``micro_batches``)."""
     _check_request("FThenB", num_ranks, micro_batches)
     return {
-        rank: [
-            *(Action(rank, F, mb) for mb in range(micro_batches)),
-            *(Action(rank, B, mb) for mb in range(micro_batches)),
-            *_optimizers(rank, num_ranks, num_ranks),
-        ]
+        rank: [Action(rank, kind, mb) for kind in (F, B) for mb in range(micro_batches)]
+        + _optimizers(rank, num_ranks, num_ranks)
         for rank in range(num_ranks)
     }
 
@@ -194,9 +179,7 @@ def interleaved_1f1b(num_ranks: int, micro_batches: int, virtual_stages: int) ->
     name = "Interleaved1F1B"
     _check_request(name, num_ranks, micro_batches, virtual_stages)
     if virtual_stages < 2:
-        raise ScheduleError(
-            f"{name} needs virtual_stages >= 2 (with 1 stage per rank it is 1F1B), got {virtual_stages}"
-        )
+        raise ScheduleError(f"{name} needs virtual_stages >= 2 (with 1 it is 1F1B), got {virtual_stages}")
     if micro_batches % num_ranks:
         raise ScheduleError(
             f"{name} needs micro_batches to be a multiple of num_ranks (Megatron's constraint: micro-batches "
@@ -231,14 +214,12 @@ SCHEDULES: Mapping[str, Callable[..., Schedule]] = {
 
 def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """The compute-only schedule ``name`` (one of :data:`SCHEDULES`) for ``num_ranks`` ranks."""
-    if name not in SCHEDULES:
+    if not isinstance(name, str) or name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
     if name == "Interleaved1F1B":
         return interleaved_1f1b(num_ranks, micro_batches, virtual_stages)
     if virtual_stages != 1:
-        raise ScheduleError(
-            f"{name} runs one stage per rank: virtual_stages must be 1, got {virtual_stages!r} (use Interleaved1F1B)"
-        )
+        raise ScheduleError(f"{name} runs one stage per rank: virtual_stages must be 1, got {virtual_stages!r}")
     return SCHEDULES[name](num_ranks, micro_batches)
 
 
@@ -280,7 +261,7 @@ def _transfer(action: Action, sending: bool, num_stages: int, num_ranks: int) ->
     return transfer if _crosses_ranks(transfer, num_stages, num_ranks) else None
 
 
-def _link(send: Action, num_ranks: int) -> tuple[int, int]:
+def _link(send: Action, num_ranks: int) -> Link:
     return stage_to_rank(send.stage, num_ranks), stage_to_rank(_peer_stage(send), num_ranks)
 
 
@@ -302,37 +283,25 @@ def add_send_recv(schedule: Mapping[int, list[Action]], num_stages: int) -> Sche
                 raise ScheduleError(f"rank {rank}: {action} in a compute-only schedule (add_send_recv adds transfers)")
             send = _transfer(action, True, num_stages, num_ranks)
             with_sends[rank] += [action] if send is None else [action, send]
-    link_order: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    link_order: dict[Link, list[Action]] = defaultdict(list)
     for rank in sorted(with_sends):
         for send in (a for a in with_sends[rank] if a.kind in SEND_KINDS):
             link_order[_link(send, num_ranks)].append(send)
     position = {send: index for sends in link_order.values() for index, send in enumerate(sends)}
-    return {
-        rank: _with_recvs(actions, link_order, position, num_stages, num_ranks) for rank, actions in with_sends.items()
-    }
+    received: dict[int, Counter[Link]] = defaultdict(Counter)  # per rank and link: messages taken
 
-
-def _with_recvs(
-    actions: list[Action],
-    link_order: Mapping[tuple[int, int], list[Action]],
-    position: Mapping[Action, int],
-    num_stages: int,
-    num_ranks: int,
-) -> list[Action]:
-    lowered: list[Action] = []
-    received: Counter[tuple[int, int]] = Counter()  # per link: how many messages this rank took
-    for action in actions:
+    def recvs_before(rank: int, action: Action) -> list[Action]:
         recv = _transfer(action, False, num_stages, num_ranks)
-        send = None if recv is None else _pair(recv)
-        if send in position:
-            link = _link(send, num_ranks)
-            while received[link] <= position[send]:
-                lowered.append(_pair(link_order[link][received[link]]))
-                received[link] += 1
-        elif recv is not None:  # never sent: verify names it
-            lowered.append(recv)
-        lowered.append(action)
-    return lowered
+        if recv is None or _pair(recv) not in position:  # never sent: verify names it
+            return [] if recv is None else [recv]
+        link, taken = _link(_pair(recv), num_ranks), received[rank]
+        recvs = [_pair(send) for send in link_order[link][taken[link] : position[_pair(recv)] + 1]]
+        taken[link] += len(recvs)
+        return recvs
+
+    return {
+        rank: [a for action in acts for a in (*recvs_before(rank, action), action)] for rank, acts in with_sends.items()
+    }
 
 
 # ---- verification --------------------------------------------------------------------------
@@ -342,17 +311,17 @@ def verify(schedule: Mapping[int, list[Action]], num_stages: int, micro_batches:
     """Check a lowered schedule before anything runs; raise :class:`ScheduleError` naming the fault.
 
     Checks, in order: every action valid and on its stage's rank; every (stage, micro_batch) has
-    one F and one B (or one I and one W), every stage one OPTIMIZER; on each rank, data before use
-    (F after its input is delivered, B / I after F and after the next stage's gradient is delivered,
-    W after I, sends after their producer, OPTIMIZER after the stage's last weight gradient); each
-    send has its recv and each link carries them in one order; :func:`replay` finds no deadlock.
+    one F and one B (or one I and one W), every stage one OPTIMIZER; each send has its recv and
+    each link carries them in one order; on each rank, data before use (F after its input is
+    delivered, B / I after F and after the next stage's gradient is delivered, W after I, sends
+    after their producer, OPTIMIZER after the stage's last weight gradient); no deadlock.
     """
     num_ranks = _check_layout(schedule, num_stages, micro_batches)
     _check_complete(schedule, num_stages, micro_batches)
+    _check_links(schedule, num_ranks)
     for rank in range(num_ranks):
         _check_rank_order(rank, schedule[rank], num_stages, micro_batches)
-    _check_links(schedule, num_ranks)
-    replay(schedule, num_stages)
+    replay(schedule)
 
 
 def _check_layout(schedule: Mapping[int, list[Action]], num_stages: int, micro_batches: int) -> int:
@@ -379,9 +348,7 @@ def _check_complete(schedule: Mapping[int, list[Action]], num_stages: int, micro
     seen = Counter(action for actions in schedule.values() for action in actions)
     for action, count in seen.items():
         if count > 1:
-            raise ScheduleError(
-                f"rank {stage_to_rank(action.stage, num_ranks)}: {action} is duplicated ({count} times)"
-            )
+            raise ScheduleError(f"rank {action.stage % num_ranks}: {action} is duplicated ({count} times)")
     for stage in range(num_stages):
         rank = stage_to_rank(stage, num_ranks)
         for mb in range(micro_batches):
@@ -391,11 +358,35 @@ def _check_complete(schedule: Mapping[int, list[Action]], num_stages: int, micro
             if b in seen and (i in seen or w in seen):
                 raise ScheduleError(f"rank {rank}: {b} and a split backward ({i} / {w}) both present")
             if b not in seen and not (i in seen and w in seen):
-                raise ScheduleError(
-                    f"rank {rank}: backward of stage {stage} micro-batch {mb} is missing ({b}, or {i} and {w})"
-                )
+                raise ScheduleError(f"rank {rank}: backward {b} (or {i} and {w}) is missing")
         if Action(stage, OPTIMIZER) not in seen:
             raise ScheduleError(f"rank {rank}: optimizer {Action(stage, OPTIMIZER)} is missing")
+
+
+def _check_links(schedule: Mapping[int, list[Action]], num_ranks: int) -> None:
+    sent: dict[Link, list[Action]] = defaultdict(list)
+    received: dict[Link, list[Action]] = defaultdict(list)  # as the sends they take
+    for rank in sorted(schedule):
+        for action in schedule[rank]:
+            if action.kind in SEND_KINDS:
+                sent[_link(action, num_ranks)].append(action)
+            elif action.kind in RECV_KINDS:
+                received[_link(_pair(action), num_ranks)].append(_pair(action))
+    for link in sorted(sent.keys() | received.keys()):
+        sends, recvs = sent[link], received[link]
+        unreceived, unsent = set(sends) - set(recvs), set(recvs) - set(sends)
+        for send in sends:
+            if send in unreceived:
+                raise ScheduleError(f"rank {link[0]}: {send} has no matching recv {_pair(send)} on rank {link[1]}")
+        for send in recvs:
+            if send in unsent:
+                raise ScheduleError(f"rank {link[1]}: {_pair(send)} has no matching send {send} on rank {link[0]}")
+        for index, (send, taken) in enumerate(zip(sends, recvs)):
+            if send != taken:
+                raise ScheduleError(
+                    f"link rank {link[0]} -> rank {link[1]}: sends and recvs in different orders: message {index} is "
+                    f"{send}, but rank {link[1]}'s recv {index} is {_pair(taken)} (a FIFO link would hand it the wrong tensor)"
+                )
 
 
 def _unmet(action: Action, done: set[Action], num_stages: int, micro_batches: int) -> str | None:
@@ -431,41 +422,16 @@ def _check_rank_order(rank: int, actions: list[Action], num_stages: int, micro_b
         done.add(action)
 
 
-def _check_links(schedule: Mapping[int, list[Action]], num_ranks: int) -> None:
-    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    received: dict[tuple[int, int], list[Action]] = defaultdict(list)  # as the sends they take
-    for rank in sorted(schedule):
-        for action in schedule[rank]:
-            if action.kind in SEND_KINDS:
-                sent[_link(action, num_ranks)].append(action)
-            elif action.kind in RECV_KINDS:
-                received[_link(_pair(action), num_ranks)].append(_pair(action))
-    for link in sorted(sent.keys() | received.keys()):
-        sends, recvs = sent[link], received[link]
-        for send in sends:
-            if send not in recvs:
-                raise ScheduleError(f"rank {link[0]}: {send} has no matching recv {_pair(send)} on rank {link[1]}")
-        for send in recvs:
-            if send not in sends:
-                raise ScheduleError(f"rank {link[1]}: {_pair(send)} has no matching send {send} on rank {link[0]}")
-        for index, (send, taken) in enumerate(zip(sends, recvs)):
-            if send != taken:
-                raise ScheduleError(
-                    f"link rank {link[0]} -> rank {link[1]}: sends and recvs in different orders: message {index} is "
-                    f"{send}, but rank {link[1]}'s recv {index} is {_pair(taken)} (a FIFO link would hand it the wrong tensor)"
-                )
-
-
 # ---- replay: the one simulator -----------------------------------------------------------
 
 
 def replay(
-    schedule: Mapping[int, list[Action]], num_stages: int, durations: Mapping[ActionKind, float] | None = None
+    schedule: Mapping[int, list[Action]], durations: Mapping[ActionKind, float] | None = None
 ) -> dict[int, list[tuple[float, float]]]:
     """Run every rank's list in order; per rank the (start, end) of each action.
 
-    An action starts when its rank's previous one ends; a recv also not before its send ends
-    (sends are buffered and never wait). ``durations`` per kind, 0 for kinds not given. Raises
+    An action starts when its rank's previous one ends; a recv also not before the send it pairs
+    with ends (sends are buffered and never wait). ``durations`` per kind, 0 for kinds not given. Raises
     :class:`ScheduleError` listing where each rank is stuck if no rank can progress (deadlock).
     """
     durations = durations or {}
@@ -488,16 +454,12 @@ def replay(
                 if action.kind in SEND_KINDS:
                     send_end[action] = clock[rank]
                 progressed = True
-    stuck = [rank for rank, actions in schedule.items() if len(times[rank]) < len(actions)]
+    stuck = []
+    for rank, actions in schedule.items():
+        if len(times[rank]) < len(actions):
+            action, send = actions[len(times[rank])], _pair(actions[len(times[rank])])
+            where = f"{action} (position {len(times[rank])})"
+            stuck.append(f"rank {rank} is stuck at {where}, waiting for {send} from rank {send.stage % len(schedule)}")
     if stuck:
-        raise ScheduleError(
-            "deadlock: no rank can progress; " + "; ".join(_stuck_at(schedule, times, r, num_stages) for r in stuck)
-        )
+        raise ScheduleError("deadlock: no rank can progress; " + "; ".join(stuck))
     return times
-
-
-def _stuck_at(schedule: Mapping[int, list[Action]], times: Mapping[int, list], rank: int, num_stages: int) -> str:
-    action = schedule[rank][len(times[rank])]
-    send = _pair(action)
-    peer = stage_to_rank(send.stage, len(schedule)) if send.stage < num_stages else None
-    return f"rank {rank} is stuck at {action} (position {len(times[rank])}), waiting for {send} from rank {peer}"
