@@ -88,6 +88,7 @@ class Collective:
     axis: int = 0
     split_axis: int = 0
     root: int = 0
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, CollectiveKind):

@@ -9,6 +9,7 @@ program is a clone.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
@@ -18,16 +19,18 @@ from autopar.errors import AnnotationError, AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.micro_batching import micro_batching
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
 from autopar.passes.fetch_replication import FetchReplication
 from autopar.passes.partition import Partition
+from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.propagation import propagate
-from autopar.strategy import Strategy
+from autopar.strategy import PipelineConfig, Strategy
 
 
 def compile(  # noqa: A001  (the public name the design card fixes)
@@ -46,16 +49,16 @@ def compile(  # noqa: A001  (the public name the design card fixes)
         raise AutoparError(f"callback must be callable (pass, state, rank_program_or_None) or None, got {type(callback).__name__}")
     with gc_paused():
         strategy = _checked(strategy)
+        if strategy.pipeline is None and _has_stages(program, mesh):
+            strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
         pipeline = PassPipeline(tuple(passes_for(strategy)), callback)
         state = analyze(program, mesh, startup_program, strategy, pipeline)
-        staged = sorted({str(m) for m in state.propagation.op_meshes.values() if m != mesh})
-        if staged:
-            # sub-mesh (pipeline stage) programs need stage splitting and send/recv: the pipeline
-            # issue. Propagation results stay available; rank programs say why they are missing.
-            state.unavailable = f"ops run on sub-meshes {staged}; per-rank programs for pipeline stages are not built yet"
-        else:
-            pipeline.plan(state)
+        pipeline.plan(state)
         return DistributedProgram(program, startup_program, state, pipeline)
+
+
+def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
+    return any(op_mesh != mesh for op_mesh in annotations_of(program).ops.values())
 
 
 def passes_for(strategy: Strategy) -> list[Pass]:
@@ -66,6 +69,8 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes += [ReshardPlanning(), ReshardEmission()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
+    if strategy.pipeline is not None:
+        passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
     passes += [FetchReplication(), BackendLowering()]
     return passes
 
@@ -86,13 +91,16 @@ def analyze(
     _check_static_shapes(graph)
     _check_startup(graph, startup_program)
     warn_foreign_annotations(program, graph)
-    user = _user_placements(program, graph, mesh)
+    micro = None
+    if strategy.pipeline is not None and strategy.pipeline.micro_batches > 1:
+        micro = micro_batching(graph, strategy.pipeline.micro_batches)  # the graph now has one micro-batch's shapes
+    user = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None)
     _refuse_meaningless_partials(graph, user)
     made = pipeline.annotations(graph, mesh) if pipeline is not None else {}
     op_meshes = _op_meshes(program, graph, mesh)
     cluster = _cluster(strategy).fitted(mesh.ranks)
     result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy=made)
-    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program)
+    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program, micro=micro)
 
 
 def _refuse_meaningless_partials(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
@@ -177,7 +185,7 @@ def _cluster(strategy: Strategy) -> Any:
     return load_cluster(strategy.cluster) if strategy.cluster else default_cluster()
 
 
-def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[ValueKey, DistAttr]:
+def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, staged: bool = False) -> dict[ValueKey, DistAttr]:
     placements = {}
     for impl_id, (attr, label) in annotations_of(program).tensors.items():
         key = graph._by_impl.get(impl_id)
@@ -185,7 +193,7 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> di
             raise AnnotationError(f"tensor {label!r} is annotated but is not a value of the compiled program")
         if not mesh.contains(attr.mesh):
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh}, which is not a sub-mesh of {mesh}")
-        if attr.mesh != mesh:
+        if attr.mesh != mesh and not (staged and attr.mesh.size < mesh.size):
             why = (
                 "annotate with the mesh given to compile" if attr.mesh.size == mesh.size
                 else "sub-mesh placements land with the pipeline (place a stage's ops with shard_op)"

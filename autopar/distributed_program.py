@@ -21,7 +21,7 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, PassPipeline, RankProgram
 from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
-from autopar.rank_plan import RankPlan, ValueInfo, ValueTable
+from autopar.rank_plan import PipelineRole, RankPlan, ValueInfo, ValueTable
 from autopar.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -151,15 +151,39 @@ class DistributedProgram:
         )
 
     def _build_plan(self, rp: RankProgram, backend: str) -> RankPlan:
-        where = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
+        ops = list(rp.program.global_block().ops)
+        where = {op.id(): i for i, op in enumerate(ops)}
         replaced = {key: (where[v.get_defining_op().id()], v.index()) for key, v in rp.replaced.items()}
         collectives = tuple(sorted(((c, where[op_id]) for c, op_id in rp.collectives), key=lambda item: item[1]))
         fetched = tuple((where[v.get_defining_op().id()], v.index()) for v in (rp.fetched[k] for k in rp.fetches if k in rp.fetched))
         return RankPlan(
             rp.rank, self.mesh, backend, rp.program, rp.startup, collectives, dict(rp.rings), self.values,
-            tuple(where[op.id()] for op in rp.ops), replaced, tuple(rp.stages), tuple(self.pipeline.names()),
-            rp.fetches if len(fetched) == len(rp.fetches) else (), fetched,
+            tuple(where[op.id()] if op is not None else -1 for op in rp.ops), replaced, tuple(rp.stages),
+            tuple(self.pipeline.names()), rp.fetches if len(fetched) == len(rp.fetches) else (), fetched,
+            self._pipeline_role(rp, ops),
         )
+
+    def _pipeline_role(self, rp: RankProgram, ops: list[Any]) -> PipelineRole | None:
+        plan, micro = self.state.pipeline, self.state.micro
+        if plan is None:
+            return None
+        stage = plan.stage_of_rank(rp.rank)
+        summed = frozenset(k for k in micro.placements if micro.pending_sum(k)) if micro is not None else frozenset()
+        split = frozenset(k for k in micro.placements if micro.split_dim(k) is not None) if micro is not None else frozenset()
+        return PipelineRole(
+            stage, plan.actions[stage], plan.micro_batches, tuple(rp.phases[op.id()] for op in ops),
+            dict(micro.feeds) if micro is not None else {}, summed, split,
+        )  # fmt: skip
+
+    def schedule(self, rank: int) -> tuple[Any, ...]:
+        """The verified pipeline actions ``rank`` runs each step (``2F0``: stage 2's forward of
+        micro-batch 0; send / recv included)."""
+        if self.state.pipeline is None:
+            raise AutoparError("this program has no pipeline (no stages placed with shard_op, no Strategy.pipeline)")
+        if rank not in self.mesh.ranks:
+            raise AutoparError(f"rank {rank} is not in {self.mesh}")
+        plan = self.state.pipeline
+        return plan.actions[plan.stage_of_rank(rank)]
 
     def rank_program(self, rank: int) -> Any:
         """The PIR program rank ``rank`` runs (local shapes, inserted collectives)."""

@@ -73,10 +73,16 @@ class ValueNode:
     kind: str = "activation"  # "parameter", "feed", "state" (persistable data), "constant", "activation"
     const: Any = None  # value of a full_int_array / full constant
     users: list[int] = field(default_factory=list)
+    declared: tuple[int, ...] | None = None  # the program's shape, where micro-batching made ``shape`` smaller
 
     @property
     def label(self) -> str:
         return self.name or f"%{self.key[0]}.{self.key[1]}"
+
+    @property
+    def program_shape(self) -> tuple[int, ...]:
+        """The shape the serial program declares (``shape`` is one micro-batch's)."""
+        return self.declared if self.declared is not None else self.shape
 
 
 class ProgramGraph:

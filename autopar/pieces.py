@@ -73,8 +73,9 @@ def reduce_partials(pieces: Mapping[int, np.ndarray], dist: DistAttr) -> dict[in
 
 
 def assemble(pieces: Mapping[int, np.ndarray], dist: DistAttr, shape: Sequence[int]) -> np.ndarray:
-    """The global array from every rank's piece (partials reduced, shards placed)."""
-    reduced = reduce_partials(pieces, dist)
+    """The global array from every rank's piece (partials reduced, shards placed); only the
+    ranks of ``dist``'s mesh are read (a pipeline stage's value is on its ranks only)."""
+    reduced = reduce_partials({r: pieces[r] for r in dist.mesh.ranks}, dist)
     first = next(iter(reduced.values()))
     out = np.empty(tuple(shape), dtype=first.dtype)
     for rank, piece in reduced.items():

@@ -118,6 +118,25 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class PipelineRole:
+    """What a pipelined rank runs: its stage's verified schedule, one micro-batch at a time.
+
+    ``phases``: per op of the program, the phase it runs in ("F", "B": once per micro-batch;
+    "OPT": once per step). ``feed_dims``: each feed's dim cut into micro-batches.
+    ``summed``: values pending a sum over the micro-batches (losses, gradients): a fetch adds
+    its micro-batches' pieces, the update reads the accumulated gradients.
+    """
+
+    stage: int
+    actions: tuple[Any, ...]  # autopar.schedule.Action values, send / recv included
+    micro_batches: int
+    phases: tuple[str, ...]
+    feed_dims: Mapping[str, int]
+    summed: frozenset[ValueKey]
+    split: frozenset[ValueKey] = frozenset()  # values split over the micro-batches (not fetched)
+
+
+@dataclass(frozen=True)
 class RankPlan:
     """One rank's contract (see the module docstring). ``backend``: the form of ``program``
     ("host": collectives are placeholders the runtime performs; "native": real ops)."""
@@ -136,6 +155,7 @@ class RankPlan:
     passes: tuple[str, ...] = ()
     fetches: tuple[ValueKey, ...] = ()  # values the program makes whole on every rank at the end of the step
     fetch_positions: tuple[tuple[int, int], ...] = ()  # where (op position, result), in ``fetches`` order
+    pipeline: PipelineRole | None = None
 
     @property
     def world_size(self) -> int:
@@ -184,7 +204,8 @@ class RankPlan:
             array = _feed_array(name, array, info)
             if tuple(array.shape) != info.shape:
                 raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(info.shape)}")
-            local[name] = self._piece(info, array)
+            if self.rank in info.placement.mesh.ranks:  # (a feed of another pipeline stage is not read here)
+                local[name] = self._piece(info, array)
         return local
 
     def _piece(self, info: ValueInfo, array: np.ndarray) -> np.ndarray:

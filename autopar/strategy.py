@@ -13,7 +13,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 
-SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B", "ZBH1")
 
 
 def _named_fields(cls: type) -> type:
@@ -59,7 +59,6 @@ class PipelineConfig:
 
 # fields whose passes have not landed yet: value that means "off" -> the issue that builds it
 NOT_YET = {
-    "pipeline": (None, "pipeline parallelism (stages, send/recv, schedules)"),
     "sequence_parallel": (False, "sequence parallelism"),
     "recompute": (False, "recompute"),
 }

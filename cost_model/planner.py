@@ -401,6 +401,9 @@ def _plan_cross(
     itemsize = dtype_bytes(dtype)
     here = _Problem(src.mesh, shape, itemsize, kinds, cluster)
     there = _Problem(dst.mesh, shape, itemsize, kinds, cluster)
+    held = _held(src, dst, shape)
+    if held is not None:  # every destination rank already holds its piece: local steps only
+        return _shortest(there, held, dst)
     options: list[tuple[ReshardStep, ...]] = []
     if src.mesh.shape == dst.mesh.shape:
         for assign in itertools.product(*(_choices(len(shape), kinds) for _ in range(src.mesh.ndim))):
@@ -424,6 +427,33 @@ def _plan_cross(
     )  # fmt: skip
     options.append(before + (first, spread) + after)
     return min(options, key=lambda steps: (sum(_cost(s) for s in steps), len(steps)))
+
+
+def _held(src: DistAttr, dst: DistAttr, shape: tuple[int, ...]) -> DistAttr | None:
+    """``src`` re-expressed on ``dst.mesh`` when that mesh is inside ``src.mesh`` and each of its
+    ranks holds the same piece under both (a stage reading a value replicated over the whole
+    mesh, or split along a dim the stage shares); None otherwise."""
+    if not set(dst.mesh.ranks) <= set(src.mesh.ranks):
+        return None
+    names = {name: d for d, name in enumerate(dst.mesh.dim_names)}
+
+    def moved(d: int) -> int | None:
+        there = names.get(src.mesh.dim_names[d])
+        return there if there is not None and dst.mesh.shape[there] == src.mesh.shape[d] else None
+
+    used = [d for dims in src.mapping for d in dims] + [d for d, _ in src.partial]
+    if any(moved(d) is None for d in used):
+        return None
+    mapping = tuple(tuple(moved(d) for d in dims) for dims in src.mapping)
+    partial = tuple(sorted((moved(d), kind) for d, kind in src.partial))
+    held = DistAttr.of(dst.mesh, mapping, partial)
+    for rank in dst.mesh.ranks:
+        if held.local_slices(shape, rank) != src.local_slices(shape, rank):
+            return None
+        here, there = src.mesh.coordinate(rank), dst.mesh.coordinate(rank)
+        if any(here[d] != there[moved(d)] for d, _ in src.partial):
+            return None
+    return held
 
 
 def _choices(ndim: int, kinds: tuple[str, ...]) -> list[Placement]:

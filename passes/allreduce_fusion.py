@@ -6,17 +6,21 @@ of propagation). Each collective pays a launch latency, and on the host backend 
 and a Python round trip, so PyTorch DDP / Paddle fuse them into buckets.
 
 Planning, from the planned reshards (values, the same on every rank): single-step
-all-reduces read after the last backward op (every gradient is complete there), along the
+all-reduces read after the last grad op (every gradient is complete there), along the
 same mesh dims with the same reduction and dtype, are packed in program order into buckets of
 at most ``bucket_bytes``; each bucket is priced as one all-reduce of its total size. A
-reshard whose result another read shares stays out (it is emitted on its own).
+gradient read twice made complete (global-norm clipping: the norm, then the scaling before
+the optimizer) is one reshard whose result the later read shares: the bucket serves both
+reads, so a bucket's ``members`` are its gradients' reshards followed by the reads sharing
+them (those move nothing of their own).
 
 Emission, per rank: each bucket becomes
 
     flatten each gradient -> concat -> one all_reduce -> split -> reshape back
 
-right before the first member's reader. The bytes moved stay the same; the number of
-collectives drops to one per bucket, recorded once with the gradients it carries.
+right before the first member's reader; a read sharing a member's reshard reads that
+member's piece. The bytes moved stay the same; the number of collectives drops to one per
+bucket, recorded once with the gradients it carries.
 """
 
 from __future__ import annotations
@@ -66,7 +70,14 @@ class AllreduceFusion(Pass):
             bucket.append(planned)
         done.extend(open_buckets.values())
         done = sorted((b for b in done if len(b) > 1), key=lambda b: b[0].need.op)
-        state.buckets = [_bucket(state, number, members) for number, members in enumerate(done)]
+        sharing: dict[int, list[PlannedReshard]] = {}
+        for planned in state.reshards:
+            if planned.shared_with is not None:
+                sharing.setdefault(planned.shared_with, []).append(planned)
+        state.buckets = [
+            _bucket(state, number, members, [s for m in members for s in sharing.get(m.index, ())])
+            for number, members in enumerate(done)
+        ]
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
@@ -74,22 +85,26 @@ class AllreduceFusion(Pass):
         by_index = {p.index: p for p in state.reshards}
         with paddle.static.program_guard(rp.program):
             for bucket in state.buckets:
+                if rp.rank not in bucket.src.mesh.ranks:
+                    continue  # another pipeline stage's gradients
                 _emit_bucket(state, rp, bucket, [by_index[i] for i in bucket.members])
             paddle.pir.reset_insertion_point_to_end()
 
 
 def _candidates(state: CompileState) -> list[PlannedReshard]:
-    """Single all-reduce reshards read after the last backward op, in reader order."""
-    backward = [op.index for op in state.graph.ops if op.role is Role.BACKWARD]
-    start = max(backward, default=len(state.graph.ops))
-    shared = {p.shared_with for p in state.reshards if p.shared_with is not None}
+    """Single all-reduce reshards read after the last grad op, in reader order (reads sharing
+    an earlier reshard's result are not candidates: they follow it)."""
+    # every gradient is complete once the last grad op has run; what follows (accumulation,
+    # clipping, the optimizer) only reads gradients. Not the last op of backward role: ops
+    # reading gradients count as backward, so clipping's reads would fall before it
+    grad_ops = [op.index for op in state.graph.ops if op.role is Role.BACKWARD and op.short_name.endswith("_grad")]
+    start = max(grad_ops, default=len(state.graph.ops))
     out = []
     for planned in state.reshards:
         steps = planned.plan.steps
         if (
             planned.need.site.kind is SiteKind.BEFORE_READ
             and planned.shared_with is None
-            and planned.index not in shared
             and planned.need.op > start
             and len(steps) == 1
             and steps[0].kind is CollectiveKind.ALL_REDUCE
@@ -102,7 +117,10 @@ def _reduced(planned: PlannedReshard) -> dict[int, str]:
     return {d: k for d, k in planned.need.have.partial if d not in planned.need.need.partial_dims}
 
 
-def _bucket(state: CompileState, number: int, members: list[PlannedReshard]) -> GradientBucket:
+def _bucket(
+    state: CompileState, number: int, members: list[PlannedReshard], sharing: list[PlannedReshard]
+) -> GradientBucket:
+    """The bucket of ``members`` (the reshards it moves); ``sharing``: later reads of their results."""
     first = members[0]
     (step,) = first.plan.steps
     numel = sum(math.prod(m.need.need.local_shape(m.plan.shape, m.need.need.mesh.ranks[0])) for m in members)
@@ -111,16 +129,17 @@ def _bucket(state: CompileState, number: int, members: list[PlannedReshard]) -> 
     plan = plan_reshard(src, DistAttr.of(mesh, ((),)), (numel,), first.plan.dtype, state.cluster)
     names = ", ".join(state.graph.values[m.need.value].label for m in members)
     return GradientBucket(
-        index=number, members=tuple(m.index for m in members), mesh_dims=tuple(step.mesh_dims),
+        index=number, members=tuple(m.index for m in members + sharing), mesh_dims=tuple(step.mesh_dims),
         reduce=step.reduce or "sum", src=src, dtype=first.plan.dtype, numel=numel,
         bytes=int(sum(m.plan.steps[0].bytes for m in members)), time=plan.time,
         reason=f"{len(members)} gradient all_reduces fused into one buffer: {names}",
     )  # fmt: skip
 
 
-def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, members: list[PlannedReshard]) -> None:
+def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, planned: list[PlannedReshard]) -> None:
     import paddle
 
+    members = [p for p in planned if p.shared_with is None]
     first_reader, _ = read_site(state, rp, members[0])
     paddle.pir.set_insertion_point(first_reader)
     inputs = [rp.current(m.need.value) for m in members]
@@ -135,6 +154,10 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, m
         consumer, slot = read_site(state, rp, member)
         consumer.operand(slot).set_source(out)
         rp.resharded[member.index] = out
+    for read in planned:
+        if read.shared_with is not None:
+            consumer, slot = read_site(state, rp, read)
+            consumer.operand(slot).set_source(rp.resharded[read.shared_with])
     total = sum(math.prod(s) for s in shapes)
     collective = Collective(
         kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),

@@ -76,6 +76,8 @@ class CompileState:
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
     zero: tuple[Any, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
+    micro: Any = None  # micro-batching analysis (autopar.micro_batching), when the pipeline runs several
+    pipeline: Any = None  # stages and schedule (passes/pipeline_split.py)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
     _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 
@@ -117,7 +119,7 @@ class RankProgram:
 
     rank: int
     program: Any
-    ops: list[Any]  # serial op index -> op of the clone
+    ops: list[Any]  # serial op index -> op of the clone (None: erased, another pipeline stage's)
     backend: str = "host"  # the form built: "host" (collectives run by the runtime) or "native"
     startup: Any = None  # the rank's startup program: serial initial values, sliced
     collectives: list[tuple[Collective, int]] = field(default_factory=list)  # (value, id of the op carrying it)
@@ -128,6 +130,7 @@ class RankProgram:
     stages: list[str] = field(default_factory=list)
     fetches: tuple[ValueKey, ...] = ()  # values the runtime fetches (made whole by fetch_replication)
     fetched: dict[ValueKey, Any] = field(default_factory=dict)  # fetch -> its whole value
+    phases: dict[int, str] = field(default_factory=dict)  # op id -> pipeline phase ("F", "B", "OPT")
 
     def value(self, key: ValueKey) -> Any:
         """The serial value's result in this clone, as its op made it."""

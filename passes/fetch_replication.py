@@ -35,6 +35,8 @@ class FetchReplication(Pass):
         with paddle.static.program_guard(rp.program):
             paddle.pir.reset_insertion_point_to_end()
             for index, key in enumerate(rp.fetches):
+                if state.pipeline is not None:
+                    return  # a pipeline's fetches are added up over micro-batches by its runner
                 rp.fetched[key] = _replicate(state, rp, index, key)
             paddle.pir.reset_insertion_point_to_end()
 

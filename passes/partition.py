@@ -56,6 +56,8 @@ class Partition(Pass):
                 if key is None:
                     continue
                 dist = state.propagation.dist(key)
+                if rank not in dist.mesh.ranks:
+                    continue  # another stage's parameter: initialized whole (unused on this rank)
                 shape = state.graph.values[key].shape
                 slices = dist.local_slices(shape, rank)
                 axes = [t for t, s in enumerate(slices) if (s.start, s.stop) != (0, shape[t])]
@@ -76,6 +78,8 @@ class Partition(Pass):
         for key in state.graph.tensor_keys():
             value = state.graph.values[key]
             dist = state.propagation.dist(key)
+            if rp.rank not in dist.mesh.ranks and state.strategy.pipeline is not None:
+                continue  # another stage's value: erased by pipeline_split
             if rp.rank not in dist.mesh.ranks:
                 raise AutoparError(
                     f"{value.label} lies on {dist.mesh}, which does not hold rank {rp.rank}; "
@@ -85,7 +89,7 @@ class Partition(Pass):
             # a value annotated unlike what its producer makes is resharded right after the
             # producer: the producer's own result has the produced placement's shape
             made = produced_shape(state, key, rp.rank) or local
-            if made == value.shape:
+            if made == value.program_shape:
                 continue
             pir_value = rp.value(key)
             pir_value.set_type(paddle.pir.create_shaped_type(pir_value.type(), list(made)))
@@ -98,10 +102,12 @@ class Partition(Pass):
         import paddle
 
         for op in state.graph.ops:
+            if not _holds(state, op.outputs[0] if op.outputs else None, rp.rank):
+                continue
             if op.name in RESHAPE_OPS:
                 out = op.outputs[0]
                 local = produced_shape(state, out, rp.rank) or _local(state, out, rp.rank)
-                if local == state.graph.values[out].shape:
+                if local == state.graph.values[out].program_shape:
                     continue
                 pir_op = rp.ops[op.index]
                 paddle.pir.set_insertion_point(pir_op)
@@ -109,7 +115,7 @@ class Partition(Pass):
                 pir_op.operand(1).set_source(target)
             elif op.name == "pd_op.full" and op.outputs[0] is not None:
                 local = produced_shape(state, op.outputs[0], rp.rank) or _local(state, op.outputs[0], rp.rank)
-                if local != state.graph.values[op.outputs[0]].shape:
+                if local != state.graph.values[op.outputs[0]].program_shape:
                     rp.ops[op.index].set_int_array_attr("shape", list(local))
 
     def _local_scales(self, state: CompileState, rp: RankProgram) -> None:
@@ -118,7 +124,11 @@ class Partition(Pass):
         for op in state.graph.ops:
             if op.name in VECTOR_OPS or op.index not in state.propagation.op_results:
                 continue
+            if rp.rank not in state.propagation.op_meshes[op.index].ranks:
+                continue
             factor = local_scale(state, op, rp.rank)
+            if state.micro is not None:  # a mean over one micro-batch: a partial sum over them
+                factor *= state.micro.scales.get(op.index, 1.0)
             if factor == 1.0:
                 continue
             pir_op = rp.ops[op.index]
@@ -137,6 +147,10 @@ class Partition(Pass):
                     for i in range(user.num_operands()):
                         if user.operand_source(i).is_same(produced):
                             user.operand(i).set_source(scaled)
+
+
+def _holds(state: CompileState, key: Any, rank: int) -> bool:
+    return key is None or key not in state.propagation.states or rank in state.propagation.dist(key).mesh.ranks
 
 
 def _local(state: CompileState, key: Any, rank: int) -> tuple[int, ...]:

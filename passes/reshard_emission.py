@@ -54,6 +54,10 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     import paddle
 
     need = planned.need
+    if not _involved(state, rp.rank, planned):
+        return  # another pipeline stage's reshard
+    if planned.shared_with is not None and planned.shared_with not in rp.resharded:
+        return
     if need.site.kind is not SiteKind.BEFORE_READ:
         paddle.pir.set_insertion_point_after(rp.ops[need.op])
     else:
@@ -83,6 +87,13 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     rp.resharded[planned.index] = current
 
 
+def _involved(state: CompileState, rank: int, planned: PlannedReshard) -> bool:
+    """Whether ``rank`` runs the op the reshard is placed at or takes part in one of its steps."""
+    if rank in state.propagation.op_meshes.get(planned.need.op, state.mesh).ranks:
+        return True
+    return any(step.group_of(rank) is not None for step in planned.plan.steps)
+
+
 def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey) -> Any:
     """Emit one plan step on ``rp.rank``; returns the value holding the new placement."""
     import paddle
@@ -91,6 +102,8 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
     group = step.group_of(rank)
     if group is None:
         return x
+    if step.kind is CollectiveKind.SEND_RECV:
+        return _point_to_point(state, rp, step, x, value, reason, key, group)
     local = step.dst.local_shape(value.shape, rank)
     if step.kind is CollectiveKind.SLICE:
         out = _slice(x, step, value.shape, rank)
@@ -104,11 +117,39 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
             shape=tuple(value.shape), output_shape=tuple(local), bytes=step.bytes, time=step.time, reason=reason,
             reduce=step.reduce or "sum", axis=step.tensor_dims[0] if step.tensor_dims else 0,
             split_axis=step.tensor_dims[-1] if step.kind is CollectiveKind.ALL_TO_ALL else 0,
+            root=0, dtype=value.dtype,
         )  # fmt: skip
         ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
         out = collective_op(collective, x, ring)
         rp.collectives.append((collective, out.get_defining_op().id()))
     out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))
+    return out
+
+
+def _point_to_point(
+    state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey, pair: tuple[int, ...]
+) -> Any:
+    """One rank's half of a move between meshes (pipeline stages): a ``send`` of what it holds,
+    or a ``recv`` of the piece it will hold. The receiver's op does not read the sender's value
+    (that value is made on another stage): it stands for the message, typed to the local shape."""
+    import paddle
+
+    sender, receiver = pair
+    sending = rp.rank == sender
+    shape = tuple(value.shape)
+    local = step.src.local_shape(shape, sender) if sending else step.dst.local_shape(shape, receiver)
+    collective = Collective(
+        kind=CollectiveKind.SEND if sending else CollectiveKind.RECV, group=pair, key=key, value=value.label,
+        src=step.src, dst=step.dst, shape=shape, output_shape=tuple(local), bytes=step.bytes, time=step.time,
+        reason=reason, dtype=value.dtype,
+    )  # fmt: skip
+    rp.rings.setdefault(pair, state.ring_of((), pair))
+    if sending:
+        out = paddle._C_ops.assign(x)
+    else:
+        out = paddle._C_ops.assign(paddle._C_ops.full(list(local), 0.0, x.dtype, paddle.CPUPlace()))
+        out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))
+    rp.collectives.append((collective, out.get_defining_op().id()))
     return out
 
 
@@ -123,6 +164,8 @@ def collective_op(collective: Collective, x: Any, ring: int) -> Any:
         return paddle._C_ops.all_gather(x, ring, len(collective.group))
     if kind is CollectiveKind.ALL_TO_ALL:
         return paddle._C_ops.all_to_all(x, ring)
+    if kind is CollectiveKind.BROADCAST:
+        return paddle._C_ops.broadcast(x, ring, collective.root)
     if kind is not CollectiveKind.REDUCE_SCATTER:
         raise AutoparError(f"no op carries {kind} in a rank program yet (reshard of {collective.value})")
     try:

@@ -15,10 +15,13 @@ from typing import ClassVar
 
 from autopar.collective import CollectiveKind
 from autopar.cost_model import ReshardPlan, plan_reshard
+from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard
 from autopar.propagation import ReshardNeed, SiteKind
+
+SOURCES = ("parameter", "state", "feed")
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,11 @@ class ReshardPlanning(Pass):
         written_back = {(n.op, n.site.slot) for n in state.propagation.reshards if n.site.kind is SiteKind.WRITE_BACK}
         for index, need in enumerate(state.propagation.reshards):
             value = state.graph.values[need.value]
-            plan = plan_reshard(need.have, need.need, value.shape, value.dtype, state.cluster)
+            have = need.have
+            if value.kind in SOURCES and have.mesh != need.need.mesh and not (have.partial or have.sharded_mesh_dims()):
+                # a whole parameter, state or feed: every rank has its own copy (start-up and feeds run everywhere)
+                have = DistAttr.replicated(need.need.mesh, len(value.shape))
+            plan = plan_reshard(have, need.need, value.shape, value.dtype, state.cluster)
             if not plan.steps:
                 continue
             _check_site(state, need, plan, written_back)
@@ -66,8 +73,8 @@ def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan, writt
     value = state.graph.values[need.value]
     reader = state.graph.ops[need.op]
     for step in plan.steps:
-        if step.kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST):
-            raise AutoparError(f"reshard of {value.label} across meshes ({step}) lands with the pipeline issue")
+        if step.kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) and state.strategy.pipeline is None:
+            raise AutoparError(f"reshard of {value.label} across meshes ({step}): meshes of several stages need a pipeline")
     if need.site.kind is not SiteKind.BEFORE_READ:
         return
     in_place = reader.short_name.endswith("_") and value.kind in ("parameter", "state")

@@ -14,7 +14,7 @@ performs it between segments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
@@ -24,10 +24,17 @@ from autopar.runtime.jobs import CollectiveCall, Job, Segment
 
 @dataclass
 class HostPlan:
-    """One rank's jobs, plus where each exported value lives in the scope."""
+    """One rank's jobs, plus where each exported value lives in the scope.
+
+    Pipelined plans: ``phases[i]`` is job ``i``'s phase ("F", "B", "OPT"; a segment never spans
+    two) and ``accumulated`` the scope names made once per micro-batch and read by the update
+    (gradients: the runner sums them over the micro-batches).
+    """
 
     jobs: list[Job]
     names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
+    phases: list[str] = field(default_factory=list)
+    accumulated: list[str] = field(default_factory=list)
 
 
 def _scope_name(op: Any, position: int, result: int, prefix: str = "autopar") -> str:
@@ -65,12 +72,9 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
     program = plan.program
     ops = list(program.global_block().ops)
     comm_at = {position: collective for collective, position in plan.collectives}
-    cuts = sorted(comm_at)
-    bounds = list(zip([-1, *cuts], [*cuts, len(ops)]))  # segment k: ops strictly between
-    segment_of = {}
-    for k, (lo, hi) in enumerate(bounds):
-        for i in range(lo + 1, hi):
-            segment_of[i] = k
+    phase = plan.pipeline.phases if plan.pipeline is not None else ("",) * len(ops)
+    runs = _runs(len(ops), comm_at, phase)
+    segment_of = {i: k for k, (kind, members) in enumerate(runs) if kind == "segment" for i in members}
     position = {op.id(): i for i, op in enumerate(ops)}
     for i, op in enumerate(ops):
         if op.name() == "builtin.combine":  # a vector cannot live in the scope: build it where it is read
@@ -85,18 +89,50 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
     crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
     names = {key: _scope_name(ops[key[0]], *key, prefix) for key in crossing}
     jobs: list[Job] = []
-    for k, (_, hi) in enumerate(bounds):
-        members = {i for i, s in segment_of.items() if s == k}
-        if any(not _is_source(ops[i]) for i in members):
-            jobs.append(_segment(program, k, members, crossing, names, segment_of))
-        if hi < len(ops):
-            source = producer[ops[hi].operand_source(0).id]
-            if is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
-                jobs.append(CollectiveCall(comm_at[hi], str(ops[source[0]].attrs()["name"]), names[(hi, 0)], from_feed=True))
-                continue
-            source_name = names.get(source) or _scope_name(ops[source[0]], *source, prefix)
-            jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
-    return HostPlan(jobs, names)
+    phases: list[str] = []
+    for k, (kind, members) in enumerate(runs):
+        if kind == "segment":
+            mine = {i for i, s in segment_of.items() if s == k}
+            if any(not _is_source(ops[i]) for i in mine):
+                jobs.append(_segment(program, k, mine, crossing, names, segment_of))
+                phases.append(phase[min(mine)])
+            continue
+        (hi,) = members
+        phases.append(phase[hi])
+        source = producer[ops[hi].operand_source(0).id]
+        if is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
+            jobs.append(CollectiveCall(comm_at[hi], str(ops[source[0]].attrs()["name"]), names[(hi, 0)], from_feed=True))
+            continue
+        source_name = names.get(source) or _scope_name(ops[source[0]], *source, prefix)
+        jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
+    accumulated = _accumulated(ops, crossing, names, phase, position) if plan.pipeline is not None else []
+    return HostPlan(jobs, names, phases, accumulated)
+
+
+def _runs(count: int, comm_at: dict, phase: tuple[str, ...]) -> list[tuple[str, list[int]]]:
+    """Segments (maximal runs of ops in one phase between collectives) and collectives, in order."""
+    runs: list[tuple[str, list[int]]] = [("segment", [])]
+    for i in range(count):
+        if i in comm_at:
+            runs += [("collective", [i]), ("segment", [])]
+            continue
+        members = runs[-1][1]
+        if members and phase[members[0]] != phase[i]:
+            runs.append(("segment", []))
+        runs[-1][1].append(i)
+    return runs
+
+
+def _accumulated(ops: list[Any], crossing: set, names: dict, phase: tuple[str, ...], position: dict) -> list[str]:
+    """Crossing values made per micro-batch (F / B) and read by the once-per-step update."""
+    out = []
+    for key in sorted(crossing):
+        if phase[key[0]] == "OPT":
+            continue
+        readers = [position[u.id()] for u in ops[key[0]].result(key[1]).all_used_ops()]
+        if any(phase[r] == "OPT" for r in readers):
+            out.append(names[key])
+    return out
 
 
 def _crossing_values(ops, producer, segment_of, comm_at, exports) -> set[tuple[int, int]]:

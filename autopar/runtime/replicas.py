@@ -49,7 +49,7 @@ def first_mismatch(values: ValueTable, digests: Mapping[int, Mapping[str, str]])
             continue  # pending sums differ by design
         holders: dict[tuple, list[int]] = {}
         for rank in sorted(digests):
-            if name in digests[rank]:
+            if name in digests[rank] and rank in info.placement.mesh.ranks:  # (a stage's copy only)
                 piece = tuple((s.start, s.stop) for s in info.placement.local_slices(info.shape, rank))
                 holders.setdefault(piece, []).append(rank)
         for piece, ranks in holders.items():

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.collective import CollectiveKind
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
@@ -56,7 +57,7 @@ def simulate_plans(
 ) -> SimulationResult:
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
-    runners = {rank: RankRunner(plan, keys) for rank, plan in plans.items()}
+    runners = {rank: runner_for(plan, keys) for rank, plan in plans.items()}
     start = generator_state()  # every rank draws its start-up values from the same state
     for runner in runners.values():
         use_generator_state(start)
@@ -70,12 +71,46 @@ def simulate_plans(
     return SimulationResult(fetches, parameters(values, runners))
 
 
+def runner_for(plan: RankPlan, keys: Sequence[Any]) -> RankRunner:
+    """The runner of a rank plan: a pipelined one walks its schedule."""
+    if plan.pipeline is not None:
+        from autopar.runtime.pipeline_runner import PipelineRunner
+
+        return PipelineRunner(plan, keys)
+    return RankRunner(plan, keys)
+
+
+def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: dict) -> bool:
+    """Sends deposit their message and go on (buffered, as the schedule's verifier assumes);
+    a recv completes once its message is there. Whether any rank moved."""
+    moved = False
+    for rank in sorted(pending):
+        job = pending[rank]
+        while job is not None and job.kind in (CollectiveKind.SEND, CollectiveKind.RECV):
+            link = (job.key, job.group)
+            if job.kind is CollectiveKind.SEND:
+                mailbox[link] = runners[rank].collective_input()
+                runners[rank].finish_collective(None)
+            elif link in mailbox:
+                runners[rank].finish_collective(mailbox.pop(link))
+            else:
+                break
+            job = pending[rank] = runners[rank].run_until_collective()
+            moved = True
+    return moved
+
+
 def run_step(runners: Mapping[int, RankRunner]) -> None:
     pending = {rank: runner.run_until_collective() for rank, runner in runners.items()}
+    mailbox: dict = {}
     while any(job is not None for job in pending.values()):
+        if _point_to_point(runners, pending, mailbox):
+            continue
         ready = None
         for rank in sorted(r for r, job in pending.items() if job is not None):
             job = pending[rank]
+            if job.kind in (CollectiveKind.SEND, CollectiveKind.RECV):
+                continue
             if all(pending.get(member) is not None and pending[member].key == job.key for member in job.group):
                 ready = job
                 break

@@ -151,7 +151,9 @@ def pending_alike(result: RuleResult, specs: Sequence[TensorSpec | None], positi
     for i in known:
         for d, kind in specs[i].dist.partial:
             kinds.setdefault(d, set()).add(kind)
-    add = {d: next(iter(k)) for d, k in kinds.items() if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS}
+    add = {
+        d: next(iter(k)) for d, k in kinds.items() if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS
+    }
     if not add:
         return result
     for i in positions:  # every operand, also those with no placement yet: all pending alike
@@ -193,7 +195,9 @@ class UnstackRule(SpmdRule):
         return equation([names], [names[:axis] + names[axis + 1 :]] * _unstack_count(inputs, attrs, axis))
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        return spread(einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
+        return spread(
+            einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx
+        )
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
         return spread(einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx), [0], inputs, ctx)

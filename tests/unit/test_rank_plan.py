@@ -118,7 +118,7 @@ def test_native_form_is_lowered_and_host_form_is_not():
     [
         ({"recompute": True}, "Strategy.recompute=True"),
         ({"sequence_parallel": True}, "Strategy.sequence_parallel=True"),
-        ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "Strategy.pipeline="),
+        ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "Strategy.pipeline: the program has no stages"),
         ({"extra": {"overlap": True}}, "Strategy.extra: no pass reads the options \\['overlap'\\]"),
     ],
 )

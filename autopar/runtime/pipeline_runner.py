@@ -1,0 +1,158 @@
+"""PipelineRunner: a pipelined rank's step, walked as its schedule's actions (stage: runtime).
+
+The rank's host plan is cut into phases ("F", "B" per micro-batch, "OPT" once per step). A
+step splits each global feed into the micro-batches, then follows the schedule: ``F`` / ``B``
+of micro-batch ``k`` run that phase's jobs from micro-batch ``k``'s own copy of the host plan,
+whose values passed between jobs have their own scope names (its activations stay in the
+rank's scope from its forward to its backward, whatever runs in between); after a ``B`` the
+gradients the update reads are added to an accumulator; ``OPT`` writes the sums where the
+update reads them and runs it once. (Measured: running the same segments in one child scope
+per micro-batch instead fails inside Paddle's cached interpreters on the second step.) Sends and recvs are collectives inside the F / B
+jobs (the schedule's SEND / RECV actions are where they fall); each is stamped with its
+micro-batch so both ends match. Fetches add up their micro-batches' pieces (a loss is a
+partial sum over them); values split over the micro-batches are not fetched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from autopar.collective import Collective
+from autopar.errors import AutoparError
+from autopar.rank_plan import RankPlan, ValueKey
+from autopar.runtime.host_plan import HostPlan, build_host_plan
+from autopar.runtime.jobs import Segment
+from autopar.runtime.rank_runner import _RUNNERS, RankRunner
+
+Step = tuple[str, int, int]  # ("job", job index, micro-batch) / ("accumulate", -1, k) / ("update", -1, 0) / ("fetch", phase, k)
+
+
+class PipelineRunner(RankRunner):
+    def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None) -> None:
+        super().__init__(plan, fetch_keys, scope)
+        role = self.role = plan.pipeline
+        for key in self.fetch_keys:
+            if key in role.split or key in self.fed:
+                raise AutoparError(
+                    f"fetching {plan.values.info(key).label} of a pipelined program: it is split over the micro-batches; "
+                    "fetch values reduced over the batch (losses, metrics) or parameters"
+                )
+        exports = list(self.exports.values())
+        self.hosts: list[HostPlan] = [self.host] + [
+            build_host_plan(plan, exports, f"autopar.r{next(_RUNNERS)}.mb{k}") for k in range(1, role.micro_batches)
+        ]
+        self.jobs_of = {p: [i for i, ph in enumerate(self.host.phases) if ph == p] for p in ("F", "B", "OPT")}
+        self.fetch_phase = {k: role.phases[pos[0]] for k, pos in self.exports.items()}
+        self.steps: list[Step] = self._steps()
+        self.micro_feeds: list[dict[str, np.ndarray]] = []
+        self.sums: list[np.ndarray | None] = []
+        self.pieces: dict[ValueKey, list[np.ndarray]] = {}
+
+    def _steps(self) -> list[Step]:
+        steps: list[Step] = []
+        for action in self.role.actions:
+            kind = action.kind.value
+            if kind in ("F", "B"):
+                steps += [("job", i, action.micro_batch) for i in self.jobs_of[kind]]
+                steps.append(("fetch", 0 if kind == "F" else 1, action.micro_batch))
+                if kind == "B":
+                    steps.append(("accumulate", -1, action.micro_batch))
+            elif kind == "OPT":
+                steps.append(("update", -1, 0))
+                steps += [("job", i, 0) for i in self.jobs_of["OPT"]]
+        return steps
+
+    # ---- feeds ------------------------------------------------------------------------
+    def set_feeds(self, feed: Mapping[str, Any]) -> None:
+        """Cut each global feed into the micro-batches, then each into this rank's piece."""
+        count = self.role.micro_batches
+        feeds = self.plan.values.named("feed")
+        micro: list[dict[str, Any]] = [{} for _ in range(count)]
+        for name, array in feed.items():
+            dim = self.role.feed_dims.get(name)
+            array = np.asarray(array)
+            if name not in feeds or dim is None:
+                for k in range(count):
+                    micro[k][name] = array
+                continue
+            info = self.plan.values.info(feeds[name])
+            rows = info.shape[dim] * count
+            if array.ndim != len(info.shape) or array.shape[dim] != rows:
+                declared = list(info.shape)
+                declared[dim] = rows
+                raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {declared}")
+            for k, piece in enumerate(np.split(array, count, axis=dim)):
+                micro[k][name] = piece
+        self.micro_feeds = [self.plan.local_feeds(m) for m in micro]
+        self.feeds = self.micro_feeds[-1]
+        self.position = 0
+        self.sums, self.pieces = [None] * len(self.host.accumulated), {}
+
+    # ---- stepping ---------------------------------------------------------------------
+    def _job(self) -> tuple[Any, int]:
+        _, index, micro_batch = self.steps[self.position]
+        return self.hosts[micro_batch].jobs[index], micro_batch
+
+    def run_until_collective(self) -> Collective | None:
+        import paddle
+
+        while self.position < len(self.steps):
+            what, index, micro_batch = self.steps[self.position]
+            if what == "job":
+                job, _ = self._job()
+                if not isinstance(job, Segment):
+                    stamped = dataclasses.replace(job.collective.key, micro_batch=micro_batch)
+                    return dataclasses.replace(job.collective, key=stamped)
+                feeds = self.micro_feeds[micro_batch]
+                with paddle.static.scope_guard(self.scope):
+                    self.executor.run(job.program, feed={n: feeds[n] for n in job.feeds}, fetch_list=[])
+            elif what == "accumulate":
+                for j, name in enumerate(self.hosts[micro_batch].accumulated):
+                    value = self.read(name)
+                    self.sums[j] = value if self.sums[j] is None else self.sums[j] + value
+            elif what == "update":
+                for name, total in zip(self.host.accumulated, self.sums):
+                    if total is not None:
+                        self.write(name, total)
+            else:
+                self._stash(index, micro_batch)
+            self.position += 1
+        return None
+
+    def _stash(self, phase: int, micro_batch: int) -> None:
+        wanted = ("F", "B")[phase]
+        for key, found in self.fetch_phase.items():
+            if found == wanted:
+                self.pieces.setdefault(key, []).append(self.read(self.hosts[micro_batch].names[self.exports[key]]))
+
+    def collective_input(self) -> np.ndarray:
+        job, micro_batch = self._job()
+        if job.collective.kind.value == "recv":
+            return np.zeros((0,), dtype="float32")  # a recv sends nothing
+        if job.from_feed:
+            return self.micro_feeds[micro_batch][job.input]
+        return self.read(job.input)
+
+    def finish_collective(self, output: np.ndarray | None) -> None:
+        job, _ = self._job()
+        if output is not None:
+            self.write(job.output, output)
+        self.position += 1
+
+    # ---- results ---------------------------------------------------------------------
+    def fetch_pieces(self) -> list[np.ndarray | None]:
+        """Each fetch's piece on this rank over the whole step (None: another stage makes it)."""
+        out: list[np.ndarray | None] = []
+        for key in self.fetch_keys:
+            pieces = self.pieces.get(key)
+            if not pieces:
+                out.append(None)
+            elif key in self.role.summed:
+                out.append(np.sum(np.stack(pieces), axis=0))
+            else:
+                out.append(pieces[-1])  # the same on every micro-batch
+        return out

@@ -1,0 +1,174 @@
+"""Bytes moved per training step with and without each training piece (issue 10).
+
+    .venv/bin/python benchmarks/bench_training_pieces.py
+
+For each row, the same program is compiled without and with one piece a training loop adds
+(global-norm gradient clipping so far; batch norm, dropout and the vocabulary-parallel head
+are further rows of :data:`ROWS`), and the collectives rank 0 runs per step are summed from
+``dist.comm_ops(0)``: bytes and count. Compile-time figures (no run): the plan is the truth
+the runtime executes. The ``moved by the piece`` column lists the collectives the piece adds
+(kind and bytes), or ``-``.
+
+Models: a GPT block (embedding, attention, MLP, layer norms, LM head; AdamW) and SimpleNet
+(Linear 256->1024->256->10; Momentum), on dp=2 (batch split), mp=2 (Megatron weights /
+column + row parallel linears) and dp=2 x mp=2.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+warnings.filterwarnings("ignore")
+
+import autopar  # noqa: E402
+from autopar.testing.models import SeedProgram, annotate_megatron  # noqa: E402
+from autopar.units import format_bytes  # noqa: E402
+
+MESHES = {
+    "dp=2": autopar.ProcessMesh([0, 1], ["dp"]),
+    "mp=2": autopar.ProcessMesh([0, 1], ["mp"]),
+    "dp=2 x mp=2": autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]),
+}
+
+
+# ---- programs: ``build(piece_on)`` -> SeedProgram ------------------------------------------------
+
+
+def _optimizer(name: str, clip: bool):
+    import paddle
+
+    grad_clip = paddle.nn.ClipGradByGlobalNorm(1.0) if clip else None
+    if name == "adamw":
+        return paddle.optimizer.AdamW(0.01, weight_decay=0.01, grad_clip=grad_clip)
+    return paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=grad_clip)
+
+
+def gpt(clip: bool, batch: int = 4, seq: int = 16, hidden: int = 64, heads: int = 4, vocab: int = 256) -> SeedProgram:
+    """One GPT block: embedding, attention + MLP with layer norms, LM head; AdamW."""
+    import paddle
+
+    paddle.enable_static()
+    nn, F = paddle.nn, paddle.nn.functional
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 7
+    head_dim = hidden // heads
+    with paddle.static.program_guard(main, startup):
+        ids = paddle.static.data("ids", [batch, seq], "int64")
+        label = paddle.static.data("label", [batch, seq, 1], "int64")
+        mods = {
+            "embedding": nn.Embedding(vocab, hidden), "qkv0": nn.Linear(hidden, 3 * hidden), "proj0": nn.Linear(hidden, hidden),
+            "fc1_0": nn.Linear(hidden, 4 * hidden), "fc2_0": nn.Linear(4 * hidden, hidden), "ln1_0": nn.LayerNorm(hidden),
+            "ln2_0": nn.LayerNorm(hidden), "head": nn.Linear(hidden, vocab),
+        }  # fmt: skip
+        h = mods["embedding"](ids)
+        x = paddle.transpose(paddle.reshape(mods["qkv0"](h), [batch, seq, heads, 3 * head_dim]), [0, 2, 1, 3])
+        q, k, v = paddle.split(x, 3, axis=-1)
+        att = F.softmax(paddle.matmul(q, k, transpose_y=True) * head_dim**-0.5, axis=-1)
+        ctx = paddle.reshape(paddle.transpose(paddle.matmul(att, v), [0, 2, 1, 3]), [batch, seq, hidden])
+        h = mods["ln1_0"](h + mods["proj0"](ctx))
+        h = mods["ln2_0"](h + mods["fc2_0"](F.gelu(mods["fc1_0"](h))))
+        loss = paddle.mean(F.cross_entropy(mods["head"](h), label))
+        _optimizer("adamw", clip).minimize(loss)
+    return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)
+
+
+def simple_net(clip: bool, batch: int = 64, sizes: tuple[int, ...] = (256, 1024, 256, 10)) -> SeedProgram:
+    """SimpleNet: Linear 256->1024->256->10 with ReLU, cross-entropy; Momentum."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 7
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, sizes[0]], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        layers, h = {}, x
+        for i in range(len(sizes) - 1):
+            layers[f"linear{i + 1}"] = layer = paddle.nn.Linear(sizes[i], sizes[i + 1])
+            h = layer(h)
+            if i < len(sizes) - 2:
+                h = paddle.nn.functional.relu(h)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(h, label))
+        _optimizer("momentum", clip).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers)
+
+
+# ---- annotations: the parallelism of a row --------------------------------------------------------
+
+
+def annotate(seed: SeedProgram, mesh: autopar.ProcessMesh) -> None:
+    """Batch split over ``dp``; Megatron weights (GPT) or column + row parallel linear1 /
+    linear2 (SimpleNet) over ``mp``."""
+    if "dp" in mesh.dim_names:
+        feed = seed.feeds["ids"] if "ids" in seed.feeds else seed.feeds["x"]
+        autopar.shard_tensor(feed, mesh, ["dp"] + [None] * (len(feed.shape) - 1))
+    if "mp" not in mesh.dim_names:
+        return
+    if "qkv0" in seed.layers:
+        annotate_megatron(seed, mesh)
+    else:
+        autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
+        autopar.shard_tensor(seed.layers["linear1"].bias, mesh, ["mp"])
+        autopar.shard_tensor(seed.layers["linear2"].weight, mesh, ["mp", None])
+
+
+# ---- rows -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement: ``build(piece_on)`` makes the program, ``mesh`` the parallelism."""
+
+    piece: str
+    model: str
+    mesh: str
+    build: Callable[[bool], SeedProgram]
+
+    def compile(self, piece_on: bool) -> autopar.DistributedProgram:
+        seed = self.build(piece_on)
+        mesh = MESHES[self.mesh]
+        annotate(seed, mesh)
+        return autopar.compile(seed.main, mesh, startup_program=seed.startup)
+
+
+ROWS: list[Row] = [
+    Row("global-norm clip", "GPT block", "dp=2", gpt),
+    Row("global-norm clip", "GPT block", "mp=2", gpt),
+    Row("global-norm clip", "GPT block", "dp=2 x mp=2", gpt),
+    Row("global-norm clip", "SimpleNet", "dp=2", simple_net),
+    Row("global-norm clip", "SimpleNet", "mp=2", simple_net),
+]
+
+
+def traffic(dist: autopar.DistributedProgram, rank: int = 0) -> tuple[int, int, Counter]:
+    """Bytes and number of collectives ``rank`` runs per step, and a count per (kind, bytes)."""
+    ops = dist.comm_ops(rank)
+    return sum(c.bytes for c in ops), len(ops), Counter((str(c.kind), c.bytes) for c in ops)
+
+
+def added(without: Counter, with_: Counter) -> str:
+    extra = with_ - without
+    if not extra:
+        return "-"
+    return ", ".join(
+        f"{n}x {kind} {format_bytes(size)}" for (kind, size), n in sorted(extra.items(), key=lambda i: -i[0][1])
+    )
+
+
+def main() -> None:
+    header = f"{'piece':<17} {'model':<10} {'mesh':<12} {'without':>20} {'with':>20} {'ratio':>6}  moved by the piece"
+    print("bytes moved per step by rank 0 (sum of dist.comm_ops(0)), collectives in parentheses")
+    print(header)
+    print("-" * len(header))
+    for row in ROWS:
+        (b0, n0, k0), (b1, n1, k1) = traffic(row.compile(False)), traffic(row.compile(True))
+        without, with_ = f"{format_bytes(b0)} ({n0})", f"{format_bytes(b1)} ({n1})"
+        ratio = f"{b1 / b0:.2f}" if b0 else "-"
+        print(f"{row.piece:<17} {row.model:<10} {row.mesh:<12} {without:>20} {with_:>20} {ratio:>6}  {added(k0, k1)}")
+
+
+if __name__ == "__main__":
+    main()
