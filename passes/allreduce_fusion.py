@@ -60,7 +60,7 @@ class AllreduceFusion(Pass):
         done: list[list[PlannedReshard]] = []
         for planned in _candidates(state):
             (step,) = planned.plan.steps
-            key = (step.mesh_dims, step.reduce or "sum", planned.plan.dtype)
+            key = (planned.need.have.mesh, step.mesh_dims, step.reduce or "sum", planned.plan.dtype)  # one bucket per stage
             bucket = open_buckets.setdefault(key, [])
             if bucket and sum(m.plan.steps[0].bytes for m in bucket) + step.bytes > self.bucket_bytes:
                 done.append(bucket)
@@ -145,7 +145,7 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, p
     inputs = [rp.current(m.need.value) for m in members]
     shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
     flat = paddle._C_ops.concat([x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)], 0)
-    group = group_at(state.mesh, rp.rank, bucket.mesh_dims)
+    group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
     ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
     fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
     pieces = paddle._C_ops.split(fused, [math.prod(s) for s in shapes], 0)

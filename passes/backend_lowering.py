@@ -33,6 +33,11 @@ class BackendLowering(Pass):
     emit_ensures: ClassVar[str] = "lowered"
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
+        if rp.backend == "native" and state.pipeline is not None:
+            raise AutoparError(
+                "native backend: a pipeline's send / recv and its schedule run on the host backend "
+                "(static gloo programs have no send / recv kernel); use backend='host' or 'auto'"
+            )
         if rp.backend == "native":
             lower_for_native(rp, state.mesh.size)
 

@@ -120,6 +120,10 @@ class Executor:
                 from autopar.runtime.native import NativeRunner
 
                 runner = NativeRunner(plan, list(keys), scope)
+            elif plan.pipeline is not None:
+                from autopar.runtime.pipeline_runner import PipelineRunner
+
+                runner = PipelineRunner(plan, list(keys), scope)
             else:
                 runner = RankRunner(plan, list(keys), scope)
             self._runners[keys] = runner
@@ -173,7 +177,7 @@ class Executor:
         out = []
         for i, key in enumerate(runner.fetch_keys):
             info = self.plan.values.info(key)
-            by_rank = {r: everyone[r][i] for r in self.plan.mesh.ranks}
+            by_rank = {r: everyone[r][i] for r in info.produced.mesh.ranks}
             out.append(assemble(by_rank, info.produced, info.shape))
         return out
 

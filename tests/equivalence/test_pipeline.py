@@ -1,0 +1,91 @@
+"""Pipeline parallelism equals serial in the simulator: losses every step and parameters after
+3 steps (rtol 1e-5), for FThenB and 1F1B, m = 1..4 micro-batches (odd m included), Momentum
+and Adam, 2 and 4 stages, and data parallelism inside the stages (pp=2 x dp=2)."""
+
+import numpy as np
+import paddle
+import pytest
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.testing.models import simple_net
+from autopar.testing.pipeline_models import staged_mlp
+from autopar.testing.serial import random_feeds, run_serial
+
+STEPS = 3
+
+
+def _compile(seed, mesh, micro_batches, schedule="1F1B"):
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule))
+    return autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+def assert_equal_to_serial(seed, dist, steps=STEPS):
+    feeds = random_feeds(seed.feeds, steps, classes=10)
+    start = paddle.get_rng_state()
+    result = autopar.simulate(dist, feeds, [seed.loss])
+    paddle.set_rng_state(start)
+    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4])
+@pytest.mark.parametrize("schedule", ["FThenB", "1F1B"])
+def test_two_stages(schedule, micro_batches, optimizer):
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    seed = staged_mlp(mesh, optimizer=optimizer)
+    dist = _compile(seed, mesh, micro_batches, schedule)
+    sends = [c for c in dist.comm_ops(0) if c.kind == "send"]
+    assert len(sends) == 1 and sends[0].group == (0, 1)  # the stage boundary's activation, once per micro-batch
+    assert [c.kind.value for c in dist.comm_ops(1)] == ["recv", "send"]  # activation in, its gradient back
+    assert_equal_to_serial(seed, dist)
+
+
+def test_four_stages_unseeded():
+    mesh = autopar.ProcessMesh([0, 1, 2, 3], ["pp"])
+    seed = staged_mlp(mesh, widths=(8, 16, 16, 16, 10), stages=4, seed=None)
+    dist = _compile(seed, mesh, 4)
+    assert [str(a) for a in dist.schedule(3) if a.kind.value in ("F", "B")] == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3"]
+    assert_equal_to_serial(seed, dist)
+
+
+def test_data_parallel_inside_the_stages():
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"])
+    seed = staged_mlp(mesh)
+    autopar.shard_tensor(seed.feeds["x"], mesh[0], ["dp", None])
+    dist = _compile(seed, mesh, 2)
+    assert {c.kind.value for c in dist.comm_ops(0)} >= {"send", "recv", "all_reduce"}
+    assert all(c.group in ((0, 2), (2, 0)) for c in dist.comm_ops(0) if c.kind.value in ("send", "recv"))
+    assert_equal_to_serial(seed, dist)
+
+
+def test_schedules_the_runtime_does_not_run_yet_and_bad_micro_batches_are_refused():
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    seed = staged_mlp(mesh)
+    for schedule in ("Interleaved1F1B", "ZBH1"):
+        with pytest.raises(AutoparError, match=f"schedule={schedule!r}\\): the runtime runs FThenB and 1F1B"):
+            _compile(seed, mesh, 2, schedule)
+    with pytest.raises(AutoparError, match="feed 'x' has 12 rows .* which 5 micro-batches do not divide"):
+        _compile(seed, mesh, 5)
+    plain = simple_net(batch=8, sizes=(16, 10))
+    with pytest.raises(AutoparError, match="no pipeline"):
+        autopar.compile(plain.main, autopar.ProcessMesh([0, 1], ["dp"]), startup_program=plain.startup).schedule(0)
+
+
+def test_an_op_needing_the_whole_batch_is_refused_under_micro_batching():
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [8, 4], "float32")
+        h = autopar.shard_op(paddle.nn.Linear(4, 4), mesh[0])(x)
+        centered = autopar.shard_op(lambda t: paddle.nn.functional.softmax(t, axis=0), mesh[1])(h)  # over the batch
+        loss = autopar.shard_op(paddle.mean, mesh[1])(centered)
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
+    with pytest.raises(AutoparError, match="micro-batching: pd_op.softmax#.* needs the whole batch"):
+        autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
