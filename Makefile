@@ -32,6 +32,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_runtime.py
 	$(PY) benchmarks/bench_long_run.py
 	$(PY) benchmarks/bench_launch_faults.py
+	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_pipeline.py
+	$(PY) benchmarks/bench_training_pieces.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
