@@ -21,6 +21,7 @@ producer makes, a source tensor whose consumers need different placements.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 from collections.abc import Iterator
@@ -347,6 +348,7 @@ class Propagator:
     # ---- phase 2: materialization ----------------------------------------------------
     def materialize(self) -> PropagationResult:
         result = PropagationResult(self.states, {}, {})
+        reduced: dict[ValueKey, DistAttr] = {}  # partial values an earlier read made complete
         for op in self.ops:
             mesh = self.op_mesh(op)
             result.op_meshes[op.index] = mesh
@@ -355,6 +357,8 @@ class Propagator:
             if inferred is None:
                 result.unsupported.append(str(op))
                 inferred = self.replicated(op, mesh)
+            else:
+                inferred = self._read_reduced(op, mesh, specs, inferred, reduced)
             result.op_results[op.index] = inferred
             self._record_rule_conflicts(result, op, inferred.conflicts)
             self._settle_outputs(result, op, inferred)
@@ -364,8 +368,41 @@ class Propagator:
                 have = self.states[key].dist
                 if have != need:
                     result.reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, pos), key, have, need))
+                    if _only_reduces(have, need):
+                        reduced.setdefault(key, need)
         self._record_source_conflicts(result)
         return result
+
+    def _read_reduced(
+        self, op: OpNode, mesh: ProcessMesh, specs: list[TensorSpec | None], inferred: RuleResult,
+        reduced: dict[ValueKey, DistAttr],
+    ) -> RuleResult:  # fmt: skip
+        """Read the complete copy of a partial value that an earlier read already reduces.
+
+        Data parallelism with global-norm clipping reads each partial gradient twice: the norm
+        needs it complete (an all_reduce before its read), the ``multiply`` by the clip factor
+        would take it partial and pass the pending sum on to the optimizer (a second
+        all_reduce). Once a reduction of the value is planned, a later reader that accepts the
+        value partial is offered the reduced copy instead: the same local shape, no new
+        collective (the planner shares the earlier reshard), and its result needs no reduction
+        downstream. Kept only where the rule takes the copy as offered and its results carry
+        fewer pending reductions (a reader of the value's shape only is left as it is).
+        """
+        offered = list(specs)
+        changed = False
+        for pos, key in enumerate(op.inputs):
+            spec = specs[pos]
+            whole = reduced.get(key) if key is not None else None
+            if whole is None or spec is None or spec.dist is None or whole.mesh != mesh:
+                continue
+            if inferred.inputs[pos] == spec.dist and _only_reduces(spec.dist, whole):
+                offered[pos] = dataclasses.replace(spec, dist=whole)
+                changed = True
+        if not changed:
+            return inferred
+        again = self.infer(op, mesh, offered)
+        taken = all(again.inputs[pos] == offered[pos].dist for pos in range(len(offered)) if offered[pos] is not specs[pos])
+        return again if taken and _fewer_pending(inferred.outputs, again.outputs) else inferred
 
     def _settle_outputs(self, result: PropagationResult, op: OpNode, inferred: RuleResult) -> None:
         for pos, (key, produced) in enumerate(zip(op.outputs, inferred.outputs)):
@@ -462,6 +499,25 @@ class Propagator:
                     str(state.dist), reason + "; the others reshard",
                 )
             )  # fmt: skip
+
+
+def _only_reduces(have: DistAttr, need: DistAttr) -> bool:
+    """``need`` is ``have`` with some of its pending reductions done (same splits and mesh)."""
+    return (
+        have.mesh == need.mesh
+        and have.mapping == need.mapping
+        and bool(have.partial)
+        and set(need.partial) < set(have.partial)
+    )
+
+
+def _fewer_pending(before: tuple[DistAttr | None, ...], after: tuple[DistAttr | None, ...]) -> bool:
+    """``after`` drops pending reductions of ``before`` and adds none (same splits)."""
+    pairs = [(b, a) for b, a in zip(before, after) if b is not None and a is not None]
+    return (
+        all(b.mapping == a.mapping and set(a.partial) <= set(b.partial) for b, a in pairs)
+        and any(set(a.partial) < set(b.partial) for b, a in pairs)
+    )
 
 
 def _complete(dist: DistAttr | None) -> DistAttr | None:

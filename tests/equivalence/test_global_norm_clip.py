@@ -160,13 +160,8 @@ def test_the_clip_is_active():
 
 
 # Traffic of data parallelism + clipping: each partial gradient is read twice, by its norm
-# (complete) and by the multiply by the clip factor (which would take it partial and pass the
-# pending sum on to a second all_reduce before the optimizer). One all_reduce serving both
-# needs propagation to let the multiply read the copy the norm's reduction already makes
-# (Propagator.materialize, outside this change: see the report of issue 10's clip rules).
-NEEDS_REDUCED_COPY_READS = pytest.mark.xfail(
-    strict=True, reason="propagation does not yet offer a later reader the complete copy an earlier read reduces"
-)
+# (complete) and by the multiply by the clip factor; propagation lets the multiply read the copy
+# the norm's reduction already makes (Propagator._read_reduced), so one all_reduce serves both.
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
@@ -177,7 +172,6 @@ def test_dp_clip_equals_serial(model, optimizer):
     assert_equal_serial(model, seed, dist)
 
 
-@NEEDS_REDUCED_COPY_READS
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 @pytest.mark.parametrize("optimizer", ["adam", "momentum"])
 def test_dp_clip_all_reduces_each_gradient_once(model, optimizer):
@@ -207,7 +201,6 @@ def test_dp2_x_mp2_clip_equals_serial(model):
     assert_equal_serial(model, seed, dist)
 
 
-@NEEDS_REDUCED_COPY_READS
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_dp2_x_mp2_clip_moves_the_unclipped_bytes_plus_a_scalar(model):
     _, dist = compiled(model, "adam", True, DP_MP)
