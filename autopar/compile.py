@@ -28,6 +28,7 @@ from autopar.passes.partition import Partition
 from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
+from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.propagation import propagate
 from autopar.strategy import PipelineConfig, Strategy
@@ -69,6 +70,8 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes += [ReshardPlanning(), ReshardEmission()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
+        if strategy.zero_stage:
+            passes.append(ZeroBucketFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
     passes += [FetchReplication(), BackendLowering()]

@@ -73,6 +73,7 @@ class CompileState:
     startup: Any = None  # the serial startup program (read only)
     reshards: list[PlannedReshard] = field(default_factory=list)
     buckets: list[GradientBucket] = field(default_factory=list)
+    zero_buckets: list[Any] = field(default_factory=list)  # ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
     zero: tuple[Any, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward

@@ -131,3 +131,15 @@ def test_zero_needs_an_update_and_a_data_parallel_dim():
     grid = autopar.ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
     with pytest.raises(AutoparError, match="which dim of .* is data parallel"):
         autopar.compile(seed.main, grid, startup_program=seed.startup, strategy=autopar.Strategy(zero_stage=2))
+
+
+def test_fused_buckets_move_the_same_bytes_in_two_collectives():
+    """Stage 1 packs the reduce_scatters at the updates and the write-back all_gathers into one
+    buffer each, laid out rank-major; with even shards no padding: the unfused bytes exactly."""
+    _, fused = _compile(1, fuse=True)
+    _, unfused = _compile(1, fuse=False)
+    assert _kinds(fused) == {"reduce_scatter": 1, "all_gather": 1}
+    assert _wire_bytes(fused) == pytest.approx(_wire_bytes(unfused))
+    assert "6 gradient reduce_scatters at the updates fused into one buffer" in fused.comm_ops(0)[0].reason
+    _, two = _compile(2, fuse=True)
+    assert _kinds(two) == {"reduce_scatter": 6, "all_gather": 1}  # stage 2 scatters each gradient as backward makes it

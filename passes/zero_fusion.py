@@ -1,0 +1,232 @@
+"""ZeRO bucket fusion: the per-parameter reduce_scatters at the updates and the write-back
+all_gathers become one collective per bucket (stage: reshard-planned -> zero-buckets-planned
+at compile; comm-inserted -> zero-comm-fused per rank).
+
+ZeRO leaves one reduce_scatter in front of each update (stage 1) and one all_gather after it
+(stages 1 and 2). Each pays a launch latency (and on the host backend a program cut), so they
+are packed like the gradient all-reduces (:mod:`.allreduce_fusion`). A flat buffer of several
+tensors scatters correctly only if rank ``i``'s chunk holds exactly its shards, so the buffer is
+laid out rank-major: for each rank of the group, each member's shard for that rank, flattened
+and padded to the member's largest shard (uneven shards), so every chunk has the same size:
+
+    reduce_scatter:  [m0 shard(r0) | m1 shard(r0)] [m0 shard(r1) | m1 shard(r1)] -> own chunk -> unpad
+    all_gather:      own [m0 | m1] (padded) -> every chunk -> each member's shards, concatenated
+                     along its split dim -> assigned to the parameter
+
+The bytes moved grow only by the padding; the collectives drop to one per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.cost_model.planner import plan_reshard
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import Role
+from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
+from autopar.passes.reshard_emission import collective_op, read_site
+from autopar.propagation import SiteKind
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroBucket:
+    """Reduce_scatters (or write-back all_gathers) of several parameters in one collective."""
+
+    index: int
+    kind: CollectiveKind
+    members: tuple[int, ...]  # planned reshard indices, program order
+    bytes: int
+    time: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class ZeroBucketFusion(Pass):
+    bucket_bytes: int = 32 << 20
+
+    name: ClassVar[str] = "zero_bucket_fusion"
+    plan_requires: ClassVar[tuple[str, ...]] = ("reshard-planned", "zero-sharded")
+    plan_ensures: ClassVar[str] = "zero-buckets-planned"
+    emit_requires: ClassVar[tuple[str, ...]] = ("comm-inserted", "zero-buckets-planned")
+    emit_ensures: ClassVar[str] = "zero-comm-fused"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
+            raise AutoparError(f"zero_bucket_fusion: bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+
+    def plan(self, state: CompileState) -> None:
+        buckets: list[ZeroBucket] = []
+        for kind, members in _groups(state):
+            current: list[PlannedReshard] = []
+            for planned in members + [None]:
+                size = sum(m.plan.steps[0].bytes for m in current)
+                if current and (planned is None or size + planned.plan.steps[0].bytes > self.bucket_bytes):
+                    if len(current) > 1:
+                        buckets.append(_bucket(state, len(buckets), kind, current))
+                    current = []
+                if planned is not None:
+                    current.append(planned)
+        state.zero_buckets = buckets
+
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        by_index = {p.index: p for p in state.reshards}
+        with paddle.static.program_guard(rp.program):
+            for bucket in state.zero_buckets:
+                members = [by_index[i] for i in bucket.members]
+                if members[0].plan.steps[0].group_of(rp.rank) is None:
+                    continue  # (another pipeline stage's parameters)
+                if bucket.kind is CollectiveKind.REDUCE_SCATTER:
+                    _emit_scatter(state, rp, bucket, members)
+                else:
+                    _emit_gather(state, rp, bucket, members)
+            paddle.pir.reset_insertion_point_to_end()
+
+
+def _groups(state: CompileState) -> list[tuple[CollectiveKind, list[PlannedReshard]]]:
+    """Single-step reduce_scatters read by an update, and single-step write-back all_gathers,
+    grouped by mesh, mesh dims and dtype, in program order."""
+    shared = {p.shared_with for p in state.reshards if p.shared_with is not None}
+    groups: dict[tuple, list[PlannedReshard]] = {}
+    for planned in state.reshards:
+        steps = planned.plan.steps
+        if len(steps) != 1 or planned.shared_with is not None or planned.index in shared:
+            continue
+        site = planned.need.site.kind
+        if site is SiteKind.BEFORE_READ and steps[0].kind is CollectiveKind.REDUCE_SCATTER:
+            if state.graph.ops[planned.need.op].role is not Role.OPTIMIZER:
+                continue
+        elif not (site is SiteKind.WRITE_BACK and steps[0].kind is CollectiveKind.ALL_GATHER):
+            continue
+        key = (steps[0].kind, planned.need.have.mesh, steps[0].mesh_dims, planned.plan.dtype)
+        groups.setdefault(key, []).append(planned)
+    return [(key[0], members) for key, members in groups.items()]
+
+
+def _sizes(planned: PlannedReshard, group: tuple[int, ...]) -> list[int]:
+    """Each group member's shard size (elements) of this reshard's sharded placement."""
+    sharded = planned.need.need if planned.need.site.kind is SiteKind.BEFORE_READ else planned.need.have
+    return [math.prod(sharded.local_shape(planned.plan.shape, r)) for r in group]
+
+
+def _bucket(state: CompileState, number: int, kind: CollectiveKind, members: list[PlannedReshard]) -> ZeroBucket:
+    step = members[0].plan.steps[0]
+    group = step.groups[0]
+    chunk = sum(max(_sizes(m, group)) for m in members)
+    mesh = members[0].need.have.mesh
+    flat = (chunk * len(group),)
+    whole = DistAttr.of(mesh, ((),))
+    split = DistAttr.of(mesh, (tuple(step.mesh_dims),))
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        src = DistAttr.of(mesh, ((),), tuple((d, step.reduce or "sum") for d in step.mesh_dims))
+        plan = plan_reshard(src, split, flat, members[0].plan.dtype, state.cluster)
+    else:
+        plan = plan_reshard(split, whole, flat, members[0].plan.dtype, state.cluster)
+    labels = ", ".join(state.graph.values[m.need.value].label for m in members)
+    what = "gradient reduce_scatters at the updates" if kind is CollectiveKind.REDUCE_SCATTER else "write-back all_gathers"
+    return ZeroBucket(
+        number, kind, tuple(m.index for m in members), int(sum(s.bytes for s in plan.steps)), plan.time,
+        f"ZeRO: {len(members)} {what} fused into one buffer: {labels}",
+    )  # fmt: skip
+
+
+def _pieces(x: Any, have: DistAttr, sharded: DistAttr, shape: tuple[int, ...], rank: int, group: tuple[int, ...]) -> list[Any]:
+    """The shard of each group member, cut out of ``x`` (this rank's piece under ``have``)."""
+    import paddle
+
+    mine = have.local_slices(shape, rank)
+    out = []
+    for member in group:
+        box = sharded.local_slices(shape, member)
+        axes = [t for t in range(len(shape)) if (box[t].start, box[t].stop) != (mine[t].start, mine[t].stop)]
+        starts = [box[t].start - mine[t].start for t in axes]
+        ends = [box[t].stop - mine[t].start for t in axes]
+        out.append(paddle._C_ops.slice(x, axes, starts, ends, [1] * len(axes), []) if axes else x)
+    return out
+
+
+def _padded(x: Any, size: int, to: int) -> Any:
+    import paddle
+
+    flat = paddle._C_ops.reshape(x, [-1])
+    if size == to:
+        return flat
+    return paddle._C_ops.concat([flat, paddle._C_ops.full([to - size], 0.0, flat.dtype, paddle.CPUPlace())], 0)
+
+
+def _record(state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, group: tuple[int, ...], step: Any) -> Any:
+    import paddle
+
+    chunk = math.prod(x.shape) // (len(group) if bucket.kind is CollectiveKind.REDUCE_SCATTER else 1)
+    total = chunk * len(group)
+    mesh = step.src.mesh
+    split = DistAttr.of(mesh, (tuple(step.mesh_dims),))
+    scatter = bucket.kind is CollectiveKind.REDUCE_SCATTER
+    collective = Collective(
+        kind=bucket.kind, group=group, key=CollectiveKey("zero_bucket", bucket.index),
+        value=f"zero bucket {bucket.index} ({len(bucket.members)} tensors)",
+        src=DistAttr.of(mesh, ((),), tuple((d, "sum") for d in step.mesh_dims)) if scatter else split,
+        dst=split if scatter else DistAttr.of(mesh, ((),)), shape=(total,), output_shape=(chunk,) if scatter else (total,),
+        bytes=bucket.bytes, time=bucket.time, reason=bucket.reason, reduce=step.reduce or "sum",
+    )  # fmt: skip
+    ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
+    out = collective_op(collective, x, ring)
+    out.set_type(paddle.pir.create_shaped_type(x.type(), list(collective.output_shape)))
+    rp.collectives.append((collective, out.get_defining_op().id()))
+    return out
+
+
+def _emit_scatter(state: CompileState, rp: RankProgram, bucket: ZeroBucket, members: list[PlannedReshard]) -> None:
+    import paddle
+
+    step = members[0].plan.steps[0]
+    group = step.group_of(rp.rank)
+    first_reader, _ = read_site(state, rp, members[0])
+    paddle.pir.set_insertion_point(first_reader)
+    sizes = [_sizes(m, group) for m in members]
+    pieces = [
+        _pieces(rp.current(m.need.value), m.need.have, m.need.need, m.plan.shape, rp.rank, group) for m in members
+    ]
+    parts = [_padded(pieces[j][i], sizes[j][i], max(sizes[j])) for i in range(len(group)) for j in range(len(members))]
+    mine = _record(state, rp, bucket, paddle._C_ops.concat(parts, 0), group, step)
+    own = group.index(rp.rank)
+    split = paddle._C_ops.split(mine, [max(s) for s in sizes], 0)
+    for member, flat, size in zip(members, split, sizes):
+        local = member.need.need.local_shape(member.plan.shape, rp.rank)
+        value = paddle._C_ops.slice(flat, [0], [0], [size[own]], [1], []) if size[own] != max(size) else flat
+        value = paddle._C_ops.reshape(value, list(local))
+        consumer, slot = read_site(state, rp, member)
+        consumer.operand(slot).set_source(value)
+        rp.resharded[member.index] = value
+
+
+def _emit_gather(state: CompileState, rp: RankProgram, bucket: ZeroBucket, members: list[PlannedReshard]) -> None:
+    import paddle
+
+    step = members[0].plan.steps[0]
+    group = step.group_of(rp.rank)
+    paddle.pir.set_insertion_point_after(rp.ops[max(m.need.op for m in members)])
+    sizes = [_sizes(m, group) for m in members]
+    own = group.index(rp.rank)
+    parts = [_padded(rp.value(m.need.value), sizes[j][own], max(sizes[j])) for j, m in enumerate(members)]
+    gathered = _record(state, rp, bucket, paddle._C_ops.concat(parts, 0), group, step)
+    chunk = sum(max(s) for s in sizes)
+    offset = 0
+    for member, size in zip(members, sizes):
+        sharded, whole = member.need.have, member.need.need
+        shape = member.plan.shape
+        axis = next(t for t in range(len(shape)) if sharded.mapping[t] != whole.mapping[t])
+        shards = []
+        for i, r in enumerate(group):
+            start = i * chunk + offset
+            flat = paddle._C_ops.slice(gathered, [0], [start], [start + size[i]], [1], [])
+            shards.append(paddle._C_ops.reshape(flat, list(sharded.local_shape(shape, r))))
+        full = paddle._C_ops.concat(shards, axis)
+        target = rp.value(state.graph.ops[member.need.op].inputs[member.need.site.slot])
+        paddle._C_ops.assign_out_(full, target)
+        offset += max(size)
