@@ -101,6 +101,21 @@ def simulate_timeline(
     )
 
 
+def measured_timeline(spans: Mapping[int, list[Span]]) -> Timeline:
+    """The :class:`Timeline` of a step that ran: each rank's compute spans as measured (one
+    monotonic clock for all ranks of the machine), shifted to start at 0. Idle time, transfers
+    included, is bubble."""
+    start = min((s.start for rank_spans in spans.values() for s in rank_spans), default=0.0)
+    shifted = tuple(
+        tuple(Span(s.action, s.start - start, s.end - start) for s in spans[rank]) for rank in sorted(spans)
+    )
+    makespan = max((s.end for rank_spans in shifted for s in rank_spans), default=0.0)
+    busy = sum(s.end - s.start for rank_spans in shifted for s in rank_spans)
+    peaks = [_peak_stash([s.action for s in rank_spans], {})[0] for rank_spans in shifted]
+    bubble = 1.0 - busy / (len(shifted) * makespan) if makespan > 0 else 0.0
+    return Timeline(shifted, makespan, bubble, tuple(peaks), None)
+
+
 def _is_duration(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 

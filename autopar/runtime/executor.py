@@ -181,6 +181,39 @@ class Executor:
             out.append(assemble(by_rank, info.produced, info.shape))
         return out
 
+    def timeline(self) -> Any:
+        """The last step of a pipelined program as it ran on every rank: an
+        :class:`autopar.schedule_timeline.Timeline` (each action's start and end, the bubble
+        fraction, the peak number of stashed micro-batches); ``render_svg`` draws it.
+        Every rank must call it (it is an exchange)."""
+        from autopar.schedule_timeline import measured_timeline
+
+        if self.plan.pipeline is None or self._runner is None:
+            raise AutoparError("timeline(): the program is not pipelined, or no step ran yet")
+        everyone = self.comm.all_gather_object(list(getattr(self._runner, "spans", [])))
+        return measured_timeline({r: everyone[r] for r in self.plan.mesh.ranks})
+
+    def save(self, path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> None:
+        """Save a checkpoint into the directory ``path``: every rank writes its own boxes of the
+        parameters and optimizer states, the mesh's lowest rank the index (``metadata``, a
+        JSON-able dict, goes in it). Atomic: until every rank has written, the previous
+        checkpoint at ``path`` stays the one. Every rank calls it. Format: :mod:`autopar.checkpoint`."""
+        if self._runner is None:
+            raise AutoparError("call run_startup() before save()")
+        from autopar.checkpoint import save_rank
+
+        save_rank(path, self.plan, self._runner, self.comm.all_gather_object, metadata)
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Load a checkpoint saved on any mesh / annotation / strategy (after run_startup, before
+        the next step): this rank reads only the files overlapping its pieces. Returns the
+        metadata given to save. Every rank calls it; on any rank's error none changes its state."""
+        if self._runner is None:
+            raise AutoparError("call run_startup() before load(): the loaded values replace the start-up ones")
+        from autopar.checkpoint import load_rank
+
+        return load_rank(path, self.plan, self._runner, self.comm.all_gather_object)
+
     def parameters(self) -> dict[str, np.ndarray]:
         """Every parameter as a full array (gathered from all ranks)."""
         if self._runner is None:

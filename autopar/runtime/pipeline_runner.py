@@ -16,6 +16,7 @@ partial sum over them); values split over the micro-batches are not fetched.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,8 +28,10 @@ from autopar.rank_plan import RankPlan, ValueKey
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
+from autopar.schedule_timeline import Span
 
-Step = tuple[str, int, int]  # ("job", job index, micro-batch) / ("accumulate", -1, k) / ("update", -1, 0) / ("fetch", phase, k)
+Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", -1, k), ("update", -1, 0), ("fetch", phase, k),
+# ("begin" / "end", action number, k): the timeline's spans
 
 
 class PipelineRunner(RankRunner):
@@ -51,19 +54,24 @@ class PipelineRunner(RankRunner):
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.sums: list[np.ndarray | None] = []
         self.pieces: dict[ValueKey, list[np.ndarray]] = {}
+        self.spans: list[Span] = []  # the last step's compute actions as they ran (start, end)
+        self._began = self._waited = self._asked = 0.0
 
     def _steps(self) -> list[Step]:
         steps: list[Step] = []
-        for action in self.role.actions:
+        for number, action in enumerate(self.role.actions):
             kind = action.kind.value
             if kind in ("F", "B"):
+                steps.append(("begin", number, action.micro_batch))
                 steps += [("job", i, action.micro_batch) for i in self.jobs_of[kind]]
                 steps.append(("fetch", 0 if kind == "F" else 1, action.micro_batch))
                 if kind == "B":
                     steps.append(("accumulate", -1, action.micro_batch))
+                steps.append(("end", number, action.micro_batch))
             elif kind == "OPT":
-                steps.append(("update", -1, 0))
+                steps += [("begin", number, 0), ("update", -1, 0)]
                 steps += [("job", i, 0) for i in self.jobs_of["OPT"]]
+                steps.append(("end", number, 0))
         return steps
 
     # ---- feeds ------------------------------------------------------------------------
@@ -91,6 +99,7 @@ class PipelineRunner(RankRunner):
         self.feeds = self.micro_feeds[-1]
         self.position = 0
         self.sums, self.pieces = [None] * len(self.host.accumulated), {}
+        self.spans, self._began = [], 0.0
 
     # ---- stepping ---------------------------------------------------------------------
     def _job(self) -> tuple[Any, int]:
@@ -105,6 +114,7 @@ class PipelineRunner(RankRunner):
             if what == "job":
                 job, _ = self._job()
                 if not isinstance(job, Segment):
+                    self._asked = time.perf_counter()
                     stamped = dataclasses.replace(job.collective.key, micro_batch=micro_batch)
                     return dataclasses.replace(job.collective, key=stamped)
                 feeds = self.micro_feeds[micro_batch]
@@ -114,6 +124,10 @@ class PipelineRunner(RankRunner):
                 for j, name in enumerate(self.hosts[micro_batch].accumulated):
                     value = self.read(name)
                     self.sums[j] = value if self.sums[j] is None else self.sums[j] + value
+            elif what == "begin":
+                self._began, self._waited = time.perf_counter(), 0.0
+            elif what == "end":  # time spent waiting on its collectives (a recv first of all) is idle, not work
+                self.spans.append(Span(self.role.actions[index], self._began + self._waited, time.perf_counter()))
             elif what == "update":
                 for name, total in zip(self.host.accumulated, self.sums):
                     if total is not None:
@@ -139,6 +153,7 @@ class PipelineRunner(RankRunner):
 
     def finish_collective(self, output: np.ndarray | None) -> None:
         job, _ = self._job()
+        self._waited += time.perf_counter() - self._asked
         if output is not None:
             self.write(job.output, output)
         self.position += 1

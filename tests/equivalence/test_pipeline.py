@@ -89,3 +89,16 @@ def test_an_op_needing_the_whole_batch_is_refused_under_micro_batching():
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
     with pytest.raises(AutoparError, match="micro-batching: pd_op.softmax#.* needs the whole batch"):
         autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
+
+
+def test_tensor_parallel_inside_the_stages():
+    """pp=2 x mp=2: each stage a column- then row-parallel pair; the column-parallel layer's
+    input gradient is a pending sum, moved to the previous stage and reduced there."""
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "mp"])
+    seed = staged_mlp(mesh, widths=(16, 32, 16, 32, 10))
+    for name, stage, mapping in (("linear1", 0, [None, "mp"]), ("linear2", 0, ["mp", None]),
+                                 ("linear3", 1, [None, "mp"]), ("linear4", 1, ["mp", None])):  # fmt: skip
+        autopar.shard_tensor(seed.layers[name].weight, mesh[stage], mapping)
+    dist = _compile(seed, mesh, 3)
+    assert [f"{c.kind}{list(c.group)}" for c in dist.comm_ops(2)] == ["recv[0, 2]", "all_reduce[2, 3]", "send[2, 0]"]
+    assert_equal_to_serial(seed, dist)

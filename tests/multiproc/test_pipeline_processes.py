@@ -1,6 +1,7 @@
 """Pipeline parallelism in two real processes (host backend: gloo p2p for send / recv):
 SimpleNet pp=2 with m = 2 and 3 micro-batches, FThenB and 1F1B, Momentum and Adam; losses and
-parameters after 3 steps equal serial (rtol 1e-5)."""
+parameters after 3 steps equal serial (rtol 1e-5); the measured timeline of a step holds the
+schedule's stash (1F1B: p, FThenB: m) and draws."""
 
 import subprocess
 import sys
@@ -20,6 +21,7 @@ SCRIPT = textwrap.dedent(
     import autopar
     from autopar.testing.pipeline_models import staged_mlp
     from autopar.testing.serial import random_feeds, run_serial
+    from autopar.schedule_timeline import render_svg
 
     mesh = autopar.ProcessMesh([0, 1], ["pp"])
     for schedule, micro_batches, optimizer in [("1F1B", 2, "momentum"), ("1F1B", 3, "adam"), ("FThenB", 3, "momentum")]:
@@ -36,6 +38,10 @@ SCRIPT = textwrap.dedent(
             np.testing.assert_allclose(got, want, rtol=1e-5)
         for name, want in serial.parameters.items():
             np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+        timeline = exe.timeline()  # the last step as it ran on both ranks
+        assert timeline.peak_stash[0] == (micro_batches if schedule == "FThenB" else min(2, micro_batches))
+        assert str(timeline.spans[1][0].action) == "1F0" and 0 < timeline.bubble_fraction < 1
+        assert "<svg" in render_svg(timeline)
         print("RESULT", schedule, micro_batches, optimizer, "equal", flush=True)
     """
 )
