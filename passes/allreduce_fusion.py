@@ -127,7 +127,7 @@ def _bucket(
     mesh = first.need.have.mesh
     src = DistAttr.of(mesh, ((),), tuple(sorted(_reduced(first).items())))
     plan = plan_reshard(src, DistAttr.of(mesh, ((),)), (numel,), first.plan.dtype, state.cluster)
-    names = ", ".join(state.graph.values[m.need.value].label for m in members)
+    names = ", ".join(state.label(m.need.value) for m in members)
     return GradientBucket(
         index=number, members=tuple(m.index for m in members + sharing), mesh_dims=tuple(step.mesh_dims),
         reduce=step.reduce or "sum", src=src, dtype=first.plan.dtype, numel=numel,

@@ -82,6 +82,14 @@ class CompileState:
     stages: list[str] = field(default_factory=lambda: ["propagated"])
     _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 
+    def label(self, key: ValueKey) -> str:
+        """A value as the user knows it: parameters, feeds and states by name, the gradient an
+        update reads as ``grad(W) %12.1``, its result as ``updated W`` (for reasons and reports)."""
+        names = self.__dict__.get("_gradient_names")
+        if names is None:
+            names = self.__dict__["_gradient_names"] = _gradient_names(self.graph)
+        return names.get(key, self.graph.values[key].label)
+
     def mesh_dim_sets(self) -> list[tuple[int, ...]]:
         """Mesh-dim sets some collective runs along, in plan order (the basis of ring ids)."""
         seen: dict[tuple[int, ...], None] = {}
@@ -112,6 +120,27 @@ class CompileState:
         # a set no planned collective uses (a fetch's): after the planned ones, by its bitmask
         slot = sets.index(dims) if dims in sets else len(sets) + sum(1 << d for d in dims)
         return slot * self.mesh.size + index
+
+
+def _gradient_names(graph: ProgramGraph) -> dict[ValueKey, str]:
+    """User-facing labels of the values each optimizer update reads as its gradient
+    (``grad(W) %12.1``) and of the parameter it writes (``updated W``)."""
+    from autopar.spmd import get_rule
+    from autopar.spmd.optimizer import OptimizerRule
+
+    names = {}
+    for op in graph.ops:
+        rule = get_rule(op.name)
+        if not isinstance(rule, OptimizerRule) or not op.inputs or op.inputs[0] is None:
+            continue
+        param = graph.values[op.inputs[0]].label
+        for i in rule.like_param:
+            key = op.inputs[i] if i < len(op.inputs) else None
+            if key is not None and graph.values[key].kind == "activation":
+                names[key] = f"grad({param}) {graph.values[key].label}"
+        if op.outputs and op.outputs[0] is not None:
+            names[op.outputs[0]] = f"updated {param}"
+    return names
 
 
 @dataclass

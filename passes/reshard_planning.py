@@ -53,11 +53,10 @@ class ReshardPlanning(Pass):
 
 
 def _reason(state: CompileState, need: ReshardNeed) -> str:
-    label = state.graph.values[need.value].label
+    label = state.label(need.value)
     op = state.graph.ops[need.op]
     zero = next((z for z in state.zero if need.value == z.gradient), None)
     if zero is not None:
-        label = f"{label} (the gradient of {zero.label})"
         if need.site.kind is SiteKind.AFTER_PRODUCER:
             return f"ZeRO-{state.strategy.zero_stage}: {label} is reduced to its {need.need} shards right after {op} makes it ({need.have})"
     if need.site.kind is SiteKind.AFTER_PRODUCER:

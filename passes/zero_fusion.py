@@ -127,7 +127,7 @@ def _bucket(state: CompileState, number: int, kind: CollectiveKind, members: lis
         plan = plan_reshard(src, split, flat, members[0].plan.dtype, state.cluster)
     else:
         plan = plan_reshard(split, whole, flat, members[0].plan.dtype, state.cluster)
-    labels = ", ".join(state.graph.values[m.need.value].label for m in members)
+    labels = ", ".join(state.label(m.need.value) for m in members)
     what = "gradient reduce_scatters at the updates" if kind is CollectiveKind.REDUCE_SCATTER else "write-back all_gathers"
     return ZeroBucket(
         number, kind, tuple(m.index for m in members), int(sum(s.bytes for s in plan.steps)), plan.time,

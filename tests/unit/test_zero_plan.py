@@ -70,7 +70,7 @@ def test_stage_one_reduces_gradients_at_the_update_stage_two_right_after_backwar
     seed, two = _compile(2)
     w = seed.layers["linear1"].weight.name
     (early,) = [c for c in two.comm_ops(0) if c.kind == "reduce_scatter" and w in c.reason]
-    assert early.reason.startswith("ZeRO-2: %") and f"(the gradient of {w}) is reduced" in early.reason
+    assert early.reason.startswith(f"ZeRO-2: grad({w}) %")
     assert "right after pd_op.matmul_grad#" in early.reason
 
 
