@@ -167,7 +167,7 @@ class DistributedProgram:
         plan, micro = self.state.pipeline, self.state.micro
         if plan is None:
             return None
-        stage = plan.stage_of_rank(rp.rank)
+        stage = plan.pipeline_rank(rp.rank)
         summed = frozenset(k for k in micro.placements if micro.pending_sum(k)) if micro is not None else frozenset()
         split = frozenset(k for k in micro.placements if micro.split_dim(k) is not None) if micro is not None else frozenset()
         return PipelineRole(
@@ -183,7 +183,7 @@ class DistributedProgram:
         if rank not in self.mesh.ranks:
             raise AutoparError(f"rank {rank} is not in {self.mesh}")
         plan = self.state.pipeline
-        return plan.actions[plan.stage_of_rank(rank)]
+        return plan.actions[plan.pipeline_rank(rank)]
 
     def rank_program(self, rank: int) -> Any:
         """The PIR program rank ``rank`` runs (local shapes, inserted collectives)."""

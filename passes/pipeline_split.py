@@ -33,24 +33,34 @@ from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.schedule import Action, build_schedule
 
 PHASES = {Role.FORWARD: "F", Role.BACKWARD: "B", Role.OPTIMIZER: "OPT"}
-RUNNABLE = ("FThenB", "1F1B")  # schedules the runtime runs today (no split backward, one stage per rank)
+RUNNABLE = ("FThenB", "1F1B", "Interleaved1F1B")  # schedules the runtime runs today (no split backward)
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Stages and schedule of a pipelined program (rank-independent)."""
+    """Stages and schedule of a pipelined program (rank-independent).
 
-    stages: tuple[ProcessMesh, ...]
+    ``meshes``: the pipeline ranks' sub-meshes (``mesh[i]``), in the order the forward pass first
+    reaches them; ``stages``: each stage's index into ``meshes`` (stage ``s`` on ``meshes[s % p]``:
+    with virtual stages a pipeline rank holds several, Megatron's looping placement).
+    """
+
+    meshes: tuple[ProcessMesh, ...]
+    stages: tuple[int, ...]
     stage_of: Mapping[int, int]  # serial op index -> stage (sources and constants: absent)
     micro_batches: int
     schedule_name: str
-    actions: Mapping[int, tuple[Action, ...]]  # stage -> its verified actions (send/recv included)
+    actions: Mapping[int, tuple[Action, ...]]  # pipeline rank -> its verified actions (send/recv included)
 
-    def stage_of_rank(self, rank: int) -> int:
-        for stage, mesh in enumerate(self.stages):
+    def pipeline_rank(self, rank: int) -> int:
+        for index, mesh in enumerate(self.meshes):
             if rank in mesh.ranks:
-                return stage
-        raise AutoparError(f"rank {rank} holds no pipeline stage (stages: {', '.join(map(str, self.stages))})")
+                return index
+        raise AutoparError(f"rank {rank} holds no pipeline stage (stage meshes: {', '.join(map(str, self.meshes))})")
+
+    def stages_of(self, rank: int) -> set[int]:
+        mine = self.pipeline_rank(rank)
+        return {stage for stage, index in enumerate(self.stages) if index == mine}
 
 
 @dataclass(frozen=True)
@@ -67,21 +77,28 @@ class PipelineSplit(Pass):
     def plan(self, state: CompileState) -> None:
         if self.schedule not in RUNNABLE:
             raise AutoparError(
-                f"PipelineConfig(schedule={self.schedule!r}): the runtime runs {' and '.join(RUNNABLE)} today "
-                "(interleaved and zero-bubble schedules are verified as data, see autopar.schedule, but not run yet)"
+                f"PipelineConfig(schedule={self.schedule!r}): the runtime runs {', '.join(RUNNABLE)} today "
+                "(the zero-bubble schedule is verified as data, see autopar.schedule, but not run yet)"
             )
-        stages, stage_of = find_stages(state)
-        actions = build_schedule(self.schedule, len(stages), self.micro_batches)
-        state.pipeline = PipelinePlan(tuple(stages), stage_of, self.micro_batches, self.schedule,
-                                      {s: tuple(a) for s, a in actions.items()})  # fmt: skip
+        meshes, stages, stage_of = find_stages(state)
+        virtual = len(stages) // len(meshes)
+        if (virtual > 1) != (self.schedule == "Interleaved1F1B"):
+            raise AutoparError(
+                f"PipelineConfig(schedule={self.schedule!r}): the program has {virtual} stage(s) per pipeline rank; "
+                + ("use schedule='Interleaved1F1B' for several" if virtual > 1 else "Interleaved1F1B needs several: "
+                   "place layers on mesh[0], mesh[1], ..., mesh[0], mesh[1], ...")
+            )  # fmt: skip
+        actions = build_schedule(self.schedule, len(meshes), self.micro_batches, virtual)
+        state.pipeline = PipelinePlan(tuple(meshes), tuple(stages), stage_of, self.micro_batches, self.schedule,
+                                      {r: tuple(a) for r, a in actions.items()})  # fmt: skip
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         plan = state.pipeline
-        stage = plan.stage_of_rank(rp.rank)
+        mine = plan.stages_of(rp.rank)
         ops = list(rp.program.global_block().ops)
         serial = {op.id(): index for index, op in enumerate(rp.ops) if op is not None}
-        labels = _phases(state, ops, serial)
-        keep = [plan.stage_of.get(serial.get(op.id(), -1), stage) == stage for op in ops]
+        keep = [plan.stage_of.get(serial.get(op.id(), -1), next(iter(mine))) in mine for op in ops]
+        labels = _labels(state, ops, serial, keep)
         _keep_what_kept_ops_read(ops, keep)
         kept = {op.id() for op, k in zip(ops, keep) if k}
         rp.ops = [op if op is not None and op.id() in kept else None for op in rp.ops]
@@ -92,55 +109,107 @@ class PipelineSplit(Pass):
                 ops[i].erase()
 
 
-def find_stages(state: CompileState) -> tuple[list[ProcessMesh], dict[int, int]]:
-    """Stage meshes in the order the forward pass reaches them, and each op's stage."""
-    graph, meshes = state.graph, state.propagation.op_meshes
-    stages: list[ProcessMesh] = []
+def find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict[int, int]]:
+    """The pipeline ranks' meshes, each stage's mesh index, and each op's stage. A stage is a
+    maximal run of forward ops on one sub-mesh; backward ops follow their forward op (or the
+    op whose result they read), updates the first forward reader of their parameter."""
+    graph, op_meshes = state.graph, state.propagation.op_meshes
+    runs: list[ProcessMesh] = []
+    stage_of: dict[int, int] = {}
     for op in graph.ops:
-        mesh = meshes.get(op.index)
-        if op.role is Role.FORWARD and mesh is not None and mesh != state.mesh and mesh not in stages:
-            stages.append(mesh)
-    if not stages:
+        mesh = op_meshes.get(op.index)
+        if op.role is not Role.FORWARD or mesh is None or mesh == state.mesh or _is_constant(op):
+            continue
+        if not runs or runs[-1] != mesh:
+            runs.append(mesh)
+        stage_of[op.index] = len(runs) - 1
+    meshes = list(dict.fromkeys(runs))
+    _check_meshes(state, meshes, runs)
+    readers: dict[Any, int] = {}
+    for op in graph.ops:
+        for key in op.inputs:
+            if key is not None and op.index in stage_of:
+                readers.setdefault(key, stage_of[op.index])
+    for op in graph.ops:
+        mesh = op_meshes.get(op.index)
+        if op.index in stage_of or mesh is None or _is_constant(op):
+            continue
+        stage = _follow(op, stage_of, readers)
+        if stage is None or runs[stage] != mesh:
+            raise AutoparError(
+                f"{op} runs on {mesh}, which is no pipeline stage of it ({', '.join(map(str, meshes))}): "
+                "place the layer that makes it with shard_op(layer, mesh[i])"
+            )
+        stage_of[op.index] = stage
+    return meshes, [meshes.index(m) for m in runs], stage_of
+
+
+def _is_constant(op: Any) -> bool:
+    return op.name in SOURCE_OPS or (op.name in CONSTANT_OPS and not op.inputs)
+
+
+def _follow(op: Any, stage_of: dict[int, int], readers: dict[Any, int]) -> int | None:
+    if op.role is Role.OPTIMIZER and op.inputs and op.inputs[0] in readers:
+        return readers[op.inputs[0]]  # an update: the stage reading its parameter
+    if op.forward_op is not None and op.forward_op in stage_of:
+        return stage_of[op.forward_op]
+    made = [stage_of[key[0]] for key in op.inputs if key is not None and key[0] in stage_of]
+    return made[0] if made else None
+
+
+def _check_meshes(state: CompileState, meshes: list[ProcessMesh], runs: list[ProcessMesh]) -> None:
+    if not meshes:
         raise AutoparError(
             "Strategy.pipeline: the program has no stages; place layers on sub-meshes with "
             "autopar.shard_op(layer, mesh[i]) (mesh[i] indexes the mesh's first dim)"
         )
-    for i, a in enumerate(stages):
-        for b in stages[i + 1 :]:
+    for i, a in enumerate(meshes):
+        for b in meshes[i + 1 :]:
             shared = set(a.ranks) & set(b.ranks)
             if shared:
-                raise AutoparError(f"pipeline stages {a} and {b} share ranks {sorted(shared)}: stages need disjoint sub-meshes")
-    idle = sorted(set(state.mesh.ranks) - {r for m in stages for r in m.ranks})
+                raise AutoparError(f"pipeline stages on {a} and {b} share ranks {sorted(shared)}: stages need disjoint sub-meshes")
+    idle = sorted(set(state.mesh.ranks) - {r for m in meshes for r in m.ranks})
     if idle:
         raise AutoparError(f"ranks {idle} of {state.mesh} hold no pipeline stage: place layers on every mesh[i] with shard_op")
-    stage_of = {}
-    for op in graph.ops:
-        mesh = meshes.get(op.index)
-        if mesh is None or op.name in SOURCE_OPS or (op.name in CONSTANT_OPS and not op.inputs):
-            continue
-        if mesh not in stages:
-            raise AutoparError(
-                f"{op} runs on {mesh}, which is no pipeline stage ({', '.join(map(str, stages))}): "
-                "place the layer that makes it with shard_op(layer, mesh[i])"
-            )
-        stage_of[op.index] = stages.index(mesh)
-    return stages, stage_of
+    if any(mesh != meshes[s % len(meshes)] for s, mesh in enumerate(runs)) or len(runs) % len(meshes):
+        order = " -> ".join(str(meshes.index(m)) for m in runs)
+        raise AutoparError(
+            f"pipeline stages visit the meshes in the order {order}: stages must cycle through them "
+            "(mesh[0], mesh[1], ..., then again mesh[0], mesh[1], ... for virtual stages)"
+        )
 
 
-def _phases(state: CompileState, ops: list[Any], serial: dict[int, int]) -> list[str]:
-    """Each op's phase: a serial op's role; an inserted op, that of the next serial op."""
-    labels: list[str | None] = [None] * len(ops)
-    following: str | None = None
-    for i in reversed(range(len(ops))):
+def _labels(state: CompileState, ops: list[Any], serial: dict[int, int], keep: list[bool]) -> list[str]:
+    """Each op's job label: ``F<stage>`` / ``B<stage>`` / ``OPT``. An inserted op takes the label
+    of the next serial op when this rank runs it, else of the previous one it runs (a send
+    placed before another rank's reader belongs to the stage that made the value)."""
+    plan, graph = state.pipeline, state.graph
+
+    def own(i: int) -> str | None:
         index = serial.get(ops[i].id())
-        if index is not None:
-            following = PHASES[state.graph.ops[index].role]
-        labels[i] = following
-    last = "OPT"
-    for i, label in enumerate(labels):
-        labels[i] = label or last
-        last = labels[i]
-    return labels  # type: ignore[return-value]
+        if index is None or index not in plan.stage_of:
+            return None
+        role = graph.ops[index].role
+        return "OPT" if role is Role.OPTIMIZER else f"{PHASES[role]}{plan.stage_of[index]}"
+
+    labels: list[str | None] = [own(i) for i in range(len(ops))]
+    following: list[tuple[str | None, bool]] = [(None, False)] * len(ops)
+    nxt: tuple[str | None, bool] = (None, False)
+    for i in reversed(range(len(ops))):
+        following[i] = nxt
+        if labels[i] is not None:
+            nxt = (labels[i], keep[i])
+    previous: str | None = None
+    out = []
+    for i in range(len(ops)):
+        label = labels[i]
+        if label is None:
+            after, ours = following[i]
+            label = after if ours else (previous or after or "OPT")
+        elif keep[i]:
+            previous = label
+        out.append(label)
+    return out
 
 
 def _keep_what_kept_ops_read(ops: list[Any], keep: list[bool]) -> None:

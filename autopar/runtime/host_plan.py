@@ -35,6 +35,7 @@ class HostPlan:
     names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
     phases: list[str] = field(default_factory=list)
     accumulated: list[str] = field(default_factory=list)
+    accumulated_phases: list[str] = field(default_factory=list)  # the phase making each accumulated name
 
 
 def _scope_name(op: Any, position: int, result: int, prefix: str = "autopar") -> str:
@@ -105,8 +106,8 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
             continue
         source_name = names.get(source) or _scope_name(ops[source[0]], *source, prefix)
         jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
-    accumulated = _accumulated(ops, crossing, names, phase, position) if plan.pipeline is not None else []
-    return HostPlan(jobs, names, phases, accumulated)
+    accumulated = _accumulated(ops, crossing, phase, position) if plan.pipeline is not None else []
+    return HostPlan(jobs, names, phases, [names[k] for k in accumulated], [phase[k[0]] for k in accumulated])
 
 
 def _runs(count: int, comm_at: dict, phase: tuple[str, ...]) -> list[tuple[str, list[int]]]:
@@ -123,7 +124,7 @@ def _runs(count: int, comm_at: dict, phase: tuple[str, ...]) -> list[tuple[str, 
     return runs
 
 
-def _accumulated(ops: list[Any], crossing: set, names: dict, phase: tuple[str, ...], position: dict) -> list[str]:
+def _accumulated(ops: list[Any], crossing: set, phase: tuple[str, ...], position: dict) -> list[tuple[int, int]]:
     """Crossing values made per micro-batch (F / B) and read by the once-per-step update."""
     out = []
     for key in sorted(crossing):
@@ -131,7 +132,7 @@ def _accumulated(ops: list[Any], crossing: set, names: dict, phase: tuple[str, .
             continue
         readers = [position[u.id()] for u in ops[key[0]].result(key[1]).all_used_ops()]
         if any(phase[r] == "OPT" for r in readers):
-            out.append(names[key])
+            out.append(key)
     return out
 
 

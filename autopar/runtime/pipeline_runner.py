@@ -30,7 +30,7 @@ from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
 from autopar.schedule_timeline import Span
 
-Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", -1, k), ("update", -1, 0), ("fetch", phase, k),
+Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", action, k), ("update", -1, 0), ("fetch", action, k),
 # ("begin" / "end", action number, k): the timeline's spans
 
 
@@ -53,8 +53,10 @@ class PipelineRunner(RankRunner):
         # one Paddle executor per micro-batch's plan: an executor caches 8 programs (an LRU);
         # m plans' segments through one executor would miss every time (measured: 2x the step)
         self.executors = [self.executor] + [paddle.static.Executor(self.place) for _ in range(1, role.micro_batches)]
-        self.jobs_of = {p: [i for i, ph in enumerate(self.host.phases) if ph == p] for p in ("F", "B", "OPT")}
-        self.fetch_phase = {k: role.phases[pos[0]] for k, pos in self.exports.items()}
+        self.jobs_of: dict[str, list[int]] = {}  # job label ("F0", "B2", "OPT") -> job indices
+        for index, label in enumerate(self.host.phases):
+            self.jobs_of.setdefault(label, []).append(index)
+        self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items()}
         self.steps: list[Step] = self._steps()
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.sums: list[np.ndarray | None] = []
@@ -64,18 +66,20 @@ class PipelineRunner(RankRunner):
 
     def _steps(self) -> list[Step]:
         steps: list[Step] = []
+        updated = False
         for number, action in enumerate(self.role.actions):
-            kind = action.kind.value
+            kind, k = action.kind.value, action.micro_batch
             if kind in ("F", "B"):
-                steps.append(("begin", number, action.micro_batch))
-                steps += [("job", i, action.micro_batch) for i in self.jobs_of[kind]]
-                steps.append(("fetch", 0 if kind == "F" else 1, action.micro_batch))
+                steps.append(("begin", number, k))
+                steps += [("job", i, k) for i in self.jobs_of.get(f"{kind}{action.stage}", [])]
+                steps.append(("fetch", number, k))
                 if kind == "B":
-                    steps.append(("accumulate", -1, action.micro_batch))
-                steps.append(("end", number, action.micro_batch))
-            elif kind == "OPT":
+                    steps.append(("accumulate", number, k))
+                steps.append(("end", number, k))
+            elif kind == "OPT" and not updated:  # one update for all the rank's stages
+                updated = True
                 steps += [("begin", number, 0), ("update", -1, 0)]
-                steps += [("job", i, 0) for i in self.jobs_of["OPT"]]
+                steps += [("job", i, 0) for i in self.jobs_of.get("OPT", [])]
                 steps.append(("end", number, 0))
         return steps
 
@@ -125,8 +129,11 @@ class PipelineRunner(RankRunner):
                 feeds = self.micro_feeds[micro_batch]
                 with paddle.static.scope_guard(self.scope):
                     self.executors[micro_batch].run(job.program, feed={n: feeds[n] for n in job.feeds}, fetch_list=[])
-            elif what == "accumulate":
-                for j, name in enumerate(self.hosts[micro_batch].accumulated):
+            elif what == "accumulate":  # the gradients this action (one stage's backward) made
+                host, action = self.hosts[micro_batch], self.role.actions[index]
+                for j, name in enumerate(host.accumulated):
+                    if host.accumulated_phases[j] != f"B{action.stage}":
+                        continue
                     value = self.read(name)
                     self.sums[j] = value if self.sums[j] is None else self.sums[j] + value
             elif what == "begin":
@@ -142,10 +149,11 @@ class PipelineRunner(RankRunner):
             self.position += 1
         return None
 
-    def _stash(self, phase: int, micro_batch: int) -> None:
-        wanted = ("F", "B")[phase]
-        for key, found in self.fetch_phase.items():
-            if found == wanted:
+    def _stash(self, number: int, micro_batch: int) -> None:
+        action = self.role.actions[number]
+        label = f"{action.kind.value}{action.stage}"
+        for key, found in self.fetch_label.items():
+            if found == label:
                 self.pieces.setdefault(key, []).append(self.read(self.hosts[micro_batch].names[self.exports[key]]))
 
     def collective_input(self) -> np.ndarray:

@@ -10,10 +10,11 @@ from autopar.testing.models import SeedProgram, _static, make_optimizer
 
 def staged_mlp(
     mesh: Any, widths: tuple[int, ...] = (16, 32, 16, 10), stages: int = 2, batch: int = 12,
-    optimizer: str = "momentum", seed: int | None = 7,
+    optimizer: str = "momentum", seed: int | None = 7, placement: tuple[int, ...] | None = None,
 ) -> SeedProgram:  # fmt: skip
     """The primer's SimpleNet as a pipeline: Linear layers with ReLU, cross-entropy; layer ``i``
-    on stage ``i * stages // layers`` (``mesh[stage]``). ``seed=None``: no program.random_seed."""
+    on ``mesh[i * stages // layers]``, or on ``mesh[placement[i]]`` (e.g. ``(0, 1, 0, 1)``:
+    two virtual stages per pipeline rank). ``seed=None``: no program.random_seed."""
     import autopar
 
     paddle, main, startup = _static()
@@ -32,7 +33,9 @@ def staged_mlp(
                 out = linear(t)
                 return out if last else paddle.nn.functional.relu(out)
 
-            h = autopar.shard_op(block, mesh[i * stages // layers])(h)
-        loss = autopar.shard_op(lambda o: paddle.mean(paddle.nn.functional.cross_entropy(o, label)), mesh[stages - 1])(h)
+            where = placement[i] if placement is not None else i * stages // layers
+            h = autopar.shard_op(block, mesh[where])(h)
+        last = placement[-1] if placement is not None else stages - 1
+        loss = autopar.shard_op(lambda o: paddle.mean(paddle.nn.functional.cross_entropy(o, label)), mesh[last])(h)
         make_optimizer(optimizer).minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)

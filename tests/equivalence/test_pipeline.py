@@ -66,14 +66,29 @@ def test_data_parallel_inside_the_stages():
 def test_schedules_the_runtime_does_not_run_yet_and_bad_micro_batches_are_refused():
     mesh = autopar.ProcessMesh([0, 1], ["pp"])
     seed = staged_mlp(mesh)
-    for schedule in ("Interleaved1F1B", "ZBH1"):
-        with pytest.raises(AutoparError, match=f"schedule={schedule!r}\\): the runtime runs FThenB and 1F1B"):
-            _compile(seed, mesh, 2, schedule)
+    with pytest.raises(AutoparError, match="schedule='ZBH1'\\): the runtime runs FThenB, 1F1B, Interleaved1F1B"):
+        _compile(seed, mesh, 2, "ZBH1")
+    with pytest.raises(AutoparError, match="1 stage\\(s\\) per pipeline rank; Interleaved1F1B needs several"):
+        _compile(seed, mesh, 2, "Interleaved1F1B")
     with pytest.raises(AutoparError, match="feed 'x' has 12 rows .* which 5 micro-batches do not divide"):
         _compile(seed, mesh, 5)
     plain = simple_net(batch=8, sizes=(16, 10))
     with pytest.raises(AutoparError, match="no pipeline"):
         autopar.compile(plain.main, autopar.ProcessMesh([0, 1], ["dp"]), startup_program=plain.startup).schedule(0)
+    with pytest.raises(AutoparError, match="visit the meshes in the order 0 -> 1 -> 0: stages must cycle"):
+        _compile(staged_mlp(mesh, widths=(16, 16, 16, 16, 10), placement=(0, 1, 1, 0)), mesh, 2)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_interleaved_virtual_stages(micro_batches, optimizer):
+    """Two virtual stages per pipeline rank (layers on mesh[0], mesh[1], mesh[0], mesh[1])."""
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    seed = staged_mlp(mesh, widths=(16, 32, 16, 32, 10), placement=(0, 1, 0, 1), optimizer=optimizer)
+    dist = _compile(seed, mesh, micro_batches, "Interleaved1F1B")
+    compute = [str(a) for a in dist.schedule(0) if a.kind.value in ("F", "B")]
+    assert {a[0] for a in compute} == {"0", "2"}  # rank 0 holds stages 0 and 2
+    assert_equal_to_serial(seed, dist)
 
 
 def test_an_op_needing_the_whole_batch_is_refused_under_micro_batching():
