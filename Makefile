@@ -35,6 +35,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_pipeline.py
 	$(PY) benchmarks/bench_training_pieces.py
+	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_pipeline_run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -33,3 +33,7 @@ class AnnotationWarning(UserWarning):
 
 class ScheduleError(AutoparError):
     """A pipeline schedule request that cannot be built, or a schedule that fails verification."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint that cannot be written or read: names the tensor and the file at fault."""

@@ -31,11 +31,15 @@ class SimulationResult:
     parameters: dict[str, np.ndarray]  # name -> full array after the last step
 
 
-def simulate(dist: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = ()) -> SimulationResult:
-    """Run ``len(feeds)`` steps of ``dist`` on all ranks in this process (startup first)."""
+def simulate(
+    dist: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = (), load_from: Any = None, save_to: Any = None
+) -> SimulationResult:
+    """Run ``len(feeds)`` steps of ``dist`` on all ranks in this process (startup first).
+    ``load_from``: a checkpoint directory loaded after the start-up, before the first step (saved
+    on any mesh); ``save_to``: where to save one after the last step (:mod:`autopar.checkpoint`)."""
     _check_arguments(dist, feeds, fetch_list)
     plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
-    return simulate_plans(plans, feeds, fetch_list)
+    return simulate_plans(plans, feeds, fetch_list, load_from=load_from, save_to=save_to)
 
 
 def _check_arguments(dist: Any, feeds: Any, fetch_list: Any) -> None:
@@ -53,8 +57,9 @@ def _check_arguments(dist: Any, feeds: Any, fetch_list: Any) -> None:
 
 
 def simulate_plans(
-    plans: Mapping[int, RankPlan], feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = ()
-) -> SimulationResult:
+    plans: Mapping[int, RankPlan], feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = (),
+    load_from: Any = None, save_to: Any = None,
+) -> SimulationResult:  # fmt: skip
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
     runners = {rank: runner_for(plan, keys) for rank, plan in plans.items()}
@@ -62,12 +67,20 @@ def simulate_plans(
     for runner in runners.values():
         use_generator_state(start)
         runner.run_startup()
+    if load_from is not None:
+        from autopar.checkpoint import load_ranks
+
+        load_ranks(load_from, plans, runners)
     fetches = []
     for feed in feeds:
         for runner in runners.values():
             runner.set_feeds(feed)
         run_step(runners)
         fetches.append([gather(values, key, {r: runner.fetch_pieces()[i] for r, runner in runners.items()}) for i, key in enumerate(keys)])
+    if save_to is not None:
+        from autopar.checkpoint import save_ranks
+
+        save_ranks(save_to, plans, runners)
     return SimulationResult(fetches, parameters(values, runners))
 
 
