@@ -167,6 +167,31 @@ def collective_lines(dist: Any) -> list[str]:
     return lines
 
 
+def pipeline_lines(dist: Any) -> list[str]:
+    """Each pipeline rank's verified schedule and its modelled bubble (F = 1, B = 2)."""
+    plan = dist.state.pipeline
+    if plan is None:
+        return ["pipeline schedule: no pipeline"]
+    from autopar.schedule_timeline import simulate_timeline
+
+    timeline = simulate_timeline({r: list(a) for r, a in plan.actions.items()})
+    lines = [
+        f"pipeline: {len(plan.stages)} stages on {len(plan.meshes)} sub-meshes, {plan.micro_batches} micro-batches, "
+        f"{plan.schedule_name}; modelled bubble {timeline.bubble_fraction:.1%} (F = 1, B = 2), peak stash per rank "
+        f"{list(timeline.peak_stash)}"
+    ]
+    for rank, actions in sorted(plan.actions.items()):
+        lines.append(f"  {plan.meshes[rank]}: {' '.join(map(str, actions))}")
+    return lines
+
+
+def zero_lines(dist: Any) -> list[str]:
+    """ZeRO's decision per parameter update (empty without ZeRO)."""
+    if not dist.state.zero:
+        return []
+    return [f"ZeRO stage {dist.strategy.zero_stage}:", *(f"  {z}" for z in dist.state.zero), ""]
+
+
 def explain_text(dist: Any, target: str = "") -> str:
     lines = [
         f"autopar explain {target}".rstrip(),
@@ -180,7 +205,8 @@ def explain_text(dist: Any, target: str = "") -> str:
     else:
         lines += collective_lines(dist) + [""]
     lines += ["conflict report:", *("  " + line for line in str(dist.report).splitlines()), ""]
-    lines += ["pipeline schedule: no pipeline", ""]
+    lines += pipeline_lines(dist) + [""]
+    lines += zero_lines(dist)
     lines.append(str(dist.cost) if not unavailable else f"cost: not available ({unavailable})")
     return "\n".join(lines) + "\n"
 

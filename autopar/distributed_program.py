@@ -44,7 +44,11 @@ class CompileReport:
         lines += [f"  {name}" for name in self.unsupported_ops]
         lines.append(f"conflicts: {len(self.conflicts)}")
         lines += [f"  {c}" for c in self.conflicts]
-        lines.append(f"reshards needed: {len(self.reshards)}")
+        lines.append(
+            f"reshards needed: {len(self.reshards)} (placement changes found by propagation; planning turns each "
+            "into zero or more collectives or local slices, later reads share one, fusion packs gradients: "
+            "the collectives list counts what runs)"
+        )
         return "\n".join(lines)
 
 
