@@ -23,11 +23,14 @@ from autopar.micro_batching import micro_batching
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
+from autopar.passes.batch_norm_stats import BatchNormStats
+from autopar.passes.dropout_slicing import DropoutSlicing
 from autopar.passes.fetch_replication import FetchReplication
 from autopar.passes.partition import Partition
 from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
+from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.propagation import propagate
@@ -72,6 +75,9 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
         if strategy.zero_stage:
             passes.append(ZeroBucketFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
+    passes.append(VocabParallel())
+    passes.append(BatchNormStats())
+    passes.append(DropoutSlicing())
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
     passes += [FetchReplication(), BackendLowering()]

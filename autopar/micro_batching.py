@@ -79,6 +79,14 @@ def micro_batching(graph: ProgramGraph, count: int) -> MicroBatching:
                 f"micro-batching: {op} reads {graph.values[need.value].label} as {need.need}, but one micro-batch "
                 f"holds {need.have}; the op needs the whole batch at once and cannot run one micro-batch at a time"
             )
+    for op in graph.ops:  # a training dropout's micro-batches would need different rows of one mask
+        required = result.op_results.get(op.index)
+        if op.name == "pd_op.dropout" and not op.attrs.get("is_test", False) and required is not None:
+            if required.inputs[0] is not None and required.inputs[0].sharded_mesh_dims():
+                raise AutoparError(
+                    f"micro-batching: {op} (training dropout) draws one mask over the whole batch; its micro-batches "
+                    "would each need different rows of it: run dropout outside the pipeline, or use one micro-batch"
+                )
     placements = dict(result.states)
     _shrink(graph, {k: s.dist for k, s in placements.items()})
     scales = {op.index: _scale(graph, result.op_results[op.index], op) for op in graph.ops if op.index in result.op_results}

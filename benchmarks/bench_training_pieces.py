@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/bench_training_pieces.py
 
 For each row, the same program is compiled without and with one piece a training loop adds
-(global-norm gradient clipping so far; batch norm, dropout and the vocabulary-parallel head
-are further rows of :data:`ROWS`), and the collectives rank 0 runs per step are summed from
+(global-norm gradient clipping; the vocabulary-parallel embedding and LM head, against the
+logits gathered for the cross-entropy; batch norm and dropout are further rows of
+:data:`ROWS`), and the collectives rank 0 runs per step are summed from
 ``dist.comm_ops(0)``: bytes and count. Compile-time figures (no run): the plan is the truth
 the runtime executes. The ``moved by the piece`` column lists the collectives the piece adds
 (kind and bytes), or ``-``.
@@ -134,12 +135,62 @@ class Row:
         return autopar.compile(seed.main, mesh, startup_program=seed.startup)
 
 
+def vocab_parallel_gpt(mesh_name: str) -> Callable[[bool], SeedProgram]:
+    """The GPT block's embedding and LM head on ``mesh_name``: with the piece, the table split
+    on the vocabulary (``["mp", None]``) and the head's weight on the classes (``[None, "mp"]``),
+    so the cross-entropy finishes its split rows with three all_reduces of B·S values; without
+    it, the same column-split head with its logits gathered for the cross-entropy (annotated
+    whole on the class axis) and the table whole: what autopar did before vocabulary parallelism."""
+
+    def build(vocab_parallel: bool) -> SeedProgram:
+        seed = gpt(clip=False)
+        mesh = MESHES[mesh_name]
+        autopar.shard_tensor(seed.layers["head"].weight, mesh, [None, "mp"])
+        if vocab_parallel:
+            autopar.shard_tensor(seed.layers["embedding"].weight, mesh, ["mp", None])
+        else:
+            logits = next(op.operand_source(0) for op in seed.main.global_block().ops if op.name() == "pd_op.cross_entropy_with_softmax")
+            autopar.shard_tensor(logits, mesh, ["dp" if "dp" in mesh.dim_names else None, None, None])
+        return seed
+
+    return build
+
+
+def conv_bn_net(global_statistics: bool, batch: int = 32, image: int = 16) -> SeedProgram:
+    """conv + BatchNorm2D + relu + pool twice, Linear head; Momentum. With the piece, batch norm
+    keeps the batch split (global statistics from 2·C-value all_reduces); without it, BatchNorm's
+    input annotated whole, what autopar did before batch norm had a rule (all_gather of the conv
+    output, data parallelism ends there)."""
+    import paddle
+
+    paddle.enable_static()
+    nn, F = paddle.nn, paddle.nn.functional
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 7
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, 3, image, image], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        mods = {"conv1": nn.Conv2D(3, 16, 3, padding=1), "bn1": nn.BatchNorm2D(16), "conv2": nn.Conv2D(16, 32, 3, padding=1),
+                "bn2": nn.BatchNorm2D(32), "fc": nn.Linear(32 * (image // 4) ** 2, 10)}  # fmt: skip
+        first = mods["conv1"](x)
+        h = F.max_pool2d(F.relu(mods["bn1"](first)), 2)
+        h = F.max_pool2d(F.relu(mods["bn2"](mods["conv2"](h))), 2)
+        loss = paddle.mean(F.cross_entropy(mods["fc"](paddle.flatten(h, 1)), label))
+        _optimizer("momentum", False).minimize(loss)
+    if not global_statistics:
+        autopar.shard_tensor(first, MESHES["dp=2"], [None, None, None, None])
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
+
+
 ROWS: list[Row] = [
     Row("global-norm clip", "GPT block", "dp=2", gpt),
     Row("global-norm clip", "GPT block", "mp=2", gpt),
     Row("global-norm clip", "GPT block", "dp=2 x mp=2", gpt),
     Row("global-norm clip", "SimpleNet", "dp=2", simple_net),
     Row("global-norm clip", "SimpleNet", "mp=2", simple_net),
+    Row("vocab-parallel", "GPT block", "mp=2", vocab_parallel_gpt("mp=2")),
+    Row("vocab-parallel", "GPT block", "dp=2 x mp=2", vocab_parallel_gpt("dp=2 x mp=2")),
+    Row("batch norm", "ConvBN", "dp=2", conv_bn_net),
 ]
 
 

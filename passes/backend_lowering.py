@@ -63,11 +63,22 @@ def lower_for_native(rp: RankProgram, world: int) -> None:
             paddle.pir.set_insertion_point(op)
             new = _lowered(collective, op.operand_source(0), rp.rings[collective.group], rp.rank)
             new.set_type(paddle.pir.create_shaped_type(op.result(0).type(), list(collective.output_shape)))
-            op.result(0).replace_all_uses_with(new)
+            old = op.result(0)
+            old.replace_all_uses_with(new)
+            _repoint(rp, old, new)
             op.erase()
             lowered.append((collective, new.get_defining_op().id()))
         paddle.pir.reset_insertion_point_to_end()
     rp.collectives[:] = lowered
+
+
+def _repoint(rp: RankProgram, old: Any, new: Any) -> None:
+    """Records that name the replaced result (a fetch made whole, a reshard's result) name its
+    replacement: the erased op's value would be a dangling reference."""
+    for table in (rp.fetched, rp.final, rp.resharded, rp.replaced):
+        for key, value in table.items():
+            if value.is_same(old):
+                table[key] = new
 
 
 def _even(comm: Collective) -> bool:

@@ -77,6 +77,7 @@ class CompileState:
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
     zero: tuple[Any, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
+    rewrite_dim_sets: set[tuple[int, ...]] = field(default_factory=set)  # mesh dims of collectives local rewrites emit
     micro: Any = None  # micro-batching analysis (autopar.micro_batching), when the pipeline runs several
     pipeline: Any = None  # stages and schedule (passes/pipeline_split.py)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
@@ -99,6 +100,8 @@ class CompileState:
                     seen.setdefault(tuple(step.mesh_dims), None)
         for bucket in self.buckets:
             seen.setdefault(bucket.mesh_dims, None)
+        for dims in sorted(self.rewrite_dim_sets):  # vocabulary-parallel rows, batch-norm statistics
+            seen.setdefault(dims, None)
         return list(seen)
 
     def ring_of(self, mesh_dims: Sequence[int], group: Sequence[int]) -> int:

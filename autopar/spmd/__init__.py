@@ -4,6 +4,7 @@ Import order does not matter; each module registers its own op names once.
 """
 
 from autopar.spmd import (  # noqa: F401  (registration)
+    batch_norm,
     builtin,
     concat_split,
     conv,

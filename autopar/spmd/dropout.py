@@ -1,15 +1,16 @@
 """dropout and dropout_grad (stage: propagate).
 
-    dropout (training)  1111 -> 1111,1111     (x, seed_tensor, p -> out, mask): x whole
+    dropout (training)  abcd -> abcd,abcd     (x, seed_tensor, p -> out, mask): any split, x complete
     dropout (is_test)   abcd -> abcd,abcd     an elementwise scale: any split
     dropout_grad        abcd,abcd -> abcd     (mask, out_grad, p -> x_grad)
 
 Distributed must equal serial, so every rank must drop exactly the elements the serial run
 drops. The kernel draws its mask from a seeded generator over the *local* shape: two ranks
-holding different rows would both draw the serial mask's first rows. So in training x is
-required whole and every rank draws the full serial mask (same seed); later ops take their
-slices. Without a fixed seed (``fix_seed`` false: ``program.random_seed`` unset) ranks would
-draw different masks; that is refused, naming the op, rather than silently diverging.
+holding different rows would both draw the serial mask's first rows. So a training dropout on
+a split input is rewritten per rank (:mod:`autopar.passes.dropout_slicing`): each rank draws
+the mask over the serial shape with the op's seed and applies its own box of it — no
+communication. Without a fixed seed (``fix_seed`` false: ``program.random_seed`` unset) ranks
+would draw different masks; that is refused, naming the op, rather than silently diverging.
 dropout_grad multiplies out_grad by the mask: elementwise, linear in out_grad.
 """
 
@@ -19,11 +20,6 @@ from autopar.errors import AutoparError
 from autopar.spmd.base import SpmdRule, einsum_backward, einsum_forward, einsum_grad
 from autopar.spmd.operands import letters, spread
 from autopar.spmd.registry import register
-
-
-def _letters(ndim: int, attrs) -> str:
-    training = not attrs.get("is_test", False)
-    return letters(ndim, whole=range(ndim) if training else ())
 
 
 @register("dropout")
@@ -36,11 +32,11 @@ class DropoutRule(SpmdRule):
                 f"{ctx.op_name or 'dropout'} draws its mask without a fixed seed, so ranks would drop different "
                 "elements than the serial run: set main_program.random_seed (or pass a seed) before building it"
             )
-        names = _letters(inputs[0].ndim, attrs)
+        names = letters(inputs[0].ndim)
         return spread(einsum_forward(f"{names}->{names},{names}", inputs[:1], ctx), [0], inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = _letters(inputs[0].ndim, attrs)
+        names = letters(inputs[0].ndim)
         return spread(einsum_backward(f"{names}->{names},{names}", inputs[:1], outputs, ctx), [0], inputs, ctx)
 
 

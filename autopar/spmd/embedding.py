@@ -1,14 +1,17 @@
 """embedding and embedding_grad (stage: propagate).
 
-    embedding       ab,1h -> abh       (ids, weight -> out)
-    embedding_grad  ab,1h,abh -> 1h    (ids, weight, out_grad -> weight_grad)
+    embedding       ab,vh -> abh       (ids, weight -> out; out P(sum) over v's mesh dims)
+    embedding_grad  ab,vh,abh -> vh    (ids, weight, out_grad -> weight_grad)
 
 Ids keep their split (data / sequence parallel) and a hidden-dim split of the weight gives a
-hidden-split output. The vocabulary dim stays whole: Paddle's ``embedding`` kernel looks ids
-up in the local table, so a vocab-split table would need the masked ``c_embedding`` lookup
-(Megatron's VocabParallelEmbedding), which the partition pass does not emit yet; Paddle's own
-rule returns a partial output there. weight_grad scatters out_grad rows by id: it is partial
-over the ids' mesh dims (each rank saw only its ids) and linear in out_grad.
+hidden-split output. A vocabulary split of the table (Megatron's VocabParallelEmbedding) is
+kept: each rank looks up only the ids in its rows and gives zeros for the others, so the
+output is a pending sum over the vocabulary's mesh dims (reduced where a reader needs it
+whole: one all_reduce of B·S·H, none before a linear reader). Paddle's ``embedding`` kernel
+looks ids up in the local table, so that masked lookup is a per-rank rewrite
+(:mod:`autopar.passes.vocab_parallel`, decomposition in :mod:`autopar.spmd.vocab_parallel`).
+weight_grad scatters out_grad rows by id: split like the table, partial over the ids' mesh
+dims (each rank saw only its ids) and linear in out_grad.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ from autopar.spmd.registry import register
 
 
 def embedding_letters(ids_ndim: int) -> tuple[str, str, str]:
+    """Letters of ids, weight (``vocab`` ``hidden``) and out."""
     ids = letters(ids_ndim)
-    hidden = "z"
-    return ids, "1" + hidden, ids + hidden
+    vocab, hidden = "y", "z"
+    return ids, vocab + hidden, ids + hidden
 
 
 @register("embedding")
 class EmbeddingRule(SpmdRule):
-    """``(ids, weight) -> out``: ``ab,1h -> abh``."""
+    """``(ids, weight) -> out``: ``ab,vh -> abh``."""
 
     def infer_forward(self, inputs, attrs, ctx):
         ids, weight, out = embedding_letters(inputs[0].ndim)
@@ -39,7 +43,7 @@ class EmbeddingRule(SpmdRule):
 
 @register("embedding_grad")
 class EmbeddingGradRule(SpmdRule):
-    """``(ids, weight, out_grad) -> weight_grad``: ``ab,1h,abh -> 1h``."""
+    """``(ids, weight, out_grad) -> weight_grad``: ``ab,vh,abh -> vh``."""
 
     def infer_forward(self, inputs, attrs, ctx):
         ids, weight, out = embedding_letters(inputs[0].ndim)

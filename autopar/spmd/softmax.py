@@ -1,14 +1,26 @@
 """softmax, log_softmax, cross_entropy_with_softmax and their grads (stage: propagate).
 
-    softmax                      ab1 -> ab1            (axis whole: a row's max and sum need all of it)
-    cross_entropy_with_softmax   ab1,ab1 -> ab1,ab1    (logits, label -> softmax, loss)
-    cross_entropy_with_softmax_grad  ab1,ab1,ab1 -> ab1  (label, softmax, loss_grad -> logits_grad)
+    softmax / log_softmax        abv -> abv            (x -> out)
+    softmax_grad / log_softmax_grad  abv,abv -> abv    (out, out_grad -> x_grad)
+    cross_entropy_with_softmax   abv,ab1 -> abv,ab1    (logits, hard label -> softmax, loss)
+    cross_entropy_with_softmax_grad  ab1,abv,ab1 -> abv  (label, softmax, loss_grad -> logits_grad)
 
-The normalized (class) axis is required whole, so class-sharded logits are gathered first:
-Paddle's fused kernel cannot finish a split row, and a vocab-parallel cross-entropy (local
-max / sum-exp plus two all-reduces) is a decomposition the partition pass does not do yet.
-Every other dim keeps its split. None of the forward ops is linear (inputs must be complete);
-every grad is linear in the incoming gradient, so its partials pass through.
+Every dim keeps its split, the normalized (class) axis ``v`` included: a row split over
+ranks is finished with all_reduces of per-row values (B·S each) instead of gathering the
+row (Megatron's vocabulary-parallel cross-entropy):
+
+- softmax: the row max (max) and the sum of exponentials (sum); log_softmax the same;
+- their grads: the row sum of ``out * out_grad`` (softmax) or of ``out_grad`` (log_softmax);
+- cross-entropy: the row max, the sum of exponentials and the target logit; the loss comes
+  out whole on every rank of the class split (not partial), the softmax split like the
+  logits; its grad needs nothing (``softmax - one_hot(label)`` is local to each class).
+
+Paddle's kernels cannot finish a split row, so ops whose normalized axis is split are
+rewritten per rank (:mod:`autopar.passes.vocab_parallel`, decompositions in
+:mod:`autopar.spmd.vocab_parallel`). A soft label, or cross-entropy without softmax, keeps
+the class axis whole (``ab1,ab1 -> ab1,ab1``: split logits are gathered first). None of the
+forward ops is linear (inputs must be complete); every grad is linear in the incoming
+gradient, so its partials pass through.
 """
 
 from __future__ import annotations
@@ -25,27 +37,27 @@ from autopar.spmd.base import (
     einsum_forward,
     einsum_grad,
 )
-from autopar.spmd.operands import axis_attr, axis_whole_letters, letters
+from autopar.spmd.operands import axis_attr, letters
 from autopar.spmd.registry import register, register_rule
 
 
 class SoftmaxRule(SpmdRule):
-    """``x -> out``: ``ab1 -> ab1``."""
+    """``x -> out``: ``abv -> abv``."""
 
     def infer_forward(self, inputs, attrs, ctx):
-        names = axis_whole_letters(inputs[0].ndim, attrs)
+        names = letters(inputs[0].ndim)
         return einsum_forward(f"{names}->{names}", inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = axis_whole_letters(inputs[0].ndim, attrs)
+        names = letters(inputs[0].ndim)
         return einsum_backward(f"{names}->{names}", inputs, outputs, ctx)
 
 
 class SoftmaxGradRule(SpmdRule):
-    """``(out, out_grad) -> x_grad``: ``ab1,ab1 -> ab1``."""
+    """``(out, out_grad) -> x_grad``: ``abv,abv -> abv``."""
 
     def infer_forward(self, inputs, attrs, ctx):
-        names = axis_whole_letters(inputs[0].ndim, attrs)
+        names = letters(inputs[0].ndim)
         return einsum_grad(f"{names},{names}->{names}", inputs, ctx, grad_operands=[1])
 
 
@@ -53,35 +65,53 @@ register_rule(SoftmaxRule(), "softmax", "log_softmax")
 register_rule(SoftmaxGradRule(), "softmax_grad", "log_softmax_grad")
 
 
-def cross_entropy_letters(logits_ndim: int, label_ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
-    """Letters of the logits (also softmax, loss) and of the label.
+def class_parallel(attrs: Mapping[str, Any]) -> bool:
+    """Whether cross-entropy may keep a class split: a hard label, softmax applied."""
+    return not attrs.get("soft_label", False) and attrs.get("use_softmax", True)
 
-    A hard label has size 1 on the class axis (or lacks it); a soft label is shaped like the
-    logits. Either way the class axis is whole.
+
+def cross_entropy_letters(logits_ndim: int, label_ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str, str]:
+    """Letters of the logits (also the softmax), the label and the loss.
+
+    A hard label has size 1 on the class axis (or lacks it), as has the loss; a soft label
+    is shaped like the logits. The class axis may be split only for a hard label.
     """
     axis = axis_attr(attrs, "axis", logits_ndim, default=-1)
-    logits = letters(logits_ndim, whole=[axis])
-    label = logits if label_ndim == logits_ndim else logits[:axis] + logits[axis + 1 :]
-    return logits, label
+    logits = letters(logits_ndim, whole=[] if class_parallel(attrs) else [axis])
+    loss = logits[:axis] + "1" + logits[axis + 1 :]
+    if label_ndim == logits_ndim:
+        label = loss if class_parallel(attrs) else logits
+    else:
+        label = logits[:axis] + logits[axis + 1 :]
+    return logits, label, loss
 
 
 @register("cross_entropy_with_softmax")
 class CrossEntropyWithSoftmaxRule(SpmdRule):
-    """``(logits, label) -> (softmax, loss)``: ``ab1,ab1 -> ab1,ab1``."""
+    """``(logits, label) -> (softmax, loss)``: ``abv,ab1 -> abv,ab1``, the loss whole over v's mesh dims."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, label = cross_entropy_letters(inputs[0].ndim, inputs[1].ndim, attrs)
-        return einsum_forward(f"{x},{label}->{x},{x}", inputs, ctx)
+        x, label, loss = cross_entropy_letters(inputs[0].ndim, inputs[1].ndim, attrs)
+        return _loss_whole(einsum_forward(f"{x},{label}->{x},{loss}", inputs, ctx), attrs)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        x, label = cross_entropy_letters(inputs[0].ndim, inputs[1].ndim, attrs)
-        return einsum_backward(f"{x},{label}->{x},{x}", inputs, outputs, ctx)
+        x, label, loss = cross_entropy_letters(inputs[0].ndim, inputs[1].ndim, attrs)
+        return einsum_backward(f"{x},{label}->{x},{loss}", inputs, outputs, ctx)
+
+
+def _loss_whole(result: RuleResult, attrs: Mapping[str, Any]) -> RuleResult:
+    """The class split's all_reduces leave the loss whole on every rank (not pending)."""
+    softmax, loss = result.outputs
+    axis = axis_attr(attrs, "axis", softmax.ndim, default=-1)
+    split = set(softmax.mapping[axis])
+    kept = {d: k for d, k in loss.partial if d not in split}
+    return RuleResult(result.inputs, (softmax, loss.with_partial(kept)), result.conflicts)
 
 
 @register("cross_entropy_with_softmax_grad")
 class CrossEntropyWithSoftmaxGradRule(SpmdRule):
-    """``(label, softmax, loss_grad) -> logits_grad``: ``ab1,ab1,ab1 -> ab1``."""
+    """``(label, softmax, loss_grad) -> logits_grad``: ``ab1,abv,ab1 -> abv``."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, label = cross_entropy_letters(inputs[1].ndim, inputs[0].ndim, attrs)
-        return einsum_grad(f"{label},{x},{x}->{x}", inputs, ctx, grad_operands=[2])
+        x, label, loss = cross_entropy_letters(inputs[1].ndim, inputs[0].ndim, attrs)
+        return einsum_grad(f"{label},{x},{loss}->{x}", inputs, ctx, grad_operands=[2])

@@ -12,15 +12,18 @@ test_rules_norm_embedding).
 On a clean case (even splits, no competing splits: ``split_hazards``) the rules must agree
 exactly, one-rank mesh dims aside; where they differ ours is checked numerically. Known,
 deliberate differences:
-- cross_entropy_with_softmax keeps the class axis whole: Paddle keeps a class split (its
-  static rule pairs it with c_softmax_with_cross_entropy, a vocab-parallel kernel our
-  partition does not emit; it refuses one with a soft label or a class axis that is not the
-  last); ours gathers the classes first;
-- embedding keeps the vocabulary dim whole: our partition keeps ``pd_op.embedding``, which
-  looks ids up in the local table; Paddle's rule makes the output partial for a vocab-split
-  table, correct only with the masked ``c_embedding`` lookup;
-- softmax / log_softmax / layer_norm: both keep the normalized dims whole (no difference;
-  Paddle's reverse layer_norm rule refuses two split normalized dims, we drop both splits);
+- cross_entropy_with_softmax: both keep a class split of a hard label (vocabulary-parallel:
+  our vocab_parallel pass rewrites the op per rank); Paddle refuses a class split with a soft
+  label (ours gathers the classes) or on a class axis that is not the last (ours keeps it),
+  and its reverse rule gathers such splits;
+- embedding: both make the output partial for a vocab-split table (our pass emits the masked
+  lookup); Paddle refuses a vocab split with a padding_idx, ours keeps it (the padding row
+  is local to one rank);
+- softmax / log_softmax: Paddle gathers the normalized axis, ours keeps its split (all_reduces
+  of the row max and the sum of exponentials); such cases are checked numerically through the
+  decomposition each rank runs (split_rows.check_split_rule);
+- layer_norm: both keep the normalized dims whole (Paddle's reverse layer_norm rule refuses two
+  split normalized dims, we drop both splits);
 - partial inputs (``test_partial_inputs_vs_paddle``): Paddle's sum reduces a pending sum
   first; sum and mean are linear, so ours keeps it pending;
 - max / min over a split dim: both make the output partial over its mesh dim, but Paddle's
@@ -47,6 +50,7 @@ from paddle_oracle import (
     paddle_infer_backward,
     split_hazards,
 )
+from split_rows import check_split_rule
 from test_rules_norm_embedding import EPS, embedding, layer_norm
 from test_rules_reduction_softmax import _ce, _kernel, _rand, _reduce, cross_entropy_cases
 
@@ -204,10 +208,12 @@ def test_softmax_vs_paddle(mesh, case, name, data):
             ins, outs = paddle_infer_backward(name, [_whole(mesh, shape)], [Spec(shape, dist)], attrs["axis"])
             given_dists, backward = [None], [dist]
         hazards = split_hazards([names], [shape], [dist])
+        if _class_split(dist, attrs["axis"] % len(shape)):
+            hazards.append("normalized axis split (Paddle gathers it, ours keeps it)")
         agree_or_explained(
             nontrivial_differences(ours, ins, outs, [0]),
             hazards,
-            lambda given=given_dists, back=backward: check_rule(name, fn, [x], given, attrs, mesh, backward=back),
+            lambda given=given_dists, back=backward: check_split_rule(name, fn, [x], given, attrs, mesh, backward=back),
         )
 
 
@@ -229,19 +235,19 @@ def _class_split(dist, axis, one_rank_dims=False):
 
 @given(meshes(), cross_entropy_cases(even_shapes(1, 3)), st.data())
 def test_cross_entropy_with_softmax_vs_paddle(mesh, case, data):
-    """Differs where the class axis is split (Paddle keeps it, we gather it: vocab-parallel
-    cross-entropy needs a kernel our partition does not emit)."""
+    """Both keep a class split of a hard label (vocabulary-parallel); Paddle refuses one with a
+    soft label or a class axis that is not the last."""
     shape, label, attrs = case
     axis = attrs["axis"] % len(shape)
     logits = _rand(shape)
     dists = [data.draw(paddle_dists(mesh, len(shape))), data.draw(paddle_dists(mesh, label.ndim))]
     ours = _ours("cross_entropy_with_softmax", [shape, label.shape], dists, attrs, mesh)
     hazards = split_hazards(list(_ce_letters(shape, label, axis)), [shape, label.shape], dists)
-    if any(_class_split(d, axis) for d in dists):
-        hazards.append("class axis split")
+    if attrs["soft_label"] and any(_class_split(d, axis) for d in dists):
+        hazards.append("class axis split of a soft label (ours gathers it)")
 
     def check():
-        check_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], dists, attrs, mesh)
+        check_split_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], dists, attrs, mesh)
 
     try:
         ins, outs = paddle_infer(
@@ -256,7 +262,6 @@ def test_cross_entropy_with_softmax_vs_paddle(mesh, case, data):
         letters_ = list(_ce_letters(shape, label, axis))
         assert (class_split and unsupported) or split_hazards(letters_, [shape, label.shape], dists, one_rank_dims=True)
         return check()
-    assert not ours.inputs[0].mapping[axis]
     agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check)
 
 
@@ -273,11 +278,12 @@ def test_cross_entropy_with_softmax_backward_vs_paddle(mesh, case, data):
     names = letters(len(shape))
     loss_letters = names.replace(names[axis], "z")
     hazards = split_hazards([names, loss_letters], [shape, loss.shape], out_dists)
-    if _class_split(out_dists[0], axis):
-        hazards.append("class axis split")
+    if _class_split(out_dists[0], axis) and (attrs["soft_label"] or axis != len(shape) - 1):
+        # Paddle keeps a class split for a hard label on the last axis only; ours for any hard label
+        hazards.append("class axis split of a soft label or on an axis that is not the last")
 
     def check():
-        check_rule(
+        check_split_rule(
             "cross_entropy_with_softmax", _kernel(_ce), [logits, label], [None, None], attrs, mesh, backward=out_dists
         )
 
@@ -346,19 +352,16 @@ def test_layer_norm_vs_paddle(mesh, case, data):
 
 @given(meshes(), embedding_cases(), st.data())
 def test_embedding_vs_paddle(mesh, case, data):
-    """Differs where the table's vocabulary dim is split: Paddle answers a partial output
-    (needs c_embedding); ours keeps the vocabulary whole for pd_op.embedding."""
+    """Both make the output partial over a vocabulary split (ours through the masked lookup the
+    vocab_parallel pass emits); Paddle refuses one with a padding_idx."""
     ids, weight, attrs = case
     dists = [data.draw(paddle_dists(mesh, ids.ndim)), data.draw(paddle_dists(mesh, 2))]
     ours = _ours("embedding", [ids.shape, weight.shape], dists, attrs, mesh)
     ids_letters = letters(ids.ndim)
     hazards = split_hazards([ids_letters, "vz"], [ids.shape, weight.shape], dists)
-    if _class_split(dists[1], 0):
-        hazards.append("vocabulary split")
-    assert not ours.inputs[1].mapping[0]
 
     def check():
-        check_rule("embedding", embedding, [ids, weight], dists, attrs, mesh)
+        check_split_rule("embedding", embedding, [ids, weight], dists, attrs, mesh)
 
     # Paddle refuses a vocab split with a padding_idx, and competing splits, even over one rank
     refused = split_hazards([ids_letters, "vz"], [ids.shape, weight.shape], dists, one_rank_dims=True)
@@ -384,7 +387,7 @@ def test_embedding_vs_paddle(mesh, case, data):
     hazards = split_hazards([ids_letters + "z"], [out.shape], [out_dist])
 
     def check_backward():
-        check_rule("embedding", embedding, [ids, weight], [None, None], attrs, mesh, backward=[out_dist])
+        check_split_rule("embedding", embedding, [ids, weight], [None, None], attrs, mesh, backward=[out_dist])
 
     agree_or_explained(nontrivial_differences(ours, ins, outs, [0, 1]), hazards, check_backward)
 
@@ -413,14 +416,12 @@ def test_partial_inputs_vs_paddle():
 
 
 def test_readable_agreements():
-    """Cases both rules answer alike: ``ab[S(0),S(1)] sum(axis=1) -> a[S(0),P(sum)]``; softmax
-    ``ab[S(0),S(1)] -> [S(0),R]``; layer_norm ``abc[S(0),S(2)] -> x [S(0),R]``; embedding
-    ids ``ab[S(0),R]``, table ``vh[R,S(1)] -> abh[S(0),S(2)]``."""
+    """Cases both rules answer alike: ``ab[S(0),S(1)] sum(axis=1) -> a[S(0),P(sum)]``; layer_norm
+    ``abc[S(0),S(2)] -> x [S(0),R]``; embedding ids ``ab[S(0),R]``, table ``vh[R,S(1)] ->
+    abh[S(0),S(2)]``; vocabulary-parallel embedding, table ``vh[S(0),R] -> abh[P(sum),R]``;
+    class-split cross-entropy ``bc[S(0),S(1)] -> softmax [S(0),S(1)]``."""
     dist = DistAttr.parse("[S(0),S(1)]", MESH, 2)
-    cases = [
-        ("sum", [(4, 6), (1,)], [dist, None], {"axis": [1], "keepdim": False}, [Spec((4, 6), dist), [1], False]),
-        ("softmax", [(4, 6)], [dist], {"axis": -1}, [Spec((4, 6), dist), -1]),
-    ]
+    cases = [("sum", [(4, 6), (1,)], [dist, None], {"axis": [1], "keepdim": False}, [Spec((4, 6), dist), [1], False])]
     ln = DistAttr.parse("[S(0),S(2)]", MESH, 3)
     vec = DistAttr.replicated(MESH, 1)
     cases.append(
@@ -436,26 +437,44 @@ def test_readable_agreements():
     cases.append(
         ("embedding", [(4, 6), (10, 8)], [ids, table], {}, [Spec((4, 6), ids), Spec((10, 8), table), -1, False])
     )
-    expected = {"sum": "[S(0),P(sum)]", "softmax": "[S(0),R]", "layer_norm": "[S(0),R]", "embedding": "[S(0),S(2)]"}
-    for op, shapes_, dists, attrs, paddle_args in cases:
+    whole, vocab = DistAttr.replicated(MESH, 2), DistAttr.parse("[S(0),R]", MESH, 2)
+    cases.append(
+        ("embedding", [(4, 6), (10, 8)], [whole, vocab], {}, [Spec((4, 6), whole), Spec((10, 8), vocab), -1, False])
+    )
+    ce = {"soft_label": False, "use_softmax": True, "numeric_stable_mode": True, "ignore_index": -100, "axis": -1}
+    label = DistAttr.replicated(MESH, 2)
+    cases.append(
+        (
+            "cross_entropy_with_softmax",
+            [(8, 10), (8, 1)],
+            [dist, label],
+            ce,
+            [Spec((8, 10), dist), Spec((8, 1), label), *(ce[k] for k in CE_ATTRS)],
+        )
+    )
+    expected = ["[S(0),P(sum)]", "[S(0),R]", "[S(0),S(2)]", "[P(sum),R]", "[S(0),S(1)]"]
+    for (op, shapes_, dists, attrs, paddle_args), want in zip(cases, expected):
         ours = _ours(op, shapes_, dists, attrs, MESH)
         ins, outs = paddle_infer(op, *paddle_args)
-        assert str(ours.outputs[0]) == expected[op] == str(outs[0]), (op, str(ours.outputs[0]), str(outs[0]))
+        assert str(ours.outputs[0]) == want == str(outs[0]), (op, str(ours.outputs[0]), str(outs[0]))
+    assert str(ours.outputs[1]) == "[S(0),R]" == str(outs[1])  # the class-split loss: whole over mp
 
 
 def test_readable_differences():
-    """cross-entropy ``bc[S(0),S(1)]``: Paddle keeps the class split, ours ``[S(0),R]``;
-    embedding with ``vh[S(0),R]`` (vocab split): Paddle out ``[P(sum),R]``, ours gathers the table."""
-    logits = DistAttr.parse("[S(0),S(1)]", MESH, 2)
-    label = DistAttr.replicated(MESH, 2)
-    ce = {"soft_label": False, "use_softmax": True, "numeric_stable_mode": True, "ignore_index": -100, "axis": -1}
-    ours = _ours("cross_entropy_with_softmax", [(8, 10), (8, 1)], [logits, label], ce, MESH)
-    ins, _ = paddle_infer(
-        "cross_entropy_with_softmax", Spec((8, 10), logits), Spec((8, 1), label), *(ce[k] for k in CE_ATTRS)
-    )
-    assert str(ours.inputs[0]) == "[S(0),R]" and str(ins[0]) == "[S(0),S(1)]"
+    """softmax ``ab[S(0),S(1)]`` over axis 1: Paddle gathers the axis (``[S(0),R]``), ours keeps
+    it (``[S(0),S(1)]``: all_reduces of the row max and sum); a vocab-split table with a
+    padding_idx: Paddle refuses, ours keeps the split (the padding row is one rank's)."""
+    dist = DistAttr.parse("[S(0),S(1)]", MESH, 2)
+    ours = _ours("softmax", [(4, 6)], [dist], {"axis": -1}, MESH)
+    ins, outs = paddle_infer("softmax", Spec((4, 6), dist), -1)
+    assert str(ours.outputs[0]) == "[S(0),S(1)]" and str(outs[0]) == "[S(0),R]"
+    check_split_rule("softmax", eager(lambda t, axis: F.softmax(t, axis=axis)), [_rand((4, 6))], [dist], {"axis": -1}, MESH)
     table = DistAttr.parse("[S(0),R]", MESH, 2)
     ids = DistAttr.replicated(MESH, 2)
-    ours = _ours("embedding", [(4, 6), (10, 8)], [ids, table], {}, MESH)
-    _, outs = paddle_infer("embedding", Spec((4, 6), ids), Spec((10, 8), table), -1, False)
-    assert str(outs[0]) == "[P(sum),R]" and str(ours.inputs[1]) == "[R,R]" and str(ours.outputs[0]) == "[R,R]"
+    ours = _ours("embedding", [(4, 6), (10, 8)], [ids, table], {"padding_idx": 3}, MESH)
+    try:
+        paddle_infer("embedding", Spec((4, 6), ids), Spec((10, 8), table), 3, False)
+        raise AssertionError("Paddle accepted a vocabulary split with a padding_idx")
+    except PADDLE_REFUSES:
+        pass
+    assert str(ours.outputs[0]) == "[P(sum),R]"

@@ -1,5 +1,6 @@
 """Reductions, softmax / log_softmax and cross_entropy_with_softmax rules checked numerically
-(hypothesis): forward, grad ops (Paddle's own grad kernels) and backward inference."""
+(hypothesis): forward, grad ops (Paddle's own grad kernels) and backward inference. A split
+normalized axis is checked through the decomposition each rank runs (split_rows.check_split_rule)."""
 
 import numpy as np
 import paddle
@@ -7,6 +8,7 @@ import paddle.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from paddle import _C_ops
+from split_rows import check_split_rule
 
 from autopar import DistAttr, ProcessMesh
 from autopar.spmd import RuleContext, TensorSpec, get_rule
@@ -120,14 +122,15 @@ def test_softmax_and_grad(mesh, case, name, data):
     shape, attrs = case
     x = _rand(shape)
     forward = eager(lambda t, axis: getattr(F, name)(t, axis=axis))
-    check = check_rule(name, forward, [x], [data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))], attrs, mesh)
-    assert not check.result.inputs[0].mapping[attrs["axis"]]  # the normalized axis is whole
-    check_rule(name, forward, [x], [None], attrs, mesh, backward=[data.draw(dist_attrs(mesh, len(shape)))])
+    dist = data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))
+    check = check_split_rule(name, forward, [x], [dist], attrs, mesh)
+    assert check.result.outputs[0].mapping == check.result.inputs[0].mapping  # every split kept, the axis's too
+    check_split_rule(name, forward, [x], [None], attrs, mesh, backward=[data.draw(dist_attrs(mesh, len(shape)))])
     out = forward([x], attrs)[0]
     kernel = getattr(_C_ops, f"{name}_grad")
     grad = _kernel(lambda out, out_grad, axis: kernel(out, out_grad, axis))  # _C_ops take no keywords
     dists = [data.draw(maybe_dist_attrs(mesh, len(shape))), data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))]
-    check_rule(f"{name}_grad", grad, [out, _rand(shape, 1)], dists, attrs, mesh)
+    check_split_rule(f"{name}_grad", grad, [out, _rand(shape, 1)], dists, attrs, mesh)
 
 
 # ---- cross_entropy_with_softmax ------------------------------------------------------------
@@ -169,23 +172,31 @@ def _ce_grad(label, softmax, loss_grad, **a):
 def test_cross_entropy_with_softmax_and_grad(mesh, case, data):
     shape, label, attrs = case
     logits = _rand(shape)
-    # class-sharded logits are drawn too: the rule must gather the class axis
+    # class-sharded logits are drawn too: kept for a hard label (vocabulary-parallel), gathered for a soft one
     dists = [data.draw(maybe_dist_attrs(mesh, len(shape), partial=True)), data.draw(maybe_dist_attrs(mesh, label.ndim))]
-    check = check_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], dists, attrs, mesh)
-    assert not check.result.inputs[0].mapping[attrs["axis"]]
+    check = check_split_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], dists, attrs, mesh)
+    classes = check.result.inputs[0].mapping[attrs["axis"]]
+    assert not (classes and attrs["soft_label"])
+    assert not set(classes) & set(check.result.outputs[1].partial_dims)  # the loss comes out whole over them
     outs = [data.draw(dist_attrs(mesh, len(shape)))] * 2
-    check_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], [None, None], attrs, mesh, backward=outs)
+    check_split_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], [None, None], attrs, mesh, backward=outs)
     softmax, loss = _kernel(_ce)([logits, label], attrs)
     dists = [data.draw(maybe_dist_attrs(mesh, label.ndim)), data.draw(maybe_dist_attrs(mesh, len(shape)))]
     dists.append(data.draw(maybe_dist_attrs(mesh, loss.ndim, partial=True)))
-    check_rule("cross_entropy_with_softmax_grad", _kernel(_ce_grad), [label, softmax, _rand(loss.shape, 1)], dists, attrs, mesh)
+    grad_operands = [label, softmax, _rand(loss.shape, 1)]
+    check_split_rule("cross_entropy_with_softmax_grad", _kernel(_ce_grad), grad_operands, dists, attrs, mesh)
 
 
-def test_cross_entropy_keeps_the_batch_split_and_gathers_classes():
-    """``bc[S(0),S(1)] -> loss b1[S(0)]``: the batch split stays, the class split is gathered."""
+def test_cross_entropy_keeps_the_batch_and_class_splits_of_a_hard_label():
+    """``bc[S(0),S(1)]`` with a hard label -> softmax ``[S(0),S(1)]``, loss ``b1[S(0),R]`` (the class
+    split finished by all_reduces of one value per row); with a soft label the classes are gathered."""
     mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
     logits = TensorSpec((8, 10), DistAttr(mesh, ["dp", "mp"]))
     label = TensorSpec((8, 1), None, "int64")
     result = get_rule("cross_entropy_with_softmax").infer_forward([logits, label], {"axis": -1}, RuleContext(mesh))
+    assert [str(d) for d in result.inputs] == ["[S(0),S(1)]", "[S(0),R]"]
+    assert [str(d) for d in result.outputs] == ["[S(0),S(1)]", "[S(0),R]"]
+    soft = TensorSpec((8, 10), None)
+    result = get_rule("cross_entropy_with_softmax").infer_forward([logits, soft], {"axis": -1, "soft_label": True}, RuleContext(mesh))
     assert [str(d) for d in result.inputs] == ["[S(0),R]", "[S(0),R]"]
     assert [str(d) for d in result.outputs] == ["[S(0),R]", "[S(0),R]"]

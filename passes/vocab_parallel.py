@@ -1,0 +1,244 @@
+"""Vocabulary-parallel rewrite: ops whose local kernel is wrong on a split row are replaced,
+in each rank's program, by what that rank must compute (stage: comm-inserted -> rows-rewritten).
+
+The SPMD rules keep a table's vocabulary split (embedding) and a split normalized axis
+(softmax, log_softmax, cross-entropy over class-split logits: Megatron's LM head), see
+:mod:`autopar.spmd.vocab_parallel`. Paddle's kernels would treat the local piece as the whole
+row, so each such op (:func:`~autopar.spmd.vocab_parallel.split_row`, from the placements
+propagation required) becomes its decomposition, run here with Paddle ops
+(:class:`ProgramKernels`): masked lookups of the rank's rows, and for rows split over ranks
+an ``all_reduce`` of one value per row (max, sum of exponentials, target logit). Each
+collective is planned as the reshard ``P(max|sum) -> R`` of that per-row tensor and emitted
+by :func:`~autopar.passes.reshard_emission.emit_step`: a :class:`~autopar.collective.Collective`
+value (kind, group, bytes, reason) in ``rp.collectives``, a real ``pd_op.all_reduce`` in the
+program, so ``dist.comm_ops(rank)`` lists it, the host runtime (simulator, processes) performs
+it and the native backend runs the op itself.
+
+Runs after reshard emission: the op's operands are then final (resharded where its rule
+required), and the readers of its results (reshards included) are rewired to the new values.
+The serial op is erased; ``rp.ops`` maps it to the rewrite's local ``embedding`` /
+``embedding_grad`` op, or else to the op making its last result (its program position and
+pipeline phase: the ops inserted before it run in its phase); ``rp.replaced`` holds its results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from autopar.collective import CollectiveKey
+from autopar.cost_model import plan_reshard
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import OpNode
+from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.reshard_emission import emit_step
+from autopar.spmd.vocab_parallel import SplitRow, decompose, local_padding, split_row
+
+
+@dataclass(frozen=True, slots=True)
+class RowValue:
+    """The per-row tensor an all_reduce moves (what emit_step reads of a serial value)."""
+
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def split_rows(state: CompileState) -> list[tuple[OpNode, SplitRow]]:
+    """Every op of the program whose local kernel is wrong on its placements, in program order."""
+    found = []
+    for op in state.graph.ops:
+        result = state.propagation.op_results.get(op.index)
+        split = split_row(op.name, op.attrs, result.inputs) if result is not None else None
+        if split is not None:
+            found.append((op, split))
+    return found
+
+
+@dataclass(frozen=True)
+class VocabParallel(Pass):
+    name: ClassVar[str] = "vocab_parallel"
+    plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
+    emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
+    emit_ensures: ClassVar[str] = "rows-rewritten"
+
+    def plan(self, state: CompileState) -> None:
+        """Refuse a row split over micro-batches: they run one after another, so no all_reduce
+        can finish the row (an op normalizing over the batch needs the whole batch at once)."""
+        state.rewrite_dim_sets.update(tuple(split.mesh_dims) for _, split in split_rows(state))
+        if state.micro is None:
+            return
+        for op in state.graph.ops:
+            inputs = [None if key is None else state.micro.placements.get(key) for key in op.inputs]
+            split = split_row(op.name, op.attrs, inputs)
+            if split is not None:
+                value = state.graph.values[op.inputs[split.operand]]
+                raise AutoparError(
+                    f"micro-batching: {op} normalizes over dim {split.axis} of {value.label}, which each micro-batch holds "
+                    "a piece of; the op needs the whole batch at once and cannot run one micro-batch at a time"
+                )
+
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        with paddle.static.program_guard(rp.program):
+            for op, split in split_rows(state):
+                if (
+                    rp.rank in state.propagation.op_meshes.get(op.index, state.mesh).ranks
+                    and rp.ops[op.index] is not None
+                ):
+                    _rewrite(state, rp, op, split)
+            paddle.pir.reset_insertion_point_to_end()
+
+
+def _rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitRow) -> None:
+    import paddle
+
+    serial = rp.ops[op.index]
+    operands = [serial.operand_source(i) for i in range(serial.num_operands())]
+    paddle.pir.set_insertion_point(serial)
+    kernels = ProgramKernels(state, rp, op, split)
+    results = decompose(split, kernels, operands, op.attrs)
+    if kernels.lookup_op is None and results[-1].get_defining_op().num_operands() > serial.num_operands():
+        # the op standing for the serial one (rp.ops) reads no more operands than it did: the
+        # rank view pairs their operands one by one (log_softmax ends in a binary subtract)
+        results = (*results[:-1], paddle.assign(results[-1]))
+    for j, new in enumerate(results):
+        old = serial.result(j)
+        if not old.initialized():
+            continue
+        new.set_type(old.type())  # the local shape partition gave the op's result
+        for user in list(old.all_used_ops()):
+            for i in range(user.num_operands()):
+                if user.operand_source(i).is_same(old):
+                    user.operand(i).set_source(new)
+        rp.replaced[(op.index, j)] = new
+    rp.ops[op.index] = kernels.lookup_op or results[-1].get_defining_op()
+    serial.erase()
+
+
+class ProgramKernels:
+    """The kernels of :mod:`autopar.spmd.vocab_parallel` as Paddle ops of one rank's program,
+    inserted at the current insertion point; all_reduces as planned collectives."""
+
+    def __init__(self, state: CompileState, rp: RankProgram, op: OpNode, split: SplitRow) -> None:
+        required = state.propagation.op_results[op.index].inputs
+        dist: DistAttr = required[split.operand]
+        value = state.graph.values[op.inputs[split.operand]]
+        bounds = dist.local_slices(value.shape, rp.rank)[split.axis]
+        self.state, self.rp, self.op, self.split = state, rp, op, split
+        self.start, self.stop = bounds.start, bounds.stop
+        self.ndim, self.axis, self.label, self.dtype_name = len(value.shape), split.axis, value.label, value.dtype
+        others = {d: k for attr in required if attr is not None for d, k in attr.partial if d not in split.mesh_dims}
+        mapping = tuple(() if t == split.axis else dims for t, dims in enumerate(dist.mapping))
+        self.row_mapping, self.others, self.mesh = mapping, others, dist.mesh
+        self.row_shape = tuple(1 if t == split.axis else n for t, n in enumerate(value.shape))
+        self.count = 0
+        self.lookup_op: Any = None  # the local embedding / embedding_grad op, if the rewrite has one
+
+    # ---- collectives -------------------------------------------------------------------
+    def all_reduce(self, x: Any, reduce: str, what: str) -> Any:
+        src = DistAttr.of(self.mesh, self.row_mapping, {**self.others, **{d: reduce for d in self.split.mesh_dims}})
+        dst = DistAttr.of(self.mesh, self.row_mapping, self.others)
+        plan = plan_reshard(src, dst, self.row_shape, self.dtype_name, self.state.cluster)
+        names = "/".join(self.mesh.dim_names[d] for d in self.split.mesh_dims)
+        row = RowValue(f"{self.label}.{what.replace(' ', '_')}", self.row_shape, self.dtype_name)
+        dim = "class axis" if self.split.op.startswith("cross_entropy") else "normalized axis"
+        reason = (
+            f"{self.op} reads {self.label} with its {dim} split over {names}: all_reduce[{reduce}] of the {what}, "
+            "one value per row instead of gathering the row"
+        )
+        for step in plan.steps:
+            x = emit_step(self.state, self.rp, step, x, row, reason, CollectiveKey("vocab", self.op.index, self.count))
+            self.count += 1
+        return x
+
+    # ---- rows ----------------------------------------------------------------------------
+    def row_max(self, x: Any) -> Any:
+        import paddle
+
+        return paddle.max(x, axis=self.axis, keepdim=True)
+
+    def row_sum(self, x: Any) -> Any:
+        import paddle
+
+        return paddle.sum(x, axis=self.axis, keepdim=True)
+
+    def _label(self, label: Any) -> Any:
+        """A hard label with the class axis (size 1) where it lacks it."""
+        import paddle
+
+        return label if len(label.shape) == self.ndim else paddle.unsqueeze(label, [self.axis])
+
+    def hits(self, label: Any) -> Any:
+        """1.0 where the global class of a local column is the row's label."""
+        import paddle
+
+        shape = [1] * self.ndim
+        shape[self.axis] = self.stop - self.start
+        classes = paddle.reshape(paddle.arange(self.start, self.stop, 1, dtype=label.dtype), shape)
+        return paddle.cast(paddle.equal(self._label(label), classes), self.dtype)
+
+    def kept(self, label: Any, ignore_index: int) -> Any:
+        import paddle
+
+        label = self._label(label)
+        return paddle.cast(paddle.not_equal(label, paddle.full([], ignore_index, label.dtype)), self.dtype)
+
+    @property
+    def dtype(self) -> Any:
+        import paddle
+
+        return getattr(paddle, self.dtype_name)
+
+    # ---- table rows ------------------------------------------------------------------------
+    def rows(self, ids: Any) -> tuple[Any, Any]:
+        import paddle
+
+        start, stop = paddle.full([], self.start, ids.dtype), paddle.full([], self.stop, ids.dtype)
+        inside = paddle.logical_and(paddle.greater_equal(ids, start), paddle.less_than(ids, stop))
+        local = paddle.where(inside, paddle.subtract(ids, start), paddle.zeros_like(ids))
+        return local, paddle.unsqueeze(paddle.cast(inside, self.dtype), [-1])
+
+    def lookup(self, ids: Any, weight: Any, padding_idx: int) -> Any:
+        import paddle
+
+        out = paddle._C_ops.embedding(ids, weight, local_padding(int(padding_idx), self.start, self.stop), False)
+        self.lookup_op = out.get_defining_op()
+        return out
+
+    def lookup_grad(self, ids: Any, weight: Any, out_grad: Any, padding_idx: int) -> Any:
+        import paddle
+
+        grad = paddle._C_ops.embedding_grad(
+            ids, weight, out_grad, local_padding(int(padding_idx), self.start, self.stop), False
+        )
+        self.lookup_op = grad.get_defining_op()
+        return grad
+
+    # ---- elementwise -----------------------------------------------------------------------
+    def exp(self, x: Any) -> Any:
+        import paddle
+
+        return paddle.exp(x)
+
+    def log(self, x: Any) -> Any:
+        import paddle
+
+        return paddle.log(x)
+
+    def subtract(self, x: Any, y: Any) -> Any:
+        import paddle
+
+        return paddle.subtract(x, y)
+
+    def multiply(self, x: Any, y: Any) -> Any:
+        import paddle
+
+        return paddle.multiply(x, y)
+
+    def divide(self, x: Any, y: Any) -> Any:
+        import paddle
+
+        return paddle.divide(x, y)
