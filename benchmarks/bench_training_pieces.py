@@ -182,6 +182,32 @@ def conv_bn_net(global_statistics: bool, batch: int = 32, image: int = 16) -> Se
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
 
 
+def dropout_mlp(mesh_name: str) -> Callable[[bool], SeedProgram]:
+    """SimpleNet-like MLP with a training dropout after linear1's ReLU. With the piece, the
+    dropout keeps its input's split (each rank applies its slice of the serial mask); without
+    it, the dropout input annotated whole: what autopar did before (gather, drop, slice)."""
+
+    def build(sliced: bool) -> SeedProgram:
+        import paddle
+
+        paddle.enable_static()
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        main.random_seed = startup.random_seed = 7
+        with paddle.static.program_guard(main, startup):
+            x = paddle.static.data("x", [64, 256], "float32")
+            label = paddle.static.data("label", [64, 1], "int64")
+            layers = {"linear1": paddle.nn.Linear(256, 1024), "linear2": paddle.nn.Linear(1024, 10)}
+            hidden = paddle.nn.functional.relu(layers["linear1"](x))
+            dropped = paddle.nn.functional.dropout(hidden, 0.1, training=True)
+            loss = paddle.mean(paddle.nn.functional.cross_entropy(layers["linear2"](dropped), label))
+            _optimizer("momentum", False).minimize(loss)
+        if not sliced:
+            autopar.shard_tensor(hidden, MESHES[mesh_name], [None, None])
+        return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers)
+
+    return build
+
+
 ROWS: list[Row] = [
     Row("global-norm clip", "GPT block", "dp=2", gpt),
     Row("global-norm clip", "GPT block", "mp=2", gpt),
@@ -191,6 +217,8 @@ ROWS: list[Row] = [
     Row("vocab-parallel", "GPT block", "mp=2", vocab_parallel_gpt("mp=2")),
     Row("vocab-parallel", "GPT block", "dp=2 x mp=2", vocab_parallel_gpt("dp=2 x mp=2")),
     Row("batch norm", "ConvBN", "dp=2", conv_bn_net),
+    Row("dropout", "MLP", "dp=2", dropout_mlp("dp=2")),
+    Row("dropout", "MLP", "mp=2", dropout_mlp("mp=2")),
 ]
 
 
