@@ -23,8 +23,6 @@ the process ends with a line naming the rank and the wait), so the bound holds u
 
 from __future__ import annotations
 
-import pickle
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,8 +36,7 @@ from autopar.rank_status import collective_timeout, waiting
 from autopar.runtime.collectives import own_piece, perform
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
 
-P2P_WINDOW = 1024  # store slots per pipeline link (a sender runs less than one step ahead of its receiver)
-_LINKS: dict[tuple[int, ...], int] = {}  # pipeline link -> messages so far in this process (every Executor's)
+_LINKS: Any = None  # this process's pipeline links (autopar.runtime.p2p.Links), made on first use
 
 
 class GlooCommunicator:
@@ -85,27 +82,21 @@ class GlooCommunicator:
             return perform(job, {r: everyone[r] for r in job.group})[self.rank]
 
     def _point_to_point(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
-        """Pipeline p2p through the job's TCP store, with the buffered FIFO links the schedule's
-        verifier assumes: the k-th send on a link is the k-th recv. A send stores its message and
-        goes on; a recv waits for it. (Measured: gloo's process-group send blocks until the
-        receiver posts its recv, sync_op=False included, which deadlocks 1F1B's steady state.)
-        Keys cycle through a window of P2P_WINDOW slots per link (the store has no delete), and
-        each message carries its number, so a recv never takes an older one from its slot."""
-        from paddle.base import core
+        """Pipeline p2p with the buffered FIFO links the schedule's verifier assumes
+        (:mod:`autopar.runtime.p2p`: gloo's send blocks until the recv is posted, which
+        deadlocks 1F1B; the TCP store costs ~40 ms a message)."""
+        global _LINKS
+        if _LINKS is None:
+            from paddle.base import core
 
-        store = core.create_or_get_global_tcp_store()
+            from autopar.runtime.p2p import Links
+
+            _LINKS = Links(self.rank, core.create_or_get_global_tcp_store())
         sender, receiver = job.group
-        count = _LINKS.get(job.group, 0)
-        _LINKS[job.group] = count + 1
-        key = f"autopar/p2p/{sender}-{receiver}/{count % P2P_WINDOW}"
         if job.kind is CollectiveKind.SEND:
-            store.set(key, pickle.dumps((count, np.require(x, requirements="C"))))
+            _LINKS.send(receiver, x)
             return None
-        while True:
-            number, array = pickle.loads(bytes(store.get(key)))
-            if number == count:
-                return array
-            time.sleep(0.0005)  # the slot still holds the message P2P_WINDOW before this one
+        return _LINKS.recv(sender, self.timeout)
 
     def _lowered(self, job: Collective, x: np.ndarray) -> np.ndarray:
         """A world reduce_scatter / all_to_all as gloo runs it natively (what the cost model

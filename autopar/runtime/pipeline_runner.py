@@ -5,8 +5,8 @@ step splits each global feed into the micro-batches, then follows the schedule: 
 of micro-batch ``k`` run that phase's jobs from micro-batch ``k``'s own copy of the host plan,
 whose values passed between jobs have their own scope names (its activations stay in the
 rank's scope from its forward to its backward, whatever runs in between); after a ``B`` the
-gradients the update reads are added to an accumulator; ``OPT`` writes the sums where the
-update reads them and runs it once. (Measured: running the same segments in one child scope
+gradients the update reads are added, by a small program in the rank's scope, into micro-batch
+0's (which the update reads); ``OPT`` runs the update once. (Measured: running the same segments in one child scope
 per micro-batch instead fails inside Paddle's cached interpreters on the second step.) Sends and recvs are collectives inside the F / B
 jobs (the schedule's SEND / RECV actions are where they fall); each is stamped with its
 micro-batch so both ends match. Fetches add up their micro-batches' pieces (a loss is a
@@ -30,7 +30,7 @@ from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
 from autopar.schedule_timeline import Span
 
-Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", action, k), ("update", -1, 0), ("fetch", action, k),
+Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", action, k), ("fetch", action, k),
 # ("begin" / "end", action number, k): the timeline's spans
 
 
@@ -59,7 +59,11 @@ class PipelineRunner(RankRunner):
         self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items()}
         self.steps: list[Step] = self._steps()
         self.micro_feeds: list[dict[str, np.ndarray]] = []
-        self.sums: list[np.ndarray | None] = []
+        self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program
+        for stage in {a.stage for a in role.actions if a.kind.value == "B"}:
+            first = next(a for a in role.actions if a.kind.value == "B" and a.stage == stage)
+            if first.micro_batch != 0:
+                raise AutoparError(f"pipeline runner: stage {stage}'s first backward is micro-batch {first.micro_batch}, not 0")
         self.pieces: dict[ValueKey, list[np.ndarray]] = {}
         self.spans: list[Span] = []  # the last step's compute actions as they ran (start, end)
         self._began = self._waited = self._asked = 0.0
@@ -78,7 +82,7 @@ class PipelineRunner(RankRunner):
                 steps.append(("end", number, k))
             elif kind == "OPT" and not updated:  # one update for all the rank's stages
                 updated = True
-                steps += [("begin", number, 0), ("update", -1, 0)]
+                steps.append(("begin", number, 0))
                 steps += [("job", i, 0) for i in self.jobs_of.get("OPT", [])]
                 steps.append(("end", number, 0))
         return steps
@@ -107,7 +111,7 @@ class PipelineRunner(RankRunner):
         self.micro_feeds = [self.plan.local_feeds(m) for m in micro]
         self.feeds = self.micro_feeds[-1]
         self.position = 0
-        self.sums, self.pieces = [None] * len(self.host.accumulated), {}
+        self.pieces = {}
         self.spans, self._began = [], 0.0
 
     # ---- stepping ---------------------------------------------------------------------
@@ -129,25 +133,40 @@ class PipelineRunner(RankRunner):
                 feeds = self.micro_feeds[micro_batch]
                 with paddle.static.scope_guard(self.scope):
                     self.executors[micro_batch].run(job.program, feed={n: feeds[n] for n in job.feeds}, fetch_list=[])
-            elif what == "accumulate":  # the gradients this action (one stage's backward) made
-                host, action = self.hosts[micro_batch], self.role.actions[index]
-                for j, name in enumerate(host.accumulated):
-                    if host.accumulated_phases[j] != f"B{action.stage}":
-                        continue
-                    value = self.read(name)
-                    self.sums[j] = value if self.sums[j] is None else self.sums[j] + value
+            elif what == "accumulate" and micro_batch > 0:  # into micro-batch 0's names, which the update reads
+                with paddle.static.scope_guard(self.scope):
+                    self.executor.run(self._adder(micro_batch, self.role.actions[index].stage), feed={}, fetch_list=[])
             elif what == "begin":
                 self._began, self._waited = time.perf_counter(), 0.0
             elif what == "end":  # time spent waiting on its collectives (a recv first of all) is idle, not work
                 self.spans.append(Span(self.role.actions[index], self._began + self._waited, time.perf_counter()))
-            elif what == "update":
-                for name, total in zip(self.host.accumulated, self.sums):
-                    if total is not None:
-                        self.write(name, total)
-            else:
+            elif what == "fetch":
                 self._stash(index, micro_batch)
             self.position += 1
         return None
+
+    def _adder(self, micro_batch: int, stage: int) -> Any:
+        """A program adding micro-batch ``micro_batch``'s gradients of ``stage`` into micro-batch
+        0's in the scope (no copy through numpy); built on first use, when they exist."""
+        import paddle
+
+        found = self.adders.get((micro_batch, stage))
+        if found is not None:
+            return found
+        first, this = self.hosts[0], self.hosts[micro_batch]
+        program = paddle.static.Program()
+        with paddle.static.program_guard(program):
+            for j, total in enumerate(first.accumulated):
+                if first.accumulated_phases[j] != f"B{stage}":
+                    continue
+                tensor = self.scope.find_var(total).get_tensor()
+                shape, dtype = list(tensor.shape()), str(np.array(tensor).dtype)
+                whole = paddle.static.data(total, shape, dtype)
+                part = paddle.static.data(this.accumulated[j], shape, dtype)
+                whole.persistable = part.persistable = True  # read from the scope, not fed
+                paddle._pir_ops.set_persistable_value(paddle.add(whole, part), total)
+        self.adders[(micro_batch, stage)] = program
+        return program
 
     def _stash(self, number: int, micro_batch: int) -> None:
         action = self.role.actions[number]
