@@ -25,7 +25,7 @@ warnings.filterwarnings("ignore")
 
 WIDTHS = (1024, 2048, 2048, 2048, 10)
 BATCH = 256
-CONFIGS = (("1F1B", 1), ("FThenB", 8), ("1F1B", 4), ("1F1B", 8))
+CONFIGS = (("1F1B", 1), ("FThenB", 8), ("1F1B", 4), ("1F1B", 8), ("ZBH1", 8))
 WARMUP, STEPS = 2, 6
 THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 

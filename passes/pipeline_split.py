@@ -33,7 +33,7 @@ from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.schedule import Action, build_schedule
 
 PHASES = {Role.FORWARD: "F", Role.BACKWARD: "B", Role.OPTIMIZER: "OPT"}
-RUNNABLE = ("FThenB", "1F1B", "Interleaved1F1B")  # schedules the runtime runs today (no split backward)
+RUNNABLE = ("FThenB", "1F1B", "Interleaved1F1B", "ZBH1")  # schedules the runtime runs
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,7 @@ class PipelineSplit(Pass):
     def plan(self, state: CompileState) -> None:
         if self.schedule not in RUNNABLE:
             raise AutoparError(
-                f"PipelineConfig(schedule={self.schedule!r}): the runtime runs {', '.join(RUNNABLE)} today "
-                "(the zero-bubble schedule is verified as data, see autopar.schedule, but not run yet)"
+                f"PipelineConfig(schedule={self.schedule!r}): the runtime runs {', '.join(RUNNABLE)}"
             )
         meshes, stages, stage_of = find_stages(state)
         virtual = len(stages) // len(meshes)
@@ -107,6 +106,30 @@ class PipelineSplit(Pass):
             if not keep[i]:
                 _check_unread(state, ops[i], kept, serial, rp.rank)
                 ops[i].erase()
+        if plan.schedule_name == "ZBH1":
+            _split_backward(rp)
+
+
+def _split_backward(rp: RankProgram) -> None:
+    """Zero-bubble: each stage's backward ``B<s>`` becomes ``I<s>``, the ops the input gradient
+    sent to the previous stage depends on (with its send), and ``W<s>``, the rest (weight
+    gradients only), which the schedule runs later to fill bubbles. A grad op making both
+    gradients (matmul_grad) stays whole in I, so W holds only what no input gradient needs."""
+    ops = list(rp.program.global_block().ops)
+    sends = {op_id for c, op_id in rp.collectives if c.kind.value == "send"}
+    for op in ops:
+        label = rp.phases.get(op.id(), "")
+        if label.startswith("B"):
+            rp.phases[op.id()] = "W" + label[1:]
+    pending = [op for op in ops if op.id() in sends and rp.phases[op.id()].startswith("W")]
+    while pending:
+        op = pending.pop()
+        if not rp.phases[op.id()].startswith("W"):
+            continue
+        rp.phases[op.id()] = "I" + rp.phases[op.id()][1:]
+        for source in op.operands_source():
+            if source.initialized() and rp.phases.get(source.get_defining_op().id(), "").startswith("W"):
+                pending.append(source.get_defining_op())
 
 
 def find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict[int, int]]:

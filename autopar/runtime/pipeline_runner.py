@@ -5,8 +5,9 @@ step splits each global feed into the micro-batches, then follows the schedule: 
 of micro-batch ``k`` run that phase's jobs from micro-batch ``k``'s own copy of the host plan,
 whose values passed between jobs have their own scope names (its activations stay in the
 rank's scope from its forward to its backward, whatever runs in between); after a ``B`` the
-gradients the update reads are added, by a small program in the rank's scope, into micro-batch
-0's (which the update reads); ``OPT`` runs the update once. (Measured: running the same segments in one child scope
+gradients are kept per micro-batch; at ``OPT`` a small program adds them, in the rank's scope,
+into micro-batch 0's (which the update reads), whatever order the backwards ran in (zero-bubble
+defers weight gradients), and the update runs once. (Measured: running the same segments in one child scope
 per micro-batch instead fails inside Paddle's cached interpreters on the second step.) Sends and recvs are collectives inside the F / B
 jobs (the schedule's SEND / RECV actions are where they fall); each is stamped with its
 micro-batch so both ends match. Fetches add up their micro-batches' pieces (a loss is a
@@ -30,7 +31,7 @@ from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
 from autopar.schedule_timeline import Span
 
-Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", action, k), ("fetch", action, k),
+Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", stage, k), ("fetch", action, k),
 # ("begin" / "end", action number, k): the timeline's spans
 
 
@@ -60,10 +61,6 @@ class PipelineRunner(RankRunner):
         self.steps: list[Step] = self._steps()
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program
-        for stage in {a.stage for a in role.actions if a.kind.value == "B"}:
-            first = next(a for a in role.actions if a.kind.value == "B" and a.stage == stage)
-            if first.micro_batch != 0:
-                raise AutoparError(f"pipeline runner: stage {stage}'s first backward is micro-batch {first.micro_batch}, not 0")
         self.pieces: dict[ValueKey, list[np.ndarray]] = {}
         self.spans: list[Span] = []  # the last step's compute actions as they ran (start, end)
         self._began = self._waited = self._asked = 0.0
@@ -73,16 +70,16 @@ class PipelineRunner(RankRunner):
         updated = False
         for number, action in enumerate(self.role.actions):
             kind, k = action.kind.value, action.micro_batch
-            if kind in ("F", "B"):
+            if kind in ("F", "B", "I", "W"):
                 steps.append(("begin", number, k))
                 steps += [("job", i, k) for i in self.jobs_of.get(f"{kind}{action.stage}", [])]
                 steps.append(("fetch", number, k))
-                if kind == "B":
-                    steps.append(("accumulate", number, k))
                 steps.append(("end", number, k))
             elif kind == "OPT" and not updated:  # one update for all the rank's stages
                 updated = True
                 steps.append(("begin", number, 0))
+                stages = sorted({a.stage for a in self.role.actions if a.kind.value in ("B", "W")})
+                steps += [("accumulate", stage, k) for stage in stages for k in range(1, self.role.micro_batches)]
                 steps += [("job", i, 0) for i in self.jobs_of.get("OPT", [])]
                 steps.append(("end", number, 0))
         return steps
@@ -133,9 +130,9 @@ class PipelineRunner(RankRunner):
                 feeds = self.micro_feeds[micro_batch]
                 with paddle.static.scope_guard(self.scope):
                     self.executors[micro_batch].run(job.program, feed={n: feeds[n] for n in job.feeds}, fetch_list=[])
-            elif what == "accumulate" and micro_batch > 0:  # into micro-batch 0's names, which the update reads
+            elif what == "accumulate":  # every backward done: into micro-batch 0's names, which the update reads
                 with paddle.static.scope_guard(self.scope):
-                    self.executor.run(self._adder(micro_batch, self.role.actions[index].stage), feed={}, fetch_list=[])
+                    self.executor.run(self._adder(micro_batch, index), feed={}, fetch_list=[])
             elif what == "begin":
                 self._began, self._waited = time.perf_counter(), 0.0
             elif what == "end":  # time spent waiting on its collectives (a recv first of all) is idle, not work
@@ -157,7 +154,7 @@ class PipelineRunner(RankRunner):
         program = paddle.static.Program()
         with paddle.static.program_guard(program):
             for j, total in enumerate(first.accumulated):
-                if first.accumulated_phases[j] != f"B{stage}":
+                if first.accumulated_phases[j] not in (f"B{stage}", f"I{stage}", f"W{stage}"):
                     continue
                 tensor = self.scope.find_var(total).get_tensor()
                 shape, dtype = list(tensor.shape()), str(np.array(tensor).dtype)

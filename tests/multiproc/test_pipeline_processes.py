@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from autopar.schedule_timeline import render_svg
 
     mesh = autopar.ProcessMesh([0, 1], ["pp"])
-    for schedule, micro_batches, optimizer in [("1F1B", 2, "momentum"), ("1F1B", 3, "adam"), ("FThenB", 3, "momentum")]:
+    for schedule, micro_batches, optimizer in [("1F1B", 2, "momentum"), ("1F1B", 3, "adam"), ("FThenB", 3, "momentum"), ("ZBH1", 4, "adam")]:
         seed = staged_mlp(mesh, optimizer=optimizer)
         config = autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule)
         dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
@@ -53,4 +53,4 @@ def test_pipeline_in_two_processes_equals_serial(tmp_path):
     cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert len([line for line in out.stdout.splitlines() if "RESULT" in line]) == 2 * 3, out.stdout[-3000:]
+    assert len([line for line in out.stdout.splitlines() if "RESULT" in line]) == 2 * 4, out.stdout[-3000:]
