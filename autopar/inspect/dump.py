@@ -1,7 +1,8 @@
 """``DistributedProgram.dump_diff``: per-rank text diffs and graphviz pictures (stage: inspection).
 
 For each rank ``r`` it writes ``rank{r}.diff`` (:mod:`autopar.inspect.diff`), ``rank{r}.dot``
-and, where graphviz ``dot`` is installed, ``rank{r}.svg`` (:mod:`autopar.inspect.render`).
+and, where graphviz ``dot`` is installed, ``rank{r}.svg`` (:mod:`autopar.inspect.render`); for a
+pipeline also ``schedule.svg``, the schedule's modelled timeline.
 Without ``dot`` it still writes the ``.dot`` files and says in one line how to render them.
 """
 
@@ -29,9 +30,10 @@ class DumpResult:
     dots: dict[int, Path] = field(default_factory=dict)
     svgs: dict[int, Path] = field(default_factory=dict)
     note: str = ""  # set when the SVGs could not be rendered
+    schedule: Path | None = None  # the pipeline's modelled timeline (schedule.svg), if pipelined
 
     def __str__(self) -> str:
-        files = len(self.diffs) + len(self.dots) + len(self.svgs)
+        files = len(self.diffs) + len(self.dots) + len(self.svgs) + (self.schedule is not None)
         return f"wrote {files} files to {self.directory}" + (f"\n{self.note}" if self.note else "")
 
 
@@ -75,10 +77,24 @@ def dump_diff(
         result.dots[rank] = dot_path
         if render:
             result.svgs[rank] = render_svg(dot_path)
+    if dist.state.pipeline is not None:  # drawn without graphviz
+        result.schedule = _schedule_svg(dist, out / "schedule.svg")
     if svg and not render:
         result.note = NO_DOT.format(dir=out)
         print(result.note, file=sys.stderr)
     return result
+
+
+def _schedule_svg(dist: Any, path: Path) -> Path:
+    """The pipeline schedule timed with modelled action times (F = 1, B = 2), one row per
+    pipeline rank (``Executor.timeline()`` gives the measured one)."""
+    from autopar.schedule_timeline import render_svg as render_timeline
+    from autopar.schedule_timeline import simulate_timeline
+
+    plan = dist.state.pipeline
+    timeline = simulate_timeline({rank: list(actions) for rank, actions in plan.actions.items()})
+    path.write_text(render_timeline(timeline, f"{plan.schedule_name}, {plan.micro_batches} micro-batches (modelled)"))
+    return path
 
 
 def _safe(name: str) -> str:

@@ -129,3 +129,13 @@ def test_zero_bubble_splits_each_backward_into_input_and_weight_gradients():
     assert {"F1", "I1", "OPT"} <= middle and "B1" not in middle
     assert {a.kind.value for a in dist.schedule(3)} >= {"F", "I", "W", "OPT"}
     assert_equal_to_serial(seed, dist)
+
+
+def test_dump_diff_draws_the_schedule(tmp_path):
+    import xml.etree.ElementTree as ElementTree
+
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    seed = staged_mlp(mesh)
+    result = _compile(seed, mesh, 4).dump_diff(tmp_path, svg=False)
+    root = ElementTree.fromstring(result.schedule.read_text())
+    assert root.tag.endswith("svg") and "1F1B, 4 micro-batches" in result.schedule.read_text()
