@@ -1,19 +1,21 @@
-"""Pipeline split: stages, their schedule, and each rank's program cut to its stage
+"""Pipeline split: stages, their schedule, and each rank's program cut to its stages
 (stage: comm-fused -> stage-split per rank; stages and schedule planned at compile).
 
-A *stage* is the sub-mesh ``autopar.shard_op(layer, mesh[i])`` placed a layer's forward ops
-on; backward ops follow their forward op, updates their parameter. Stages are numbered in
-the order the forward pass reaches them. Values crossing stages are ordinary reshards across
+A *stage* is a run of forward ops that ``autopar.shard_op(layer, mesh[i])`` placed on one
+sub-mesh; backward ops follow their forward op, updates their parameter. Stages are numbered
+in the order the forward pass reaches them; layers cycling through the meshes again give a
+pipeline rank several (virtual) stages. Values crossing stages are ordinary reshards across
 meshes (the planner's ``send_recv``), emitted as ``send`` on the producing rank and ``recv`` on
 the reading one; so this pass only decides, per rank:
 
-- which ops are its own: the ops of its stage, the reshard ops emitted for it, and the
+- which ops are its own: the ops of its stages, the reshard ops emitted for it, and the
   sources and constants those read; everything else is erased;
-- which *phase* each op runs in — ``F`` (forward of one micro-batch), ``B`` (its backward) or
-  ``OPT`` (the update, once per step) — so the runtime can run the phases as the schedule's
-  actions, one micro-batch at a time. An inserted op runs in the phase of the serial op it
-  was inserted for (the next serial op in the full program: a reshard is emitted right before
-  its reader; after the last one, the previous op's).
+- which *job* each op runs in — ``F<s>`` (stage s's forward of one micro-batch), ``B<s>`` (its
+  backward; for zero-bubble ``I<s>``, what the sent input gradient needs, and ``W<s>``, the
+  rest) or ``OPT`` (the update, once per step) — so the runtime runs them as the schedule's
+  actions, one micro-batch at a time. An inserted op runs with the serial op it was inserted
+  for: the next serial op when this rank runs it (a reshard is emitted right before its
+  reader), else the previous one it runs (a send placed before another rank's reader).
 
 The schedule (:mod:`autopar.schedule`: generated, lowered with send/recv and verified) is
 planned once at compile for the whole pipeline; ``dist.schedule(rank)`` returns a rank's.
@@ -236,8 +238,8 @@ def _labels(state: CompileState, ops: list[Any], serial: dict[int, int], keep: l
 
 
 def _keep_what_kept_ops_read(ops: list[Any], keep: list[bool]) -> None:
-    """Sources and constants a kept op reads stay (foreign ones go: a stage-1 parameter is not
-    read on stage 0); inserted ops stay only if their results are read or they have none."""
+    """Sources and constants stay only where a kept op reads them (a stage-1 parameter is not
+    read on stage 0)."""
     position = {op.id(): i for i, op in enumerate(ops)}
     for i, op in enumerate(ops):
         if op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0):
