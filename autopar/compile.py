@@ -17,9 +17,10 @@ from autopar.dist_attr import DistAttr
 from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
 from autopar.gc_pause import gc_paused
-from autopar.graph import ProgramGraph, ValueKey
+from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.micro_batching import micro_batching
+from autopar.op_kinds import SOURCE_OPS
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
@@ -53,7 +54,7 @@ def compile(  # noqa: A001  (the public name the design card fixes)
         raise AutoparError(f"callback must be callable (pass, state, rank_program_or_None) or None, got {type(callback).__name__}")
     with gc_paused():
         strategy = _checked(strategy)
-        if strategy.pipeline is None and _has_stages(program, mesh):
+        if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
             strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
         pipeline = PassPipeline(tuple(passes_for(strategy)), callback)
         state = analyze(program, mesh, startup_program, strategy, pipeline)
@@ -107,6 +108,8 @@ def analyze(
     _refuse_meaningless_partials(graph, user)
     made = pipeline.annotations(graph, mesh) if pipeline is not None else {}
     op_meshes = _op_meshes(program, graph, mesh)
+    if strategy.pipeline is not None and strategy.pipeline.stages is not None:
+        op_meshes = _layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
     cluster = _cluster(strategy).fitted(mesh.ranks)
     result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy=made)
     return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program, micro=micro)
@@ -218,6 +221,24 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
                 )
         placements[key] = attr
     return placements
+
+
+def _layer_stages(graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh]) -> dict[int, ProcessMesh]:
+    """``PipelineConfig(stages=n)``: the forward ops cut by layers (``struct_name``, in the order
+    the forward pass meets them) into ``n`` runs of about equal layer counts, run ``i`` on
+    ``mesh[i % mesh.shape[0]]``; an op of no layer goes with the op before it."""
+    if placed:
+        raise AnnotationError("PipelineConfig(stages=...) places the layers itself: remove the shard_op placements")
+    forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
+    layers = list(dict.fromkeys(op.attrs["struct_name"] for op in forward if op.attrs.get("struct_name")))
+    if len(layers) < stages:
+        raise AnnotationError(f"PipelineConfig(stages={stages}): the program has {len(layers)} layers ({layers}) to split")
+    stage_of_layer = {layer: i * stages // len(layers) for i, layer in enumerate(layers)}
+    out, stage = {}, 0
+    for op in forward:
+        stage = stage_of_layer.get(op.attrs.get("struct_name"), stage)
+        out[op.index] = mesh[stage % mesh.shape[0]]
+    return out
 
 
 def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int, ProcessMesh]:

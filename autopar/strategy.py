@@ -45,10 +45,19 @@ def _check_type(owner: str, name: str, value: Any, expected: type | tuple[type, 
 @_named_fields
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
+    """``stages``: split the forward pass by layers into this many stages, stage ``i`` on
+    ``mesh[i % mesh.shape[0]]`` (more stages than sub-meshes: virtual stages); None: the stages
+    are the sub-meshes ``autopar.shard_op`` placed layers on."""
+
     micro_batches: int = 1
     schedule: str = "1F1B"
+    stages: int | None = None
 
     def __post_init__(self) -> None:
+        if self.stages is not None:
+            _check_type("PipelineConfig", "stages", self.stages, int, "an int >= 2 or None")
+            if self.stages < 2:
+                raise AutoparError(f"PipelineConfig.stages must be >= 2 (or None), got {self.stages}")
         _check_type("PipelineConfig", "micro_batches", self.micro_batches, int, "an int >= 1")
         if self.micro_batches < 1:
             raise AutoparError(f"PipelineConfig.micro_batches must be >= 1, got {self.micro_batches}")

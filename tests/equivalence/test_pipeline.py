@@ -139,3 +139,19 @@ def test_dump_diff_draws_the_schedule(tmp_path):
     result = _compile(seed, mesh, 4).dump_diff(tmp_path, svg=False)
     root = ElementTree.fromstring(result.schedule.read_text())
     assert root.tag.endswith("svg") and "1F1B, 4 micro-batches" in result.schedule.read_text()
+
+
+@pytest.mark.parametrize(("stages", "schedule"), [(2, "1F1B"), (4, "Interleaved1F1B")])
+def test_stages_by_layer_ranges(stages, schedule):
+    """PipelineConfig(stages=n) cuts the layers of an unannotated program into n runs."""
+    seed = simple_net(batch=8, sizes=(16, 32, 32, 32, 10), optimizer="adam")
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    config = autopar.PipelineConfig(micro_batches=2, schedule=schedule, stages=stages)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
+    assert len(dist.state.pipeline.stages) == stages
+    assert_equal_to_serial(seed, dist)
+    with pytest.raises(AutoparError, match="PipelineConfig.stages must be >= 2"):
+        autopar.PipelineConfig(stages=1)
+    with pytest.raises(AutoparError, match="has 4 layers"):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup,
+                        strategy=autopar.Strategy(pipeline=autopar.PipelineConfig(stages=6)))  # fmt: skip
