@@ -98,6 +98,8 @@ class Executor:
             self.comm = GlooCommunicator(self.rank, self.world)
         else:
             self.comm = communicator
+        if self.plan.pipeline is not None and hasattr(self.comm, "group_exchange"):
+            self.comm.group_exchange = True  # a stage's collectives among its own ranks only
         self._runners: dict[tuple, Any] = {}
         self._last_fetch: tuple[list, tuple] = ([], ())
         self._runner: Any = None

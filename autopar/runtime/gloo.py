@@ -50,6 +50,7 @@ class GlooCommunicator:
         self.rank = rank
         self.world = world
         self._buffers: dict[tuple, Any] = {}
+        self.group_exchange = False  # sub-group collectives over the p2p links (set for pipelines)
         self.timeout = float(timeout) if timeout else collective_timeout()
         with dygraph():
             if not pdist.is_initialized():
@@ -69,6 +70,8 @@ class GlooCommunicator:
                 return self._point_to_point(job, x)
         with waiting(what, timeout=self.timeout), dygraph():
             world = sorted(job.group) == list(range(self.world))
+            if self.group_exchange and not world:
+                return self._in_group(job, np.require(x, requirements="C"))
             if world and job.kind in ("all_reduce", "all_gather", "broadcast"):
                 return self._world(job, np.require(x, requirements="C"))
             if world and job.kind in ("reduce_scatter", "all_to_all"):
@@ -81,10 +84,18 @@ class GlooCommunicator:
                 return None
             return perform(job, {r: everyone[r] for r in job.group})[self.rank]
 
-    def _point_to_point(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
-        """Pipeline p2p with the buffered FIFO links the schedule's verifier assumes
-        (:mod:`autopar.runtime.p2p`: gloo's send blocks until the recv is posted, which
-        deadlocks 1F1B; the TCP store costs ~40 ms a message)."""
+    def _in_group(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
+        """A sub-group collective among its members only, over the p2p links: each member sends
+        its input to the others and computes its output (pipelines: the ranks of other stages run
+        other jobs meanwhile, so the world exchange cannot serve them)."""
+        links = self._links()
+        for member in job.group:
+            if member != self.rank:
+                links.send(member, x)
+        inputs = {member: x if member == self.rank else links.recv(member, self.timeout) for member in job.group}
+        return perform(job, inputs)[self.rank]
+
+    def _links(self) -> Any:
         global _LINKS
         if _LINKS is None:
             from paddle.base import core
@@ -92,11 +103,17 @@ class GlooCommunicator:
             from autopar.runtime.p2p import Links
 
             _LINKS = Links(self.rank, core.create_or_get_global_tcp_store())
+        return _LINKS
+
+    def _point_to_point(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
+        """Pipeline p2p with the buffered FIFO links the schedule's verifier assumes
+        (:mod:`autopar.runtime.p2p`: gloo's send blocks until the recv is posted, which
+        deadlocks 1F1B; the TCP store costs ~40 ms a message)."""
         sender, receiver = job.group
         if job.kind is CollectiveKind.SEND:
-            _LINKS.send(receiver, x)
+            self._links().send(receiver, x)
             return None
-        return _LINKS.recv(sender, self.timeout)
+        return self._links().recv(sender, self.timeout)
 
     def _lowered(self, job: Collective, x: np.ndarray) -> np.ndarray:
         """A world reduce_scatter / all_to_all as gloo runs it natively (what the cost model
