@@ -185,6 +185,22 @@ def pipeline_lines(dist: Any) -> list[str]:
     return lines
 
 
+def region_lines(dist: Any) -> list[str]:
+    """Where a split value is gathered because the op reading it has no SPMD rule: where a
+    parallel region ends, and why (add a rule, or annotate around the op)."""
+    unsupported = set(dist.report.unsupported_ops)
+    lines = []
+    for planned in dist.state.reshards:
+        reader = dist.graph.ops[planned.need.op]
+        kinds = {step.kind.value for step in planned.plan.steps}
+        if str(reader) in unsupported and kinds & {"all_gather", "all_reduce"}:
+            lines.append(
+                f"  {dist.state.label(planned.need.value)} {planned.need.have} is made whole ({', '.join(sorted(kinds))}) "
+                f"for {reader}: it has no SPMD rule, so it runs replicated"
+            )
+    return ["parallel regions end (ops without an SPMD rule):", *lines, ""] if lines else []
+
+
 def zero_lines(dist: Any) -> list[str]:
     """ZeRO's decision per parameter update (empty without ZeRO)."""
     if not dist.state.zero:
@@ -205,6 +221,7 @@ def explain_text(dist: Any, target: str = "") -> str:
     else:
         lines += collective_lines(dist) + [""]
     lines += ["conflict report:", *("  " + line for line in str(dist.report).splitlines()), ""]
+    lines += region_lines(dist)
     lines += pipeline_lines(dist) + [""]
     lines += zero_lines(dist)
     lines.append(str(dist.cost) if not unavailable else f"cost: not available ({unavailable})")
