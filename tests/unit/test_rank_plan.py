@@ -233,5 +233,5 @@ def test_a_fetch_list_is_made_whole_inside_the_program():
 def test_unknown_strategy_fields_are_named():
     with pytest.raises(AutoparError, match="Strategy has no field\\(s\\) \\['zero'\\]; its fields are \\['pipeline'"):
         autopar.Strategy(zero=1)
-    with pytest.raises(AutoparError, match="PipelineConfig\\(micro_batches, schedule\\)"):
-        autopar.PipelineConfig(2, "1F1B", 3)
+    with pytest.raises(AutoparError, match="PipelineConfig\\(micro_batches, schedule, stages\\)"):
+        autopar.PipelineConfig(2, "1F1B", 3, 4)
