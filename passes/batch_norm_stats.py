@@ -39,7 +39,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.passes.reshard_emission import emit_step
+from autopar.passes.reshard_emission import emit_step, replace_uses
 from autopar.spmd.batch_norm import SplitStatistics, split_statistics
 
 
@@ -122,10 +122,7 @@ def _rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitStati
             continue
         if j != 5:  # reserve_space: a placeholder the rewrite's grad does not read
             new.set_type(old.type())
-        for user in list(old.all_used_ops()):
-            for i in range(user.num_operands()):
-                if user.operand_source(i).is_same(old):
-                    user.operand(i).set_source(new)
+        replace_uses(old, new)
         rp.replaced[(op.index, j)] = new
     rp.ops[op.index] = kernels.last.get_defining_op()
     serial.erase()

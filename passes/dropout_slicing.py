@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.reshard_emission import replace_uses
 
 
 def sliced_dropouts(state: CompileState) -> list[Any]:
@@ -71,10 +72,7 @@ def _slice(state: CompileState, rp: RankProgram, op: Any) -> None:
     local_mask = paddle._C_ops.slice(mask, axes, starts, ends, [1] * len(axes), [])
     out = paddle._C_ops.multiply(x, scaled)
     for old, new in ((serial.result(0), out), (serial.result(1), local_mask)):
-        for user in list(old.all_used_ops()):
-            for i in range(user.num_operands()):
-                if user.operand_source(i).is_same(old):
-                    user.operand(i).set_source(new)
+        replace_uses(old, new)
     rp.replaced[op.outputs[0]] = out
     if op.outputs[1] is not None:
         rp.replaced[op.outputs[1]] = local_mask

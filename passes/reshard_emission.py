@@ -76,7 +76,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
         if current is not source:
             inserted.add(current.get_defining_op().id())
     if need.site.kind is SiteKind.AFTER_PRODUCER:
-        _replace_uses_after(source, current, inserted)
+        replace_uses(source, current, inserted)
         rp.final[need.value] = current
     elif need.site.kind is SiteKind.WRITE_BACK:
         # the op updated a resharded copy: its variable (a parameter) takes the result
@@ -188,8 +188,9 @@ def _slice(x: Any, step: Any, shape: tuple[int, ...], rank: int) -> Any:
     return paddle._C_ops.slice(x, axes, starts, ends, [1] * len(axes), [])
 
 
-def _replace_uses_after(source: Any, new: Any, inserted: set[int]) -> None:
-    """Every reader of ``source`` except the inserted reshard ops reads ``new`` instead."""
+def replace_uses(source: Any, new: Any, inserted: set[int] = frozenset()) -> None:
+    """Every reader of ``source`` except the ``inserted`` ops reads ``new`` instead (also the
+    per-rank rewrites' way to hand an erased op's readers its replacement)."""
     for user in list(source.all_used_ops()):
         if user.id() in inserted:
             continue

@@ -32,7 +32,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.passes.reshard_emission import emit_step
+from autopar.passes.reshard_emission import emit_step, replace_uses
 from autopar.spmd.vocab_parallel import SplitRow, decompose, local_padding, split_row
 
 
@@ -109,10 +109,7 @@ def _rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitRow) 
         if not old.initialized():
             continue
         new.set_type(old.type())  # the local shape partition gave the op's result
-        for user in list(old.all_used_ops()):
-            for i in range(user.num_operands()):
-                if user.operand_source(i).is_same(old):
-                    user.operand(i).set_source(new)
+        replace_uses(old, new)
         rp.replaced[(op.index, j)] = new
     rp.ops[op.index] = kernels.lookup_op or results[-1].get_defining_op()
     serial.erase()
