@@ -52,8 +52,7 @@ class AllreduceFusion(Pass):
     emit_ensures: ClassVar[str] = "comm-fused"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
-            raise AutoparError(f"allreduce_fusion: bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+        check_bucket_bytes(self.name, self.bucket_bytes)
 
     def plan(self, state: CompileState) -> None:
         open_buckets: dict[tuple, list[PlannedReshard]] = {}
@@ -89,6 +88,12 @@ class AllreduceFusion(Pass):
                     continue  # another pipeline stage's gradients
                 _emit_bucket(state, rp, bucket, [by_index[i] for i in bucket.members])
             paddle.pir.reset_insertion_point_to_end()
+
+
+def check_bucket_bytes(pass_name: str, bucket_bytes: object) -> None:
+    """A fusion pass's bucket size must be a positive int (bool refused)."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise AutoparError(f"{pass_name}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
 
 
 def _candidates(state: CompileState) -> list[PlannedReshard]:

@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
-from autopar.errors import AutoparError
 from autopar.graph import Role
+from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site
 from autopar.propagation import SiteKind
@@ -55,8 +55,7 @@ class ZeroBucketFusion(Pass):
     emit_ensures: ClassVar[str] = "zero-comm-fused"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
-            raise AutoparError(f"zero_bucket_fusion: bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+        check_bucket_bytes(self.name, self.bucket_bytes)
 
     def plan(self, state: CompileState) -> None:
         buckets: list[ZeroBucket] = []
