@@ -201,6 +201,20 @@ def region_lines(dist: Any) -> list[str]:
     return ["parallel regions end (ops without an SPMD rule):", *lines, ""] if lines else []
 
 
+def sequence_lines(dist: Any) -> list[str]:
+    """Sequence parallelism: the activations split along the sequence, and the region's edges."""
+    regions = dist.state.sequence
+    if regions is None:
+        return []
+    axis = regions.axis
+    split = [v for v in regions.values if v.seq_dim is not None]
+    edges = [v for v in regions.values if v.seq_dim is None]
+    lines = [f"sequence parallel over {axis!r}: {len(split)} activations split along the sequence"]
+    lines += [f"  {v.label}: dim {v.seq_dim} ({v.why})" for v in split]
+    lines += [f"  {v.label}: whole on {axis!r} ({v.why})" for v in edges]
+    return [*lines, ""]
+
+
 def zero_lines(dist: Any) -> list[str]:
     """ZeRO's decision per parameter update (empty without ZeRO)."""
     if not dist.state.zero:
@@ -224,6 +238,7 @@ def explain_text(dist: Any, target: str = "") -> str:
     lines += region_lines(dist)
     lines += pipeline_lines(dist) + [""]
     lines += zero_lines(dist)
+    lines += sequence_lines(dist)
     lines.append(str(dist.cost) if not unavailable else f"cost: not available ({unavailable})")
     return "\n".join(lines) + "\n"
 

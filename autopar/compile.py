@@ -35,6 +35,8 @@ from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.propagation import propagate
+from autopar.recompute import recompute, regathered
+from autopar.sequence_parallel import sequence_regions
 from autopar.strategy import PipelineConfig, Strategy
 
 
@@ -77,7 +79,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         if strategy.zero_stage:
             passes.append(ZeroBucketFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
     passes.append(VocabParallel())
-    passes.append(BatchNormStats())
+    passes.append(BatchNormStats(local=strategy.local_batch_norm))
     passes.append(DropoutSlicing())
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
@@ -97,7 +99,10 @@ def analyze(
     if startup_program is not None:
         _check_program(startup_program, "startup_program")
     strategy = _checked(strategy)
-    graph = ProgramGraph(program)
+    graph, rewrite = ProgramGraph(program), None
+    if strategy.recompute:  # a serial rewrite of a clone (values sent between pipeline stages stay kept)
+        rewrite = recompute(program, strategy.recompute, _stage_meshes(program, graph, mesh, strategy))
+        graph = rewrite.graph()
     _check_static_shapes(graph)
     _check_startup(graph, startup_program)
     warn_foreign_annotations(program, graph)
@@ -107,12 +112,17 @@ def analyze(
     user = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None)
     _refuse_meaningless_partials(graph, user)
     made = pipeline.annotations(graph, mesh) if pipeline is not None else {}
-    op_meshes = _op_meshes(program, graph, mesh)
-    if strategy.pipeline is not None and strategy.pipeline.stages is not None:
-        op_meshes = _layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
+    op_meshes = _stage_meshes(program, graph, mesh, strategy)
+    if strategy.pipeline is not None:
+        user = _onto_stages(graph, mesh, user, op_meshes)
     cluster = _cluster(strategy).fitted(mesh.ranks)
     result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy=made)
-    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program, micro=micro)
+    sequence = None
+    if strategy.sequence_parallel:  # which activations split depends on where tensor parallelism put things
+        sequence = sequence_regions(graph, result, mesh, strategy.sequence_parallel)
+        result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy={**sequence.annotations(graph, result), **made})
+    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program, micro=micro, sequence=sequence,
+                        recompute=rewrite, regather=regathered(rewrite, graph, strategy))  # fmt: skip
 
 
 def _refuse_meaningless_partials(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
@@ -223,6 +233,32 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
     return placements
 
 
+def _onto_stages(graph: ProgramGraph, mesh: ProcessMesh, user: dict[ValueKey, DistAttr], op_meshes: dict[int, ProcessMesh]) -> dict[ValueKey, DistAttr]:
+    """A parameter annotated on the whole mesh of a pipeline (``["mp", None]`` on a pp x mp
+    mesh, e.g. with ``PipelineConfig(stages=n)``, where the user does not place layers) lives
+    on the stage that reads it: the annotation moves to that stage's sub-mesh by dim name. One
+    that splits over the pipeline's own dim stays (and is refused where it cannot run)."""
+    from autopar.propagation import transplant
+
+    moved = dict(user)
+    for key, attr in user.items():
+        value = graph.values[key]
+        if attr.mesh != mesh or value.kind != "parameter" or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
+            continue
+        stages = {op_meshes[u] for u in value.users if u in op_meshes and graph.ops[u].role is Role.FORWARD}
+        if len(stages) == 1:
+            moved[key] = transplant(attr, stages.pop())
+    return moved
+
+
+def _stage_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh, strategy: Strategy) -> dict[int, ProcessMesh]:
+    """Op index -> the sub-mesh shard_op or ``PipelineConfig(stages=n)`` places it on."""
+    op_meshes = _op_meshes(program, graph, mesh)
+    if strategy.pipeline is not None and strategy.pipeline.stages is not None:
+        op_meshes = _layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
+    return op_meshes
+
+
 def _layer_stages(graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh]) -> dict[int, ProcessMesh]:
     """``PipelineConfig(stages=n)``: the forward ops cut by layers (``struct_name``, in the order
     the forward pass meets them) into ``n`` runs of about equal layer counts, run ``i`` on
@@ -242,7 +278,7 @@ def _layer_stages(graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: d
 
 
 def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int, ProcessMesh]:
-    by_id = {op.op_id: op.index for op in graph.ops}
+    by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases  # (the user's op ids after a serial rewrite)
     meshes = {}
     for op_id, op_mesh in annotations_of(program).ops.items():
         if op_id not in by_id:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +48,13 @@ class OpNode:
     input_names: list[str]
     outputs: list[ValueKey | None]  # None: a null result (e.g. a grad nobody needs)
     role: Role = Role.FORWARD
-    forward_op: int | None = None  # for grad ops: the forward op they differentiate
+    forward_op: int | None = None  # for grad ops: the forward op they differentiate (recompute clones: the op they re-run)
+    recomputes: int | None = None  # recompute clones (autopar.recompute): the forward op whose results this op re-makes
     op_id: int = 0
     # where each input is an operand in the program: (op index, operand index); a member
     # of a vector operand is an operand of its builtin.combine (-1: of no op; not replaceable)
     sites: list[tuple[int, int]] = field(default_factory=list)
+    shape_only: frozenset[int] = frozenset()  # input positions read for their shape only (Paddle's no-need-buffer)
 
     @property
     def short_name(self) -> str:
@@ -88,15 +90,26 @@ class ValueNode:
 class ProgramGraph:
     """The view compile works on; ``graph.nx`` is the underlying ``networkx.DiGraph``."""
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, program: Any, recomputes: Mapping[int, int] | None = None) -> None:
+        """``recomputes``: op index -> index of the forward op it recomputes (the clones a
+        serial recompute rewrite inserted before the backward; they get the backward role)."""
         self.program = program
         self.ops: list[OpNode] = []
         self.values: dict[ValueKey, ValueNode] = {}
         self.by_name: dict[str, ValueKey] = {}
         self._by_impl: dict[str, ValueKey] = {}
+        self.op_aliases: dict[int, int] = {}  # op id of another program's op -> index (see alias)
         self.vectors: dict[ValueKey, list[ValueKey]] = {}  # vector value -> member tensors
         self._build(list(program.global_block().ops))
+        for clone, origin in (recomputes or {}).items():
+            self.ops[clone].recomputes = self.ops[clone].forward_op = origin
         assign_roles(self)
+
+    def alias(self, values: Mapping[str, ValueKey], ops: Mapping[int, int]) -> None:
+        """Let the Values (by id) and ops (by op id) of the program this one was rewritten from
+        (the user's, before a serial rewrite) stand for these keys and op indices."""
+        self._by_impl.update(values)
+        self.op_aliases.update(ops)
 
     # ---- construction ----------------------------------------------------------------
     def _build(self, raw_ops: list[Any]) -> None:
@@ -133,6 +146,7 @@ class ProgramGraph:
         inputs: list[ValueKey | None] = []
         names: list[str] = []
         sites: list[tuple[int, int]] = []
+        shape_only: set[int] = set()
         for pos, source in enumerate(op.operands_source()):
             label = input_names[pos] if pos < len(input_names) else f"operand{pos}"
             if not source.initialized():
@@ -148,6 +162,8 @@ class ProgramGraph:
                 combined = self.ops[key[0]].name == "builtin.combine"
                 sites.extend((key[0], i) if combined else (index, -1) for i in range(len(members)))
             else:
+                if name.endswith("_grad") and op.is_no_need_buffer(source):
+                    shape_only.add(len(inputs))
                 inputs.append(key)
                 names.append(label)
                 sites.append((index, pos))
@@ -163,7 +179,7 @@ class ProgramGraph:
                 outputs.extend(members)
             else:
                 outputs.append(node.key)
-        node = OpNode(index, name, attrs, inputs, names, outputs, op_id=op.id(), sites=sites)
+        node = OpNode(index, name, attrs, inputs, names, outputs, op_id=op.id(), sites=sites, shape_only=frozenset(shape_only))
         self.ops.append(node)
         for key in inputs:
             if key is not None:
@@ -244,7 +260,7 @@ def assign_roles(graph: ProgramGraph) -> None:
     for op in graph.ops:
         if op.name in OPTIMIZER_OPS:
             op.role = Role.OPTIMIZER
-        elif op.name.endswith("_grad") or (op.index > first_grad and any(k in grads for k in op.inputs)):
+        elif op.recomputes is not None or op.name.endswith("_grad") or (op.index > first_grad and any(k in grads for k in op.inputs)):
             op.role = Role.BACKWARD
             grads.update(k for k in op.outputs if k is not None)
     _seed_ops(graph, first_grad)
@@ -258,6 +274,8 @@ SEED_OPS = ("pd_op.full", "pd_op.full_like", "pd_op.ones_like", "pd_op.fill_cons
 def _seed_ops(graph: ProgramGraph, first_grad: int) -> None:
     """The constant ops just before the first grad op that only feed backward ops (the loss seed)."""
     for op in reversed(graph.ops[:first_grad]):
+        if op.recomputes is not None:
+            continue
         users = [u for k in op.outputs if k is not None for u in graph.values[k].users]
         if op.name not in SEED_OPS or not users or any(graph.ops[u].role is Role.FORWARD for u in users):
             break
@@ -289,10 +307,11 @@ def _link_forward_ops(graph: ProgramGraph) -> None:
         best, best_key = None, (0, 0)
         for index in sorted(near):
             fwd = graph.ops[index]
-            if fwd.index >= op.index or fwd.role is not Role.FORWARD or fwd.name not in names:
+            origin = graph.ops[fwd.recomputes] if fwd.recomputes is not None else fwd  # a clone stands for its op
+            if fwd.index >= op.index or origin.role is not Role.FORWARD or origin.name not in names:
                 continue
             touched = {k for k in fwd.inputs if k} | {k for k in fwd.outputs if k}
-            key = (len(reads & touched), fwd.index)
+            key = (len(reads & touched), origin.index)
             if key > best_key:
-                best, best_key = fwd, key
+                best, best_key = origin, key
         op.forward_op = best.index if best is not None else None

@@ -33,6 +33,8 @@ from autopar.propagation import propagate
 from autopar.spmd import TensorSpec, get_rule
 from autopar.spmd.base import SpmdRule
 
+SHAPE_ATTR_OPS = ("pd_op.reshape", "pd_op.reshape_", "pd_op.full")
+
 
 @dataclass(frozen=True)
 class MicroBatching:
@@ -105,6 +107,10 @@ def _shrink(graph: ProgramGraph, placements: Mapping[ValueKey, DistAttr]) -> Non
                 f"({sorted(shapes)}); choose micro_batches dividing it"
             )
         value.declared, value.shape = value.shape, shapes.pop()
+    for op in graph.ops:  # sizes written into an op (a reshape's target, a full's shape) shrink with its result
+        out = graph.values[op.outputs[0]] if op.outputs and op.outputs[0] is not None else None
+        if op.name in SHAPE_ATTR_OPS and out is not None and out.declared not in (None, out.shape) and "shape" in op.attrs:
+            op.attrs = {**op.attrs, "shape": list(out.shape)}
 
 
 def _scale(graph: ProgramGraph, inferred, op) -> float:

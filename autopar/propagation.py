@@ -359,6 +359,7 @@ class Propagator:
                 inferred = self.replicated(op, mesh)
             else:
                 inferred = self._read_reduced(op, mesh, specs, inferred, reduced)
+                inferred = self._toward_fixed_outputs(op, mesh, specs, inferred)
             result.op_results[op.index] = inferred
             self._record_rule_conflicts(result, op, inferred.conflicts)
             self._settle_outputs(result, op, inferred)
@@ -403,6 +404,52 @@ class Propagator:
         again = self.infer(op, mesh, offered)
         taken = all(again.inputs[pos] == offered[pos].dist for pos in range(len(offered)) if offered[pos] is not specs[pos])
         return again if taken and _fewer_pending(inferred.outputs, again.outputs) else inferred
+
+    def _toward_fixed_outputs(
+        self, op: OpNode, mesh: ProcessMesh, specs: list[TensorSpec | None], inferred: RuleResult,
+    ) -> RuleResult:  # fmt: skip
+        """Reshard the inputs instead of the output where an output's placement is fixed.
+
+        An annotated output the rule does not produce is resharded after the producer. The
+        rule read its inputs without knowing that: a row-parallel output's pending sum, read
+        whole by a bias add whose result is annotated split along the sequence, would be
+        all-reduced and then sliced — where a reduce_scatter of the input gives the annotated
+        placement directly. The rule's backward inference says which inputs make the fixed
+        outputs; that reading is kept unless the cost model prices its reshards above the first
+        reading's plus the output's (by time, then by ring bytes; a full tie goes to the direct
+        reading).
+        """
+        fixed = [self.states.get(k) if k is not None else None for k in op.outputs]
+        wanted = [s.dist if s is not None and s.priority.fixed else None for s in fixed]
+        if self.cluster is None or not any(w is not None and w != p for w, p in zip(wanted, inferred.outputs)):
+            return inferred
+        rule = get_rule(op.name)
+        out_specs = [
+            None if k is None else TensorSpec(self.graph.values[k].shape, transplant(w, mesh) if w is not None else None, self.graph.values[k].dtype)
+            for k, w in zip(op.outputs, wanted)
+        ]  # fmt: skip
+        with _rule_errors(op, rule, specs):
+            needs = rule.infer_backward(specs, out_specs, op.attrs, self.context(op, mesh)).inputs
+        offered = [s if s is None or n is None else dataclasses.replace(s, dist=n) for s, n in zip(specs, needs)]
+        again = self.infer(op, mesh, offered)
+        if again is None or any(o is not None and a != o.dist for a, o in zip(again.inputs, offered)):
+            return inferred
+        return again if self._reshard_cost(op, specs, again, wanted) <= self._reshard_cost(op, specs, inferred, wanted) else inferred
+
+    def _reshard_cost(self, op: OpNode, specs: list[TensorSpec | None], inferred: RuleResult, wanted: list[DistAttr | None]) -> tuple[float, float]:
+        """Predicted time, then ring bytes, of the reshards an op's reading and its fixed outputs
+        need (bytes break ties of time: gloo prices a reduce_scatter as an all_reduce)."""
+        from autopar.cost_model import plan_reshard
+        from autopar.cost_model.comm import coefficients
+
+        pairs = [(s.dist, n, s.shape, s.dtype) for s, n in zip(specs, inferred.inputs) if s is not None and n is not None and s.dist != n]
+        for key, made, want in zip(op.outputs, inferred.outputs, wanted):
+            if key is not None and made is not None and want is not None and made != want:
+                pairs.append((made, want, self.graph.values[key].shape, self.graph.values[key].dtype))
+        plans = [plan_reshard(have, need, shape, dtype, self.cluster) for have, need, shape, dtype in pairs]
+        time = sum(plan.time for plan in plans)
+        volume = sum(coefficients(str(step.kind), len(step.groups[0]), step.bytes)[1] for plan in plans for step in plan.steps if not step.kind.is_local)
+        return time, volume
 
     def _settle_outputs(self, result: PropagationResult, op: OpNode, inferred: RuleResult) -> None:
         for pos, (key, produced) in enumerate(zip(op.outputs, inferred.outputs)):

@@ -66,23 +66,44 @@ class PipelineConfig:
             raise AutoparError(f"unknown pipeline schedule {self.schedule!r}; expected one of {SCHEDULES}")
 
 
+def _recompute_selection(value: Any) -> bool | tuple[str, ...]:
+    """``Strategy.recompute``: False, True, or op types / layer paths (a str or a list of them,
+    kept as a tuple); see :mod:`autopar.recompute`."""
+    forms = "False, True, or a tuple of op types / layer paths such as ('softmax', 'dropout') or ('TransformerLayer',)"
+    if isinstance(value, bool):
+        return value
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) and n.strip("/ ") for n in names):
+        raise AutoparError(f"Strategy.recompute must be {forms}; got {value!r}")
+    return tuple(names)
+
+
 # fields whose passes have not landed yet: value that means "off" -> the issue that builds it
-NOT_YET = {
-    "sequence_parallel": (False, "sequence parallelism"),
-    "recompute": (False, "recompute"),
-}
+NOT_YET: dict[str, tuple[Any, str]] = {}
 
 
 @_named_fields
 @dataclass(frozen=True, slots=True)
 class Strategy:
+    """What compile does beyond the annotations; every field type-checked here.
+
+    ``local_batch_norm=True``: classic per-rank batch norm, NOT equal to serial. Each rank
+    normalizes its rows with its own batch statistics (no statistics all_reduce in the forward or
+    the backward; scale / bias gradients join the gradient sync). The running mean / variance are
+    averaged over the data-parallel group right after each batch norm (one all_reduce of 2·C
+    values, each rank weighted by its share of the rows), so replicas stay identical and the
+    running mean equals serial's; why averaging and not rank 0's copy: passes/batch_norm_stats.py.
+    Default (False): batch norm over a split batch is exact (global statistics).
+    """
+
     pipeline: PipelineConfig | None = None
     zero_stage: int = 0
-    sequence_parallel: bool = False
-    recompute: bool = False
-    cluster: str | None = None  # a cost_model profile name or JSON path; None = the default profile
+    sequence_parallel: bool | str = False  # True, or the tensor-parallel mesh dim's name (autopar/sequence_parallel.py)
+    recompute: bool | tuple[str, ...] = False  # op types / layer paths, or True: every layer (autopar/recompute.py)
+    cluster: str | None = None  # a cost_model profile name or JSON path; None = the hardware's (cpu-gloo without a GPU)
     fuse_allreduce: bool = True  # gradient all-reduces packed into buckets (passes/allreduce_fusion.py)
     allreduce_bucket_mb: float = 32.0
+    local_batch_norm: bool = False  # per-rank batch statistics, NOT equal to serial (passes/batch_norm_stats.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,8 +112,10 @@ class Strategy:
         _check_type("Strategy", "zero_stage", self.zero_stage, int, "0, 1, 2 or 3")
         if self.zero_stage not in (0, 1, 2, 3):
             raise AutoparError(f"Strategy.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        for name in ("sequence_parallel", "recompute", "fuse_allreduce"):
-            _check_type("Strategy", name, getattr(self, name), bool, "True or False")
+        _check_type("Strategy", "sequence_parallel", self.sequence_parallel, (bool, str), "True, False or a mesh dim name")
+        object.__setattr__(self, "recompute", _recompute_selection(self.recompute))
+        _check_type("Strategy", "fuse_allreduce", self.fuse_allreduce, bool, "True or False")
+        _check_type("Strategy", "local_batch_norm", self.local_batch_norm, bool, "True or False")
         if self.cluster is not None:
             _check_type("Strategy", "cluster", self.cluster, str, "a cluster profile name or JSON path")
         _check_type("Strategy", "allreduce_bucket_mb", self.allreduce_bucket_mb, (int, float), "a number > 0")

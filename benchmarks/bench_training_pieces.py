@@ -5,7 +5,7 @@
 For each row, the same program is compiled without and with one piece a training loop adds
 (global-norm gradient clipping; the vocabulary-parallel embedding and LM head, against the
 logits gathered for the cross-entropy; batch norm and dropout are further rows of
-:data:`ROWS`), and the collectives rank 0 runs per step are summed from
+:data:`ROWS`; ``Strategy(local_batch_norm=True)`` against exact batch norm), and the collectives rank 0 runs per step are summed from
 ``dist.comm_ops(0)``: bytes and count. Compile-time figures (no run): the plan is the truth
 the runtime executes. The ``moved by the piece`` column lists the collectives the piece adds
 (kind and bytes), or ``-``.
@@ -127,12 +127,14 @@ class Row:
     model: str
     mesh: str
     build: Callable[[bool], SeedProgram]
+    strategy: autopar.Strategy | None = None  # the piece is a Strategy field: compiled with it when on
 
     def compile(self, piece_on: bool) -> autopar.DistributedProgram:
         seed = self.build(piece_on)
         mesh = MESHES[self.mesh]
         annotate(seed, mesh)
-        return autopar.compile(seed.main, mesh, startup_program=seed.startup)
+        strategy = self.strategy if piece_on else None
+        return autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
 
 
 def vocab_parallel_gpt(mesh_name: str) -> Callable[[bool], SeedProgram]:
@@ -217,6 +219,9 @@ ROWS: list[Row] = [
     Row("vocab-parallel", "GPT block", "mp=2", vocab_parallel_gpt("mp=2")),
     Row("vocab-parallel", "GPT block", "dp=2 x mp=2", vocab_parallel_gpt("dp=2 x mp=2")),
     Row("batch norm", "ConvBN", "dp=2", conv_bn_net),
+    # exact batch norm (without) against per-rank statistics (with; not serial): no statistics
+    # all_reduce, one 2·C all_reduce per batch norm averages the running statistics
+    Row("local batch norm", "ConvBN", "dp=2", lambda _: conv_bn_net(True), autopar.Strategy(local_batch_norm=True)),
     Row("dropout", "MLP", "dp=2", dropout_mlp("dp=2")),
     Row("dropout", "MLP", "mp=2", dropout_mlp("mp=2")),
 ]

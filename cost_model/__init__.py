@@ -8,6 +8,7 @@ from autopar.cost_model.cluster import (
     Link,
     default_cluster,
     dtype_bytes,
+    hardware_profile,
     load_cluster,
     shipped_profile,
 )
@@ -20,5 +21,6 @@ __all__ = [
     "COLLECTIVES", "STEP_KINDS", "Cluster", "CostResolver", "Device", "Link", "MemoryEstimate", "OpCost",
     "PlacementChoice", "PlacementOption", "ReshardPlan", "ReshardStep", "TensorInfo",
     "choose_placement", "collective_time", "default_cluster", "dtype_bytes", "einsum_cost", "groups_time",
-    "load_cluster", "make_resolver", "memory_per_rank", "op_cost", "plan_reshard", "shipped_profile", "tensor_bytes",
+    "hardware_profile", "load_cluster", "make_resolver", "memory_per_rank", "op_cost", "plan_reshard",
+    "shipped_profile", "tensor_bytes",
 ]  # fmt: skip

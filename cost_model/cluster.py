@@ -6,7 +6,9 @@ per direction per device) and a :class:`Device` (peak FLOP/s per dtype, memory b
 memory size). Profiles are JSON files (:func:`load_cluster` / :meth:`Cluster.save`); the
 shipped ones are ``h100-node`` (8 x H100 SXM per node, NVLink + 400 Gb/s InfiniBand, figures
 cited in the file) and ``cpu-gloo`` (this machine, written by ``python -m
-autopar.cost_model.calibrate``).
+autopar.cost_model.calibrate``). Without a profile named, :func:`default_cluster` takes the one
+for the hardware in use (:func:`hardware_profile`: a GPU profile with a CUDA build and a visible
+GPU, ``cpu-gloo`` otherwise).
 
 Placement: rank ``r`` lives on node ``r // devices_per_node`` (launcher order). A mesh whose
 ranks are numbered row-major (``ProcessMesh([[0,1,2,3],[4,5,6,7]])``) therefore keeps its
@@ -281,6 +283,50 @@ def shipped_profile(name: str) -> Cluster:
     return Cluster.from_dict(json.loads(text))
 
 
-def default_cluster() -> Cluster:
-    """The profile used when none is given: one H100 node (grown to as many nodes as needed)."""
-    return shipped_profile("h100-node")
+GPU_PROFILE, CPU_PROFILE = "h100-node", "cpu-gloo"
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileChoice:
+    """The shipped profile for the hardware in use, and why (the cost report prints it)."""
+
+    name: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.name}, chosen from the hardware ({self.why}); Strategy(cluster=...) names another"
+
+
+def _cuda_visible() -> bool:
+    import paddle
+
+    return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+
+
+@cache
+def _hardware_has_gpu() -> bool:
+    return _cuda_visible()
+
+
+def hardware_profile(cuda: bool | None = None) -> ProfileChoice:
+    """The shipped profile for this machine: ``h100-node`` (the only shipped GPU profile) with a
+    CUDA build of Paddle and a visible GPU, else ``cpu-gloo`` (the CPU runtime's gloo
+    collectives, calibrated). ``cuda`` overrides the detection (tests)."""
+    gpu = _hardware_has_gpu() if cuda is None else cuda
+    if gpu:
+        return ProfileChoice(GPU_PROFILE, "a CUDA build of Paddle sees a GPU; the only shipped GPU profile")
+    return ProfileChoice(CPU_PROFILE, "no GPU visible to Paddle: the ranks run on the CPU with gloo")
+
+
+def profile_origin(given: str | None, cuda: bool | None = None) -> str:
+    """How a compile got its profile, for the cost report: named by ``Strategy(cluster=given)``,
+    or chosen from the hardware."""
+    if given:
+        return f"{load_cluster(given).name}, from Strategy(cluster={given!r})"
+    return str(hardware_profile(cuda))
+
+
+def default_cluster(cuda: bool | None = None) -> Cluster:
+    """The profile used when none is given: the one for the hardware in use
+    (:func:`hardware_profile`), one node of it (``fitted`` grows it to as many nodes as needed)."""
+    return shipped_profile(hardware_profile(cuda).name)

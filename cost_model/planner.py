@@ -354,13 +354,50 @@ def plan_reshard(
 ) -> ReshardPlan:
     """The cheapest plan from ``src`` to ``dst`` for a tensor of global ``shape`` and ``dtype``.
 
-    ``cluster`` defaults to the shipped ``h100-node`` profile (grown to as many nodes as the
-    meshes need). Pure and deterministic; results are cached on the (frozen) inputs.
+    ``cluster`` defaults to the shipped profile for the hardware in use (``cpu-gloo`` without a
+    visible GPU, see :func:`~autopar.cost_model.cluster.hardware_profile`), grown to as many
+    nodes as the meshes need. Pure and deterministic; results are cached on the (frozen) inputs.
     """
     shape_t = _check(src, dst, shape, dtype, cluster)
     if cluster is None:
         cluster = default_cluster().fitted(src.mesh.ranks + dst.mesh.ranks)
     return _plan_cached(src, dst, shape_t, str(dtype).removeprefix("paddle."), cluster)
+
+
+def all_reduce_plan(
+    src: DistAttr, dst: DistAttr, shape: Sequence[int], dtype: str = "float32", cluster: Cluster | None = None,
+    zeroed: Sequence[int] = (),
+) -> ReshardPlan | None:  # fmt: skip
+    """``src -> dst`` as one all_reduce over the mesh dims whose pending reduction ``dst`` drops,
+    priced like a planned step; None when ``dst`` is not ``src`` with those dims replicated (or
+    they reduce differently). ``zeroed``: replicated mesh dims (of both) made a pending sum
+    first (make_partial: every copy but the group's first zeroed), so that the all_reduce runs
+    over them too — what the planner does on a profile whose sub-groups are slow.
+
+    Fusion (passes/allreduce_fusion.py) weighs it against the cheapest plan: on ``cpu-gloo`` the
+    cheapest single reshard of a dp x mp gradient may be a world all_reduce (make_partial over
+    mp first), yet one bucket over dp beats several of those.
+    """
+    shape_t = _check(src, dst, shape, dtype, cluster)
+    dropped = {d: k for d, k in src.partial if d not in dst.partial_dims}
+    kinds = set(dropped.values())
+    same_split = src.mesh == dst.mesh and src.mapping == dst.mapping and set(dst.partial) <= set(src.partial)
+    if not same_split or len(kinds) != 1:
+        return None
+    (kind,) = kinds
+    zeroed = tuple(sorted(set(zeroed)))
+    busy = src.sharded_mesh_dims() | set(src.partial_dims) | set(dst.partial_dims)
+    if zeroed and (kind != "sum" or busy & set(zeroed)):
+        return None
+    if cluster is None:
+        cluster = default_cluster().fitted(src.mesh.ranks)
+    problem = _Problem(src.mesh, shape_t, dtype_bytes(dtype), tuple(sorted(set(src.partial_dims.values()))), cluster)
+    steps, before = [], src
+    if zeroed:
+        before = _moved(src, zeroed, Partial(kind))
+        steps.append(_step(problem, "make_partial", zeroed, src, before, reduce=kind))
+    steps.append(_step(problem, "all_reduce", tuple(sorted({*dropped, *zeroed})), before, dst, reduce=kind))
+    return ReshardPlan(src, dst, shape_t, str(dtype).removeprefix("paddle."), tuple(steps))
 
 
 def _check(src: DistAttr, dst: DistAttr, shape: Sequence[int], dtype: str, cluster: Cluster | None) -> tuple[int, ...]:

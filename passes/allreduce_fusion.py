@@ -5,18 +5,25 @@ Data parallelism leaves one all-reduce per gradient in front of the optimizer (t
 of propagation). Each collective pays a launch latency, and on the host backend a program cut
 and a Python round trip, so PyTorch DDP / Paddle fuse them into buckets.
 
-Planning, from the planned reshards (values, the same on every rank): single-step
-all-reduces read after the last grad op (every gradient is complete there), along the
-same mesh dims with the same reduction and dtype, are packed in program order into buckets of
-at most ``bucket_bytes``; each bucket is priced as one all-reduce of its total size. A
-gradient read twice made complete (global-norm clipping: the norm, then the scaling before
-the optimizer) is one reshard whose result the later read shares: the bucket serves both
-reads, so a bucket's ``members`` are its gradients' reshards followed by the reads sharing
-them (those move nothing of their own).
+Planning, from the planned reshards (values, the same on every rank): reshards read after the
+last grad op (every gradient is complete there) whose plan is one all_reduce — maybe after a
+make_partial, the planner's way to run a sub-group sum as an all_reduce over more ranks where
+sub-groups are slow (cpu-gloo) — or could be, are packed in program order into buckets of at
+most ``bucket_bytes``, one *form* per bucket (mesh, all_reduce dims, zeroed dims, reduction,
+dtype); each bucket is priced as its form on the flat buffer. Two packings are priced and the
+cheaper kept: each gradient on its own cheapest plan's form, or each on the direct all_reduce
+over the dims it reduces (a dp x mp gradient replicated over mp then shares the dp bucket of
+the mp-split ones), a rerouted gradient staying on its own plan where the bucket would cost
+more than that. On a profile with native sub-groups (NCCL) both are the same. A gradient read
+twice made complete (global-norm clipping: the norm, then the scaling before the optimizer) is
+one reshard whose result the later read shares: the bucket serves both reads, so a bucket's
+``members`` are its gradients' reshards followed by the reads sharing them (those move nothing
+of their own).
 
 Emission, per rank: each bucket becomes
 
-    flatten each gradient -> concat -> one all_reduce -> split -> reshape back
+    flatten each gradient -> concat -> (zero along ``zeroed`` but on the first rank) ->
+    one all_reduce -> split -> reshape back
 
 right before the first member's reader; a read sharing a member's reshard reads that
 member's piece. The bytes moved stay the same; the number of collectives drops to one per
@@ -25,15 +32,18 @@ bucket, recorded once with the gradients it carries.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.cost_model.planner import group_at, plan_reshard
+from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import Role
+from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, GradientBucket, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import REDUCE_CODES, read_site
 from autopar.propagation import SiteKind
@@ -55,28 +65,41 @@ class AllreduceFusion(Pass):
         check_bucket_bytes(self.name, self.bucket_bytes)
 
     def plan(self, state: CompileState) -> None:
-        open_buckets: dict[tuple, list[PlannedReshard]] = {}
-        done: list[list[PlannedReshard]] = []
-        for planned in _candidates(state):
-            (step,) = planned.plan.steps
-            key = (planned.need.have.mesh, step.mesh_dims, step.reduce or "sum", planned.plan.dtype)  # one bucket per stage
-            bucket = open_buckets.setdefault(key, [])
-            if bucket and sum(m.plan.steps[0].bytes for m in bucket) + step.bytes > self.bucket_bytes:
-                done.append(bucket)
-                bucket = open_buckets[key] = []
-            if bucket and planned.need.value[0] >= bucket[0].need.op:
-                continue  # made after the bucket's insertion point: leave it alone
-            bucket.append(planned)
-        done.extend(open_buckets.values())
-        done = sorted((b for b in done if len(b) > 1), key=lambda b: b[0].need.op)
+        candidates = _candidates(state)
+        # every gradient on its own cheapest plan's form, or every one on the direct all_reduce
+        # over the dims it reduces (where that does not pay, on its own plan): the cheaper
+        own, direct = self._pack(state, candidates, "own"), self._pack(state, candidates, "direct")
+        done = own if _total(state, candidates, own) < _total(state, candidates, direct) else direct
+        done.sort(key=lambda b: b[0].planned.need.op)
+        replaced = {m.planned.index: dataclasses.replace(m.planned, plan=m.plan) for b in done for m in b if m.rerouted}
+        state.reshards = [replaced.get(p.index, p) for p in state.reshards]
         sharing: dict[int, list[PlannedReshard]] = {}
         for planned in state.reshards:
             if planned.shared_with is not None:
                 sharing.setdefault(planned.shared_with, []).append(planned)
         state.buckets = [
-            _bucket(state, number, members, [s for m in members for s in sharing.get(m.index, ())])
-            for number, members in enumerate(done)
+            _bucket(state, number, bucket, [s for m in bucket for s in sharing.get(m.planned.index, ())])
+            for number, bucket in enumerate(done)
         ]
+
+    def _pack(self, state: CompileState, candidates: list[Candidate], mode: str) -> list[list[Member]]:
+        """Buckets of the candidates in ``mode`` ("own": each on its own plan's form; "direct":
+        each on the direct all_reduce), in reader order, at most ``bucket_bytes`` each."""
+        open_buckets: dict[Form, list[Member]] = {}
+        done: list[list[Member]] = []
+        for candidate in candidates:
+            member = candidate.member(mode)
+            if member is None:
+                continue
+            bucket = open_buckets.setdefault(member.form, [])
+            if bucket and sum(m.bytes for m in bucket) + member.bytes > self.bucket_bytes:
+                done.append(bucket)
+                bucket = open_buckets[member.form] = []
+            if bucket and member.planned.need.value[0] >= bucket[0].planned.need.op:
+                continue  # made after the bucket's insertion point: leave it alone
+            bucket.append(member)
+        done.extend(open_buckets.values())
+        return [kept for kept in (_worth_fusing(state, b) for b in done) if len(kept) > 1]
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
@@ -96,9 +119,65 @@ def check_bucket_bytes(pass_name: str, bucket_bytes: object) -> None:
         raise AutoparError(f"{pass_name}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
 
 
-def _candidates(state: CompileState) -> list[PlannedReshard]:
-    """Single all-reduce reshards read after the last grad op, in reader order (reads sharing
-    an earlier reshard's result are not candidates: they follow it)."""
+@dataclass(frozen=True, slots=True)
+class Form:
+    """How a bucket moves its flat buffer: along ``zeroed`` every copy but the group's first is
+    zeroed (make_partial, local), then one all_reduce over ``mesh_dims``."""
+
+    mesh: ProcessMesh
+    mesh_dims: tuple[int, ...]
+    zeroed: tuple[int, ...]
+    reduce: str
+    dtype: str
+
+
+def form_of(plan: ReshardPlan) -> Form | None:
+    """The bucket form of a plan that is one all_reduce, maybe after a make_partial (None: another)."""
+    steps, kinds = plan.steps, [step.kind for step in plan.steps]
+    if kinds == [CollectiveKind.ALL_REDUCE]:
+        zeroed: tuple[int, ...] = ()
+    elif kinds == [CollectiveKind.MAKE_PARTIAL, CollectiveKind.ALL_REDUCE] and steps[0].reduce == steps[1].reduce == "sum":
+        zeroed = tuple(sorted(steps[0].mesh_dims))
+    else:
+        return None
+    return Form(plan.src.mesh, tuple(sorted(steps[-1].mesh_dims)), zeroed, steps[-1].reduce or "sum", plan.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A gradient reshard as a bucket member: ``plan`` (of ``form``) is what the bucket does for it;
+    ``rerouted`` when that is not its own cheapest plan (kept only where it pays)."""
+
+    planned: PlannedReshard
+    plan: ReshardPlan
+    form: Form
+
+    @property
+    def rerouted(self) -> bool:
+        return self.plan is not self.planned.plan
+
+    @property
+    def bytes(self) -> int:
+        return self.plan.steps[-1].bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A gradient reshard that may join a bucket, on its own plan or on the direct all_reduce."""
+
+    planned: PlannedReshard
+    direct: ReshardPlan | None  # one all_reduce over the dims it reduces
+
+    def member(self, mode: str) -> Member | None:
+        plan = self.planned.plan if mode == "own" or self.direct is None else self.direct
+        form = form_of(plan)
+        return Member(self.planned, plan, form) if form is not None else None
+
+
+def _candidates(state: CompileState) -> list[Candidate]:
+    """Reshards read after the last grad op whose plan is one all_reduce (maybe after a
+    make_partial) or could be, in reader order (reads sharing an earlier reshard's result are
+    not candidates: they follow it)."""
     # every gradient is complete once the last grad op has run; what follows (accumulation,
     # clipping, the optimizer) only reads gradients. Not the last op of backward role: ops
     # reading gradients count as backward, so clipping's reads would fall before it
@@ -106,38 +185,63 @@ def _candidates(state: CompileState) -> list[PlannedReshard]:
     start = max(grad_ops, default=len(state.graph.ops))
     out = []
     for planned in state.reshards:
-        steps = planned.plan.steps
-        if (
-            planned.need.site.kind is SiteKind.BEFORE_READ
-            and planned.shared_with is None
-            and planned.need.op > start
-            and len(steps) == 1
-            and steps[0].kind is CollectiveKind.ALL_REDUCE
-        ):
-            out.append(planned)
-    return sorted(out, key=lambda p: (p.need.op, p.index))
+        need, plan = planned.need, planned.plan
+        if need.site.kind is not SiteKind.BEFORE_READ or planned.shared_with is not None or need.op <= start:
+            continue
+        if form_of(plan) is not None and not form_of(plan).zeroed:
+            out.append(Candidate(planned, plan))
+            continue
+        direct = all_reduce_plan(plan.src, plan.dst, plan.shape, plan.dtype, state.cluster) if plan.steps else None
+        if direct is not None or form_of(plan) is not None:
+            out.append(Candidate(planned, direct))
+    return sorted(out, key=lambda c: (c.planned.need.op, c.planned.index))
 
 
-def _reduced(planned: PlannedReshard) -> dict[int, str]:
-    return {d: k for d, k in planned.need.have.partial if d not in planned.need.need.partial_dims}
+def _worth_fusing(state: CompileState, bucket: list[Member]) -> list[Member]:
+    """``bucket`` without the rerouted members that cost less on their own plan than in the
+    bucket (one at a time, in order, against the bucket as it stands)."""
+    kept = list(bucket)
+    for member in bucket:
+        alone = _cost(state, [m for m in kept if m is not member]) + member.planned.plan.time
+        if member.rerouted and alone < _cost(state, kept):
+            kept.remove(member)
+    return kept
 
 
-def _bucket(
-    state: CompileState, number: int, members: list[PlannedReshard], sharing: list[PlannedReshard]
-) -> GradientBucket:
+def _cost(state: CompileState, members: list[Member]) -> float:
+    """Predicted time of these reshards: one fused bucket, or a lone member's own plan."""
+    if len(members) <= 1:
+        return sum(m.planned.plan.time for m in members)
+    return _flat_plan(state, members).time
+
+
+def _total(state: CompileState, candidates: list[Candidate], buckets: list[list[Member]]) -> float:
+    """Predicted time of every candidate: its bucket's, or its own plan's."""
+    fused = {m.planned.index for b in buckets for m in b}
+    alone = sum(c.planned.plan.time for c in candidates if c.planned.index not in fused)
+    return alone + sum(_flat_plan(state, b).time for b in buckets)
+
+
+def _flat_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
+    """The bucket's plan, as emitted: its form on the flat buffer of every member's local piece."""
+    form = members[0].form
+    numel = sum(math.prod(m.planned.need.need.local_shape(m.plan.shape, m.planned.need.need.mesh.ranks[0])) for m in members)
+    pending = tuple((d, form.reduce) for d in form.mesh_dims if d not in form.zeroed)
+    src, dst = DistAttr.of(form.mesh, ((),), pending), DistAttr.of(form.mesh, ((),))
+    return all_reduce_plan(src, dst, (numel,), form.dtype, state.cluster, zeroed=form.zeroed)
+
+
+def _bucket(state: CompileState, number: int, members: list[Member], sharing: list[PlannedReshard]) -> GradientBucket:
     """The bucket of ``members`` (the reshards it moves); ``sharing``: later reads of their results."""
-    first = members[0]
-    (step,) = first.plan.steps
-    numel = sum(math.prod(m.need.need.local_shape(m.plan.shape, m.need.need.mesh.ranks[0])) for m in members)
-    mesh = first.need.have.mesh
-    src = DistAttr.of(mesh, ((),), tuple(sorted(_reduced(first).items())))
-    plan = plan_reshard(src, DistAttr.of(mesh, ((),)), (numel,), first.plan.dtype, state.cluster)
-    names = ", ".join(state.label(m.need.value) for m in members)
+    form, plan = members[0].form, _flat_plan(state, members)
+    names = ", ".join(state.label(m.planned.need.value) for m in members)
+    over = "/".join(form.mesh.dim_names[d] for d in form.mesh_dims if d not in form.zeroed)
+    layers = layers_text([value_layer(state.graph, m.planned.need.value) for m in members])
     return GradientBucket(
-        index=number, members=tuple(m.index for m in members + sharing), mesh_dims=tuple(step.mesh_dims),
-        reduce=step.reduce or "sum", src=src, dtype=first.plan.dtype, numel=numel,
-        bytes=int(sum(m.plan.steps[0].bytes for m in members)), time=plan.time,
-        reason=f"{len(members)} gradient all_reduces fused into one buffer: {names}",
+        index=number, members=tuple(m.planned.index for m in members) + tuple(s.index for s in sharing),
+        mesh_dims=form.mesh_dims, reduce=form.reduce, src=plan.steps[-1].src, dtype=form.dtype, numel=plan.shape[0],
+        bytes=int(sum(m.bytes for m in members)), time=plan.time, zeroed=form.zeroed,
+        reason=f"{in_layer(f'gradient sync over {over}', layers)}: {len(members)} gradient all_reduces fused into one buffer: {names}",
     )  # fmt: skip
 
 
@@ -150,6 +254,8 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, p
     inputs = [rp.current(m.need.value) for m in members]
     shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
     flat = paddle._C_ops.concat([x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)], 0)
+    if bucket.zeroed and rp.rank != group_at(bucket.src.mesh, rp.rank, bucket.zeroed)[0]:
+        flat = paddle._C_ops.scale(flat, 0.0, 0.0, True)  # make_partial: one copy along ``zeroed`` is summed
     group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
     ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
     fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])

@@ -59,6 +59,7 @@ class GradientBucket:
     bytes: int
     time: float
     reason: str
+    zeroed: tuple[int, ...] = ()  # mesh dims along which all copies but the first are zeroed first (make_partial)
 
 
 @dataclass
@@ -79,7 +80,9 @@ class CompileState:
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
     rewrite_dim_sets: set[tuple[int, ...]] = field(default_factory=set)  # mesh dims of collectives local rewrites emit
     micro: Any = None  # micro-batching analysis (autopar.micro_batching), when the pipeline runs several
+    recompute: Any = None  # the recompute rewrite and its report (autopar.recompute), when the Strategy asks for it
     pipeline: Any = None  # stages and schedule (passes/pipeline_split.py)
+    sequence: Any = None  # sequence parallelism's split activations (autopar.sequence_parallel.SequenceRegions)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
     _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 
@@ -127,22 +130,17 @@ class CompileState:
 
 def _gradient_names(graph: ProgramGraph) -> dict[ValueKey, str]:
     """User-facing labels of the values each optimizer update reads as its gradient
-    (``grad(W) %12.1``) and of the parameter it writes (``updated W``)."""
-    from autopar.spmd import get_rule
-    from autopar.spmd.optimizer import OptimizerRule
+    (``grad(W) %12.1``; ``clipped grad(W) %20.0`` when clipping rescaled it, the raw one still
+    ``grad(W)``) and of the parameter it writes (``updated W``)."""
+    from autopar.causes import gradients, updates
 
     names = {}
-    for op in graph.ops:
-        rule = get_rule(op.name)
-        if not isinstance(rule, OptimizerRule) or not op.inputs or op.inputs[0] is None:
-            continue
-        param = graph.values[op.inputs[0]].label
-        for i in rule.like_param:
-            key = op.inputs[i] if i < len(op.inputs) else None
-            if key is not None and graph.values[key].kind == "activation":
-                names[key] = f"grad({param}) {graph.values[key].label}"
+    for key, gradient in gradients(graph).items():
+        prefix = "clipped grad" if gradient.clipped else "grad"
+        names[key] = f"{prefix}({graph.values[gradient.param].label}) {graph.values[key].label}"
+    for op, _ in updates(graph):
         if op.outputs and op.outputs[0] is not None:
-            names[op.outputs[0]] = f"updated {param}"
+            names[op.outputs[0]] = f"updated {graph.values[op.inputs[0]].label}"
     return names
 
 

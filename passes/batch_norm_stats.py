@@ -20,27 +20,51 @@ the whole batch's count per channel, sums run over x's statistic dims:
               x_grad = b(scale·inv_std)·(dy - b(Σdy/N) - x̂·b(Σdy·x̂/N))
 
 The in-place ``batch_norm_`` writes mean_out / variance_out into the running statistics
-(``assign_out_``), as the serial op does. Each all_reduce is planned as the reshard
+(``assign_out_``), as the serial op does.
+
+``Strategy(local_batch_norm=True)`` (``BatchNormStats(local=True)``): classic per-rank batch
+norm, NOT equal to serial — each rank normalizes its rows with its own statistics, forward and
+backward run Paddle's own kernels, scale_grad / bias_grad are partial sums that join the
+gradient sync (rules: :data:`~autopar.spmd.batch_norm.LOCAL_STATISTICS`). The running mean /
+variance would then differ between replicas; the policy is to **average them over the
+data-parallel group**, weighted by each rank's share of the rows: right after each batch_norm,
+
+    [mean_out, variance_out] = all_reduce_sum(stack(mean_out, variance_out) · n_rank / N)    2·C values
+
+written back into the running statistics. Every replica keeps the same running statistics; the
+running mean equals serial's exactly (the weighted mean of the ranks' batch means is the
+batch mean), the running variance is the mean of the ranks' batch variances (it leaves out how
+the ranks' means spread: slightly below serial's). Why averaging rather than rank 0's copy
+(PyTorch DDP broadcasts rank 0's buffers before each forward, so its running statistics follow
+rank 0's batches only and the others' are thrown away): averaging uses every rank's rows, costs
+the same 2·C values per batch norm per step as a broadcast, and is what timm's
+``distribute_bn(reduce)`` does at the end of each epoch; the model evaluated afterwards then
+sees statistics of the whole data, not of one shard. No statistics all_reduce is added to the
+forward's normalization or to the backward. Each all_reduce is planned as the reshard
 ``P(sum) -> R`` of a ``[2, C]`` tensor and emitted by
 :func:`~autopar.passes.reshard_emission.emit_step`, so ``dist.comm_ops(rank)`` lists it and
-every backend runs it. Runs after reshard emission (operands final); the serial op is erased,
-``rp.replaced`` holds its results and ``rp.ops`` maps it to the op making the rewrite's last
-value.
+every backend runs it. Runs after reshard emission (operands final); exact: the serial op is
+erased, ``rp.replaced`` holds its results and ``rp.ops`` maps it to the op making the rewrite's
+last value; local: the serial op stays, the readers of its running statistics read the averages.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.causes import in_layer, layer_of
 from autopar.collective import CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import OpNode
+from autopar.graph import OpNode, ProgramGraph
+from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import emit_step, replace_uses
-from autopar.spmd.batch_norm import SplitStatistics, split_statistics
+from autopar.spmd.batch_norm import LOCAL_STATISTICS, SplitStatistics, batch_statistics, split_statistics
+from autopar.spmd.registry import op_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +91,24 @@ def split_ops(state: CompileState) -> list[tuple[OpNode, SplitStatistics]]:
 
 @dataclass(frozen=True)
 class BatchNormStats(Pass):
+    """``local``: per-rank statistics (``Strategy(local_batch_norm=True)``, see the module
+    docstring): the ops keep Paddle's kernels, only the running statistics are averaged."""
+
+    local: bool = False
+
     name: ClassVar[str] = "batch_norm_stats"
     plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
     emit_ensures: ClassVar[str] = "statistics-rewritten"
+
+    def annotate(self, graph: ProgramGraph, mesh: ProcessMesh) -> dict:
+        """Places nothing; with ``local``, marks each training batch_norm (grad) op of the graph
+        view with :data:`LOCAL_STATISTICS`, so that its rules state per-rank statistics."""
+        if self.local:
+            for op in graph.ops:
+                if op_key(op.name).removesuffix("_") in ("batch_norm", "batch_norm_grad") and batch_statistics(op.attrs):
+                    op.attrs[LOCAL_STATISTICS] = True
+        return {}
 
     def plan(self, state: CompileState) -> None:
         """Refuse batch statistics over micro-batches: they run one after another, so no
@@ -110,8 +148,12 @@ def _rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitStati
         serial.operand_source(i) if serial.operand_source(i).initialized() else None
         for i in range(serial.num_operands())
     ]
-    paddle.pir.set_insertion_point(serial)
     kernels = StatKernels(state, rp, op, split)
+    if split.local:
+        if split.op == "batch_norm":
+            kernels.average_running(serial, operands, inplace=op.short_name.endswith("_"))
+        return  # (the grad: Paddle's kernel is the per-rank one)
+    paddle.pir.set_insertion_point(serial)
     if split.op == "batch_norm":
         results = kernels.forward(*operands, inplace=op.short_name.endswith("_"))
     else:
@@ -155,15 +197,23 @@ class StatKernels:
 
         axes = list(self.split.axes)
         stacked = paddle.stack([paddle.sum(a, axis=axes), paddle.sum(b, axis=axes)])
+        return self.all_reduce(stacked, "batch-norm statistics", what, "for the whole batch's statistics")
+
+    def all_reduce(self, stacked: Any, feature: str, what: str, purpose: str, tag: str = "") -> tuple[Any, Any]:
+        """The sum of ``stacked`` (``[2, C]``, channels as x's) over the statistic dims' mesh
+        dims, as the planned reshard ``P(sum) -> R``; its two rows."""
+        import paddle
+
         shape = (2, self.channels)
         src = DistAttr.of(self.mesh, ((), self.channel_dims), {d: "sum" for d in self.split.mesh_dims})
         dst = DistAttr.of(self.mesh, ((), self.channel_dims))
         plan = plan_reshard(src, dst, shape, self.dtype, self.state.cluster)
         names = "/".join(self.mesh.dim_names[d] for d in self.split.mesh_dims)
-        stat = StatValue(f"{self.label}.{what.replace(' ', '_')}", shape, self.dtype)
+        stat = StatValue(f"{self.label}.{tag or what.replace(' ', '_')}", shape, self.dtype)
         reason = (
-            f"{self.op} normalizes {self.label} over rows split over {names}: all_reduce[sum] of the {what} "
-            f"(2·C = {2 * self.channels} values) for the whole batch's statistics"
+            f"{in_layer(feature, layer_of(self.state.graph, self.op.index))}: {self.op} normalizes "
+            f"{self.label} over rows split over {names}: all_reduce[sum] of the {what} (2·C = {2 * self.channels} "
+            f"values) {purpose}"
         )
         for i, step in enumerate(plan.steps):
             stacked = emit_step(
@@ -171,6 +221,31 @@ class StatKernels:
             )
         first, second = paddle.unbind(stacked, 0)
         return first, second
+
+    def average_running(self, serial: Any, operands: list[Any], inplace: bool) -> None:
+        """Per-rank statistics: after the op, its running mean / variance averaged over the
+        ranks splitting the rows, each weighted by its share n_rank / N (module docstring)."""
+        import paddle
+
+        dist: DistAttr = self.state.propagation.op_results[self.op.index].inputs[0]
+        shape = self.state.graph.values[self.op.inputs[0]].shape
+        local = dist.local_shape(shape, self.rp.rank)
+        share = math.prod(int(local[d]) for d in self.split.axes) / self.split.count
+        mean_out, variance_out = serial.result(1), serial.result(2)
+        paddle.pir.set_insertion_point_after(serial)
+        weighted = [paddle.scale(v, share) for v in (mean_out, variance_out)]
+        stacked = paddle.stack(weighted)
+        mean, variance = self.all_reduce(
+            stacked, "local batch-norm running statistics", "running mean and variance, each rank's weighted by "
+            "its share of the rows", "so that every replica keeps the same (Strategy(local_batch_norm=True))",
+            tag="running_mean_and_variance",
+        )  # fmt: skip
+        readers = {w.get_defining_op().id() for w in weighted}
+        for old, new, target in ((mean_out, mean, operands[1]), (variance_out, variance, operands[2])):
+            new.set_type(old.type())
+            replace_uses(old, new, readers)
+            if inplace:  # the serial op updated the running statistics where they live
+                paddle._C_ops.assign_out_(new, target)
 
     def forward(self, x: Any, mean: Any, variance: Any, scale: Any, bias: Any, inplace: bool) -> list[Any]:
         import paddle

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.errors import AutoparError
-from autopar.graph import Role
+from autopar.graph import VECTOR_OPS, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
@@ -166,7 +166,22 @@ def find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict
                 "place the layer that makes it with shard_op(layer, mesh[i])"
             )
         stage_of[op.index] = stage
+    _vector_ops_follow(graph, stage_of)
     return meshes, [meshes.index(m) for m in runs], stage_of
+
+
+def _vector_ops_follow(graph: Any, stage_of: dict[int, int]) -> None:
+    """builtin.combine packs operands for the op reading the vector (add_n summing a residual
+    stream's gradients): it runs on that op's stage; builtin.split on its input's producer's."""
+    packed_for = {site[0]: op.index for op in graph.ops for site in op.sites if op.index in stage_of}  # (vectors are flattened)
+    for op in graph.ops:
+        if op.name not in VECTOR_OPS or op.index in stage_of:
+            continue
+        if op.name == "builtin.combine":
+            if op.index in packed_for:
+                stage_of[op.index] = stage_of[packed_for[op.index]]
+        elif op.inputs and op.inputs[0] is not None and op.inputs[0][0] in stage_of:
+            stage_of[op.index] = stage_of[op.inputs[0][0]]
 
 
 def _is_constant(op: Any) -> bool:

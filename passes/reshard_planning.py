@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from autopar.causes import in_layer, layer_of, parameter_layer, reshard_cause
 from autopar.collective import CollectiveKind
 from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
@@ -53,18 +54,25 @@ class ReshardPlanning(Pass):
 
 
 def _reason(state: CompileState, need: ReshardNeed) -> str:
+    """``cause: detail``: the feature and layer (:mod:`autopar.causes`), then what the reshard
+    moves from which placement to which."""
     label = state.label(need.value)
     op = state.graph.ops[need.op]
     zero = next((z for z in state.zero if need.value == z.gradient), None)
-    if zero is not None:
-        if need.site.kind is SiteKind.AFTER_PRODUCER:
-            return f"ZeRO-{state.strategy.zero_stage}: {label} is reduced to its {need.need} shards right after {op} makes it ({need.have})"
-    if need.site.kind is SiteKind.AFTER_PRODUCER:
-        return f"{label} is annotated {need.need}; its producer {op} makes {need.have}"
+    if zero is not None and need.site.kind is SiteKind.AFTER_PRODUCER:
+        layer = parameter_layer(state.graph, zero.param)
+        return (
+            f"{in_layer(f'ZeRO-{state.strategy.zero_stage} gradient sync', layer)}: {label} is reduced to its "
+            f"{need.need} shards right after {op} makes it ({need.have})"
+        )
     if need.site.kind is SiteKind.WRITE_BACK:
         target = state.graph.values[op.inputs[need.site.slot]].label
-        return f"{op} updated its {need.have} shard of {target} (ZeRO); gathered back into {target} ({need.need})"
-    return f"{op} reads {label} as {need.need}; it is {need.have}"
+        cause = in_layer("ZeRO parameter gather", layer_of(state.graph, op.index))
+        return f"{cause}: {op} updated its {need.have} shard of {target}; gathered back into {target} ({need.need})"
+    cause = reshard_cause(state, need)
+    if need.site.kind is SiteKind.AFTER_PRODUCER:
+        return f"{cause}: {label} is annotated {need.need}; its producer {op} makes {need.have}"
+    return f"{cause}: {op} reads {label} as {need.need}; it is {need.have}"
 
 
 def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan, written_back: set[tuple[int, int]]) -> None:

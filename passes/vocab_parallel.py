@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.causes import in_layer, layer_of, value_layer
 from autopar.collective import CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.dist_attr import DistAttr
@@ -141,10 +142,14 @@ class ProgramKernels:
         plan = plan_reshard(src, dst, self.row_shape, self.dtype_name, self.state.cluster)
         names = "/".join(self.mesh.dim_names[d] for d in self.split.mesh_dims)
         row = RowValue(f"{self.label}.{what.replace(' ', '_')}", self.row_shape, self.dtype_name)
-        dim = "class axis" if self.split.op.startswith("cross_entropy") else "normalized axis"
+        head = self.split.op.startswith("cross_entropy")
+        dim = "class axis" if head else "normalized axis"
+        feature = "vocabulary-parallel cross-entropy" if head else f"{self.split.op} over a split axis"
+        graph = self.state.graph
+        layer = layer_of(graph, self.op.index) or value_layer(graph, self.op.inputs[self.split.operand])
         reason = (
-            f"{self.op} reads {self.label} with its {dim} split over {names}: all_reduce[{reduce}] of the {what}, "
-            "one value per row instead of gathering the row"
+            f"{in_layer(feature, layer)}: {self.op} reads {self.label} with its {dim} split over {names}: "
+            f"all_reduce[{reduce}] of the {what}, one value per row instead of gathering the row"
         )
         for step in plan.steps:
             x = emit_step(self.state, self.rp, step, x, row, reason, CollectiveKey("vocab", self.op.index, self.count))

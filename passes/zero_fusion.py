@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
@@ -128,9 +129,11 @@ def _bucket(state: CompileState, number: int, kind: CollectiveKind, members: lis
         plan = plan_reshard(split, whole, flat, members[0].plan.dtype, state.cluster)
     labels = ", ".join(state.label(m.need.value) for m in members)
     what = "gradient reduce_scatters at the updates" if kind is CollectiveKind.REDUCE_SCATTER else "write-back all_gathers"
+    feature = "ZeRO gradient sync" if kind is CollectiveKind.REDUCE_SCATTER else "ZeRO parameter gather"
+    layers = layers_text([value_layer(state.graph, m.need.value) for m in members])
     return ZeroBucket(
         number, kind, tuple(m.index for m in members), int(sum(s.bytes for s in plan.steps)), plan.time,
-        f"ZeRO: {len(members)} {what} fused into one buffer: {labels}",
+        f"{in_layer(feature, layers)}: {len(members)} {what} fused into one buffer: {labels}",
     )  # fmt: skip
 
 

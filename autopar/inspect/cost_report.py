@@ -10,7 +10,8 @@ shape constants, feeds, parameters and collectives cost no compute. Communicatio
 optimizer states from the program's persistable state tensors by their placement, and the
 activations kept for backward — forward values (feeds included) read by a backward op.
 Step time assumes no overlap of compute and communication; the step's time is the slowest
-rank's.
+rank's. The report names its cost profile and how it was chosen: ``Strategy(cluster=...)``, or
+the hardware in use (``cpu-gloo`` without a visible GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost_model import MemoryEstimate, OpCost, TensorInfo, memory_per_rank, op_cost, tensor_bytes
+from autopar.cost_model.cluster import profile_origin
 from autopar.errors import CostModelError
 from autopar.graph import Role
 from autopar.units import format_bytes, format_time
@@ -56,6 +58,7 @@ class CostReport:
     cluster: str
     ranks: tuple[RankCost, ...]
     unpriced: tuple[str, ...] = ()
+    profile: str = ""  # how the profile was chosen (Strategy(cluster=...) or the hardware in use)
 
     @property
     def step_time(self) -> float:
@@ -81,6 +84,8 @@ class CostReport:
                          format_time(r.step_time)))  # fmt: skip
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = [f"predicted cost on {self.cluster} (no compute/comm overlap)"]
+        if self.profile:
+            lines.append(f"cost profile: {self.profile}")
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"step time (slowest rank): {format_time(self.step_time)}")
         if self.unpriced:
@@ -127,15 +132,42 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def saved_activations(graph: Any) -> list[Any]:
-    """Forward values (activations and feeds) that a backward op reads: kept until backward."""
+def saved_activations(graph: Any, resharded: frozenset[tuple[int, Any]] = frozenset()) -> list[Any]:
+    """Forward values (activations and feeds) that a backward op reads: kept until backward.
+    A read for the shape only (``add_grad``'s x and y: Paddle's no-need-buffer) keeps nothing,
+    nor does a read served by a copy a forward reshard made (``resharded``: (op index, value)
+    pairs; the copy is kept instead, :func:`kept_copies`)."""
     keys = []
     for key, value in graph.values.items():
         if value.kind not in ("activation", "feed") or graph.ops[key[0]].role is not Role.FORWARD:
             continue
-        if any(graph.ops[u].role is Role.BACKWARD for u in value.users):
+        backward = [u for u in value.users if graph.ops[u].role is Role.BACKWARD and (u, key) not in resharded]
+        if any(_reads_data(graph.ops[u], key) for u in backward):
             keys.append(key)
     return keys
+
+
+def kept_copies(state: Any) -> tuple[list[TensorInfo], frozenset[tuple[int, Any]]]:
+    """Resharded copies a forward read makes and a backward read reuses (the all-gathered input
+    of a column-parallel linear under sequence parallelism, read again by its matmul_grad): kept
+    until the backward in place of the value for that read. Also the (op index, value) reads
+    they serve."""
+    graph, planned = state.graph, {p.index: p for p in state.reshards}
+    kept, served = {}, set()
+    for p in state.reshards:
+        first = planned.get(p.shared_with) if p.shared_with is not None else None
+        reader = graph.ops[p.need.op]
+        if first is None or graph.ops[first.need.op].role is not Role.FORWARD or reader.role is not Role.BACKWARD:
+            continue
+        served.add((reader.index, p.need.value))
+        if _reads_data(reader, p.need.value):
+            value = graph.values[p.need.value]
+            kept[first.index] = TensorInfo(f"{value.label} as {p.need.need}", value.shape, value.dtype, p.need.need)
+    return list(kept.values()), frozenset(served)
+
+
+def _reads_data(op: Any, key: Any) -> bool:
+    return any(k == key and pos not in op.shape_only for pos, k in enumerate(op.inputs))
 
 
 def cost_report(dist: Any) -> CostReport:
@@ -144,8 +176,9 @@ def cost_report(dist: Any) -> CostReport:
     cluster = dist.state.cluster
     params = [TensorInfo(v.name or v.label, v.shape, v.dtype, prop.dist(k)) for k, v in graph.values.items()
               if v.kind == "parameter"]  # fmt: skip
+    copies, served = kept_copies(dist.state)
     acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, prop.dist(k))
-            for k in saved_activations(graph)]  # fmt: skip
+            for k in saved_activations(graph, served)] + copies  # fmt: skip
     states = [(v, prop.dist(k)) for k, v in graph.values.items() if v.kind == "state"]
     # ZeRO-2/3: each rank keeps only its shard of each gradient (stage 1 keeps it whole)
     zero = dist.state.zero if dist.state.strategy.zero_stage >= 2 else ()
@@ -160,4 +193,31 @@ def cost_report(dist: Any) -> CostReport:
         comm = [c for c, _ in plan.collectives]
         ranks.append(RankCost(rank, _compute(plan.program, cluster, unpriced), sum(c.time for c in comm),
                               sum(c.bytes for c in comm), len(comm), mem))  # fmt: skip
-    return CostReport(cluster.name, tuple(ranks), tuple(sorted(unpriced)))
+    origin = profile_origin(dist.strategy.cluster)
+    return CostReport(cluster.name, tuple(ranks), tuple(sorted(unpriced)), origin)
+
+
+def program_saved_bytes(program: Any) -> int:
+    """Activation bytes a rank program keeps for its backward, read off the program itself (the
+    memory model's check): the local sizes of the values made before its first gradient op and
+    read at or after it (parameters, constants and optimizer states excluded; a read for the
+    shape only keeps nothing). Take a native-form program: its collectives are ops in place."""
+    import math
+
+    from autopar.cost_model.cluster import dtype_bytes
+    from autopar.graph import OPTIMIZER_OPS
+
+    ops = program.global_block().ops
+    first = next((i for i, op in enumerate(ops) if op.name().endswith("_grad")), len(ops))
+    made = {}
+    for op in ops[:first]:
+        if op.name() not in ("builtin.parameter", "pd_op.full", "pd_op.full_int_array", "builtin.combine"):
+            made.update((op.result(i).id, op.result(i)) for i in range(op.num_results()))
+    kept = {}
+    for op in ops[first:]:
+        if op.name() in OPTIMIZER_OPS:  # optimizer states are persistable data, not activations
+            continue
+        for value in op.operands_source():
+            if value.initialized() and value.id in made and not (op.name().endswith("_grad") and op.is_no_need_buffer(value)):
+                kept[value.id] = value
+    return sum(math.prod(v.shape) * dtype_bytes(str(v.dtype)) for v in kept.values())

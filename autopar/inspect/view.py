@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.causes import layer_of
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.graph import Role
@@ -102,28 +103,12 @@ def shown_attrs(op: Any) -> dict[str, str]:
     return {k: attr_text(v) for k, v in sorted(op.attrs().items()) if k not in NOISE_ATTRS}
 
 
-def layer_of(graph: Any, index: int) -> str:
-    """The layer an op belongs to: its ``struct_name`` (grad ops: their forward op's; optimizer
-    ops: the layer of the parameter they update), "" when none is known."""
-    op = graph.ops[index]
-    struct = op.attrs.get("struct_name", "")
-    if struct:
-        return str(struct).strip("/")
-    if op.forward_op is not None:
-        return layer_of(graph, op.forward_op)
-    if op.role is Role.OPTIMIZER and op.inputs and op.inputs[0] is not None:
-        for user in graph.values[op.inputs[0]].users:
-            if graph.ops[user].role is Role.FORWARD and graph.ops[user].attrs.get("struct_name"):
-                return str(graph.ops[user].attrs["struct_name"]).strip("/")
-    return ""
-
-
 def rank_view(dist: Any, rank: int, after: str | None = None) -> RankView:
     """Rank ``rank``'s program (as it is after the pass ``after``, default: all passes) read
     against the serial program."""
     plan = dist.rank_plan(rank, after=after)
     graph = dist.graph
-    serial_ops = list(dist.serial_program.global_block().ops)
+    serial_ops = list(dist.graph.program.global_block().ops)  # (the serial program after recompute's rewrite, if any)
     serial_labels = {
         r.id: graph.values[(i, j)].label
         for i, op in enumerate(serial_ops)

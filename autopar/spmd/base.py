@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +150,7 @@ def merge_letters(
     proposals = [_proposal(spec, letters) for spec, letters in zip(specs, equation_inputs)]
     order = [c for letters in equation_inputs for c in letters if c != "1"]
     sizes = _letter_sizes(equation_inputs, specs)
-    for letter in dict.fromkeys(order):
+    for letter in _by_priority(dict.fromkeys(order), proposals, specs):
         candidates = [(i, p[letter]) for i, p in enumerate(proposals) if letter in p]
         distinct = list(dict.fromkeys(dims for _, dims in candidates))
         # a split into more pieces than the dim has elements would leave ranks empty pieces
@@ -178,6 +178,16 @@ def merge_letters(
         if reason:
             conflicts.append(_conflict(letter, candidates, options[pick], reason, ctx))
     return merged, conflicts
+
+
+def _by_priority(letters: Iterable[str], proposals: list[dict[str, tuple[int, ...]]], specs: Sequence[TensorSpec]) -> list[str]:
+    """Letters in order of the highest priority proposing a split of them, then operand order: a
+    mesh dim two letters both want goes to the higher-priority placement (a user's column-parallel
+    weight keeps its split where a strategy split the activation's sequence over the same dim)."""
+    def top(letter: str) -> int:
+        return max((specs[i].priority for i, p in enumerate(proposals) if letter in p), default=0)
+
+    return sorted(letters, key=lambda letter: -top(letter))
 
 
 def _letter_sizes(equation_inputs: Sequence[str], specs: Sequence[TensorSpec | None]) -> dict[str, int]:

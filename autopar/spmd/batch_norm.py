@@ -28,6 +28,13 @@ partial (sum) over the statistic dims' mesh dims, a partial out_grad passes thro
 
 batch_norm is not linear: partial inputs are required complete. The training grad requires
 out_grad complete too (the rewrite's sums are taken over complete values).
+
+``Strategy(local_batch_norm=True)`` asks for the classic per-rank statistics instead (not equal
+to serial): compile marks the training batch_norm (grad) ops of its graph view with
+:data:`LOCAL_STATISTICS` (Paddle has no such attribute). Their local kernels then compute what
+is wanted, each rank normalizing its rows with its own statistics; the grad is stated like the
+running-statistics one (scale_grad / bias_grad partial over the statistic dims' mesh dims, so
+they join the gradient sync), and the pass only averages the running mean / variance.
 """
 
 from __future__ import annotations
@@ -57,6 +64,15 @@ def channel_axis(ndim: int, attrs: Mapping[str, Any]) -> int:
     """The channel dim of batch_norm's x: 1, or the last for a channel-last ``data_format``."""
     last = str(attrs.get("data_format", "NCHW")).upper() in CHANNEL_LAST
     return ndim - 1 if last and ndim > 2 else min(1, ndim - 1)
+
+
+LOCAL_STATISTICS = "autopar.local_statistics"  # a graph-view attribute, set by compile (see above)
+
+
+def local_statistics(attrs: Mapping[str, Any]) -> bool:
+    """True when the op normalizes each rank's rows with their own statistics
+    (``Strategy(local_batch_norm=True)``)."""
+    return bool(attrs.get(LOCAL_STATISTICS, False)) and batch_statistics(attrs)
 
 
 def batch_statistics(attrs: Mapping[str, Any]) -> bool:
@@ -122,7 +138,7 @@ class BatchNormGradRule(SpmdRule):
         result = einsum_grad(eq, [inputs[i] for i in kept], ctx, grad_operands=[len(kept) - 1])
         required = _spread(result, kept, len(inputs))
         outputs = tuple(result.outputs)
-        if batch_statistics(attrs):
+        if batch_statistics(attrs) and not local_statistics(attrs):
             required = tuple(without_partial(a) or a if a is not None else None for a in required)
             outputs = tuple(without_partial(o) or o for o in outputs)
         outputs = tuple(o if i == 0 or inputs[i] is not None else None for i, o in enumerate(outputs))
@@ -139,6 +155,7 @@ class SplitStatistics:
     axes: tuple[int, ...]  # x's other dims (summed over)
     mesh_dims: tuple[int, ...]  # the mesh dims splitting them (the all_reduce's)
     count: int  # elements per channel in the whole batch (N·H·W)
+    local: bool = False  # per-rank statistics (Strategy(local_batch_norm=True)): only the running ones are averaged
 
 
 def split_statistics(
@@ -160,4 +177,5 @@ def split_statistics(
     dims = tuple(sorted({m for d in axes for m in dist.mapping[d]}))
     if math.prod(dist.mesh.shape[m] for m in dims) <= 1:
         return None
-    return SplitStatistics(key, channel, axes, dims, math.prod(int(x_shape[d]) for d in axes))
+    count = math.prod(int(x_shape[d]) for d in axes)
+    return SplitStatistics(key, channel, axes, dims, count, local_statistics(attrs))

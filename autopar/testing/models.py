@@ -64,37 +64,70 @@ def simple_net(batch: int = 8, sizes: tuple[int, ...] = (256, 512, 256, 10), opt
 
 def gpt_block_program(
     batch: int = 2, seq: int = 8, hidden: int = 64, heads: int = 4, vocab: int = 128, layers: int = 1,
-    optimizer: str = "adamw", seed: int = 7,
+    optimizer: str = "adamw", seed: int | None = 7, dropout: float = 0.0, layer_calls: bool = False,
 ) -> SeedProgram:  # fmt: skip
-    """GPT-style: embedding, ``layers`` x (attention with softmax + MLP, layer_norm), LM head."""
+    """GPT-style: embedding, ``layers`` x (attention with softmax + MLP, layer_norm), LM head.
+
+    ``dropout`` > 0: training dropout on the attention probabilities and on the MLP's output.
+    ``layer_calls``: each transformer layer is one ``TransformerLayer`` call (an ``nn.Layer``),
+    so its ops carry ``/TransformerLayer*/...`` struct names (the same parameters and ops
+    otherwise). ``seed=None``: no program.random_seed."""
     paddle, main, startup = _static()
-    main.random_seed = startup.random_seed = seed
-    nn, F = paddle.nn, paddle.nn.functional
-    head_dim = hidden // heads
+    if seed is not None:
+        main.random_seed = startup.random_seed = seed
+    nn = paddle.nn
     with paddle.static.program_guard(main, startup):
         ids = paddle.static.data("ids", [batch, seq], "int64")
         label = paddle.static.data("label", [batch, seq, 1], "int64")
         mods: dict[str, Any] = {"embedding": nn.Embedding(vocab, hidden)}
         h = mods["embedding"](ids)
+        shape = (batch, seq, hidden, heads, dropout)
         for i in range(layers):
-            qkv, proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-            fc1, fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-            ln1, ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-            mods.update({f"qkv{i}": qkv, f"proj{i}": proj, f"fc1_{i}": fc1, f"fc2_{i}": fc2, f"ln1_{i}": ln1, f"ln2_{i}": ln2})
+            block = _transformer_layer(shape)
+            mods.update({f"{name}{i}" if name in ("qkv", "proj") else f"{name}_{i}": sub for name, sub in block.parts.items()})
+            h = block(h) if layer_calls else block.forward(h)
+        mods["head"] = nn.Linear(hidden, vocab)
+        logits = mods["head"](h)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, label))
+        make_optimizer(optimizer, lr=0.01).minimize(loss)
+    return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)
+
+
+def _transformer_layer(shape: tuple[int, int, int, int, float]) -> Any:
+    """One GPT layer as an ``nn.Layer`` named ``TransformerLayer`` (calling it records the struct
+    name; ``.forward`` builds the same ops without)."""
+    import paddle
+
+    nn, F = paddle.nn, paddle.nn.functional
+    batch, seq, hidden, heads, dropout = shape
+    head_dim = hidden // heads
+
+    class TransformerLayer(nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+            self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.parts = {"qkv": self.qkv, "proj": self.proj, "fc1": self.fc1, "fc2": self.fc2, "ln1": self.ln1, "ln2": self.ln2}
+
+        def forward(self, h: Any) -> Any:
             # per-head [q | k | v] layout (Megatron's): splitting heads keeps q, k, v together
-            x = paddle.reshape(qkv(h), [batch, seq, heads, 3 * head_dim])
+            x = paddle.reshape(self.qkv(h), [batch, seq, heads, 3 * head_dim])
             x = paddle.transpose(x, [0, 2, 1, 3])
             q, k, v = paddle.split(x, 3, axis=-1)
             scores = paddle.matmul(q, k, transpose_y=True) * (head_dim**-0.5)
-            ctx = paddle.matmul(F.softmax(scores, axis=-1), v)
+            probs = F.softmax(scores, axis=-1)
+            if dropout:
+                probs = F.dropout(probs, dropout, training=True)
+            ctx = paddle.matmul(probs, v)
             ctx = paddle.reshape(paddle.transpose(ctx, [0, 2, 1, 3]), [batch, seq, hidden])
-            h = ln1(h + proj(ctx))
-            h = ln2(h + fc2(F.gelu(fc1(h))))
-        mods["head"] = nn.Linear(hidden, vocab)
-        logits = mods["head"](h)
-        loss = paddle.mean(F.cross_entropy(logits, label))
-        make_optimizer(optimizer, lr=0.01).minimize(loss)
-    return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)
+            h = self.ln1(h + self.proj(ctx))
+            mlp = self.fc2(F.gelu(self.fc1(h)))
+            if dropout:
+                mlp = F.dropout(mlp, dropout, training=True)
+            return self.ln2(h + mlp)
+
+    return TransformerLayer()
 
 
 def annotate_megatron(seed: SeedProgram, mesh: Any, mp: str = "mp") -> None:

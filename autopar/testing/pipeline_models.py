@@ -1,5 +1,6 @@
 """Pipelined seed programs: layers placed on stages with ``autopar.shard_op`` (used by tests,
-the pipeline example and benchmarks). Nothing else is annotated."""
+the pipeline example and benchmarks). Nothing else is annotated, unless asked
+(``residual_blocks(tensor_parallel=...)``)."""
 
 from __future__ import annotations
 
@@ -38,4 +39,42 @@ def staged_mlp(
         last = placement[-1] if placement is not None else stages - 1
         loss = autopar.shard_op(lambda o: paddle.mean(paddle.nn.functional.cross_entropy(o, label)), mesh[last])(h)
         make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
+
+
+def residual_blocks(
+    mesh: Any, blocks: int = 4, batch: int = 4, seq: int = 6, hidden: int = 8, classes: int = 5,
+    tensor_parallel: str | None = None, seed: int | None = 3,
+) -> SeedProgram:  # fmt: skip
+    """Pre-norm residual MLP blocks ``h + down(gelu(up(layer_norm(h))))`` over ``[batch, seq,
+    hidden]`` activations, half the blocks on ``mesh[0]``, half on ``mesh[1]``, then a
+    classifier on the last stage: the residual stream crosses the stage boundary, so its
+    gradient is summed (add_n) on the later stage. ``tensor_parallel``: the mesh dim splitting
+    ``up`` by columns and ``down`` by rows (Megatron) inside each stage."""
+    import autopar
+
+    paddle, main, startup = _static()
+    if seed is not None:
+        main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, seq, hidden], "float32")
+        label = paddle.static.data("label", [batch, seq, 1], "int64")
+        mods, h = {}, x
+        for i in range(blocks):
+            stage = mesh[i * 2 // blocks]
+            up, down, norm = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden), nn.LayerNorm(hidden)
+            mods.update({f"up{i}": up, f"down{i}": down, f"norm{i}": norm})
+            if tensor_parallel is not None:
+                autopar.shard_tensor(up.weight, stage, [None, tensor_parallel])
+                autopar.shard_tensor(up.bias, stage, [tensor_parallel])
+                autopar.shard_tensor(down.weight, stage, [tensor_parallel, None])
+
+            def block(t: Any, up: Any = up, down: Any = down, norm: Any = norm) -> Any:
+                return t + down(F.gelu(up(norm(t))))
+
+            h = autopar.shard_op(block, stage)(h)
+        mods["head"] = nn.Linear(hidden, classes)
+        loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(mods["head"](t), label)), mesh[1])(h)
+        make_optimizer("momentum").minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)

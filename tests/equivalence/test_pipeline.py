@@ -9,7 +9,7 @@ import pytest
 import autopar
 from autopar.errors import AutoparError
 from autopar.testing.models import simple_net
-from autopar.testing.pipeline_models import staged_mlp
+from autopar.testing.pipeline_models import residual_blocks, staged_mlp
 from autopar.testing.serial import random_feeds, run_serial
 
 STEPS = 3
@@ -114,6 +114,33 @@ def test_tensor_parallel_inside_the_stages():
         autopar.shard_tensor(seed.layers[name].weight, mesh[stage], mapping)
     dist = _compile(seed, mesh, 3)
     assert [f"{c.kind}{list(c.group)}" for c in dist.comm_ops(2)] == ["recv[0, 2]", "all_reduce[2, 3]", "send[2, 0]"]
+    assert_equal_to_serial(seed, dist)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
+def test_a_residual_stream_crosses_the_stages(schedule):
+    """Pre-norm residual blocks: the stream's gradient is summed by an add_n on the later stage,
+    whose builtin.combine must stay with it (it was kept on the earlier stage, reading the other
+    stage's gradients without a transfer)."""
+    seed = residual_blocks(autopar.ProcessMesh([0, 1], ["pp"]), classes=10)
+    assert_equal_to_serial(seed, _compile(seed, autopar.ProcessMesh([0, 1], ["pp"]), 2, schedule))
+
+
+def test_a_megatron_gpt_cut_into_stages_by_layers():
+    """What a user writes: a GPT whose attention reshapes with the literal batch size, weights
+    annotated on the whole pp x mp mesh, ``PipelineConfig(stages=2)``. Each reshape's target
+    shrinks to the micro-batch (the rule read the whole batch's before), each weight's
+    annotation moves to the stage reading it (the update ran on the whole mesh before)."""
+    from autopar.testing.models import annotate_megatron, gpt_block_program
+
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "mp"])
+    seed = gpt_block_program(batch=4, seq=4, hidden=16, heads=2, vocab=10, layers=2, optimizer="momentum")
+    annotate_megatron(seed, mesh)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    qkv = dist.dist_attr(seed.layers["qkv0"].weight.name)
+    assert qkv.mesh == mesh[0] and str(qkv) == "[S(1)]"
+    assert dist.dist_attr(seed.layers["fc2_1"].weight.name).mesh == mesh[1]
     assert_equal_to_serial(seed, dist)
 
 

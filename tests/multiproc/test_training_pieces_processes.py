@@ -1,6 +1,8 @@
 """Issue 10's pieces in two real processes (host backend), equal to serial after 3 steps
 (rtol 1e-5): global-norm clipping under dp=2, batch norm over a batch split over dp=2, and
-training dropout on an activation split over mp=2."""
+training dropout on an activation split over mp=2. ``Strategy(local_batch_norm=True)`` (per-rank
+statistics, not serial) equals the simulator's run of the same plan, running statistics
+included."""
 
 import subprocess
 import sys
@@ -27,7 +29,7 @@ SCRIPT = textwrap.dedent(
         main.random_seed = startup.random_seed = 5
         nn, F = paddle.nn, paddle.nn.functional
         with paddle.static.program_guard(main, startup):
-            if piece == "batch_norm":
+            if piece in ("batch_norm", "local_batch_norm"):
                 x = paddle.static.data("x", [8, 3, 8, 8], "float32")
                 conv, bn, fc = nn.Conv2D(3, 4, 3, padding=1), nn.BatchNorm2D(4), nn.Linear(4 * 16, 10)
                 h = F.max_pool2d(F.relu(bn(conv(x))), 2)
@@ -45,7 +47,7 @@ SCRIPT = textwrap.dedent(
             paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=clip).minimize(loss)
         return main, startup, {"x": x, "label": label}, loss, layers
 
-    for piece in ("clip", "batch_norm", "dropout"):
+    for piece in ("clip", "batch_norm", "dropout", "local_batch_norm"):
         main, startup, feeds, loss, layers = program(piece)
         if piece == "dropout":
             mesh = autopar.ProcessMesh([0, 1], ["mp"])
@@ -55,10 +57,12 @@ SCRIPT = textwrap.dedent(
         else:
             mesh = autopar.ProcessMesh([0, 1], ["dp"])
             autopar.shard_tensor(feeds["x"], mesh, ["dp"] + [None] * (len(feeds["x"].shape) - 1))
-        dist = autopar.compile(main, mesh, startup_program=startup)
+        strategy = autopar.Strategy(local_batch_norm=piece == "local_batch_norm")
+        dist = autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
         assert not any(c.kind == "all_gather" for c in dist.comm_ops(0)), [str(c) for c in dist.comm_ops(0)]
         steps = random_feeds(feeds, 3, classes=10)
-        serial = run_serial(main, startup, steps, [loss])
+        # per-rank statistics are not serial: the reference is the simulator's run of the same plan
+        serial = autopar.simulate(dist, steps, [loss]) if strategy.local_batch_norm else run_serial(main, startup, steps, [loss])
         exe = autopar.Executor(dist, backend="host")
         exe.run_startup()
         losses = [exe.run(feed, fetch_list=[loss])[0] for feed in steps]
@@ -78,4 +82,4 @@ def test_training_pieces_in_two_processes_equal_serial(tmp_path):
     out = subprocess.run([sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("RESULT") == 2 * 3, out.stdout[-3000:]
+    assert out.stdout.count("RESULT") == 2 * 4, out.stdout[-3000:]

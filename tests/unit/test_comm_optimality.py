@@ -33,9 +33,15 @@ def test_megatron_mlp_one_all_reduce_forward_one_backward_per_block():
             comms = dist.comm_ops(rank)
             assert [c.kind for c in comms] == ["all_reduce"] * (2 * blocks), "\n".join(map(str, comms))
             assert all(c.group == (0, 1) for c in comms)
-        readers = [c.reason.split(" reads ")[0].split("#")[0] for c in dist.comm_ops(0)]
+        causes, details = zip(*(c.reason.split(": ", 1) for c in dist.comm_ops(0)))
+        readers = [d.split(" reads ")[0].split("#")[0] for d in details]
         assert readers.count("pd_op.add") == blocks  # forward: before the bias add of fc2
         assert readers.count("pd_op.add_grad") == blocks  # backward: the gradient of the block input
+        # each named after the feature and the layer: fc2 (Linear_2, _4, ...), then fc1 in backward order
+        features = [c.split(" in ")[0] for c in causes]
+        assert features == ["row-parallel output"] * blocks + ["tensor-parallel input gradient"] * blocks
+        layers = [c.split(" in ")[1] for c in causes]
+        assert len(set(layers)) == 2 * blocks and all(layer.startswith("Linear") for layer in layers)
 
 
 def compile_dp(**strategy):
@@ -53,8 +59,9 @@ def test_data_parallel_one_gradient_all_reduce_per_parameter():
         comms = dist.comm_ops(rank)
         assert [c.kind for c in comms] == ["all_reduce"] * len(params), "\n".join(map(str, comms))
         assert all(c.group == (0, 1, 2, 3) and c.reduce == "sum" for c in comms)
-        grads_of = {c.reason.split(" reads ")[0] for c in comms}
+        grads_of = {c.reason.split(": ", 1)[1].split(" reads ")[0] for c in comms}
         assert len(grads_of) == len(params)  # one per optimizer op, i.e. per parameter
+        assert all(c.reason.startswith("gradient sync over dp in Linear") for c in comms)
 
 
 def test_data_parallel_gradients_fused_into_one_all_reduce_of_the_same_bytes():

@@ -117,7 +117,7 @@ def test_native_form_is_lowered_and_host_form_is_not():
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"recompute": True}, "Strategy.recompute=True"),
+        ({"recompute": ("sofmax",)}, "Strategy.recompute: 'sofmax' match\\(es\\) no forward op type or layer path"),
         ({"sequence_parallel": True}, "Strategy.sequence_parallel=True"),
         ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "Strategy.pipeline: the program has no stages"),
         ({"extra": {"overlap": True}}, "Strategy.extra: no pass reads the options \\['overlap'\\]"),
@@ -133,7 +133,7 @@ def test_unimplemented_strategy_fields_are_refused_by_name(fields, match):
     [
         ({"zero_stage": "1"}, "zero_stage must be 0, 1, 2 or 3"),
         ({"zero_stage": True}, "zero_stage must be 0, 1, 2 or 3"),
-        ({"recompute": 1}, "recompute must be True or False"),
+        ({"recompute": 1}, "recompute must be False, True, or a tuple of op types / layer paths"),
         ({"allreduce_bucket_mb": float("nan")}, "allreduce_bucket_mb must be a finite number"),
         ({"allreduce_bucket_mb": "32"}, "allreduce_bucket_mb must be a number"),
         ({"pipeline": {"micro_batches": 2}}, "pipeline must be an autopar.PipelineConfig"),

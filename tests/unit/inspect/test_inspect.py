@@ -34,7 +34,7 @@ def test_view_marks_every_inserted_collective() -> None:
 def test_dot_colours_collectives_and_gives_their_reason() -> None:
     text = render_dot(rank_view(dp_mp(), 0), "rank 0")
     assert text.count('fillcolor="#f4a09c"') == len(dp_mp().comm_ops(0)) + 0  # one box per collective
-    assert "ALL_REDUCE" in text and "why: pd_op.add#19 reads %18.0 as [S(0),R]" in text
+    assert "ALL_REDUCE" in text and "why: row-parallel output in Linear_1:\\npd_op.add#19 reads %18.0 as" in text
     assert "[S(0),P(sum)] → [S(0),R]" in text
 
 
