@@ -4,14 +4,12 @@ processes, both backends, also with dropout and recompute of softmax + dropout) 
 sub-group rings in the program), and its activations really move as reduce_scatters and
 all_gathers."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from autopar.testing.processes import launch
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
@@ -19,10 +17,10 @@ SCRIPT = textwrap.dedent(
     import sys
     import warnings
     warnings.filterwarnings("ignore")
-    import numpy as np
     import autopar
     from autopar.testing.models import annotate_megatron, gpt_block_program
-    from autopar.testing.serial import random_feeds, run_serial
+    from autopar.testing.processes import train_equals_serial
+    from autopar.testing.serial import random_feeds
 
     four = sys.argv[1:] == ["dp2xmp2"]
     runs = [("host", False)] if four else [("host", False), ("native", False), ("host", True), ("native", True)]
@@ -36,16 +34,7 @@ SCRIPT = textwrap.dedent(
         dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(sequence_parallel=True, recompute=("softmax", "dropout") if recompute else False))
         kinds = {c.kind for c in dist.comm_ops(0)}
         assert {"reduce_scatter", "all_gather"} <= kinds, kinds
-        steps = random_feeds(seed.feeds, 3, classes=32)
-        serial = run_serial(seed.main, seed.startup, steps, [seed.loss])
-        exe = autopar.Executor(dist, backend=backend)
-        exe.run_startup()
-        losses = [exe.run(feed, fetch_list=[seed.loss])[0] for feed in steps]
-        params = exe.parameters()
-        for (want,), got in zip(serial.fetches, losses):
-            np.testing.assert_allclose(got, want, rtol=1e-5)
-        for name, want in serial.parameters.items():
-            np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+        train_equals_serial(dist, seed.main, seed.startup, seed.loss, random_feeds(seed.feeds, 3, classes=32), backend)
         print("RESULT", backend, "recompute" if recompute else "", "equal", flush=True)
     """
 )
@@ -53,9 +42,5 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("mesh, nproc, runs", [("mp2", 2, 4), ("dp2xmp2", 4, 1)])
 def test_sequence_parallel_in_processes_equals_serial(tmp_path, mesh, nproc, runs):
-    script = tmp_path / "sp.py"
-    script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "autopar.launch", "--nproc", str(nproc), str(script), mesh], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("RESULT") == nproc * runs, out.stdout[-3000:]
+    results = launch(SCRIPT, nproc, tmp_path, [mesh], timeout=300)
+    assert len(results) == nproc * runs, results

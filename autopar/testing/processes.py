@@ -1,0 +1,48 @@
+"""Real-process test scaffolding: run a script under ``autopar.launch`` and count its results;
+inside the script, train with the Executor and compare with the serial run.
+
+Every multi-process test has the same two halves; they live here once so a test says only what
+it runs and what it expects.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def launch(script: str, nproc: int, directory: Path, args: Sequence[str] = (), timeout: float = 600) -> list[str]:
+    """Write ``script`` (source text) into ``directory`` and run it under ``python -m
+    autopar.launch --nproc nproc`` with ``args``; the ``RESULT`` lines every rank printed. A
+    failed launch is an AssertionError with the end of both output streams."""
+    path = Path(directory) / "script.py"
+    path.write_text(script)
+    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", str(nproc), str(path), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if "RESULT" in line]
+
+
+def train_equals_serial(dist: Any, main: Any, startup: Any, loss: Any, feeds: Sequence[dict], backend: str = "host",
+                        rtol: float = 1e-5, atol: float = 1e-6) -> Any:  # fmt: skip
+    """Run ``feeds`` through an Executor of this process's rank, fetching ``loss`` every step:
+    the losses and, after the last step, every parameter equal the serial run's (AssertionError
+    naming the step or parameter otherwise). Returns the Executor (its timeline, its state)."""
+    import numpy as np
+
+    import autopar
+    from autopar.testing.serial import run_serial
+
+    serial = run_serial(main, startup, feeds, [loss])
+    exe = autopar.Executor(dist, backend=backend)
+    exe.run_startup()
+    losses = [exe.run(feed, fetch_list=[loss])[0] for feed in feeds]
+    params = exe.parameters()
+    for step, ((want,), got) in enumerate(zip(serial.fetches, losses)):
+        np.testing.assert_allclose(got, want, rtol=rtol, err_msg=f"loss at step {step}")
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(params[name], want, rtol=rtol, atol=atol, err_msg=name)
+    return exe
