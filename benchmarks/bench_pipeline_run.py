@@ -14,12 +14,11 @@ the peak number of stashed micro-batches on rank 0 (1F1B: p = 2; FThenB: m).
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
 import time
 import warnings
+
+from relaunch import rank_or_relaunch
 
 warnings.filterwarnings("ignore")
 
@@ -27,7 +26,6 @@ WIDTHS = (1024, 2048, 2048, 2048, 10)
 BATCH = 256
 CONFIGS = (("1F1B", 1), ("FThenB", 8), ("1F1B", 4), ("1F1B", 8), ("ZBH1", 8))
 WARMUP, STEPS = 2, 6
-THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def _serial_step(seed, feeds) -> float:
@@ -86,18 +84,9 @@ def report(rows: list[tuple], serial: float) -> None:
 
 
 def main() -> None:
-    if "PADDLE_TRAINER_ID" not in os.environ:
-        for name in THREADS:  # one core per process (and for the serial run): 2 devices against 1
-            os.environ[name] = "1"
-        cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", __file__]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line.split("] ", 1)[-1] for line in out.stdout.splitlines() if line.startswith("[rank 0]")]
-        print("\n".join(line for line in lines if not line.startswith(("W", "I", "=", "FLAGS"))))
-        if out.returncode:
-            print(out.stdout[-2000:], out.stderr[-2000:])
-            raise SystemExit(out.returncode)
-        return
-    run(int(os.environ["PADDLE_TRAINER_ID"]))
+    rank = rank_or_relaunch(__file__)
+    if rank is not None:
+        run(rank)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,16 @@ and the ratios to TP.
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
 import time
 import warnings
+
+from relaunch import rank_or_relaunch
 
 warnings.filterwarnings("ignore")
 
 SIZES = {"batch": 4, "seq": 128, "hidden": 256, "heads": 8, "vocab": 512, "layers": 2}
 WARMUP, STEPS = 2, 8
-THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 CONFIGS = {
     "TP": {},
     "TP+SP": {"sequence_parallel": True},
@@ -88,18 +86,9 @@ def report(rows: list[tuple]) -> None:
 
 
 def main() -> None:
-    if "PADDLE_TRAINER_ID" not in os.environ:
-        for name in THREADS:  # one core per process
-            os.environ[name] = "1"
-        cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", __file__]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line.split("] ", 1)[-1] for line in out.stdout.splitlines() if line.startswith("[rank 0]")]
-        print("\n".join(line for line in lines if not line.startswith(("W", "I", "=", "FLAGS"))))
-        if out.returncode:
-            print(out.stdout[-2000:], out.stderr[-2000:])
-            raise SystemExit(out.returncode)
-        return
-    run(int(os.environ["PADDLE_TRAINER_ID"]))
+    rank = rank_or_relaunch(__file__)
+    if rank is not None:
+        run(rank)
 
 
 if __name__ == "__main__":
