@@ -29,13 +29,13 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from autopar.causes import updates as parameter_updates
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, Role, ValueKey
 from autopar.passes.base import CompileState, Pass
 from autopar.propagation import Priority, ReshardNeed, ReshardSite, SiteKind, ValueState
 from autopar.spmd import RuleResult, get_rule
-from autopar.spmd.optimizer import OptimizerRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +74,7 @@ class ZeroSharding(Pass):
             raise AutoparError(f"zero_sharding: stage must be 1, 2 or 3, got {self.stage!r}")
 
     def plan(self, state: CompileState) -> None:
-        updates = [
-            op for op in state.graph.ops if op.role is Role.OPTIMIZER and isinstance(get_rule(op.name), OptimizerRule)
-        ]
+        updates = [op for op, _ in parameter_updates(state.graph) if op.role is Role.OPTIMIZER]
         if not updates:
             raise AutoparError(
                 f"Strategy.zero_stage={self.stage}: the program has no optimizer update (sgd_, momentum_, adam_, adamw_)"
