@@ -3,12 +3,17 @@ on the host and the native backend, and rank 0 prints its resident memory at ste
 the end. Target: growth < 512 KiB (fetches are made whole inside the program, so nothing is
 stored per step; before, every step's fetched bytes stayed in the job's TCP store).
 
-    .venv/bin/python benchmarks/bench_long_run.py [--steps 5000]   # starts itself under autopar.launch
+Also printed: the malloc heap in use (glibc's ``mallinfo2``: bytes handed out and not freed).
+Resident memory can grow while the heap in use stays flat — freed memory the allocator keeps —
+so the two together tell a leak (both grow) from a heap that fragments (only the first does).
+
+    .venv/bin/python benchmarks/bench_long_run.py [--steps 5000] [--backend host]   # starts itself under autopar.launch
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import subprocess
 import sys
@@ -25,6 +30,21 @@ def resident_kib() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def heap_in_use_kib() -> int | None:
+    """glibc's malloc heap in use (small and mmapped blocks), or None without glibc >= 2.33."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) // 1024
 
 
 def run(backend: str, steps: int) -> None:
@@ -45,13 +65,15 @@ def run(backend: str, steps: int) -> None:
     for step in range(1, steps + 1):
         exe.run(feed, fetch_list=[net.loss])
         if step in (500, steps):
-            marks[step] = resident_kib()
+            marks[step] = resident_kib(), heap_in_use_kib()
     seconds = time.perf_counter() - start
     if exe.rank == 0:
-        growth = marks[steps] - marks[500]
+        (rss, heap), (rss_end, heap_end) = marks[500], marks[steps]
+        growth = rss_end - rss
+        heap_text = f"; heap in use {heap} -> {heap_end} KiB ({heap_end - heap:+d} KiB)" if heap is not None else ""
         print(f"{backend:6s} {steps} steps fetching the loss, {seconds / steps * 1e3:.2f} ms/step: rank 0 RSS "
-              f"{marks[500]} KiB at step 500, {marks[steps]} KiB at step {steps}: growth {growth} KiB "
-              f"({growth * 1024 / (steps - 500):.1f} B/step; target < 512 KiB)", flush=True)  # fmt: skip
+              f"{rss} KiB at step 500, {rss_end} KiB at step {steps}: growth {growth} KiB "
+              f"({growth * 1024 / (steps - 500):.1f} B/step; target < 512 KiB){heap_text}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -61,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     if "PADDLE_TRAINER_ID" not in os.environ:
         root = Path(__file__).resolve().parents[1]
-        for backend in ("host", "native"):  # one job per backend: each starts fresh
+        for backend in [args.backend] if args.backend else ["host", "native"]:  # one job per backend: each starts fresh
             cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", __file__, "--steps", str(args.steps), "--backend", backend]
             if subprocess.call(cmd, cwd=root):
                 sys.exit(f"the {backend} run failed")

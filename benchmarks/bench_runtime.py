@@ -1,6 +1,6 @@
 """Step time of autopar's programs vs hand-written static programs on the same processes.
 
-    python benchmarks/bench_runtime.py            # starts itself under autopar.launch --nproc 2
+    python benchmarks/bench_runtime.py [--rounds 2]   # starts itself under autopar.launch --nproc 2
 
 SimpleNet (Linear 256->1024->256->10, ReLU, cross-entropy, Momentum + L2), global batch 64:
 
@@ -12,21 +12,32 @@ SimpleNet (Linear 256->1024->256->10, ReLU, cross-entropy, Momentum + L2), globa
 Each backend runs in its own 2-process job (native: whole program per step, gloo collectives
 inside; host: segments + process-group collectives); the hand-written program runs in the
 native job (its in-program collectives share the native rings; mixing them with the host's
-process-group collectives in one process stalls gloo intermittently). Runs are interleaved in
-blocks; the figure is the median over blocks of the mean step
-time, without fetches and (``+loss``) fetching the loss every step, as training loops do
-(autopar's fetch is made whole inside the program: one small collective, no exchange). autopar runs with its gradient all-reduce fusion (the default) and
-without it (``-unfused``: the like-for-like comparison with the hand-written program, which
-all-reduces each gradient on its own). Also printed: the host backend (segments +
-process-group collectives), which runs any mesh on CPU but pays a round trip per collective.
+process-group collectives in one process stalls gloo intermittently). Within a job, runs are
+interleaved in blocks and a figure is the median over blocks of the mean step time. The jobs
+run in alternating rounds (native, host, native, host, ...) and the table shows each figure's
+median over the rounds, so the host backend's ratios to the hand-written program compare
+figures of different jobs measured a minute apart (the per-round ratios are listed too:
+their spread is the machine's noise). Every configuration runs without fetches and
+(``+loss``) fetching the loss every step, as training loops do (autopar's fetch is made whole
+inside the program: one small collective, no exchange). autopar runs with its gradient
+all-reduce fusion (the default) and without it (``-unfused``: the like-for-like comparison with
+the hand-written program, which all-reduces each gradient on its own).
+
+The hand-written program runs twice: through ``Executor.run`` as a user writes it
+(``hand-written``), and the way autopar runs its programs — interpreter built once, ops in
+order in the calling thread (``hand-prepared``, :class:`autopar.runtime.prepared.PreparedProgram`)
+— so the second ratio is autopar's own overhead, not the way it drives Paddle's interpreter.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +47,7 @@ warnings.filterwarnings("ignore")
 SIZES = (256, 1024, 256, 10)
 BATCH = 64
 BLOCKS, STEPS, WARMUP = 5, 40, 5
+RESULTS_ENV = "AUTOPAR_BENCH_RESULTS"  # where a job's rank 0 writes its figures (JSON)
 
 
 def hand_written(mode: str, rank: int, world: int):
@@ -135,6 +147,8 @@ def bench(mode: str, rank: int, world: int, backend: str) -> dict[str, float]:
 def hand_runs(mode: str, rank: int, world: int, feed: dict) -> dict:
     import paddle
 
+    from autopar.runtime.prepared import PreparedProgram
+
     main, startup, local_batch, hand_loss = hand_written(mode, rank, world)
     scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     lo = rank * local_batch if mode == "dp" else 0
@@ -150,29 +164,63 @@ def hand_runs(mode: str, rank: int, world: int, feed: dict) -> dict:
         with paddle.static.scope_guard(scope):
             exe.run(main, feed=local, fetch_list=[hand_loss])
 
-    return {"hand-written": hand_step, "hand-written+loss": hand_step_loss}
+    # the same program run the way autopar runs its own: interpreter built once, ops in order
+    prepared = PreparedProgram(main, scope, paddle.CPUPlace(), in_order=True)
+    prepared_loss = PreparedProgram(main, scope, paddle.CPUPlace(), [hand_loss], in_order=True)
+    return {
+        "hand-written": hand_step,
+        "hand-written+loss": hand_step_loss,
+        "hand-prepared": lambda: prepared.run(local),
+        "hand-prepared+loss": lambda: prepared_loss.run(local),
+    }
 
 
 def main() -> None:
     if "PADDLE_TRAINER_ID" not in os.environ:
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the native and the host job")
+        rounds = parser.parse_args().rounds
         root = Path(__file__).resolve().parents[1]
-        for backend in ("native", "host"):  # one job each: the two backends' communicators never share a process
-            cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", __file__, backend]
-            if subprocess.call(cmd, cwd=root):
-                sys.exit(f"the {backend} run failed")
+        results: list[dict[str, dict[str, float]]] = []  # one per round: mode -> name -> seconds
+        with tempfile.TemporaryDirectory() as out:
+            for round_ in range(rounds):
+                merged: dict[str, dict[str, float]] = {}
+                for backend in ("native", "host"):  # one job each: the two backends' communicators never share a process
+                    path = os.path.join(out, f"{backend}{round_}.json")
+                    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", __file__, backend]
+                    if subprocess.call(cmd, cwd=root, env={**os.environ, RESULTS_ENV: path}):
+                        sys.exit(f"the {backend} run failed")
+                    with open(path) as job:
+                        for mode, times in json.load(job).items():
+                            merged.setdefault(mode, {}).update(times)
+                results.append(merged)
+        report(results)
         return
     rank, world = int(os.environ["PADDLE_TRAINER_ID"]), int(os.environ["PADDLE_TRAINERS_NUM"])
     backend = sys.argv[1]
-    for mode in ("dp", "mp"):
-        times = bench(mode, rank, world, backend)
-        if rank == 0:
-            print(f"SimpleNet {mode}=2, batch {BATCH}, sizes {SIZES}, {backend} backend job:")
-            for name, t in times.items():
-                fetching = name.endswith("+loss")
-                hand = times.get("hand-written+loss" if fetching else "hand-written")
-                vs_hand = f"   ratio to hand-written{'+loss' if fetching else ''} {t / hand:5.2f}" if hand else ""
-                own = f"   vs its own no-fetch step {t / times[name.removesuffix('+loss')]:5.2f}" if fetching else ""
-                print(f"  {name:24s} {t * 1e3:7.2f} ms/step{vs_hand}{own}")
+    figures = {mode: bench(mode, rank, world, backend) for mode in ("dp", "mp")}
+    if rank == 0:
+        with open(os.environ[RESULTS_ENV], "w") as out:
+            json.dump(figures, out)
+
+
+def report(results: list[dict[str, dict[str, float]]]) -> None:
+    """One table per mode: each figure's median over the rounds, its ratio to the hand-written
+    program (fetching the same loss for ``+loss``) and, fetching, to its own no-fetch step."""
+    for mode in results[0]:
+        rounds = [r[mode] for r in results]
+        times = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+        print(f"SimpleNet {mode}=2, batch {BATCH}, sizes {SIZES}: median of {len(rounds)} rounds "
+              "(hand-written: in the native jobs)")  # fmt: skip
+        for name, t in times.items():
+            fetching = name.endswith("+loss")
+            suffix = "+loss" if fetching else ""
+            ratios = []
+            for hand in ("hand-written", "hand-prepared"):
+                per_round = "/".join(f"{r[name] / r[hand + suffix]:.2f}" for r in rounds)
+                ratios.append(f"{t / times[hand + suffix]:5.2f} ({per_round})")
+            own = f"   vs own no-fetch {t / times[name.removesuffix('+loss')]:5.2f}" if fetching else ""
+            print(f"  {name:22s} {t * 1e3:7.2f} ms/step   vs hand-written{suffix:5s} {ratios[0]}   vs hand-prepared{suffix:5s} {ratios[1]}{own}", flush=True)
 
 
 if __name__ == "__main__":

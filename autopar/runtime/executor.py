@@ -36,6 +36,9 @@ class Communicator(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (for fetches and parameters)."""
 
+    # optional: ``run_in_scope(call) -> bool`` performs ``call`` (a collective with this rank's
+    # scope tensors: jobs.ScopeCall) in place and says whether it did (else the executor uses ``run``)
+
 
 def rank_from_env() -> int:
     value = os.environ.get("PADDLE_TRAINER_ID", os.environ.get("RANK"))
@@ -166,9 +169,14 @@ class Executor:
             pieces = runner.run(self.plan.local_feeds(feed))
         else:
             runner.set_feeds(feed)
+            in_scope = self._in_scope(runner)
             job = runner.run_until_collective()
             while job is not None:
-                runner.finish_collective(self.comm.run(job, runner.collective_input()))
+                call = runner.scope_collective() if in_scope else None
+                if call is not None and self.comm.run_in_scope(call):
+                    runner.finish_collective(None)  # done on the scope's tensors
+                else:
+                    runner.finish_collective(self.comm.run(job, runner.collective_input()))
                 job = runner.run_until_collective()
             pieces = runner.fetch_pieces()
         if not runner.fetch_keys:
@@ -182,6 +190,12 @@ class Executor:
             by_rank = {r: everyone[r][i] for r in info.produced.mesh.ranks}
             out.append(assemble(by_rank, info.produced, info.shape))
         return out
+
+    def _in_scope(self, runner: Any) -> bool:
+        """Whether the communicator may perform the runner's collectives on its scope tensors
+        (no numpy round trip): it can (``run_in_scope``), and the runner reads its collective
+        inputs the plain way (a pipeline's runner picks them per micro-batch)."""
+        return callable(getattr(self.comm, "run_in_scope", None)) and type(runner).collective_input is RankRunner.collective_input
 
     def timeline(self) -> Any:
         """The last step of a pipelined program as it ran on every rank: an

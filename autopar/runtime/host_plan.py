@@ -10,6 +10,15 @@ persistable kwarg on the consumer side, so every segment shares the rank's scope
 The collective ops themselves are not run by Paddle: each of the plan's Collective values
 becomes a :class:`CollectiveCall` that reads and writes scope variables by name; the runtime
 performs it between segments.
+
+A collective runs as soon as its input is made (unpipelined plans): it moves before the
+segments between its input's producer and it, never past another collective (every rank
+still meets the collectives in one order) nor past a segment reading its input; an input read
+by name (a parameter or state, which a later segment may update in place; a feed) keeps it
+where it is. Segments that end up adjacent are one segment. So a fetched loss is all-reduced
+right after the gradients, not in a sync point of its own at the end of the step, and
+per-gradient all-reduces each followed by a small scaling segment become one run of
+collectives and one segment (each segment run costs an interpreter run).
 """
 
 from __future__ import annotations
@@ -74,9 +83,11 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
     ops = list(program.global_block().ops)
     comm_at = {position: collective for collective, position in plan.collectives}
     phase = plan.pipeline.phases if plan.pipeline is not None else ("",) * len(ops)
-    runs = _runs(len(ops), comm_at, phase)
-    segment_of = {i: k for k, (kind, members) in enumerate(runs) if kind == "segment" for i in members}
     position = {op.id(): i for i, op in enumerate(ops)}
+    runs = _runs(len(ops), comm_at, phase)
+    if plan.pipeline is None:
+        runs = _hoisted(runs, ops, position)
+    segment_of = {i: k for k, (kind, members) in enumerate(runs) if kind == "segment" for i in members}
     for i, op in enumerate(ops):
         if op.name() == "builtin.combine":  # a vector cannot live in the scope: build it where it is read
             users = [position[u.id()] for u in op.result(0).all_used_ops()]
@@ -122,6 +133,34 @@ def _runs(count: int, comm_at: dict, phase: tuple[str, ...]) -> list[tuple[str, 
             runs.append(("segment", []))
         runs[-1][1].append(i)
     return runs
+
+
+def _hoisted(runs: list[tuple[str, list[int]]], ops: list[Any], position: dict) -> list[tuple[str, list[int]]]:
+    """``runs`` with each collective moved before the segments preceding it that neither make
+    nor read its input (not past another collective); an input read by name stays put.
+    Adjacent segments are then merged."""
+    moved: list[tuple[str, list[int]]] = []
+    for kind, members in runs:
+        at = len(moved)
+        if kind == "collective":
+            source = ops[members[0]].operand_source(0)
+            made_by = position[source.get_defining_op().id()]
+            if not _is_source(ops[made_by]):
+                while at and moved[at - 1][0] == "segment" and not _touches(moved[at - 1][1], made_by, source, ops):
+                    at -= 1
+        moved.insert(at, (kind, members))
+    merged: list[tuple[str, list[int]]] = []
+    for kind, members in moved:
+        if kind == "segment" and merged and merged[-1][0] == "segment":
+            merged[-1] = ("segment", sorted(merged[-1][1] + members))
+        else:
+            merged.append((kind, list(members)))
+    return merged
+
+
+def _touches(members: list[int], made_by: int, value: Any, ops: list[Any]) -> bool:
+    """Whether the segment ``members`` makes ``value`` (op ``made_by``) or reads it."""
+    return made_by in members or any(ops[i].operand_source(j).is_same(value) for i in members for j in range(ops[i].num_operands()))
 
 
 def _accumulated(ops: list[Any], crossing: set, phase: tuple[str, ...], position: dict) -> list[tuple[int, int]]:

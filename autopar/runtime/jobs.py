@@ -3,8 +3,8 @@
 A :class:`Segment` is a piece of the rank program run by the Paddle executor on the rank's
 scope; a :class:`CollectiveCall` is one of the plan's :class:`~autopar.collective.Collective`
 values performed by the runtime between segments, reading and writing scope variables by
-name. The pipeline schedule later interleaves segments of several micro-batches in the same
-form.
+name (or, :class:`ScopeCall`, on the scope's tensors themselves). The pipeline schedule
+interleaves segments of several micro-batches in the same form.
 """
 
 from __future__ import annotations
@@ -36,3 +36,13 @@ class CollectiveCall:
 
 
 Job = Segment | CollectiveCall
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeCall:
+    """A :class:`CollectiveCall` as a step performs it in place: ``source`` the input's and
+    ``target`` the output's tensor in the rank's scope (``core.DenseTensor`` handles)."""
+
+    collective: Collective
+    source: Any
+    target: Any

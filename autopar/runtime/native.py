@@ -32,6 +32,7 @@ from autopar.errors import AutoparError
 from autopar.rank_plan import RankPlan, ValueKey
 from autopar.rank_status import waiting
 from autopar.runtime.device import create_ring, current_device
+from autopar.runtime.prepared import PreparedProgram
 
 
 class StoreExchange:
@@ -117,7 +118,9 @@ class NativeRunner:
         self.plan, self.rank, self.fetch_keys = plan, plan.rank, list(fetch_keys)
         self.program = plan.program
         self.scope = scope if scope is not None else paddle.static.Scope()
-        self.executor = paddle.static.Executor(current_device().place)
+        self.device = current_device()
+        self.executor = paddle.static.Executor(self.device.place)  # start-up only
+        self._prepared: PreparedProgram | None = None  # the program's interpreter, built on the first step
 
     def run_startup(self) -> None:
         import paddle
@@ -128,11 +131,10 @@ class NativeRunner:
             self.executor.run(self.plan.startup)
 
     def run(self, local_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        import paddle
-
-        with paddle.static.scope_guard(self.scope), native_step(self.plan):
-            out = self.executor.run(self.program, feed=dict(local_feeds), fetch_list=list(self.fetch_values))
-        return [np.asarray(o) for o in out]
+        if self._prepared is None:
+            self._prepared = PreparedProgram(self.program, self.scope, self.device.place, self.fetch_values, self.device.ops_in_order)
+        with native_step(self.plan):
+            return self._prepared.run(local_feeds)
 
     def parameter_piece(self, name: str) -> np.ndarray:
         var = self.scope.find_var(name)

@@ -37,7 +37,6 @@ Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", stage, 
 
 class PipelineRunner(RankRunner):
     def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None) -> None:
-        import paddle
 
         super().__init__(plan, fetch_keys, scope)
         role = self.role = plan.pipeline
@@ -51,9 +50,6 @@ class PipelineRunner(RankRunner):
         self.hosts: list[HostPlan] = [self.host] + [
             build_host_plan(plan, exports, f"autopar.r{next(_RUNNERS)}.mb{k}") for k in range(1, role.micro_batches)
         ]
-        # one Paddle executor per micro-batch's plan: an executor caches 8 programs (an LRU);
-        # m plans' segments through one executor would miss every time (measured: 2x the step)
-        self.executors = [self.executor] + [paddle.static.Executor(self.place) for _ in range(1, role.micro_batches)]
         self.jobs_of: dict[str, list[int]] = {}  # job label ("F0", "B2", "OPT") -> job indices
         for index, label in enumerate(self.host.phases):
             self.jobs_of.setdefault(label, []).append(index)
@@ -117,7 +113,6 @@ class PipelineRunner(RankRunner):
         return self.hosts[micro_batch].jobs[index], micro_batch
 
     def run_until_collective(self) -> Collective | None:
-        import paddle
 
         while self.position < len(self.steps):
             what, index, micro_batch = self.steps[self.position]
@@ -128,11 +123,9 @@ class PipelineRunner(RankRunner):
                     stamped = dataclasses.replace(job.collective.key, micro_batch=micro_batch)
                     return dataclasses.replace(job.collective, key=stamped)
                 feeds = self.micro_feeds[micro_batch]
-                with paddle.static.scope_guard(self.scope):
-                    self.executors[micro_batch].run(job.program, feed={n: feeds[n] for n in job.feeds}, fetch_list=[])
+                self.run_program((micro_batch, index), job.program, {n: feeds[n] for n in job.feeds})
             elif what == "accumulate":  # every backward done: into micro-batch 0's names, which the update reads
-                with paddle.static.scope_guard(self.scope):
-                    self.executor.run(self._adder(micro_batch, index), feed={}, fetch_list=[])
+                self.run_program(("add", micro_batch, index), self._adder(micro_batch, index), {})
             elif what == "begin":
                 self._began, self._waited = time.perf_counter(), 0.0
             elif what == "end":  # time spent waiting on its collectives (a recv first of all) is idle, not work

@@ -1,20 +1,19 @@
 """The native backend fetches a value split on dim 1 (an mp-sharded activation): backend lowering
 replaces that all_gather and the fetch must follow the replacement (it pointed at the erased
-op's result: KeyError when the rank plan was built)."""
+op's result: KeyError when the rank plan was built). The host backend fetches the same (its
+world collectives run on the scope's tensors)."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from autopar.testing.processes import launch
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
     """
-    import warnings
+    import sys, warnings
     warnings.filterwarnings("ignore")
     import numpy as np
     import autopar
@@ -29,7 +28,7 @@ SCRIPT = textwrap.dedent(
     hidden = seed.values["linear1"]
     feeds = random_feeds(seed.feeds, 2, classes=10)
     serial = run_serial(seed.main, seed.startup, feeds, [seed.loss, hidden])
-    exe = autopar.Executor(dist, backend="native")
+    exe = autopar.Executor(dist, backend=sys.argv[1])
     exe.run_startup()
     for feed, (want_loss, want_hidden) in zip(feeds, serial.fetches):
         loss, got = exe.run(feed, fetch_list=[seed.loss, hidden])
@@ -40,10 +39,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_native_fetch_of_a_dim_1_split_value(tmp_path):
-    script = tmp_path / "fetch.py"
-    script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("RESULT equal") == 2, out.stdout[-3000:]
+@pytest.mark.parametrize("backend", ["native", "host"])
+def test_fetch_of_a_dim_1_split_value(tmp_path, backend):
+    results = launch(SCRIPT, 2, tmp_path, [backend], timeout=300)
+    assert sum("RESULT equal" in line for line in results) == 2, results

@@ -18,6 +18,11 @@ def test_cpu_without_cuda():
     assert isinstance(Device("cpu").place, paddle.CPUPlace)
 
 
+def test_ops_run_in_order_on_cpu_only():
+    """Trace mode (PreparedProgram's in_order) measured on CPU only; GPUs keep Paddle's scheduler."""
+    assert Device("cpu").ops_in_order and not Device("gpu", 1).ops_in_order
+
+
 @pytest.mark.parametrize(
     ("env", "index"),
     [({"FLAGS_selected_gpus": "3"}, 3), ({"FLAGS_selected_gpus": "5,6"}, 5), ({"PADDLE_LOCAL_RANK": "2"}, 2), ({}, 0)],
