@@ -11,6 +11,9 @@ Paddle's semantics:
 - ``reduce_scatter`` (no CPU kernel; gloo has none) becomes all_reduce + this rank's slice.
 - ``all_to_all`` (no CPU kernel) becomes the gather along its source dim + this rank's slice
   along its target dim.
+- an average (``all_reduce`` / ``reduce_scatter`` of a Partial(avg), e.g. a fetched accuracy
+  of data-parallel pieces) becomes a sum scaled by 1/n: gloo has no average ("Unsupported
+  reduce type: 4" in the step), NCCL's needs NCCL >= 2.10; the scale costs one tiny op.
 For the host backend the pass leaves the program as it is (the runtime runs the values).
 """
 
@@ -57,7 +60,9 @@ def lower_for_native(rp: RankProgram, world: int) -> None:
     with paddle.static.program_guard(rp.program):
         for collective, op_id in rp.collectives:
             op = ops[op_id]
-            if collective.kind == "all_reduce" or (collective.kind == "all_gather" and collective.axis == 0 and _even(collective)):
+            if (collective.kind == "all_reduce" and collective.reduce != "avg") or (
+                collective.kind == "all_gather" and collective.axis == 0 and _even(collective)
+            ):
                 lowered.append((collective, op_id))
                 continue
             paddle.pir.set_insertion_point(op)
@@ -87,13 +92,13 @@ def _even(comm: Collective) -> bool:
 
 
 def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
-    import paddle
 
     parts = len(comm.group)
     index = comm.group.index(rank)
+    if comm.kind == "all_reduce":
+        return _all_reduce(x, ring, comm.reduce, parts)
     if comm.kind == "reduce_scatter":
-        full = paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[comm.reduce])
-        return _own_slice(full, comm.axis, parts, index)
+        return _own_slice(_all_reduce(x, ring, comm.reduce, parts), comm.axis, parts, index)
     if comm.kind in ("all_gather", "all_to_all") and not _even(comm):
         raise AutoparError(
             f"native backend: {comm.kind} of {comm.value} gathers uneven pieces {comm.src} (shape {list(comm.shape)}); "
@@ -105,6 +110,14 @@ def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
         gathered = _gather_along(x, comm.axis, ring, parts)
         return _own_slice(gathered, comm.split_axis, parts, index)
     raise AutoparError(f"the native backend cannot run {comm.kind} (from {comm.value}); use the host backend")
+
+
+def _all_reduce(x: Any, ring: int, reduce: str, parts: int) -> Any:
+    import paddle
+
+    if reduce == "avg":
+        return paddle._C_ops.scale(paddle._C_ops.all_reduce(x, ring, REDUCE_CODES["sum"]), 1.0 / parts, 0.0, True)
+    return paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[reduce])
 
 
 def _gather_along(x: Any, axis: int, ring: int, parts: int) -> Any:

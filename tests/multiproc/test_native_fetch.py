@@ -1,7 +1,14 @@
-"""The native backend fetches a value split on dim 1 (an mp-sharded activation): backend lowering
+"""Fetches in real processes.
+
+The native backend fetches a value split on dim 1 (an mp-sharded activation): backend lowering
 replaces that all_gather and the fetch must follow the replacement (it pointed at the erased
 op's result: KeyError when the rank plan was built). The host backend fetches the same (its
-world collectives run on the scope's tensors)."""
+world collectives run on the scope's tensors).
+
+A user's data-parallel loop fetching its loss, an accuracy and a hidden value every step (odd
+sizes, LayerNorm, Momentum): the accuracy's pieces are averages, whose all_reduce(avg) gloo
+lacks — the native step failed with "Unsupported reduce type: 4" before it was lowered to a
+sum and a scale."""
 
 import textwrap
 
@@ -42,4 +49,47 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("backend", ["native", "host"])
 def test_fetch_of_a_dim_1_split_value(tmp_path, backend):
     results = launch(SCRIPT, 2, tmp_path, [backend], timeout=300)
+    assert sum("RESULT equal" in line for line in results) == 2, results
+
+
+AVERAGE_SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.filterwarnings("ignore")
+    import numpy as np, paddle
+    import autopar
+    from autopar.testing.serial import run_serial
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [6, 7], "float32")
+        y = paddle.static.data("y", [6, 1], "int64")
+        hidden = paddle.tanh(paddle.nn.Linear(7, 10)(x))
+        logits = paddle.nn.Linear(10, 5)(paddle.nn.LayerNorm(10)(hidden))
+        loss = paddle.nn.functional.cross_entropy(logits, y).mean()
+        acc = paddle.static.accuracy(paddle.nn.functional.softmax(logits), y)
+        paddle.optimizer.Momentum(0.05, momentum=0.8).minimize(loss)
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(x, mesh, ["dp", None])
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    rng = np.random.default_rng(7)
+    feeds = [{"x": rng.standard_normal((6, 7)).astype("float32"), "y": rng.integers(0, 5, (6, 1)).astype("int64")} for _ in range(4)]
+    paddle.seed(11)
+    serial = run_serial(main, startup, feeds, [loss, acc, hidden])
+    paddle.seed(11)
+    exe = autopar.Executor(dist, backend=sys.argv[1])
+    exe.run_startup()
+    for step, (feed, want) in enumerate(zip(feeds, serial.fetches)):
+        for got, wanted in zip(exe.run(feed, fetch_list=[loss, acc, hidden]), want):
+            np.testing.assert_allclose(got, wanted, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    assert len({float(w[1]) for w in serial.fetches}) > 1  # the accuracy changes: a real average each step
+    print("RESULT equal", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["native", "host"])
+def test_fetch_of_an_average_every_step(tmp_path, backend):
+    results = launch(AVERAGE_SCRIPT, 2, tmp_path, [backend], timeout=300)
     assert sum("RESULT equal" in line for line in results) == 2, results
