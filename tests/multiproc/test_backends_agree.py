@@ -2,14 +2,12 @@
 collective, collectives reading a feed) through simulate, the host backend and the native
 backend (2 real processes) give bit-equal losses and parameters."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from autopar.testing.processes import launch
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
@@ -45,14 +43,9 @@ SCRIPT = textwrap.dedent(
 
 
 def test_simulate_host_and_native_are_bit_equal(tmp_path):
-    script = tmp_path / "agree.py"
-    script.write_text(SCRIPT)
     cases = ["gru", "lstm", "constant", "feed_collective"]
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script), *cases]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = [line.split("RESULT ", 1)[1] for line in out.stdout.splitlines() if "RESULT " in line]
-    assert len(lines) == 2 * len(cases), out.stdout[-3000:]
+    lines = [line.split("RESULT ", 1)[1] for line in launch(SCRIPT, 2, tmp_path, cases, timeout=300)]
+    assert len(lines) == 2 * len(cases), lines
     for line in lines:
         case, *fields = line.split()
         prints = dict(f.split("=") for f in fields)
@@ -88,9 +81,4 @@ ALTERNATING = textwrap.dedent(
 def test_runs_with_and_without_fetches_alternate(tmp_path, backend):
     """A rank's runners for different fetch lists share its scope but not their transients
     (the host plans' crossing variables once collided: Paddle 'Unsupported setting dims')."""
-    script = tmp_path / "alternate.py"
-    script.write_text(ALTERNATING)
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script), backend]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("RESULT") == 2
+    assert len(launch(ALTERNATING, 2, tmp_path, [backend], timeout=240)) == 2

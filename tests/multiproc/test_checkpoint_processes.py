@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from autopar.testing.processes import launch
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -148,9 +150,5 @@ NATIVE = textwrap.dedent(
 
 
 def test_native_backend_save_and_load_round_trip(tmp_path):
-    script = tmp_path / "native.py"
-    script.write_text(NATIVE)
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script), str(tmp_path / "ckpt")]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert len([line for line in out.stdout.splitlines() if "RESULT" in line]) == 2, out.stdout[-3000:]
+    results = launch(NATIVE, 2, tmp_path, [str(tmp_path / "ckpt")])
+    assert len(results) == 2, results

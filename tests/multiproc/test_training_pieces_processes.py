@@ -4,14 +4,12 @@ training dropout on an activation split over mp=2. ``Strategy(local_batch_norm=T
 statistics, not serial) equals the simulator's run of the same plan, running statistics
 included."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from autopar.testing.processes import launch
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
@@ -77,9 +75,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_training_pieces_in_two_processes_equal_serial(tmp_path):
-    script = tmp_path / "pieces.py"
-    script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("RESULT") == 2 * 4, out.stdout[-3000:]
+    results = launch(SCRIPT, 2, tmp_path, timeout=300)
+    assert len(results) == 2 * 4, results

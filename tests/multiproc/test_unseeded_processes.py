@@ -2,14 +2,12 @@
 replicated copies are bit-identical (check_replicas) and the parameters equal a serial
 start-up run from that state — on the host and the native backend."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from autopar.testing.processes import launch
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
@@ -47,13 +45,8 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", ["host", "native"])
 def test_unseeded_ranks_start_alike_and_equal_serial(tmp_path, backend):
-    script = tmp_path / "unseeded.py"
-    script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2", str(script), backend]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    results = [line.split("RESULT ", 1)[1] for line in out.stdout.splitlines() if "RESULT " in line]
-    assert len(results) == 2, out.stdout[-3000:]
+    results = [line.split("RESULT ", 1)[1] for line in launch(SCRIPT, 2, tmp_path, [backend], timeout=240)]
+    assert len(results) == 2, results
     for line in results:
         fields = dict(item.split("=") for item in line.split())
         assert fields["backend"] == backend

@@ -9,14 +9,12 @@ dim other than 0 (the head weight's gradient, ``[R,S(1)]``) fails on the native 
 any program (backend lowering replaces fetch replication's all_gather along dim 1 and the
 fetch still points to the erased op: ``KeyError`` in ``DistributedProgram._build_plan``)."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from autopar.testing.processes import launch
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
@@ -73,11 +71,6 @@ SCRIPT = textwrap.dedent(
     ids=["host-mp2", "native-mp2", "host-dp2xmp2"],
 )  # fmt: skip
 def test_vocab_parallel_gpt_in_processes_equals_serial(tmp_path, backend, shape, nproc):
-    script = tmp_path / "vocab_parallel.py"
-    script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", str(nproc), str(script), backend, shape]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    results = [line for line in out.stdout.splitlines() if "RESULT" in line]
-    assert len(results) == nproc, out.stdout[-3000:]
+    results = launch(SCRIPT, nproc, tmp_path, [backend, shape], timeout=900)
+    assert len(results) == nproc, results
     assert all(f"{backend} {shape} equal" in line for line in results), results
