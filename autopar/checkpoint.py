@@ -306,7 +306,6 @@ def load_targets(plan: RankPlan) -> list[tuple[str, ValueInfo, Box]]:
     """The boxes this rank holds: its piece of each tensor placed on a mesh it is in; the whole
     value of a replicated tensor placed elsewhere that its program reads all the same (a
     pipeline's learning rate, placed on stage 0, read by every stage)."""
-    reads: set[str] | None = None
     out = []
     for name, info in saved_values(plan.values).items():
         if plan.rank in info.placement.mesh.ranks:
@@ -314,20 +313,9 @@ def load_targets(plan: RankPlan) -> list[tuple[str, ValueInfo, Box]]:
             continue
         if info.placement.sharded_mesh_dims():
             continue
-        reads = _persistables(plan.program) if reads is None else reads
-        if name in reads:
+        if name in plan.scope_reads:
             out.append((name, info, Box.whole(info.shape)))
     return out
-
-
-def _persistables(program: Any) -> set[str]:
-    names = set()
-    for op in program.global_block().ops:
-        if op.name() == "builtin.parameter":
-            names.add(str(op.attrs()["parameter_name"]))
-        elif op.name() == "pd_op.data" and op.result(0).persistable:
-            names.add(str(op.attrs()["name"]))
-    return names
 
 
 def read_pieces(index: Index, wanted: Sequence[tuple[str, ValueInfo, Box]]) -> dict[tuple[str, Box], np.ndarray]:

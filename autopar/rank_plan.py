@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,6 +175,36 @@ class RankPlan:
         if start < ops:
             jobs.append(Compute(start, ops))
         return tuple(jobs)
+
+    @functools.cached_property
+    def scope_reads(self) -> frozenset[str]:
+        """Names the program reads from the rank's scope: parameters, optimizer states, the
+        learning rate (``builtin.parameter`` and persistable ``pd_op.data``)."""
+        names = set()
+        for op in self.program.global_block().ops:
+            if op.name() == "builtin.parameter":
+                names.add(str(op.attrs()["parameter_name"]))
+            elif op.name() == "pd_op.data" and op.result(0).persistable:
+                names.add(str(op.attrs()["name"]))
+        return frozenset(names)
+
+    def run_startup(self, scope: Any, executor: Any) -> None:
+        """Run the start-up program into ``scope``, then drop what the rank neither holds nor
+        reads: another pipeline stage's parameters and states, which the start-up still draws
+        so that the generator stays in step with a serial start-up (values equal serial)."""
+        import paddle
+
+        if self.startup is None:
+            raise AutoparError("compile was called without startup_program=; there is no startup to run")
+        with paddle.static.scope_guard(scope):
+            executor.run(self.startup)
+        keep = self.scope_reads | set(self.held())
+        scope.erase([n for n in scope.local_var_names() if n not in keep])
+
+    def held(self, kinds: Sequence[str] = ("parameter", "state")) -> list[str]:
+        """Names of the values of ``kinds`` placed on a mesh holding this rank (a pipeline rank
+        holds its stage's parameters and states only: start-up stores no other stage's)."""
+        return [n for kind in kinds for n, k in self.values.named(kind).items() if self.rank in self.values.info(k).placement.mesh.ranks]
 
     def position(self, key: ValueKey) -> tuple[int, int]:
         """Where the program computes the serial value ``key`` (as its producer makes it, after

@@ -148,8 +148,7 @@ class Executor:
         ranks that should hold the same piece (compares digests, not arrays)."""
         if self._runner is None:
             raise AutoparError("call run_startup() first")
-        names = [*self.plan.values.named("parameter"), *self.plan.values.named("state")]
-        mine = {n: digest(self._runner.parameter_piece(n)) for n in names}
+        mine = {n: digest(self._runner.parameter_piece(n)) for n in self.plan.held()}
         everyone = self.comm.all_gather_object(mine)
         mismatch = first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
         if mismatch:
@@ -235,11 +234,11 @@ class Executor:
         if self._runner is None:
             raise AutoparError("call run_startup() first")
         names = self.plan.values.named("parameter")
-        mine = {n: self._runner.parameter_piece(n) for n in names}
+        mine = {n: self._runner.parameter_piece(n) for n in self.plan.held(("parameter",))}
         everyone = self.comm.all_gather_object(mine)
         out = {}
         for name, key in names.items():
             info = self.plan.values.info(key)
-            pieces = {r: everyone[r][name] for r in self.plan.mesh.ranks}
+            pieces = {r: everyone[r][name] for r in info.placement.mesh.ranks}
             out[name] = assemble(pieces, info.placement, info.shape)
         return out

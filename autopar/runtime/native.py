@@ -123,12 +123,7 @@ class NativeRunner:
         self._prepared: PreparedProgram | None = None  # the program's interpreter, built on the first step
 
     def run_startup(self) -> None:
-        import paddle
-
-        if self.plan.startup is None:
-            raise AutoparError("compile was called without startup_program=; there is no startup to run")
-        with paddle.static.scope_guard(self.scope):
-            self.executor.run(self.plan.startup)
+        self.plan.run_startup(self.scope, self.executor)
 
     def run(self, local_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         if self._prepared is None:

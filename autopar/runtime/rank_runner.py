@@ -54,12 +54,7 @@ class RankRunner:
 
     # ---- start-up and feeds ----------------------------------------------------------
     def run_startup(self) -> None:
-        import paddle
-
-        if self.plan.startup is None:
-            raise AutoparError("compile was called without startup_program=; there is no startup to run")
-        with paddle.static.scope_guard(self.scope):
-            self.executor.run(self.plan.startup)
+        self.plan.run_startup(self.scope, self.executor)
 
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
         """Slice each global feed to this rank's piece; check the global shape first."""

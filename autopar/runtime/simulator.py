@@ -146,14 +146,13 @@ def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np
 def parameters(values: ValueTable, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:
     """Every parameter as a full array; first checks that replicated copies agree (parameters
     and optimizer states), instead of silently keeping one rank's copy."""
-    names = [*values.named("parameter"), *values.named("state")]
-    digests = {rank: {n: digest(runner.read(n)) for n in names} for rank, runner in runners.items()}
+    digests = {rank: {n: digest(runner.read(n)) for n in runner.plan.held()} for rank, runner in runners.items()}
     mismatch = first_mismatch(values, digests)
     if mismatch:
         raise AutoparError(f"simulate: {mismatch}")
     out = {}
     for name, key in values.named("parameter").items():
         info = values.info(key)
-        pieces = {rank: runner.parameter_piece(name) for rank, runner in runners.items()}
+        pieces = {rank: runner.parameter_piece(name) for rank, runner in runners.items() if rank in info.placement.mesh.ranks}
         out[name] = assemble(pieces, info.placement, info.shape)
     return out

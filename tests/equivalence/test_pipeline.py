@@ -182,3 +182,23 @@ def test_stages_by_layer_ranges(stages, schedule):
     with pytest.raises(AutoparError, match="has 4 layers"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup,
                         strategy=autopar.Strategy(pipeline=autopar.PipelineConfig(stages=6)))  # fmt: skip
+
+
+def test_a_stage_rank_keeps_its_stage_only():
+    """A rank's start-up still draws every parameter (the generator stays in step: the runs above
+    equal serial) but the rank keeps only what it holds or reads: its stage's parameters and
+    Adam moments, and the learning rate every stage's update reads. Before, every rank kept the
+    whole model (and the start-up's intermediates) for the whole run."""
+    mesh = autopar.ProcessMesh([0, 1, 2, 3], ["pp"])
+    seed = staged_mlp(mesh, widths=(8, 16, 16, 16, 10), stages=4, optimizer="adam")
+    dist = _compile(seed, mesh, 2)
+    first, last = seed.layers["linear1"].weight.name, seed.layers["linear4"].weight.name
+    for rank, mine, other in ((0, first, last), (3, last, first)):
+        plan = dist.rank_plan(rank)
+        scope = paddle.static.Scope()
+        plan.run_startup(scope, paddle.static.Executor(paddle.CPUPlace()))
+        kept = set(scope.local_var_names())
+        assert mine in kept and not any(other in n for n in kept), sorted(kept)  # nor the other's moments
+        assert kept == set(plan.held()) | plan.scope_reads
+        assert [n for n in kept if n.startswith("learning_rate")]  # placed on one stage, read by every update
+        assert len(kept) == 2 * 5 + 1  # weight and bias, each with 2 moments and 2 beta powers; the learning rate
