@@ -1,10 +1,12 @@
-"""ZeRO bucket fusion: the per-parameter reduce_scatters at the updates and the write-back
+"""ZeRO bucket fusion: the per-parameter gradient reduce_scatters and the write-back
 all_gathers become one collective per bucket (stage: reshard-planned -> zero-buckets-planned
 at compile; comm-inserted -> zero-comm-fused per rank).
 
-ZeRO leaves one reduce_scatter in front of each update (stage 1) and one all_gather after it
-(stages 1 and 2). Each pays a launch latency (and on the host backend a program cut), so they
-are packed like the gradient all-reduces (:mod:`.allreduce_fusion`). A flat buffer of several
+ZeRO leaves one reduce_scatter per gradient — in front of its update (stage 1), or right after
+backward makes it (stages 2 and 3: the bucket then runs after its last member is made, so a
+gradient stays whole until its bucket fills: at most the bucket's bytes) — and one all_gather
+after each update (stages 1 and 2). Each pays a launch latency (and on the host backend a
+program cut), so they are packed like the gradient all-reduces (:mod:`.allreduce_fusion`). A flat buffer of several
 tensors scatters correctly only if rank ``i``'s chunk holds exactly its shards, so the buffer is
 laid out rank-major: for each rank of the group, each member's shard for that rank, flattened
 and padded to the member's largest shard (uneven shards), so every chunk has the same size:
@@ -22,14 +24,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.causes import in_layer, layers_text, value_layer
+from autopar.causes import gradients, in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.graph import Role
 from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import collective_op, read_site
+from autopar.passes.reshard_emission import collective_op, read_site, replace_uses
 from autopar.propagation import SiteKind
 
 
@@ -89,9 +91,11 @@ class ZeroBucketFusion(Pass):
 
 
 def _groups(state: CompileState) -> list[tuple[CollectiveKind, list[PlannedReshard]]]:
-    """Single-step reduce_scatters read by an update, and single-step write-back all_gathers,
-    grouped by mesh, mesh dims and dtype, in program order."""
+    """Single-step reduce_scatters read by an update, single-step reduce_scatters of an update's
+    gradient right after it is made, and single-step write-back all_gathers, grouped by site,
+    mesh, mesh dims and dtype, in program order."""
     shared = {p.shared_with for p in state.reshards if p.shared_with is not None}
+    grads = gradients(state.graph)
     groups: dict[tuple, list[PlannedReshard]] = {}
     for planned in state.reshards:
         steps = planned.plan.steps
@@ -101,16 +105,25 @@ def _groups(state: CompileState) -> list[tuple[CollectiveKind, list[PlannedResha
         if site is SiteKind.BEFORE_READ and steps[0].kind is CollectiveKind.REDUCE_SCATTER:
             if state.graph.ops[planned.need.op].role is not Role.OPTIMIZER:
                 continue
+        elif site is SiteKind.AFTER_PRODUCER and steps[0].kind is CollectiveKind.REDUCE_SCATTER:
+            if planned.need.value not in grads:
+                continue
         elif not (site is SiteKind.WRITE_BACK and steps[0].kind is CollectiveKind.ALL_GATHER):
             continue
-        key = (steps[0].kind, planned.need.have.mesh, steps[0].mesh_dims, planned.plan.dtype)
+        key = (site, steps[0].kind, planned.need.have.mesh, steps[0].mesh_dims, planned.plan.dtype)
         groups.setdefault(key, []).append(planned)
-    return [(key[0], members) for key, members in groups.items()]
+    return [(key[1], _read_after_made(state, members) if key[0] is SiteKind.AFTER_PRODUCER else members) for key, members in groups.items()]
+
+
+def _read_after_made(state: CompileState, members: list[PlannedReshard]) -> list[PlannedReshard]:
+    """The gradients no op reads before the last of them is made (the bucket runs there)."""
+    last = max(m.need.op for m in members)
+    return [m for m in members if all(user > last for user in state.graph.values[m.need.value].users)]
 
 
 def _sizes(planned: PlannedReshard, group: tuple[int, ...]) -> list[int]:
     """Each group member's shard size (elements) of this reshard's sharded placement."""
-    sharded = planned.need.need if planned.need.site.kind is SiteKind.BEFORE_READ else planned.need.have
+    sharded = planned.need.have if planned.need.site.kind is SiteKind.WRITE_BACK else planned.need.need
     return [math.prod(sharded.local_shape(planned.plan.shape, r)) for r in group]
 
 
@@ -128,7 +141,11 @@ def _bucket(state: CompileState, number: int, kind: CollectiveKind, members: lis
     else:
         plan = plan_reshard(split, whole, flat, members[0].plan.dtype, state.cluster)
     labels = ", ".join(state.label(m.need.value) for m in members)
-    what = "gradient reduce_scatters at the updates" if kind is CollectiveKind.REDUCE_SCATTER else "write-back all_gathers"
+    what = {
+        SiteKind.BEFORE_READ: "gradient reduce_scatters at the updates",
+        SiteKind.AFTER_PRODUCER: "gradient reduce_scatters after backward",
+        SiteKind.WRITE_BACK: "write-back all_gathers",
+    }[members[0].need.site.kind]
     feature = "ZeRO gradient sync" if kind is CollectiveKind.REDUCE_SCATTER else "ZeRO parameter gather"
     layers = layers_text([value_layer(state.graph, m.need.value) for m in members])
     return ZeroBucket(
@@ -188,22 +205,30 @@ def _emit_scatter(state: CompileState, rp: RankProgram, bucket: ZeroBucket, memb
 
     step = members[0].plan.steps[0]
     group = step.group_of(rp.rank)
-    first_reader, _ = read_site(state, rp, members[0])
-    paddle.pir.set_insertion_point(first_reader)
+    after = members[0].need.site.kind is SiteKind.AFTER_PRODUCER
+    if after:  # right after the last member is made; every reader reads the shard
+        paddle.pir.set_insertion_point_after(rp.ops[max(m.need.op for m in members)])
+        sources = [rp.produced(m.need.value) for m in members]
+    else:  # in front of the first update
+        paddle.pir.set_insertion_point(read_site(state, rp, members[0])[0])
+        sources = [rp.current(m.need.value) for m in members]
+    readers = [{u.id() for u in source.all_used_ops()} for source in sources]
     sizes = [_sizes(m, group) for m in members]
-    pieces = [
-        _pieces(rp.current(m.need.value), m.need.have, m.need.need, m.plan.shape, rp.rank, group) for m in members
-    ]
+    pieces = [_pieces(x, m.need.have, m.need.need, m.plan.shape, rp.rank, group) for x, m in zip(sources, members)]
     parts = [_padded(pieces[j][i], sizes[j][i], max(sizes[j])) for i in range(len(group)) for j in range(len(members))]
     mine = _record(state, rp, bucket, paddle._C_ops.concat(parts, 0), group, step)
     own = group.index(rp.rank)
     split = paddle._C_ops.split(mine, [max(s) for s in sizes], 0)
-    for member, flat, size in zip(members, split, sizes):
+    for member, flat, size, source, old in zip(members, split, sizes, sources, readers):
         local = member.need.need.local_shape(member.plan.shape, rp.rank)
         value = paddle._C_ops.slice(flat, [0], [0], [size[own]], [1], []) if size[own] != max(size) else flat
         value = paddle._C_ops.reshape(value, list(local))
-        consumer, slot = read_site(state, rp, member)
-        consumer.operand(slot).set_source(value)
+        if after:
+            replace_uses(source, value, {u.id() for u in source.all_used_ops()} - old)  # (not the pieces cut here)
+            rp.final[member.need.value] = value
+        else:
+            consumer, slot = read_site(state, rp, member)
+            consumer.operand(slot).set_source(value)
         rp.resharded[member.index] = value
 
 
