@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, NativeUnsupported
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
@@ -116,18 +116,24 @@ class DistributedProgram:
         self, rank: int, backend: str = "host", after: str | None = None, fetches: Sequence[Any] = ()
     ) -> RankPlan:
         """The per-rank contract for ``backend`` ("host", "native", or "auto": native on GPUs, and
-        on CPU when every collective spans the world), built on first use and cached. ``fetches`` (values or
+        on CPU when every collective spans the world, unless the native backend cannot run the
+        plan — then host), built on first use and cached. ``fetches`` (values or
         names): made whole on every rank at the end of the step, inside the program, so the
         runtime reads them without an exchange. ``after``: the program as it is after the pass
         of that name (not cached; for dumps)."""
         if backend not in self.BACKENDS:
             raise AutoparError(f"unknown backend {backend!r}; expected one of {self.BACKENDS}")
+        keys = tuple(item if isinstance(item, tuple) and item in self.values else self.key(item) for item in fetches)
         if backend == "auto":
             from autopar.runtime.device import current_device
 
             on_gpu = current_device().kind == "gpu"  # NCCL runs sub-groups in the program
-            backend = "native" if on_gpu or self.collectives_span_world else "host"
-        keys = tuple(item if isinstance(item, tuple) and item in self.values else self.key(item) for item in fetches)
+            if not (on_gpu or self.collectives_span_world):
+                return self.rank_plan(rank, "host", after, keys)
+            try:
+                return self.rank_plan(rank, "native", after, keys)
+            except NativeUnsupported:  # (a pipeline, uneven pieces to gather): the host backend runs any plan
+                return self.rank_plan(rank, "host", after, keys)
         if after is not None:
             return self._build_plan(self.build_rank(rank, backend, after, keys), backend)
         cached = self._plans.get((rank, backend, keys))

@@ -23,6 +23,11 @@ class AnnotationError(AutoparError):
     """An annotation (shard_tensor / shard_op) does not fit the program being compiled."""
 
 
+class NativeUnsupported(AutoparError):
+    """The native backend cannot run this plan (a pipeline, a sub-group ring on CPU, uneven
+    pieces to gather): ``backend="host"`` can; ``backend="auto"`` picks it."""
+
+
 class CostModelError(AutoparError):
     """A cluster profile, dtype or reshard request the cost model cannot price (names the field)."""
 

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from autopar.collective import Collective
 from autopar.dist_attr import shard_bounds
-from autopar.errors import AutoparError
+from autopar.errors import NativeUnsupported
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import REDUCE_CODES
 
@@ -37,7 +37,7 @@ class BackendLowering(Pass):
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         if rp.backend == "native" and state.pipeline is not None:
-            raise AutoparError(
+            raise NativeUnsupported(
                 "native backend: a pipeline's send / recv and its schedule run on the host backend "
                 "(static gloo programs have no send / recv kernel); use backend='host' or 'auto'"
             )
@@ -51,7 +51,7 @@ def lower_for_native(rp: RankProgram, world: int) -> None:
 
     for collective, _ in rp.collectives:
         if sorted(collective.group) != list(range(world)) and paddle.is_compiled_with_cuda() is False:
-            raise AutoparError(
+            raise NativeUnsupported(
                 f"native backend on CPU: {collective.kind} over ranks {list(collective.group)} does not span the world "
                 "(gloo runs one communicator per process); use the host backend"
             )
@@ -100,7 +100,7 @@ def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
     if comm.kind == "reduce_scatter":
         return _own_slice(_all_reduce(x, ring, comm.reduce, parts), comm.axis, parts, index)
     if comm.kind in ("all_gather", "all_to_all") and not _even(comm):
-        raise AutoparError(
+        raise NativeUnsupported(
             f"native backend: {comm.kind} of {comm.value} gathers uneven pieces {comm.src} (shape {list(comm.shape)}); "
             "use the host backend"
         )
@@ -109,7 +109,7 @@ def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
     if comm.kind == "all_to_all":
         gathered = _gather_along(x, comm.axis, ring, parts)
         return _own_slice(gathered, comm.split_axis, parts, index)
-    raise AutoparError(f"the native backend cannot run {comm.kind} (from {comm.value}); use the host backend")
+    raise NativeUnsupported(f"the native backend cannot run {comm.kind} (from {comm.value}); use the host backend")
 
 
 def _all_reduce(x: Any, ring: int, reduce: str, parts: int) -> Any:

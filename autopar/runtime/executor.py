@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from autopar.collective import Collective
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, NativeUnsupported
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan
@@ -120,7 +120,7 @@ class Executor:
         runner = self._runners.get(keys)
         if runner is None:
             scope = self._runner.scope if self._runner is not None else None  # one scope per rank
-            plan = self._plan_for(fetches=keys) if keys else self.plan
+            plan = self._fetch_plan(keys) if keys else self.plan
             if self.backend == "native":
                 from autopar.runtime.native import NativeRunner
 
@@ -134,6 +134,14 @@ class Executor:
             self._runners[keys] = runner
         self._runner = runner
         return runner
+
+    def _fetch_plan(self, keys: tuple) -> RankPlan:
+        """The plan that makes ``keys`` whole inside the program; when the native program
+        cannot (uneven pieces to gather), the step's plan, whose pieces are then exchanged."""
+        try:
+            return self._plan_for(fetches=keys)
+        except NativeUnsupported:
+            return self.plan
 
     def run_startup(self) -> None:
         """Initialize this rank's parameters and states: the serial values, sliced. Every rank

@@ -8,7 +8,10 @@ world collectives run on the scope's tensors).
 A user's data-parallel loop fetching its loss, an accuracy and a hidden value every step (odd
 sizes, LayerNorm, Momentum): the accuracy's pieces are averages, whose all_reduce(avg) gloo
 lacks — the native step failed with "Unsupported reduce type: 4" before it was lowered to a
-sum and a scale."""
+sum and a scale. With an odd batch (5 rows on dp=2) the program needs uneven gathers, which the
+native program cannot run: ``backend="auto"`` (the default) picks the host backend (it picked
+native and failed "gathers uneven pieces"); where only a fetch is uneven, the native backend
+exchanges its pieces instead of gathering them in the program."""
 
 import textwrap
 
@@ -60,11 +63,12 @@ AVERAGE_SCRIPT = textwrap.dedent(
     import autopar
     from autopar.testing.serial import run_serial
 
+    batch = int(sys.argv[2])
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
     with paddle.static.program_guard(main, startup):
-        x = paddle.static.data("x", [6, 7], "float32")
-        y = paddle.static.data("y", [6, 1], "int64")
+        x = paddle.static.data("x", [batch, 7], "float32")
+        y = paddle.static.data("y", [batch, 1], "int64")
         hidden = paddle.tanh(paddle.nn.Linear(7, 10)(x))
         logits = paddle.nn.Linear(10, 5)(paddle.nn.LayerNorm(10)(hidden))
         loss = paddle.nn.functional.cross_entropy(logits, y).mean()
@@ -74,7 +78,7 @@ AVERAGE_SCRIPT = textwrap.dedent(
     autopar.shard_tensor(x, mesh, ["dp", None])
     dist = autopar.compile(main, mesh, startup_program=startup)
     rng = np.random.default_rng(7)
-    feeds = [{"x": rng.standard_normal((6, 7)).astype("float32"), "y": rng.integers(0, 5, (6, 1)).astype("int64")} for _ in range(4)]
+    feeds = [{"x": rng.standard_normal((batch, 7)).astype("float32"), "y": rng.integers(0, 5, (batch, 1)).astype("int64")} for _ in range(4)]
     paddle.seed(11)
     serial = run_serial(main, startup, feeds, [loss, acc, hidden])
     paddle.seed(11)
@@ -84,12 +88,53 @@ AVERAGE_SCRIPT = textwrap.dedent(
         for got, wanted in zip(exe.run(feed, fetch_list=[loss, acc, hidden]), want):
             np.testing.assert_allclose(got, wanted, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
     assert len({float(w[1]) for w in serial.fetches}) > 1  # the accuracy changes: a real average each step
-    print("RESULT equal", flush=True)
+    print("RESULT equal", exe.backend, flush=True)
     """
 )
 
 
-@pytest.mark.parametrize("backend", ["native", "host"])
-def test_fetch_of_an_average_every_step(tmp_path, backend):
-    results = launch(AVERAGE_SCRIPT, 2, tmp_path, [backend], timeout=300)
-    assert sum("RESULT equal" in line for line in results) == 2, results
+@pytest.mark.parametrize("backend, batch, ran", [("native", 6, "native"), ("host", 6, "host"), ("auto", 5, "host")])
+def test_fetch_of_an_average_every_step(tmp_path, backend, batch, ran):
+    results = launch(AVERAGE_SCRIPT, 2, tmp_path, [backend, str(batch)], timeout=300)
+    assert sum(f"RESULT equal {ran}" in line for line in results) == 2, results
+
+
+UNEVEN_FETCH = textwrap.dedent(
+    """
+    import warnings
+    warnings.filterwarnings("ignore")
+    import numpy as np, paddle
+    import autopar
+    from autopar.testing.serial import run_serial
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [5, 10], "float32")
+        y = paddle.static.data("y", [5, 1], "int64")
+        logits = paddle.nn.Linear(10, 7)(x)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, y))
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(x, mesh, ["dp", None])
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((5, 10)).astype("float32"), "y": rng.integers(0, 7, (5, 1)).astype("int64")} for _ in range(3)]
+    paddle.seed(3)
+    serial = run_serial(main, startup, feeds, [loss, logits])
+    paddle.seed(3)
+    exe = autopar.Executor(dist)
+    exe.run_startup()
+    for feed, want in zip(feeds, serial.fetches):
+        for got, wanted in zip(exe.run(feed, fetch_list=[loss, logits]), want):
+            np.testing.assert_allclose(got, wanted, rtol=1e-5, atol=1e-6)
+    print("RESULT equal", exe.backend, flush=True)
+    """
+)
+
+
+def test_native_exchanges_a_fetch_it_cannot_gather(tmp_path):
+    """Batch 5 on dp=2: the step runs natively (its gradients' all_reduces are even); the
+    fetched logits' pieces (3 and 2 rows) are exchanged and assembled."""
+    results = launch(UNEVEN_FETCH, 2, tmp_path, timeout=300)
+    assert sum("RESULT equal native" in line for line in results) == 2, results
