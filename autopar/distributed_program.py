@@ -18,6 +18,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
+from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, PassPipeline, RankProgram
 from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
@@ -170,7 +171,7 @@ class DistributedProgram:
             rp.rank, self.mesh, backend, rp.program, rp.startup, collectives, dict(rp.rings), self.values,
             tuple(where[op.id()] if op is not None else -1 for op in rp.ops), replaced, tuple(rp.stages),
             tuple(self.pipeline.names()), rp.fetches if len(fetched) == len(rp.fetches) else (), fetched,
-            self._pipeline_role(rp, ops),
+            self._pipeline_role(rp, ops), LearningRateSchedule.of(self.serial_program),
         )
 
     def _pipeline_role(self, rp: RankProgram, ops: list[Any]) -> PipelineRole | None:

@@ -22,6 +22,7 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
 
 ValueKey = tuple[int, int]
@@ -156,6 +157,7 @@ class RankPlan:
     fetches: tuple[ValueKey, ...] = ()  # values the program makes whole on every rank at the end of the step
     fetch_positions: tuple[tuple[int, int], ...] = ()  # where (op position, result), in ``fetches`` order
     pipeline: PipelineRole | None = None
+    learning_rate: LearningRateSchedule | None = None  # written into the scope before each step
 
     @property
     def world_size(self) -> int:

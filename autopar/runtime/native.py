@@ -128,6 +128,8 @@ class NativeRunner:
     def run(self, local_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         if self._prepared is None:
             self._prepared = PreparedProgram(self.program, self.scope, self.device.place, self.fetch_values, self.device.ops_in_order)
+        if self.plan.learning_rate is not None:
+            self.plan.learning_rate.write(self.scope, self.device.place)
         with native_step(self.plan):
             return self._prepared.run(local_feeds)
 

@@ -83,6 +83,8 @@ class PipelineRunner(RankRunner):
     # ---- feeds ------------------------------------------------------------------------
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
         """Cut each global feed into the micro-batches, then each into this rank's piece."""
+        if self.plan.learning_rate is not None:
+            self.plan.learning_rate.write(self.scope, self.place)
         count = self.role.micro_batches
         feeds = self.plan.values.named("feed")
         micro: list[dict[str, Any]] = [{} for _ in range(count)]

@@ -57,8 +57,11 @@ class RankRunner:
         self.plan.run_startup(self.scope, self.executor)
 
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
-        """Slice each global feed to this rank's piece; check the global shape first."""
+        """Slice each global feed to this rank's piece; check the global shape first. (The
+        start of a step: the learning rate of a scheduled program is written here too.)"""
         self.feeds = self.plan.local_feeds(feed)
+        if self.plan.learning_rate is not None:
+            self.plan.learning_rate.write(self.scope, self.place)
         self.position = 0
 
     # ---- stepping ---------------------------------------------------------------------
