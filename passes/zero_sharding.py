@@ -91,7 +91,10 @@ class ZeroSharding(Pass):
         result = prop.op_results[op.index]
         whole = result.inputs[0]
         label = graph.values[param].label
-        sharded, reason = sharded_placement(whole, graph.values[param].shape, mesh_dim)
+        name = state.mesh.dim_names[mesh_dim]  # a pipeline stage's parameter lies on its stage's sub-mesh
+        if name not in whole.mesh.dim_names:
+            return ZeroShard(param, label, op.index, whole, None, f"its mesh {whole.mesh} has no dim {name!r}")
+        sharded, reason = sharded_placement(whole, graph.values[param].shape, whole.mesh.dim_names.index(name))
         if sharded is None:
             return ZeroShard(param, label, op.index, whole, None, reason)
         like = [i for i in rule.like_param if i < len(op.inputs) and op.inputs[i] is not None]
@@ -173,6 +176,11 @@ def data_parallel_dim(state: CompileState, updates: list[OpNode]) -> int:
     if "dp" in mesh.dim_names:
         return mesh.dim_names.index("dp")
     if mesh.ndim == 1:
+        if state.strategy.pipeline is not None:
+            raise AutoparError(
+                f"Strategy.zero_stage={state.strategy.zero_stage}: {mesh}'s only dim carries the pipeline stages; "
+                "ZeRO shards over a data-parallel dim: use a 2-d mesh such as ['pp', 'dp']"
+            )
         return 0
     pending = set()
     for op in updates:

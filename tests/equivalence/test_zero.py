@@ -8,6 +8,7 @@ import pytest
 
 import autopar
 from autopar.testing.models import annotate_megatron, gpt_block_program, simple_net
+from autopar.testing.pipeline_models import staged_mlp
 from autopar.testing.serial import random_feeds, run_serial
 
 STEPS = 3
@@ -83,3 +84,33 @@ def test_unseeded_user_program_with_global_norm_clipping(stage):
     dist = autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(zero_stage=stage))
     feeds = random_feeds({"x": x, "label": label}, STEPS, classes=3)
     assert_equal_to_serial(main, startup, feeds, loss, dist)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_inside_pipeline_stages(stage):
+    """pp=2 x dp=2 with PipelineConfig(stages=2): each stage's parameters lie on its own dp
+    sub-mesh, whose dp dim is not the whole mesh's dim 1 (compile failed with an IndexError)."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [8, 12], "float32")
+        label = paddle.static.data("label", [8, 1], "int64")
+        hidden = paddle.nn.functional.relu(paddle.nn.Linear(12, 16)(x))
+        loss = paddle.nn.functional.cross_entropy(paddle.nn.Linear(16, 5)(hidden), label).mean()
+        paddle.optimizer.Adam(0.01).minimize(loss)
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"])
+    autopar.shard_tensor(x, mesh, ["dp", None])
+    pipeline = autopar.PipelineConfig(micro_batches=2, schedule="1F1B", stages=2)
+    dist = autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(zero_stage=stage, pipeline=pipeline))
+    assert len(dist.state.zero) == 4 and all(z.sharded is not None for z in dist.state.zero), dist.state.zero
+    feeds = random_feeds({"x": x, "label": label}, STEPS, classes=5)
+    assert_equal_to_serial(main, startup, feeds, loss, dist)
+
+
+def test_zero_on_a_pipeline_only_mesh_is_refused():
+    """A 1-d pp mesh has no data-parallel dim (ZeRO 'sharded' over one-rank stage meshes)."""
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    seed = staged_mlp(mesh)
+    strategy = autopar.Strategy(zero_stage=1, pipeline=autopar.PipelineConfig(micro_batches=2))
+    with pytest.raises(autopar.AutoparError, match="only dim carries the pipeline stages"):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
