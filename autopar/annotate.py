@@ -119,7 +119,11 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
     _check_current_program(program, label)
     attr = to_dist_attr(dims_mapping, mesh, len(value.shape), label)
     _check_static_dims(attr, list(value.shape), label)
-    _record(program).tensors[value.id] = (attr, label)
+    tensors = _record(program).tensors
+    earlier = tensors.get(value.id)
+    if earlier is not None and earlier[0] != attr:  # which one was meant cannot be told
+        raise AnnotationError(f"tensor {label!r} is already annotated as {earlier[0]}; shard_tensor again asks for {attr}")
+    tensors[value.id] = (attr, label)
     return value
 
 

@@ -91,3 +91,12 @@ def test_compile_rejects_non_programs_and_meshes():
         autopar.compile(simple_net(sizes=(4, 2)).main, [0, 1])
     with pytest.raises(AutoparError, match="needs a Paddle static"):
         autopar.compile(object(), MESH)
+
+
+def test_a_second_different_annotation_is_refused():
+    """Annotating a value twice differently was accepted silently (the last one won)."""
+    net = simple_net(sizes=(16, 10))
+    autopar.shard_tensor(net.feeds["x"], MESH, ["dp", None])
+    autopar.shard_tensor(net.feeds["x"], MESH, ["dp", None])  # the same again: fine
+    with pytest.raises(AnnotationError, match=r"tensor 'x' is already annotated as .*\[S\(0\),R\].*again asks for"):
+        autopar.shard_tensor(net.feeds["x"], MESH, [None, "mp"])
