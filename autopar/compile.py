@@ -99,6 +99,8 @@ def analyze(
     if startup_program is not None:
         _check_program(startup_program, "startup_program")
     strategy = _checked(strategy)
+    if strategy.pipeline is not None:
+        _check_pipeline_dim(mesh)
     graph, rewrite = ProgramGraph(program), None
     if strategy.recompute:  # a serial rewrite of a clone (values sent between pipeline stages stay kept)
         rewrite = recompute(program, strategy.recompute, _stage_meshes(program, graph, mesh, strategy))
@@ -231,6 +233,18 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
                 )
         placements[key] = attr
     return placements
+
+
+def _check_pipeline_dim(mesh: ProcessMesh) -> None:
+    """Pipeline stages run over mesh dim 0 (``mesh[i]`` is stage ``i``'s sub-mesh). A mesh
+    naming its pipeline dim elsewhere would cut the stages over another dim (the rank plans
+    deadlocked)."""
+    if mesh.ndim > 1 and "pp" in mesh.dim_names and mesh.dim_names[0] != "pp":
+        names = ["pp", *(n for n in mesh.dim_names if n != "pp")]
+        raise AutoparError(
+            f"a pipeline runs its stages over mesh dim 0, which {mesh} names {mesh.dim_names[0]!r}; "
+            f"put 'pp' first: ProcessMesh(..., dim_names={names}) with the ranks arranged to match"
+        )
 
 
 def _onto_stages(graph: ProgramGraph, mesh: ProcessMesh, user: dict[ValueKey, DistAttr], op_meshes: dict[int, ProcessMesh]) -> dict[ValueKey, DistAttr]:

@@ -202,3 +202,13 @@ def test_a_stage_rank_keeps_its_stage_only():
         assert kept == set(plan.held()) | plan.scope_reads
         assert [n for n in kept if n.startswith("learning_rate")]  # placed on one stage, read by every update
         assert len(kept) == 2 * 5 + 1  # weight and bias, each with 2 moments and 2 beta powers; the learning rate
+
+
+def test_a_mesh_naming_its_pipeline_dim_second_is_refused():
+    """Stages run over mesh dim 0; with ['dp', 'pp'] they were cut over dp (the plans deadlocked)."""
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "pp"])
+    seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
+    autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    with pytest.raises(AutoparError, match=r"stages over mesh dim 0, which .* names 'dp'; put 'pp' first"):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
