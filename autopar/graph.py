@@ -283,13 +283,22 @@ def _seed_ops(graph: ProgramGraph, first_grad: int) -> None:
 
 
 def _optimizer_feeders(graph: ProgramGraph) -> None:
+    """Backward-made ops whose results only feed optimizer ops become optimizer ops (global-norm
+    clipping's norms). A ``builtin.combine`` packing operands for its reader is not a reader
+    (its vector has no users in the graph: the reader reads the members); it takes its
+    reader's role."""
     for op in reversed(graph.ops):
-        if op.role is Role.OPTIMIZER or op.name in SOURCE_OPS:
+        if op.role is Role.OPTIMIZER or op.name in SOURCE_OPS or op.name == "builtin.combine":
             continue
-        users = [u for k in op.outputs if k is not None for u in graph.values[k].users]
+        users = [u for k in op.outputs if k is not None for u in graph.values[k].users if graph.ops[u].name != "builtin.combine"]
         if users and all(graph.ops[u].role is Role.OPTIMIZER for u in users) and op.role is Role.BACKWARD:
             if not op.name.endswith("_grad"):
                 op.role = Role.OPTIMIZER
+    for op in graph.ops:
+        if op.name == "builtin.combine" and op.role is Role.BACKWARD:
+            readers = [u for k in op.inputs if k is not None for u in graph.values[k].users if u > op.index and graph.ops[u].name != "builtin.combine"]
+            if readers:
+                op.role = graph.ops[min(readers)].role
 
 
 def _link_forward_ops(graph: ProgramGraph) -> None:

@@ -212,3 +212,24 @@ def test_a_mesh_naming_its_pipeline_dim_second_is_refused():
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
     with pytest.raises(AutoparError, match=r"stages over mesh dim 0, which .* names 'dp'; put 'pp' first"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+@pytest.mark.parametrize("schedule", ["FThenB", "1F1B"])
+def test_global_norm_clipping_across_stages(schedule):
+    """The clip's norms read the gradients summed over the micro-batches, once per step (they
+    were taken for per-micro-batch ops: 'squared_l2_norm ... needs the whole batch at once'),
+    and the norm sums over both stages' parameters."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [8, 12], "float32")
+        label = paddle.static.data("label", [8, 1], "int64")
+        hidden = paddle.tanh(paddle.nn.Linear(12, 16)(x))
+        hidden = paddle.nn.LayerNorm(16)(paddle.nn.Linear(16, 16)(hidden))
+        loss = paddle.nn.functional.cross_entropy(paddle.nn.Linear(16, 10)(hidden), label).mean()
+        paddle.optimizer.Momentum(0.2, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05)).minimize(loss)
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, schedule=schedule, stages=2))
+    dist = autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
+    seed = type("Seed", (), {"main": main, "startup": startup, "loss": loss, "feeds": {"x": x, "label": label}})
+    assert_equal_to_serial(seed, dist)
