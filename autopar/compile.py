@@ -20,7 +20,6 @@ from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.micro_batching import micro_batching
-from autopar.op_kinds import SOURCE_OPS
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
@@ -34,6 +33,7 @@ from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
+from autopar.pipeline_cut import layer_stages
 from autopar.propagation import propagate
 from autopar.recompute import recompute, regathered
 from autopar.sequence_parallel import sequence_regions
@@ -269,26 +269,8 @@ def _stage_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh, strategy
     """Op index -> the sub-mesh shard_op or ``PipelineConfig(stages=n)`` places it on."""
     op_meshes = _op_meshes(program, graph, mesh)
     if strategy.pipeline is not None and strategy.pipeline.stages is not None:
-        op_meshes = _layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
+        op_meshes = layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
     return op_meshes
-
-
-def _layer_stages(graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh]) -> dict[int, ProcessMesh]:
-    """``PipelineConfig(stages=n)``: the forward ops cut by layers (``struct_name``, in the order
-    the forward pass meets them) into ``n`` runs of about equal layer counts, run ``i`` on
-    ``mesh[i % mesh.shape[0]]``; an op of no layer goes with the op before it."""
-    if placed:
-        raise AnnotationError("PipelineConfig(stages=...) places the layers itself: remove the shard_op placements")
-    forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
-    layers = list(dict.fromkeys(op.attrs["struct_name"] for op in forward if op.attrs.get("struct_name")))
-    if len(layers) < stages:
-        raise AnnotationError(f"PipelineConfig(stages={stages}): the program has {len(layers)} layers ({layers}) to split")
-    stage_of_layer = {layer: i * stages // len(layers) for i, layer in enumerate(layers)}
-    out, stage = {}, 0
-    for op in forward:
-        stage = stage_of_layer.get(op.attrs.get("struct_name"), stage)
-        out[op.index] = mesh[stage % mesh.shape[0]]
-    return out
 
 
 def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int, ProcessMesh]:

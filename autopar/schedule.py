@@ -12,9 +12,12 @@ simulator, which also times schedules for :mod:`autopar.schedule_timeline`).
 Placement: ``num_ranks * virtual_stages`` stages, stage ``s`` on rank ``s % num_ranks`` (Megatron's
 looping placement; one stage per rank without virtual stages).
 
-Communication semantics (what :func:`verify` and :func:`replay` assume and a runtime must give):
-each ordered pair of ranks is one FIFO *link*, the k-th recv on a link takes the k-th send; a send
-is buffered (it returns at once, like PyTorch's ``isend``); a recv blocks until its send is issued.
+Communication semantics (what :func:`verify` and :func:`replay` assume): each ordered pair of
+ranks is one FIFO *link*, the k-th recv on a link takes the k-th send; a send is buffered (it
+returns at once, like PyTorch's ``isend``); a recv blocks until its send is issued. The runtimes
+give more: they match each message to its recv by the transfer's key (value, micro-batch), so a
+compiled program whose stage boundary is crossed several times per phase — whose messages need
+not follow these schedules' link order — still gets the right tensor (:mod:`autopar.runtime.p2p`).
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ class GlooCommunicator:
         links = self._links()
         for member in job.group:
             if member != self.rank:
-                links.send(member, x)
-        inputs = {member: x if member == self.rank else links.recv(member, self.timeout) for member in job.group}
+                links.send(member, x, job.key)
+        inputs = {member: x if member == self.rank else links.recv(member, job.key, self.timeout) for member in job.group}
         return perform(job, inputs)[self.rank]
 
     def _links(self) -> Any:
@@ -153,14 +153,15 @@ class GlooCommunicator:
         return _LINKS
 
     def _point_to_point(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
-        """Pipeline p2p with the buffered FIFO links the schedule's verifier assumes
+        """Pipeline p2p over buffered links, each message matched to its recv by the
+        collective's key (value, micro-batch), not by its place on the link
         (:mod:`autopar.runtime.p2p`: gloo's send blocks until the recv is posted, which
         deadlocks 1F1B; the TCP store costs ~40 ms a message)."""
         sender, receiver = job.group
         if job.kind is CollectiveKind.SEND:
-            self._links().send(receiver, x)
+            self._links().send(receiver, x, job.key)
             return None
-        return self._links().recv(sender, self.timeout)
+        return self._links().recv(sender, job.key, self.timeout)
 
     def _lowered(self, job: Collective, x: np.ndarray) -> np.ndarray:
         """A world reduce_scatter / all_to_all as gloo runs it natively (what the cost model

@@ -1,23 +1,33 @@
 """Point-to-point messages between the ranks of a CPU job: the host backend's pipeline
 transport (stage: runtime).
 
-The schedule's verifier assumes buffered FIFO links: a send returns at once, the k-th recv on
-a link takes the k-th send. Measured on gloo and the TCP store: gloo's process-group send
-blocks until the receiver posts its recv (1F1B's steady state deadlocks), and every TCP-store
-request costs ~40 ms (83 ms per ping-pong of two messages). So each rank listens on a socket;
-addresses are exchanged once through the store; a sender writes length-prefixed messages on
-its connection (TCP_NODELAY); a thread per incoming connection reads them into a queue per
-sender, so sends never wait for the receiver and a recv waits only for its message.
+A send returns at once (buffered, as the schedule's verifier assumes); a recv takes the
+message its sender stamped with the same tag (the collective's key: value, plan step,
+micro-batch), the k-th recv of a tag the k-th send of it. Not the k-th message on the link:
+the order a rank sends in is not the order its peer receives in when a stage boundary is
+crossed several times within a phase (measured: a cut inside a residual block, 1F1B, 2
+micro-batches: rank 0 sends the forward of micro-batch 1 before the backward reply of
+micro-batch 0, which rank 1 waits for first — a FIFO link gave it micro-batch 1's activation,
+silently). The simulator matches by the same rule (:class:`Inbox`).
+
+Measured on gloo and the TCP store: gloo's process-group send blocks until the receiver posts
+its recv (1F1B's steady state deadlocks), and every TCP-store request costs ~40 ms (83 ms per
+ping-pong of two messages). So each rank listens on a socket; addresses are exchanged once
+through the store; a sender writes length-prefixed (tag, array) messages on its connection
+(TCP_NODELAY); a thread per incoming connection files them in the rank's :class:`Inbox`, so
+sends never wait for the receiver and a recv waits only for its message.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
-import queue
 import socket
 import struct
 import threading
+import time
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -25,8 +35,41 @@ import numpy as np
 _HEADER = struct.Struct("!Q")
 
 
+class Inbox:
+    """Arrived messages by (sender, tag), each a FIFO (one tag is sent again every step).
+    Thread-safe: socket reader threads put, the rank's thread takes."""
+
+    def __init__(self) -> None:
+        self.messages: dict[tuple[int, Hashable], collections.deque] = {}
+        self.changed = threading.Condition()
+
+    def put(self, sender: int, tag: Hashable, message: Any) -> None:
+        with self.changed:
+            self.messages.setdefault((sender, tag), collections.deque()).append(message)
+            self.changed.notify_all()
+
+    def ready(self, sender: int, tag: Hashable) -> bool:
+        with self.changed:
+            return bool(self.messages.get((sender, tag)))
+
+    def take(self, sender: int, tag: Hashable, timeout: float) -> Any:
+        """The oldest message from ``sender`` stamped ``tag``; TimeoutError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not self.messages.get((sender, tag)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no message {tag} from rank {sender} within {timeout:.0f} s")
+                self.changed.wait(left)
+            found = self.messages[(sender, tag)]
+            message = found.popleft()
+            if not found:
+                del self.messages[(sender, tag)]  # tags are many (per micro-batch): keep the dict small
+            return message
+
+
 class Links:
-    """This rank's outgoing connections and incoming message queues (one per process)."""
+    """This rank's outgoing connections and its inbox of arrived messages (one per process)."""
 
     def __init__(self, rank: int, store: Any) -> None:
         self.rank, self.store = rank, store
@@ -35,9 +78,8 @@ class Links:
         self.server = socket.create_server((host, 0))
         host, port = self.server.getsockname()
         store.set(f"autopar/p2p/address/{rank}", f"{host}:{port}".encode())
-        self.inbox: dict[int, queue.Queue] = {}
+        self.inbox = Inbox()
         self.outgoing: dict[int, socket.socket] = {}
-        self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -46,33 +88,28 @@ class Links:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
-    def _queue(self, sender: int) -> queue.Queue:
-        with self.lock:
-            return self.inbox.setdefault(sender, queue.Queue())
-
     def _read(self, conn: socket.socket) -> None:
         stream = conn.makefile("rb")
         (sender,) = _HEADER.unpack(stream.read(_HEADER.size))
-        inbox = self._queue(int(sender))
         while True:
             head = stream.read(_HEADER.size)
             if len(head) < _HEADER.size:
                 return
             (size,) = _HEADER.unpack(head)
-            inbox.put(pickle.loads(stream.read(size)))
+            tag, array = pickle.loads(stream.read(size))
+            self.inbox.put(int(sender), tag, array)
 
-    def send(self, receiver: int, array: np.ndarray) -> None:
+    def send(self, receiver: int, array: np.ndarray, tag: Hashable) -> None:
+        """Send ``array`` stamped ``tag`` (picklable: it crosses the process) to ``receiver``."""
         conn = self.outgoing.get(receiver)
         if conn is None:
             host, port = bytes(self.store.get(f"autopar/p2p/address/{receiver}")).decode().rsplit(":", 1)
             conn = self.outgoing[receiver] = socket.create_connection((host, int(port)))
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(_HEADER.pack(self.rank))
-        data = pickle.dumps(np.require(array, requirements="C"), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((tag, np.require(array, requirements="C")), protocol=pickle.HIGHEST_PROTOCOL)
         conn.sendall(_HEADER.pack(len(data)) + data)
 
-    def recv(self, sender: int, timeout: float) -> np.ndarray:
-        try:
-            return self._queue(sender).get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no message from rank {sender} within {timeout:.0f} s") from None
+    def recv(self, sender: int, tag: Hashable, timeout: float) -> np.ndarray:
+        """The next array ``sender`` sent stamped ``tag`` (whatever else arrived before it)."""
+        return self.inbox.take(sender, tag, timeout)

@@ -10,8 +10,10 @@ into micro-batch 0's (which the update reads), whatever order the backwards ran 
 defers weight gradients), and the update runs once. (Measured: running the same segments in one child scope
 per micro-batch instead fails inside Paddle's cached interpreters on the second step.) Sends and recvs are collectives inside the F / B
 jobs (the schedule's SEND / RECV actions are where they fall); each is stamped with its
-micro-batch so both ends match. Fetches add up their micro-batches' pieces (a loss is a
-partial sum over them); values split over the micro-batches are not fetched.
+micro-batch, and a recv takes the message of its own key (:mod:`autopar.runtime.p2p`), not the
+next one on the link: the order of the messages need not be the same at both ends. Fetches add
+up their micro-batches' pieces (a loss is a partial sum over them); values split over the
+micro-batches are not fetched.
 """
 
 from __future__ import annotations
@@ -122,8 +124,7 @@ class PipelineRunner(RankRunner):
                 job, _ = self._job()
                 if not isinstance(job, Segment):
                     self._asked = time.perf_counter()
-                    stamped = dataclasses.replace(job.collective.key, micro_batch=micro_batch)
-                    return dataclasses.replace(job.collective, key=stamped)
+                    return _stamped(job.collective, micro_batch)
                 feeds = self.micro_feeds[micro_batch]
                 self.run_program((micro_batch, index), job.program, {n: feeds[n] for n in job.feeds})
             elif what == "accumulate":  # every backward done: into micro-batch 0's names, which the update reads
@@ -136,6 +137,16 @@ class PipelineRunner(RankRunner):
                 self._stash(index, micro_batch)
             self.position += 1
         return None
+
+    def collectives(self) -> list[Collective]:
+        """This rank's collectives of one step in the order it meets them, each stamped with its
+        micro-batch: a message is matched to its recv by that key, not by its place on the link
+        (a cut inside a residual block sends both ways within one backward)."""
+        return [
+            _stamped(self.hosts[k].jobs[index].collective, k)
+            for what, index, k in self.steps
+            if what == "job" and not isinstance(self.hosts[k].jobs[index], Segment)
+        ]
 
     def _adder(self, micro_batch: int, stage: int) -> Any:
         """A program adding micro-batch ``micro_batch``'s gradients of ``stage`` into micro-batch
@@ -195,3 +206,9 @@ class PipelineRunner(RankRunner):
             else:
                 out.append(pieces[-1])  # the same on every micro-batch
         return out
+
+
+def _stamped(collective: Collective, micro_batch: int) -> Collective:
+    """``collective`` of micro-batch ``micro_batch``: every micro-batch runs the same jobs, so
+    both ends tell their messages apart by this stamp in the key."""
+    return dataclasses.replace(collective, key=dataclasses.replace(collective.key, micro_batch=micro_batch))

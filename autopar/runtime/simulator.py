@@ -21,6 +21,7 @@ from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan, ValueTable
 from autopar.runtime.collectives import perform
+from autopar.runtime.p2p import Inbox
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
 
@@ -95,17 +96,20 @@ def runner_for(plan: RankPlan, keys: Sequence[Any]) -> RankRunner:
 
 def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: dict) -> bool:
     """Sends deposit their message and go on (buffered, as the schedule's verifier assumes);
-    a recv completes once its message is there. Whether any rank moved."""
+    a recv completes once the message stamped with its key is there: the host backend's
+    matching rule (:class:`autopar.runtime.p2p.Inbox`, one per receiving rank). Whether any
+    rank moved."""
     moved = False
     for rank in sorted(pending):
         job = pending[rank]
         while job is not None and job.kind in (CollectiveKind.SEND, CollectiveKind.RECV):
-            link = (job.key, job.group)
+            sender, receiver = job.group
+            inbox = mailbox.setdefault(receiver, Inbox())
             if job.kind is CollectiveKind.SEND:
-                mailbox[link] = runners[rank].collective_input()
+                inbox.put(sender, job.key, runners[rank].collective_input())
                 runners[rank].finish_collective(None)
-            elif link in mailbox:
-                runners[rank].finish_collective(mailbox.pop(link))
+            elif inbox.ready(sender, job.key):
+                runners[rank].finish_collective(inbox.take(sender, job.key, timeout=0))
             else:
                 break
             job = pending[rank] = runners[rank].run_until_collective()
@@ -115,7 +119,7 @@ def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: d
 
 def run_step(runners: Mapping[int, RankRunner]) -> None:
     pending = {rank: runner.run_until_collective() for rank, runner in runners.items()}
-    mailbox: dict = {}
+    mailbox: dict[int, Inbox] = {}  # receiving rank -> its messages
     while any(job is not None for job in pending.values()):
         if _point_to_point(runners, pending, mailbox):
             continue

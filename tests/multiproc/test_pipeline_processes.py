@@ -2,7 +2,10 @@
 an MLP pp=2 with m = 2, 3, 4 micro-batches for FThenB, 1F1B and ZB-H1, m = 2, 4 for interleaved
 1F1B (two virtual stages per rank), Momentum and Adam; losses and
 parameters after 3 steps equal serial (rtol 1e-5); the measured timeline of a step holds the
-schedule's stash (1F1B: p, FThenB: m) and draws."""
+schedule's stash (1F1B: p, FThenB: m) and draws. Also two residual blocks cut inside the second
+(its LayerNorm on stage 0, where ``PipelineConfig(stages=2)`` cut it: messages go 1 -> 0 -> 1 -> 0
+within a backward, so the ranks send and receive them in different orders; FIFO links once
+handed rank 1 the wrong micro-batch's tensor) under 1F1B and ZB-H1 with 2 and 4 micro-batches."""
 
 import textwrap
 
@@ -37,10 +40,41 @@ SCRIPT = textwrap.dedent(
         assert str(timeline.spans[1][0].action) == "1F0" and 0 < timeline.bubble_fraction < 1
         assert "<svg" in render_svg(timeline)
         print("RESULT", schedule, micro_batches, optimizer, "equal", flush=True)
+
+    import paddle
+    import paddle.nn.functional as F
+    from autopar.testing.models import _static
+
+
+    def residual_cut_inside(batch=4, seq=3, hidden=8):
+        # two pre-norm residual blocks + LayerNorm + head, the second block cut after its LayerNorm
+        paddle, main, startup = _static()
+        main.random_seed = startup.random_seed = 3  # the serial and distributed start-ups draw alike
+        nn = paddle.nn
+        with paddle.static.program_guard(main, startup):
+            x = paddle.static.data("x", [batch, seq, hidden], "float32")
+            label = paddle.static.data("label", [batch, seq, 1], "int64")
+            norms = [nn.LayerNorm(hidden), nn.LayerNorm(hidden)]
+            ups, downs = [nn.Linear(hidden, 2 * hidden) for _ in norms], [nn.Linear(2 * hidden, hidden) for _ in norms]
+            h = autopar.shard_op(lambda t: t + downs[0](F.gelu(ups[0](norms[0](t)))), mesh[0])(x)
+            normed = autopar.shard_op(norms[1], mesh[0])(h)
+            h = autopar.shard_op(lambda n, t: t + downs[1](F.gelu(ups[1](n))), mesh[1])(normed, h)
+            head, norm = nn.Linear(hidden, 5), nn.LayerNorm(hidden)
+            loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(head(norm(t)), label)), mesh[1])(h)
+            paddle.optimizer.SGD(0.1).minimize(loss)
+        return main, startup, {"x": x, "label": label}, loss
+
+
+    for schedule, micro_batches in (("1F1B", 2), ("1F1B", 4), ("ZBH1", 2)):
+        main, startup, feeds, loss = residual_cut_inside()
+        config = autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule)
+        dist = autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(pipeline=config))
+        train_equals_serial(dist, main, startup, loss, random_feeds(feeds, 3, classes=5))
+        print("RESULT residual cut inside", schedule, micro_batches, "equal", flush=True)
     """
 )
 
 
 def test_pipeline_in_two_processes_equals_serial(tmp_path):
     results = launch(SCRIPT, 2, tmp_path)
-    assert len(results) == 2 * 22, results
+    assert len(results) == 2 * (22 + 3), results

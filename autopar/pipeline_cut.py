@@ -1,0 +1,106 @@
+"""The automatic cut of ``PipelineConfig(stages=n)`` (stage: annotation): the stage each forward
+op of an unannotated program runs on.
+
+A stage is one contiguous run of the forward pass, cut between layers. The units cut are the
+layers at the shallowest depth of Paddle's ``struct_name`` paths that has at least ``n`` of them
+(the top-level blocks when there are enough, their sub-layers only when not), so a cut does not
+fall inside a residual block whose sum closes after it. Before, every distinct path was a layer
+(``/Block/``, ``/Block/Linear_1/``, ...): a block's residual add, recorded under ``/Block/``, went
+back to an earlier stage than the block's second Linear — one block + a head on two stages ran
+mesh0 -> mesh1 -> mesh0 (rank 0 had two stages: 1F1B refused it), and two blocks were cut after
+the second's LayerNorm (its backward sent 1 -> 0 -> 1 -> 0).
+
+The runs balance the forward ops' count (a linear partition: the largest run as small as it can
+be, each run at least one unit). An op of no layer goes with the op before it; a unit met again
+after a later one (a layer called twice) stays on the later stage: runs never go back. Run ``i``
+is on ``mesh[i % mesh.shape[0]]``: with ``n`` = the pipeline ranks each rank has one run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopar.errors import AnnotationError
+from autopar.graph import ProgramGraph, Role
+from autopar.mesh import ProcessMesh
+from autopar.op_kinds import SOURCE_OPS
+
+Unit = tuple[str, ...]  # a layer path cut to the chosen depth: ("Block_1",)
+
+
+def layer_stages(
+    graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh]
+) -> dict[int, ProcessMesh]:
+    """Op index -> the sub-mesh ``PipelineConfig(stages=stages)`` places each forward op on."""
+    if placed:
+        raise AnnotationError("PipelineConfig(stages=...) places the layers itself: remove the shard_op placements")
+    forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
+    paths = [_path(op) for op in forward]
+    stage_of = cut_stages(paths, stages)
+    return {op.index: mesh[stage % mesh.shape[0]] for op, stage in zip(forward, stage_of)}
+
+
+def cut_stages(paths: Sequence[Unit | None], stages: int) -> list[int]:
+    """The stage of each op, given each op's layer path in forward order (None: no layer);
+    non-decreasing, every stage in ``0..stages-1`` used."""
+    units, of_op = _units(paths, stages)
+    weights = [of_op.count(i) for i in range(len(units))]
+    first = _partition(weights, stages)
+    out, stage = [], 0
+    for unit in of_op:
+        stage = max(stage, first[unit])
+        out.append(stage)
+    return out
+
+
+def _path(op: Any) -> Unit | None:
+    path = tuple(part for part in str(op.attrs.get("struct_name") or "").split("/") if part)
+    return path or None
+
+
+def _units(paths: Sequence[Unit | None], stages: int) -> tuple[list[Unit], list[int]]:
+    """The units at the shallowest depth with ``stages`` of them (in the order the forward pass
+    meets them) and each op's unit (an op of no layer: the op before's)."""
+    deepest = max((len(p) for p in paths if p), default=0)
+    for depth in range(1, deepest + 1):
+        units = list(dict.fromkeys(p[:depth] for p in paths if p))
+        if len(units) >= stages:
+            break
+    else:
+        layers = list(dict.fromkeys("/" + "/".join(p) + "/" for p in paths if p))
+        raise AnnotationError(
+            f"PipelineConfig(stages={stages}): the program has {len(layers)} layers ({layers}) to split"
+        )
+    index = {unit: i for i, unit in enumerate(units)}
+    of_op, current = [], 0
+    for path in paths:
+        current = index[path[:depth]] if path else current
+        of_op.append(current)
+    return units, of_op
+
+
+def _partition(weights: Sequence[int], parts: int) -> list[int]:
+    """Unit -> its part: ``parts`` contiguous non-empty runs of ``weights`` whose largest sum is
+    the smallest possible (ties: the earliest cuts)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[k][i]: the smallest largest sum of the first i units in k runs; cut[k][i]: its last run's start
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    part, end = [0] * n, n
+    for k in range(parts, 0, -1):
+        start = cut[k][end]
+        part[start:end] = [k - 1] * (end - start)
+        end = start
+    return part
