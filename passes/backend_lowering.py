@@ -101,8 +101,8 @@ def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
         return _own_slice(_all_reduce(x, ring, comm.reduce, parts), comm.axis, parts, index)
     if comm.kind in ("all_gather", "all_to_all") and not _even(comm):
         raise NativeUnsupported(
-            f"native backend: {comm.kind} of {comm.value} gathers uneven pieces {comm.src} (shape {list(comm.shape)}); "
-            "use the host backend"
+            f"native backend: {comm.kind} of {comm.value} gathers uneven pieces {comm.src} (shape {list(comm.shape)}; "
+            f"{comm.reason}); use the host backend (backend='auto' does)"
         )
     if comm.kind == "all_gather":
         return _gather_along(x, comm.axis, ring, parts)

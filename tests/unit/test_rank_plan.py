@@ -8,11 +8,12 @@ import ast
 from pathlib import Path
 
 import numpy as np
+import paddle
 import pytest
 
 import autopar
 from autopar.collective import Collective, CollectiveKind
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, NativeUnsupported
 from autopar.passes.base import Pass
 from autopar.testing.models import simple_net
 
@@ -235,3 +236,25 @@ def test_unknown_strategy_fields_are_named():
         autopar.Strategy(zero=1)
     with pytest.raises(AutoparError, match="PipelineConfig\\(micro_batches, schedule, stages\\)"):
         autopar.PipelineConfig(2, "1F1B", 3, 4)
+
+
+def test_auto_picks_host_where_the_native_program_cannot_gather():
+    """Batch 5 on dp=2 with an accuracy: the label is gathered unevenly (3 + 2 rows). The native
+    plan is refused naming the op that needs it; 'auto' (the default) picks host instead of
+    failing — it picked native because every collective spans the world."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [5, 10], "float32")
+        y = paddle.static.data("y", [5, 1], "int64")
+        logits = paddle.nn.Linear(10, 7)(x)
+        loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, y))
+        paddle.static.accuracy(paddle.nn.functional.softmax(logits), y)
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(x, mesh, ["dp", None])
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    assert dist.collectives_span_world
+    with pytest.raises(NativeUnsupported, match=r"uneven pieces \[S\(0\)\] \(shape \[5, 1\]; gathered for accuracy: pd_op.accuracy#"):
+        dist.rank_plan(0, "native")
+    assert dist.rank_plan(0, "auto").backend == "host"
