@@ -78,3 +78,28 @@ def residual_blocks(
         loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(mods["head"](t), label)), mesh[1])(h)
         make_optimizer("momentum").minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
+
+
+def residual_cut_inside(mesh: Any, batch: int = 4, seq: int = 3, hidden: int = 8, seed: int | None = 3) -> SeedProgram:
+    """Two pre-norm residual blocks, a final LayerNorm and a head on ``mesh[0]`` / ``mesh[1]``,
+    cut inside the second block (its LayerNorm on stage 0, the rest on stage 1): the gradient of
+    that block's input is summed on stage 1, so one micro-batch's backward crosses 1 -> 0 -> 1 -> 0
+    (the message order the host runtime once mismatched). SGD."""
+    import autopar
+
+    paddle, main, startup = _static()
+    if seed is not None:
+        main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, seq, hidden], "float32")
+        label = paddle.static.data("label", [batch, seq, 1], "int64")
+        norms = [nn.LayerNorm(hidden), nn.LayerNorm(hidden)]
+        ups, downs = [nn.Linear(hidden, 2 * hidden) for _ in norms], [nn.Linear(2 * hidden, hidden) for _ in norms]
+        h = autopar.shard_op(lambda t: t + downs[0](F.gelu(ups[0](norms[0](t)))), mesh[0])(x)
+        normed = autopar.shard_op(norms[1], mesh[0])(h)
+        h = autopar.shard_op(lambda n, t: t + downs[1](F.gelu(ups[1](n))), mesh[1])(normed, h)
+        head, norm = nn.Linear(hidden, 5), nn.LayerNorm(hidden)
+        loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(head(norm(t)), label)), mesh[1])(h)
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss)

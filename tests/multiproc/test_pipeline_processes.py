@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import warnings
     warnings.filterwarnings("ignore")
     import autopar
-    from autopar.testing.pipeline_models import staged_mlp
+    from autopar.testing.pipeline_models import residual_cut_inside, staged_mlp
     from autopar.testing.processes import train_equals_serial
     from autopar.testing.serial import random_feeds
     from autopar.schedule_timeline import render_svg
@@ -41,35 +41,11 @@ SCRIPT = textwrap.dedent(
         assert "<svg" in render_svg(timeline)
         print("RESULT", schedule, micro_batches, optimizer, "equal", flush=True)
 
-    import paddle
-    import paddle.nn.functional as F
-    from autopar.testing.models import _static
-
-
-    def residual_cut_inside(batch=4, seq=3, hidden=8):
-        # two pre-norm residual blocks + LayerNorm + head, the second block cut after its LayerNorm
-        paddle, main, startup = _static()
-        main.random_seed = startup.random_seed = 3  # the serial and distributed start-ups draw alike
-        nn = paddle.nn
-        with paddle.static.program_guard(main, startup):
-            x = paddle.static.data("x", [batch, seq, hidden], "float32")
-            label = paddle.static.data("label", [batch, seq, 1], "int64")
-            norms = [nn.LayerNorm(hidden), nn.LayerNorm(hidden)]
-            ups, downs = [nn.Linear(hidden, 2 * hidden) for _ in norms], [nn.Linear(2 * hidden, hidden) for _ in norms]
-            h = autopar.shard_op(lambda t: t + downs[0](F.gelu(ups[0](norms[0](t)))), mesh[0])(x)
-            normed = autopar.shard_op(norms[1], mesh[0])(h)
-            h = autopar.shard_op(lambda n, t: t + downs[1](F.gelu(ups[1](n))), mesh[1])(normed, h)
-            head, norm = nn.Linear(hidden, 5), nn.LayerNorm(hidden)
-            loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(head(norm(t)), label)), mesh[1])(h)
-            paddle.optimizer.SGD(0.1).minimize(loss)
-        return main, startup, {"x": x, "label": label}, loss
-
-
     for schedule, micro_batches in (("1F1B", 2), ("1F1B", 4), ("ZBH1", 2)):
-        main, startup, feeds, loss = residual_cut_inside()
+        seed = residual_cut_inside(mesh)  # (its random_seed: the serial and distributed start-ups draw alike)
         config = autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule)
-        dist = autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(pipeline=config))
-        train_equals_serial(dist, main, startup, loss, random_feeds(feeds, 3, classes=5))
+        dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
+        train_equals_serial(dist, seed.main, seed.startup, seed.loss, random_feeds(seed.feeds, 3, classes=5))
         print("RESULT residual cut inside", schedule, micro_batches, "equal", flush=True)
     """
 )

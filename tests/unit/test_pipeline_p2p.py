@@ -14,7 +14,8 @@ import autopar
 from autopar.collective import CollectiveKind
 from autopar.runtime.p2p import Inbox, Links
 from autopar.runtime.pipeline_runner import PipelineRunner
-from autopar.testing.serial import run_serial
+from autopar.testing.pipeline_models import residual_cut_inside
+from autopar.testing.serial import random_feeds, run_serial
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -38,39 +39,14 @@ def links():
     return {rank: Links(rank, store) for rank in (0, 1)}
 
 
-def residual_cut_inside(schedule: str = "1F1B", micro_batches: int = 2, seed: int = 3):
-    """Two pre-norm residual blocks, a final LayerNorm and a head on a pp2 mesh, cut inside the
-    second block (its LayerNorm on stage 0, the rest on stage 1: where ``PipelineConfig(stages=2)``
-    cut it): the input gradient of that block's input is summed on stage 1, so a backward goes
-    1 -> 0 -> 1 -> 0 within one micro-batch."""
-    import paddle
-    import paddle.nn.functional as F
-
-    paddle.enable_static()
-    batch, seq, hidden = 4, 3, 8
+def _compiled(schedule: str = "1F1B", micro_batches: int = 2):
+    """The residual program cut inside a block (autopar.testing.pipeline_models), compiled, and
+    two steps of feeds."""
     mesh = autopar.ProcessMesh([0, 1], ["pp"])
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    main.random_seed = startup.random_seed = seed
-    nn = paddle.nn
-    with paddle.static.program_guard(main, startup):
-        x = paddle.static.data("x", [batch, seq, hidden], "float32")
-        y = paddle.static.data("y", [batch, seq, 1], "int64")
-        norms = [nn.LayerNorm(hidden), nn.LayerNorm(hidden)]
-        ups, downs = [nn.Linear(hidden, 2 * hidden) for _ in norms], [nn.Linear(2 * hidden, hidden) for _ in norms]
-        h = autopar.shard_op(lambda t: t + downs[0](F.gelu(ups[0](norms[0](t)))), mesh[0])(x)
-        normed = autopar.shard_op(norms[1], mesh[0])(h)
-        h = autopar.shard_op(lambda n, t: t + downs[1](F.gelu(ups[1](n))), mesh[1])(normed, h)
-        head, norm = nn.Linear(hidden, 5), nn.LayerNorm(hidden)
-        loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(head(norm(t)), y)), mesh[1])(h)
-        paddle.optimizer.SGD(0.1).minimize(loss)
+    seed = residual_cut_inside(mesh)
     config = autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule)
-    dist = autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(pipeline=config))
-    rng = np.random.default_rng(5)
-    feeds = [
-        {"x": rng.standard_normal((batch, seq, hidden)).astype("float32"), "y": rng.integers(0, 5, (batch, seq, 1))}
-        for _ in range(2)
-    ]
-    return main, startup, loss, dist, feeds
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
+    return seed, dist, random_feeds(seed.feeds, 2, seed=5, classes=5)
 
 
 def test_a_recv_takes_the_message_of_its_key_not_the_next_on_the_link(links):
@@ -111,7 +87,7 @@ def _replay(rank: int, collectives, links, errors: list) -> None:
 
 
 def test_a_residual_block_cut_inside_gets_each_message_under_1f1b(links):
-    _, _, loss, dist, _ = residual_cut_inside()
+    _, dist, _ = _compiled()
     order = {rank: PipelineRunner(dist.rank_plan(rank), []).collectives() for rank in (0, 1)}
     sent = [str(job.key) for job in order[0] if job.kind is CollectiveKind.SEND]
     received = [str(job.key) for job in order[1] if job.kind is CollectiveKind.RECV]
@@ -131,11 +107,11 @@ def test_a_residual_block_cut_inside_gets_each_message_under_1f1b(links):
 def test_a_residual_block_cut_inside_simulates_as_serial(schedule):
     import paddle
 
-    main, startup, loss, dist, feeds = residual_cut_inside(schedule)
+    seed, dist, feeds = _compiled(schedule)
     paddle.seed(11)
-    serial = run_serial(main, startup, feeds, [loss])
+    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
     paddle.seed(11)
-    result = autopar.simulate(dist, feeds, [loss])
+    result = autopar.simulate(dist, feeds, [seed.loss])
     for step, ((want,), (got,)) in enumerate(zip(serial.fetches, result.fetches)):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss at step {step}")
     for name, want in serial.parameters.items():
