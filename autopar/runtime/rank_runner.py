@@ -47,7 +47,7 @@ class RankRunner:
         self.scope = scope if scope is not None else paddle.static.Scope()
         self.device = current_device()
         self.place = self.device.place
-        self.executor = paddle.static.Executor(self.place)
+        self.executor = paddle.static.Executor(self.place)  # start-up only (steps: self.prepared)
         self.prepared: dict[Hashable, PreparedProgram] = {}  # job -> its program's interpreter (run_program)
         self.position = 0
         self.feeds: dict[str, np.ndarray] = {}
