@@ -174,6 +174,12 @@ def reshard_cause(state: Any, need: Any) -> str:
     if from_norms(graph, need.value):
         return "global-norm clipping"
     if need.have.mesh != need.need.mesh:
+        summed = [gradients(graph).get(key) for key in reader.outputs if key is not None]
+        shared = next((g for g in summed if g is not None), None) if reader.role is Role.OPTIMIZER else None
+        if shared is not None:  # a stage's part of a shared parameter's gradient, to the update's stage
+            name = graph.values[shared.param].label
+            cause = in_layer("pipeline shared parameter", parameter_layer(graph, shared.param))
+            return f"{cause} (a stage's part of grad({name}), summed over its micro-batches, sent once per step)"
         return in_layer("pipeline stage boundary", layer_of(graph, reader.index) or layer_of(graph, producer.index))
     if str(reader) in state.propagation.unsupported:
         return in_layer(f"no SPMD rule for {reader.short_name}", layer_of(graph, reader.index))

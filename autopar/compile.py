@@ -37,6 +37,7 @@ from autopar.pipeline_cut import layer_stages
 from autopar.propagation import propagate
 from autopar.recompute import recompute, regathered
 from autopar.sequence_parallel import sequence_regions
+from autopar.shared_parameters import owner_meshes
 from autopar.strategy import PipelineConfig, Strategy
 
 
@@ -270,6 +271,8 @@ def _stage_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh, strategy
     op_meshes = _op_meshes(program, graph, mesh)
     if strategy.pipeline is not None and strategy.pipeline.stages is not None:
         op_meshes = layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
+    if strategy.pipeline is not None:
+        op_meshes = owner_meshes(graph, op_meshes)
     return op_meshes
 
 

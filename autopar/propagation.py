@@ -30,7 +30,7 @@ from typing import Any
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, ValueKey
+from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import SOURCE_OPS
 from autopar.spmd import Conflict, RuleContext, RuleResult, TensorSpec, get_rule
@@ -81,6 +81,7 @@ class SiteKind(enum.Enum):
     BEFORE_READ = "before read"  # right before op ``op`` reads operand ``slot``
     AFTER_PRODUCER = "after producer"  # right after op ``op`` makes result ``slot``
     WRITE_BACK = "write back"  # after op ``op`` updated operand ``slot`` in place through a resharded copy (ZeRO)
+    REFRESH = "refresh"  # once the step's updates are done: operand ``slot`` of update ``op`` into another stage's copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,15 +511,18 @@ class Propagator:
         return changed
 
     def align_inplace_states(self, result: PropagationResult) -> bool:
-        """A persistable state an op updates in place (velocity, moments) takes the placement
-        that op needs: resharding it first would update a temporary copy and lose the update."""
+        """A persistable state an op updates in place (velocity, moments; a batch norm's running
+        statistics, which are parameters) takes the placement that op needs: resharding it
+        first would update a temporary copy and lose the update. (An update's own parameter
+        follows the parameter instead: ZeRO writes its shard back.)"""
         changed = False
         for op_index, inferred in result.op_results.items():
             op = self.graph.ops[op_index]
             if not op.short_name.endswith("_"):
                 continue
+            kinds = ("state",) if op.role is Role.OPTIMIZER else ("state", "parameter")
             for key, need in zip(op.inputs, inferred.inputs):
-                if key is None or need is None or self.graph.values[key].kind != "state":
+                if key is None or need is None or self.graph.values[key].kind not in kinds:
                     continue
                 state = self.states[key]
                 if state.dist == need:

@@ -208,6 +208,12 @@ class RankPlan:
         holds its stage's parameters and states only: start-up stores no other stage's)."""
         return [n for kind in kinds for n, k in self.values.named(kind).items() if self.rank in self.values.info(k).placement.mesh.ranks]
 
+    def copies(self) -> list[str]:
+        """Names of the parameters and states this rank keeps in its scope: those it holds,
+        and another stage's whole parameter its program reads (a tied embedding's copy)."""
+        named = {**self.values.named("parameter"), **self.values.named("state")}
+        return sorted(set(self.held()) | (self.scope_reads & set(named)))
+
     def position(self, key: ValueKey) -> tuple[int, int]:
         """Where the program computes the serial value ``key`` (as its producer makes it, after
         any local correction such as an uneven mean's scale)."""

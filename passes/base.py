@@ -162,6 +162,7 @@ class RankProgram:
     fetches: tuple[ValueKey, ...] = ()  # values the runtime fetches (made whole by fetch_replication)
     fetched: dict[ValueKey, Any] = field(default_factory=dict)  # fetch -> its whole value
     phases: dict[int, str] = field(default_factory=dict)  # op id -> pipeline phase ("F", "B", "OPT")
+    update_side: set[int] = field(default_factory=set)  # ids of ops inserted for a read by an update: run with it
 
     def value(self, key: ValueKey) -> Any:
         """The serial value's result in this clone, as its op made it."""

@@ -99,7 +99,7 @@ class PipelineSplit(Pass):
         ops = list(rp.program.global_block().ops)
         serial = {op.id(): index for index, op in enumerate(rp.ops) if op is not None}
         keep = [plan.stage_of.get(serial.get(op.id(), -1), next(iter(mine))) in mine for op in ops]
-        labels = _labels(state, ops, serial, keep)
+        labels = _labels(state, rp, ops, serial, keep)
         _keep_what_kept_ops_read(ops, keep)
         kept = {op.id() for op, k in zip(ops, keep) if k}
         rp.ops = [op if op is not None and op.id() in kept else None for op in rp.ops]
@@ -150,17 +150,17 @@ def find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict
         stage_of[op.index] = len(runs) - 1
     meshes = list(dict.fromkeys(runs))
     _check_meshes(state, meshes, runs)
-    readers: dict[Any, int] = {}
+    readers: dict[Any, list[int]] = {}
     for op in graph.ops:
         for key in op.inputs:
             if key is not None and op.index in stage_of:
-                readers.setdefault(key, stage_of[op.index])
+                readers.setdefault(key, []).append(stage_of[op.index])
     for op in graph.ops:
         mesh = op_meshes.get(op.index)
         if op.index in stage_of or mesh is None or _is_constant(op):
             continue
-        stage = _follow(op, stage_of, readers)
-        if stage is None or runs[stage] != mesh:
+        stage = _follow(op, mesh, runs, stage_of, readers)
+        if stage is None:
             raise AutoparError(
                 f"{op} runs on {mesh}, which is no pipeline stage of it ({', '.join(map(str, meshes))}): "
                 "place the layer that makes it with shard_op(layer, mesh[i])"
@@ -188,13 +188,14 @@ def _is_constant(op: Any) -> bool:
     return op.name in SOURCE_OPS or (op.name in CONSTANT_OPS and not op.inputs)
 
 
-def _follow(op: Any, stage_of: dict[int, int], readers: dict[Any, int]) -> int | None:
-    if op.role is Role.OPTIMIZER and op.inputs and op.inputs[0] in readers:
-        return readers[op.inputs[0]]  # an update: the stage reading its parameter
+def _follow(op: Any, mesh: ProcessMesh, runs: list[ProcessMesh], stage_of: dict[int, int], readers: dict[Any, list[int]]) -> int | None:
+    """The stage on ``mesh`` (the op's) among, in order: the stages reading an update's
+    parameter, the grad op's forward op's, those making its inputs."""
+    candidates = list(readers.get(op.inputs[0], ())) if op.role is Role.OPTIMIZER and op.inputs else []
     if op.forward_op is not None and op.forward_op in stage_of:
-        return stage_of[op.forward_op]
-    made = [stage_of[key[0]] for key in op.inputs if key is not None and key[0] in stage_of]
-    return made[0] if made else None
+        candidates.append(stage_of[op.forward_op])
+    candidates += [stage_of[key[0]] for key in op.inputs if key is not None and key[0] in stage_of]
+    return next((stage for stage in candidates if runs[stage] == mesh), None)
 
 
 def _check_meshes(state: CompileState, meshes: list[ProcessMesh], runs: list[ProcessMesh]) -> None:
@@ -219,10 +220,15 @@ def _check_meshes(state: CompileState, meshes: list[ProcessMesh], runs: list[Pro
         )
 
 
-def _labels(state: CompileState, ops: list[Any], serial: dict[int, int], keep: list[bool]) -> list[str]:
-    """Each op's job label: ``F<stage>`` / ``B<stage>`` / ``OPT``. An inserted op takes the label
-    of the next serial op when this rank runs it, else of the previous one it runs (a send
-    placed before another rank's reader belongs to the stage that made the value)."""
+def _labels(state: CompileState, rp: RankProgram, ops: list[Any], serial: dict[int, int], keep: list[bool]) -> list[str]:
+    """Each op's job label: ``F<stage>`` / ``B<stage>`` / ``OPT``. An op inserted for a read by
+    an update runs with the update, once per step, at both ends: a gradient sent to another
+    stage's update is sent once its micro-batches are summed (sent per micro-batch, the update
+    took the first micro-batch's only). A send runs where the value it sends is made (it
+    took the label of the op before it, which was an update-side op when Paddle summed a
+    shared weight's gradient mid-backward: the send ran once per step). Another inserted op
+    takes the label of the next serial op when this rank runs it, else of the previous one it
+    runs."""
     plan, graph = state.pipeline, state.graph
 
     def own(i: int) -> str | None:
@@ -232,17 +238,23 @@ def _labels(state: CompileState, ops: list[Any], serial: dict[int, int], keep: l
         role = graph.ops[index].role
         return "OPT" if role is Role.OPTIMIZER else f"{PHASES[role]}{plan.stage_of[index]}"
 
-    labels: list[str | None] = [own(i) for i in range(len(ops))]
+    labels: list[str | None] = ["OPT" if ops[i].id() in rp.update_side else own(i) for i in range(len(ops))]
     following: list[tuple[str | None, bool]] = [(None, False)] * len(ops)
     nxt: tuple[str | None, bool] = (None, False)
     for i in reversed(range(len(ops))):
         following[i] = nxt
         if labels[i] is not None:
             nxt = (labels[i], keep[i])
+    sends = {op_id for c, op_id in rp.collectives if c.kind.value == "send"}
+    position = {op.id(): i for i, op in enumerate(ops)}
     previous: str | None = None
-    out = []
+    out: list[str] = []
     for i in range(len(ops)):
         label = labels[i]
+        if label is None and ops[i].id() in sends:
+            made = position[ops[i].operand_source(0).get_defining_op().id()]
+            if labels[made] is not None or ops[made].name() not in SOURCE_OPS:  # (a parameter is sent at its read)
+                label = out[made]
         if label is None:
             after, ours = following[i]
             label = after if ours else (previous or after or "OPT")

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.errors import AutoparError
+from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
 
@@ -58,7 +59,9 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
         return  # another pipeline stage's reshard
     if planned.shared_with is not None and planned.shared_with not in rp.resharded:
         return
-    if need.site.kind is not SiteKind.BEFORE_READ:
+    if need.site.kind is SiteKind.REFRESH:  # after every update and write-back of the step
+        paddle.pir.reset_insertion_point_to_end()
+    elif need.site.kind is not SiteKind.BEFORE_READ:
         paddle.pir.set_insertion_point_after(rp.ops[need.op])
     else:
         consumer, slot = read_site(state, rp, planned)
@@ -67,7 +70,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
             return
         paddle.pir.set_insertion_point(consumer)
     value = state.graph.values[need.value]
-    after = need.site.kind is not SiteKind.BEFORE_READ
+    after = need.site.kind not in (SiteKind.BEFORE_READ, SiteKind.REFRESH)
     source = rp.produced(need.value) if after else rp.current(need.value)
     current, inserted = source, set()
     for number, step in enumerate(planned.plan.steps):
@@ -81,10 +84,15 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     elif need.site.kind is SiteKind.WRITE_BACK:
         # the op updated a resharded copy: its variable (a parameter) takes the result
         target = rp.value(state.graph.ops[need.op].inputs[need.site.slot])
-        paddle._C_ops.assign_out_(current, target)
+        inserted.add(paddle._C_ops.assign_out_(current, target).get_defining_op().id())
+    elif need.site.kind is SiteKind.REFRESH:
+        if rp.rank in need.need.mesh.ranks:  # the copy's holder: its variable takes the update
+            inserted.add(paddle._C_ops.assign_out_(current, source).get_defining_op().id())
     else:
         consumer.operand(slot).set_source(current)
     rp.resharded[planned.index] = current
+    if state.graph.ops[need.op].role is Role.OPTIMIZER:  # both ends run it with the update, once per step
+        rp.update_side.update(inserted)
 
 
 def _involved(state: CompileState, rank: int, planned: PlannedReshard) -> bool:

@@ -21,6 +21,7 @@ from autopar.errors import AutoparError
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard
 from autopar.propagation import ReshardNeed, SiteKind
+from autopar.shared_parameters import replica_refreshes
 
 SOURCES = ("parameter", "state", "feed")
 
@@ -34,10 +35,14 @@ class ReshardPlanning(Pass):
     def plan(self, state: CompileState) -> None:
         first_read: dict[tuple, int] = {}
         written_back = {(n.op, n.site.slot) for n in state.propagation.reshards if n.site.kind is SiteKind.WRITE_BACK}
-        for index, need in enumerate(state.propagation.reshards):
+        needs = list(state.propagation.reshards)
+        if state.strategy.pipeline is not None:  # copies of a parameter on other stages follow its update
+            needs += replica_refreshes(state.graph, state.propagation)
+        for index, need in enumerate(needs):
             value = state.graph.values[need.value]
             have = need.have
-            if value.kind in SOURCES and have.mesh != need.need.mesh and not (have.partial or have.sharded_mesh_dims()):
+            whole = not (have.partial or have.sharded_mesh_dims())
+            if value.kind in SOURCES and have.mesh != need.need.mesh and whole and need.site.kind is not SiteKind.REFRESH:
                 # a whole parameter, state or feed: every rank has its own copy (start-up and feeds run everywhere)
                 have = DistAttr.replicated(need.need.mesh, len(value.shape))
             plan = plan_reshard(have, need.need, value.shape, value.dtype, state.cluster)
@@ -64,6 +69,12 @@ def _reason(state: CompileState, need: ReshardNeed) -> str:
         return (
             f"{in_layer(f'ZeRO-{state.strategy.zero_stage} gradient sync', layer)}: {label} is reduced to its "
             f"{need.need} shards right after {op} makes it ({need.have})"
+        )
+    if need.site.kind is SiteKind.REFRESH:
+        layer = parameter_layer(state.graph, need.value)
+        return (
+            f"{in_layer('pipeline shared parameter', layer)}: {label} is read on {need.need.mesh} too, which keeps a copy; "
+            f"{op} updates it on {need.have.mesh}, and the updated value replaces the copy once per step"
         )
     if need.site.kind is SiteKind.WRITE_BACK:
         target = state.graph.values[op.inputs[need.site.slot]].label

@@ -156,7 +156,7 @@ class Executor:
         ranks that should hold the same piece (compares digests, not arrays)."""
         if self._runner is None:
             raise AutoparError("call run_startup() first")
-        mine = {n: digest(self._runner.parameter_piece(n)) for n in self.plan.held()}
+        mine = {n: digest(self._runner.parameter_piece(n)) for n in self.plan.copies()}
         everyone = self.comm.all_gather_object(mine)
         mismatch = first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
         if mismatch:

@@ -41,17 +41,25 @@ def digest(array: np.ndarray) -> str:
 
 def first_mismatch(values: ValueTable, digests: Mapping[int, Mapping[str, str]]) -> str | None:
     """A message naming the first parameter / state (in name order) whose copies on ranks
-    holding the same piece differ, or None. ``digests``: rank -> name -> digest."""
+    holding the same piece differ, or None; a whole value's copies on other pipeline stages
+    are compared too. ``digests``: rank -> name -> digest."""
     names = {**values.named("parameter"), **values.named("state")}
     for name in sorted(names):
         info = values.info(names[name])
         if info.placement.is_partial:
             continue  # pending sums differ by design
         holders: dict[tuple, list[int]] = {}
+        whole = not info.placement.sharded_mesh_dims()
         for rank in sorted(digests):
-            if name in digests[rank] and rank in info.placement.mesh.ranks:  # (a stage's copy only)
+            if name not in digests[rank]:
+                continue
+            if rank in info.placement.mesh.ranks:
                 piece = tuple((s.start, s.stop) for s in info.placement.local_slices(info.shape, rank))
-                holders.setdefault(piece, []).append(rank)
+            elif whole:  # another pipeline stage's copy (a parameter read on several stages)
+                piece = tuple((0, size) for size in info.shape)
+            else:
+                continue
+            holders.setdefault(piece, []).append(rank)
         for piece, ranks in holders.items():
             seen = {digests[r][name] for r in ranks}
             if len(seen) > 1:

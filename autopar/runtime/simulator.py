@@ -150,7 +150,7 @@ def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np
 def parameters(values: ValueTable, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:
     """Every parameter as a full array; first checks that replicated copies agree (parameters
     and optimizer states), instead of silently keeping one rank's copy."""
-    digests = {rank: {n: digest(runner.read(n)) for n in runner.plan.held()} for rank, runner in runners.items()}
+    digests = {rank: {n: digest(runner.read(n)) for n in runner.plan.copies()} for rank, runner in runners.items()}
     mismatch = first_mismatch(values, digests)
     if mismatch:
         raise AutoparError(f"simulate: {mismatch}")

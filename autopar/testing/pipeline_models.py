@@ -103,3 +103,47 @@ def residual_cut_inside(mesh: Any, batch: int = 4, seq: int = 3, hidden: int = 8
         loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(head(norm(t)), label)), mesh[1])(h)
         paddle.optimizer.SGD(0.1).minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss)
+
+
+def tied_lm(
+    mesh: Any, placement: tuple[int, ...] = (0, 1), vocab: int = 16, hidden: int = 8, batch: int = 8, seq: int = 4,
+    optimizer: str = "sgd", seed: int | None = None, shared: tuple[int, int] | None = None, data_parallel: str | None = None,
+    clip: float | None = None,
+) -> SeedProgram:  # fmt: skip
+    """A language model whose word embedding is tied to its head (GPT-2's), over stages:
+    the embedding lookup on ``mesh[placement[0]]``, a ``tanh(Linear)`` block on
+    ``mesh[placement[i]]`` for each middle entry, and the head — logits = h @ embedding.weight^T,
+    cross-entropy over the vocabulary — on ``mesh[placement[-1]]``: one parameter read on the
+    first and the last stage. ``shared=(i, j)``: blocks ``i`` and ``j`` are one Linear, called
+    twice (a layer on two stages). ``data_parallel``: the mesh dim splitting the batch inside the
+    stages. ``clip``: global-norm gradient clipping. ``seed=None``: no program.random_seed."""
+    import autopar
+
+    paddle, main, startup = _static()
+    if seed is not None:
+        main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+    with paddle.static.program_guard(main, startup):
+        ids = paddle.static.data("ids", [batch, seq], "int64")
+        label = paddle.static.data("label", [batch, seq, 1], "int64")
+        if data_parallel is not None:
+            autopar.shard_tensor(ids, mesh[placement[0]], [data_parallel, None])
+        embedding = nn.Embedding(vocab, hidden)
+        blocks = [nn.Linear(hidden, hidden) for _ in placement[1:-1]]
+        if shared is not None:
+            blocks[shared[1]] = blocks[shared[0]]
+        h = autopar.shard_op(embedding, mesh[placement[0]])(ids)
+        for block, where in zip(blocks, placement[1:-1]):
+            h = autopar.shard_op(lambda t, block=block: paddle.tanh(block(t)), mesh[where])(h)
+
+        def head(t: Any) -> Any:
+            logits = paddle.matmul(t, embedding.weight, transpose_y=True)
+            return paddle.mean(F.cross_entropy(logits, label))
+
+        loss = autopar.shard_op(head, mesh[placement[-1]])(h)
+        optim = make_optimizer(optimizer)
+        if clip is not None:
+            optim._grad_clip = nn.ClipGradByGlobalNorm(clip)
+        optim.minimize(loss)
+    mods = {"embedding": embedding, **{f"block{i}": b for i, b in enumerate(blocks)}}
+    return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)

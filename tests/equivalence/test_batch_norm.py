@@ -164,3 +164,48 @@ def test_kernel_formulas_match_paddle():
         np.testing.assert_allclose(y.numpy(), want + b[None, :, None, None], rtol=1e-4, atol=1e-5)
     finally:
         paddle.enable_static()
+
+
+def tensor_parallel_conv_bn(mesh, channels: int = 4, batch: int = 4, image: int = 6):
+    """A user's tensor-parallel CNN: conv1's output channels split over mp (weight ``["mp", None,
+    None, None]``, bias ``["mp"]``), then conv2 + BatchNorm2D + a residual add, the BatchNorm's
+    own parameters and statistics left to propagation; dp (when the mesh has it) splits the batch."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 5  # (assert_equal_serial runs serial first)
+    nn, F = paddle.nn, paddle.nn.functional
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [batch, 3, image, image], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        conv1, conv2, bn = nn.Conv2D(3, channels, 3, padding=1), nn.Conv2D(channels, channels, 3, padding=1), nn.BatchNorm2D(channels)
+        autopar.shard_tensor(conv1.weight, mesh, ["mp", None, None, None])
+        autopar.shard_tensor(conv1.bias, mesh, ["mp"])
+        if "dp" in mesh.dim_names:
+            autopar.shard_tensor(x, mesh, ["dp", None, None, None])
+        h = F.relu(conv1(x))
+        h = h + bn(conv2(h))
+        fc = nn.Linear(channels * image * image, 5)
+        loss = paddle.mean(F.cross_entropy(fc(paddle.flatten(h, 1)), label))
+        make_optimizer("momentum").minimize(loss)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, {"bn1": bn, "bn2": bn})
+
+
+@pytest.mark.parametrize(
+    "mesh, channels",
+    [(autopar.ProcessMesh([0, 1], ["mp"]), 4), (autopar.ProcessMesh([0, 1, 2], ["mp"]), 4),
+     (autopar.ProcessMesh([0, 1, 2], ["mp"]), 5), (MESHES["dp2xmp2"], 4)],
+    ids=["mp2", "mp3-uneven", "mp3-uneven-5", "dp2xmp2"],
+)  # fmt: skip
+def test_tensor_parallel_conv_with_unannotated_batch_norm(mesh, channels):
+    """Refused before ("batch_norm_ updates batch_norm2d_K.w_1 in place but needs it as [S(0)]
+    while it is [R]"): the running statistics, parameters updated in place, now take the
+    channel split the op needs, like states updated in place."""
+    seed = tensor_parallel_conv_bn(mesh, channels)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    bn = seed.layers["bn1"]
+    mp = mesh.dim_names.index("mp")
+    for stat in (bn._mean, bn._variance):
+        assert dist.dist_attr(stat.name).mapping[0] == (mp,), dist.dist_attr(stat.name)
+    assert_equal_serial(seed, dist)
