@@ -125,3 +125,47 @@ def test_random_pipelines_with_shared_parameters_equal_serial(case):
     mesh = autopar.ProcessMesh(list(range(ranks)), ["pp"])
     seed = tied_lm(mesh, placement, batch=12, optimizer=optimizer, shared=shared)
     assert_equal_to_serial(seed, compiled(seed, mesh, micro_batches, schedule), steps=2)
+
+
+def _program(build, mesh):
+    from autopar.testing.models import SeedProgram
+
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        feeds, loss = build(mesh)
+    return SeedProgram(main, startup, feeds, loss)
+
+
+def test_a_vocabulary_split_tied_embedding_inside_tensor_parallel_stages():
+    """pp x mp, the tied weight split over mp by its rows: no copy is kept on the head's stage,
+    which receives its piece at each read."""
+
+    def build(mesh):
+        ids, label = paddle.static.data("ids", [8, 4], "int64"), paddle.static.data("label", [8, 4, 1], "int64")
+        embedding, linear = paddle.nn.Embedding(16, 8), paddle.nn.Linear(8, 8)
+        autopar.shard_tensor(embedding.weight, mesh[0], ["mp", None])
+        h = autopar.shard_op(lambda t: paddle.tanh(linear(embedding(t))), mesh[0])(ids)
+        logits = lambda t: paddle.matmul(t, embedding.weight, transpose_y=True)  # noqa: E731
+        loss = autopar.shard_op(lambda t: paddle.mean(paddle.nn.functional.cross_entropy(logits(t), label)), mesh[1])(h)
+        paddle.optimizer.Momentum(0.1).minimize(loss)
+        return {"ids": ids, "label": label}, loss
+
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "mp"])
+    seed = _program(build, mesh)
+    dist = compiled(seed, mesh, 4, "1F1B")
+    assert not [c for c in dist.comm_ops(2) if "replaces the copy" in c.reason]
+    assert_equal_to_serial(seed, dist)
+
+
+def test_a_bias_added_three_times_on_two_stages_with_adam():
+    def build(mesh):
+        x = paddle.static.data("x", [8, 8], "float32")
+        bias = paddle.create_parameter([8], "float32")
+        first, second = paddle.nn.Linear(8, 8), paddle.nn.Linear(8, 8)
+        h = autopar.shard_op(lambda t: paddle.tanh(first(t) + bias) + bias, mesh[0])(x)
+        loss = autopar.shard_op(lambda t: paddle.mean((second(t) + bias) ** 2), mesh[1])(h)
+        paddle.optimizer.Adam(0.01).minimize(loss)
+        return {"x": x}, loss
+
+    seed = _program(build, PP)
+    assert_equal_to_serial(seed, compiled(seed, PP, 4, "ZBH1"))
