@@ -130,6 +130,7 @@ def test_random_pipelines_with_shared_parameters_equal_serial(case):
 def _program(build, mesh):
     from autopar.testing.models import SeedProgram
 
+    paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
     with paddle.static.program_guard(main, startup):
         feeds, loss = build(mesh)
