@@ -12,6 +12,7 @@ from autopar.compile import compile  # noqa: A004
 from autopar.dist_attr import DistAttr
 from autopar.distributed_program import CompileReport, DistributedProgram
 from autopar.errors import AutoparError
+from autopar.inspect.check import CheckReport, check
 from autopar.mesh import ProcessMesh
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.runtime.executor import Executor
@@ -19,6 +20,6 @@ from autopar.runtime.simulator import SimulationResult, simulate
 from autopar.strategy import PipelineConfig, Strategy
 
 __all__ = [
-    "AutoparError", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement",
-    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "compile", "errors", "shard_op", "shard_tensor", "simulate",
+    "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement",
+    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "check", "compile", "errors", "shard_op", "shard_tensor", "simulate",
 ]  # fmt: skip

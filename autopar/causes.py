@@ -42,8 +42,13 @@ def layer_of(graph: ProgramGraph, index: int) -> str:
         return str(struct).strip("/")
     if op.forward_op is not None:
         return layer_of(graph, op.forward_op)
-    if op.role is Role.OPTIMIZER and op.inputs and op.inputs[0] is not None:
-        return parameter_layer(graph, op.inputs[0])
+    if op.role is Role.OPTIMIZER:
+        for key in op.outputs:  # a gradient's sum over its contributions, clipping's rescale
+            gradient = gradients(graph).get(key) if key is not None else None
+            if gradient is not None:
+                return parameter_layer(graph, gradient.param)
+        if op.inputs and op.inputs[0] is not None:
+            return parameter_layer(graph, op.inputs[0])
     return ""
 
 

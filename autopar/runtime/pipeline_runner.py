@@ -38,17 +38,20 @@ Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", stage, 
 
 
 class PipelineRunner(RankRunner):
-    def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None) -> None:
-
+    def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None, capture: bool = False) -> None:
+        """``capture``: keep every fetch key's piece of each micro-batch (:meth:`captured`),
+        values split over the micro-batches and the update's own included (``autopar.check``)."""
         super().__init__(plan, fetch_keys, scope)
         role = self.role = plan.pipeline
+        self.capture = capture
+        self.by_micro_batch: dict[ValueKey, dict[int, np.ndarray]] = {}
         for key in self.fetch_keys:
-            if key in role.split or key in self.fed:
+            if not capture and (key in role.split or key in self.fed):
                 raise AutoparError(
                     f"fetching {plan.values.info(key).label} of a pipelined program: it is split over the micro-batches; "
                     "fetch values reduced over the batch (losses, metrics) or parameters"
                 )
-        exports = list(self.exports.values())
+        exports = [position for key, position in self.exports.items() if key not in self.fed]  # (feeds: from the feed dict)
         self.hosts: list[HostPlan] = [self.host] + [
             build_host_plan(plan, exports, f"autopar.r{next(_RUNNERS)}.mb{k}") for k in range(1, role.micro_batches)
         ]
@@ -56,6 +59,8 @@ class PipelineRunner(RankRunner):
         for index, label in enumerate(self.host.phases):
             self.jobs_of.setdefault(label, []).append(index)
         self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items()}
+        if capture:  # parameters and states, read by name: as the step leaves them
+            self.fetch_label |= {k: "OPT" for k in self.exports if plan.values.info(k).kind in ("parameter", "state")}
         self.steps: list[Step] = self._steps()
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program
@@ -79,6 +84,7 @@ class PipelineRunner(RankRunner):
                 stages = sorted({a.stage for a in self.role.actions if a.kind.value in ("B", "W")})
                 steps += [("accumulate", stage, k) for stage in stages for k in range(1, self.role.micro_batches)]
                 steps += [("job", i, 0) for i in self.jobs_of.get("OPT", [])]
+                steps.append(("fetch", number, 0))
                 steps.append(("end", number, 0))
         return steps
 
@@ -108,7 +114,7 @@ class PipelineRunner(RankRunner):
         self.micro_feeds = [self.plan.local_feeds(m) for m in micro]
         self.feeds = self.micro_feeds[-1]
         self.position = 0
-        self.pieces = {}
+        self.pieces, self.by_micro_batch = {}, {}
         self.spans, self._began = [], 0.0
 
     # ---- stepping ---------------------------------------------------------------------
@@ -173,10 +179,22 @@ class PipelineRunner(RankRunner):
 
     def _stash(self, number: int, micro_batch: int) -> None:
         action = self.role.actions[number]
-        label = f"{action.kind.value}{action.stage}"
+        label = "OPT" if action.kind.value == "OPT" else f"{action.kind.value}{action.stage}"
         for key, found in self.fetch_label.items():
-            if found == label:
-                self.pieces.setdefault(key, []).append(self.read(self.hosts[micro_batch].names[self.exports[key]]))
+            if found != label:
+                continue
+            if key in self.fed:
+                piece = self.micro_feeds[micro_batch][self.fed[key]]
+            else:
+                piece = self.read(self.hosts[micro_batch].names[self.exports[key]])
+            self.pieces.setdefault(key, []).append(piece)
+            if self.capture:
+                self.by_micro_batch.setdefault(key, {})[micro_batch] = piece
+
+    def captured(self) -> dict[ValueKey, dict[int, np.ndarray]]:
+        """The last step's piece of each fetch key per micro-batch (one, numbered 0, for a value
+        the update phase makes); empty unless built with ``capture``."""
+        return self.by_micro_batch
 
     def collective_input(self) -> np.ndarray:
         job, micro_batch = self._job()

@@ -1,0 +1,422 @@
+"""``autopar.check``: where a distributed program first differs from serial, op by op
+(stage: inspection, over the simulator).
+
+"My loss differs from the single-device run" is answered value by value: the serial program and
+every rank of the distributed one run from the same generator state on the same feeds, and
+every tensor value of the serial program — forward, backward, optimizer update; under a
+pipeline, per micro-batch — is compared with the distributed value rebuilt from its placement
+(Shard pieces placed by their bounds, Partial pieces reduced, replicas compared with each other;
+micro-batch pieces concatenated along the split dim, or summed where they are partial sums over
+the micro-batches, or each compared when every micro-batch holds the whole value). The report
+names the first op, in program order, whose output differs beyond its tolerance, with its layer,
+the placements of its inputs and output, the collectives that fed it and where in the tensor the
+difference is largest; then a per-layer summary.
+
+Tolerances mean something: the error of a value is ``max |dist - serial| / max |serial|`` (its
+scale, not each element's), allowed ``16 · eps(dtype) · sqrt(K)`` where ``K`` is how many terms
+the op sums into one output element (a matmul's inner size, a reduction's length, the rows of a
+weight gradient), or 16 x the largest error of its inputs (an op may amplify what it is given,
+but cannot make a lost micro-batch out of rounding). Integer values compare exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autopar.errors import AutoparError
+from autopar.rank_plan import ValueKey
+
+EPS = {"float64": 2.3e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.9e-3}
+SUMMING = ("softmax", "norm", "mean", "sum", "cross_entropy", "logsumexp", "max", "min", "prod", "cumsum")
+MATMULS = ("matmul", "matmul_grad", "linear", "bmm", "fused_gemm_epilogue")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One serial value the distributed run does not reproduce."""
+
+    step: int
+    key: ValueKey
+    value: str  # the value as the user knows it (``grad(W) %12.1``)
+    op: str  # its producer (``pd_op.add_n#26``)
+    layer: str
+    error: float  # max |dist - serial| / max |serial|
+    tolerance: float
+    max_abs: float
+    max_rel: float
+    where: tuple[int, ...]  # index of the largest difference
+    serial: float  # the values there
+    distributed: float
+    placement: str
+    micro_batch: int | None = None  # the micro-batch that differs (values every micro-batch holds whole)
+    replicas: str = ""  # ranks whose copies of the value disagree, when that is the difference
+    inputs: tuple[str, ...] = ()  # each input: label, placement, its own error
+    collectives: tuple[str, ...] = ()  # the collectives that fed the op, with their reasons
+
+    def __str__(self) -> str:
+        where = f" at {list(self.where)}" if self.where else ""
+        mb = f", micro-batch {self.micro_batch}" if self.micro_batch is not None else ""
+        lines = [
+            f"first difference (step {self.step}{mb}): {self.op}" + (f" in {self.layer}" if self.layer else ""),
+            f"  output {self.value} {self.placement}: max |dist - serial| = {self.max_abs:.3g}{where} "
+            f"(serial {self.serial:.6g}, distributed {self.distributed:.6g}), max rel {self.max_rel:.3g}; "
+            f"error {self.error:.3g} > tolerance {self.tolerance:.3g}",
+        ]
+        if self.replicas:
+            lines.append(f"  replicas differ: {self.replicas}")
+        lines += [f"  input {text}" for text in self.inputs]
+        lines += [f"  fed by {text}" for text in self.collectives] or ["  fed by no collective"]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    layer: str
+    compared: int
+    differing: int
+    worst: float
+    worst_op: str
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What :func:`check` found: ``clean`` when every value matched; ``first`` the first
+    difference in program order (earliest step first); ``differences`` every differing value."""
+
+    steps: int
+    compared: int
+    differences: tuple[Difference, ...]
+    layers: tuple[LayerSummary, ...]
+    ranks: int
+    micro_batches: int = 1
+
+    @property
+    def clean(self) -> bool:
+        return not self.differences
+
+    @property
+    def first(self) -> Difference | None:
+        return self.differences[0] if self.differences else None
+
+    def __str__(self) -> str:
+        mb = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        head = f"autopar check: {self.steps} step(s), {self.compared} values compared on {self.ranks} ranks{mb}"
+        if self.clean:
+            return head + ": every value equals serial (within its tolerance)"
+        lines = [head + f": {len(self.differences)} value(s) differ", str(self.first), "per layer:"]
+        rows = [(s.layer or "(no layer)", f"{s.differing} of {s.compared} differ", f"worst {s.worst:.3g} at {s.worst_op}")
+                for s in self.layers if s.differing]  # fmt: skip
+        width = max(len(r[0]) for r in rows)
+        lines += [f"  {name.ljust(width)}  {count}  {worst}" for name, count, worst in rows]
+        clean = [s for s in self.layers if not s.differing]
+        if clean:
+            lines.append(f"  {len(clean)} other layer(s): every value equals serial")
+        return "\n".join(lines)
+
+
+def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], steps: int | None = None, fetch_list: Sequence[Any] | None = None) -> CheckReport:
+    """Run ``dist`` in the simulator and its serial program from one generator state on ``feeds``
+    (one dict per step, or one dict used for every step) and compare every value; see the
+    module docstring. ``fetch_list``: values that must be compared (an error if one cannot be,
+    e.g. it is not a value of the program); every other tensor value is compared too."""
+    from autopar.runtime.replicas import generator_state, use_generator_state
+
+    feeds = _feeds(feeds, steps)
+    keys = _keys(dist)
+    for item in fetch_list or ():
+        if dist.key(item) not in keys:
+            raise AutoparError(f"check cannot compare {dist.graph.values[dist.key(item)].label}: it has no captured value")
+    start = generator_state()
+    distributed = _distributed_values(dist, keys, feeds)
+    use_generator_state(start)
+    serial = _serial_values(dist, keys, feeds)
+    return _compare(dist, keys, serial, distributed)
+
+
+# ---- running both sides ----------------------------------------------------------------
+def _feeds(feeds: Any, steps: int | None) -> list[Mapping[str, Any]]:
+    if isinstance(feeds, Mapping):
+        return [feeds] * (steps or 1)
+    if isinstance(feeds, (str, bytes)) or not isinstance(feeds, Sequence) or not feeds:
+        raise AutoparError(f"check needs feeds: a dict of feed name -> global array, or a list of them (one per step); got {type(feeds).__name__}")
+    feeds = list(feeds)
+    if steps is not None:
+        if steps > len(feeds):
+            raise AutoparError(f"check: steps={steps} but only {len(feeds)} feed dicts were given")
+        feeds = feeds[:steps]
+    return feeds
+
+
+def _keys(dist: Any) -> list[ValueKey]:
+    """Every tensor value of the program the runtime can place (vectors are plumbing; constants
+    carry their value in the op and every segment makes them again)."""
+    from autopar.op_kinds import CONSTANT_OPS
+
+    graph, values = dist.graph, dist.values
+
+    def compared(key: ValueKey) -> bool:
+        value, op = graph.values[key], graph.ops[key[0]]
+        return key in values and value.kind not in ("vector", "constant") and not (op.name in CONSTANT_OPS and not op.inputs)
+
+    keys = [k for k in graph.tensor_keys() if compared(k)]
+    made = makers(graph)
+    return sorted(keys, key=lambda k: (made.get(k, k[0]), k))
+
+
+def makers(graph: Any) -> dict[ValueKey, int]:
+    """Parameters and states (read by name, compared as the step leaves them) -> the last op
+    updating them in place (an optimizer update, a batch norm's running statistics): where a
+    wrong value of theirs is made. Other values are made by their producer."""
+    found: dict[ValueKey, int] = {}
+    for op in graph.ops:
+        if op.short_name.endswith("_"):
+            for key in op.inputs:
+                if key is not None and graph.values[key].kind in ("parameter", "state"):
+                    found[key] = op.index
+    return found
+
+
+def _serial_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any]]) -> list[dict[ValueKey, np.ndarray]]:
+    import paddle
+
+    program = dist.graph.program
+    ops = list(program.global_block().ops)
+    scope, executor = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    out = []
+    with paddle.static.scope_guard(scope):
+        if dist.serial_startup_program is not None:
+            executor.run(dist.serial_startup_program)
+        for feed in feeds:
+            arrays = executor.run(program, feed=dict(feed), fetch_list=[ops[k[0]].result(k[1]) for k in keys])
+            out.append({k: np.asarray(a) for k, a in zip(keys, arrays)})
+    return out
+
+
+def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any]]) -> list[dict[ValueKey, dict[int, dict[int, np.ndarray]]]]:
+    """Per step: key -> rank -> micro-batch -> this rank's piece (micro-batch 0 without a pipeline)."""
+    from autopar.runtime.pipeline_runner import PipelineRunner
+    from autopar.runtime.rank_runner import RankRunner
+    from autopar.runtime.replicas import generator_state, use_generator_state
+    from autopar.runtime.simulator import run_step
+
+    plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
+    runners = {}
+    for rank, plan in plans.items():
+        mine = [k for k in keys if k in plan.replaced or plan.op_positions[k[0]] >= 0]
+        runners[rank] = PipelineRunner(plan, mine, capture=True) if plan.pipeline is not None else RankRunner(plan, mine)
+    start = generator_state()
+    for runner in runners.values():
+        use_generator_state(start)
+        runner.run_startup()
+    out = []
+    for feed in feeds:
+        for runner in runners.values():
+            runner.set_feeds(feed)
+        run_step(runners)
+        step: dict[ValueKey, dict[int, dict[int, np.ndarray]]] = {}
+        for rank, runner in runners.items():
+            if isinstance(runner, PipelineRunner):
+                for key, pieces in runner.captured().items():
+                    step.setdefault(key, {})[rank] = dict(pieces)
+            else:
+                for key, piece in zip(runner.fetch_keys, runner.fetch_pieces()):
+                    step.setdefault(key, {})[rank] = {0: piece}
+        out.append(step)
+    return out
+
+
+# ---- comparing --------------------------------------------------------------------------
+@dataclass
+class _Rebuilt:
+    array: np.ndarray | None
+    replicas: str = ""
+    micro_batch: int | None = None  # (values every micro-batch holds whole: the one compared)
+    per_micro_batch: list[np.ndarray] = field(default_factory=list)
+    split_dim: int | None = None  # (values split over the micro-batches: the dim they are cut along)
+
+
+def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: list[dict]) -> CheckReport:
+    from autopar.causes import layer_of
+
+    graph = dist.graph
+    differences: list[Difference] = []
+    per_layer: dict[str, list] = {}
+    compared = 0
+    micro = _micro_batches(dist)
+    made = makers(graph)
+    for step, (want, got) in enumerate(zip(serial, distributed)):
+        errors: dict[ValueKey, float] = {}
+        for key in keys:
+            if key not in got:
+                continue  # made on no rank (a value the distributed program does not need)
+            reference = want[_recomputed(graph, key, want)]
+            rebuilt = _rebuild(dist, key, got[key], reference.shape, micro)
+            if rebuilt.array is None:
+                continue
+            compared += 1
+            maker = made.get(key, key[0])
+            tolerance = _tolerance(graph, key, maker, errors)
+            found = _difference(dist, step, key, maker, reference, rebuilt, tolerance, errors)
+            layer = layer_of(graph, maker)
+            stats = per_layer.setdefault(layer, [0, 0, 0.0, ""])
+            stats[0] += 1
+            if found is not None:
+                stats[1] += 1
+                if found.error > stats[2]:
+                    stats[2], stats[3] = found.error, found.op
+                differences.append(found)
+    layers = tuple(LayerSummary(name, *stats) for name, stats in per_layer.items())
+    first = _explained(dist, differences[0]) if differences else None
+    ordered = tuple([first] + differences[1:]) if first is not None else ()
+    return CheckReport(len(serial), compared, ordered, layers, dist.mesh.size, micro)
+
+
+def _recomputed(graph: Any, key: ValueKey, want: Mapping[ValueKey, np.ndarray]) -> ValueKey:
+    """A recompute clone's result is compared with the forward value it re-makes."""
+    forward = graph.ops[key[0]].recomputes
+    return (forward, key[1]) if forward is not None and (forward, key[1]) in want else key
+
+
+def _micro_batches(dist: Any) -> int:
+    pipeline = dist.strategy.pipeline
+    return pipeline.micro_batches if pipeline is not None else 1
+
+
+def _rebuild(dist: Any, key: ValueKey, pieces: Mapping[int, Mapping[int, np.ndarray]], shape: tuple[int, ...], micro: int) -> _Rebuilt:
+    """The global value from the ranks' pieces, and which replicas disagree."""
+    from autopar.pieces import assemble, reduce_partials
+
+    info = dist.values.info(key)
+    placement = info.produced
+    holders = [r for r in placement.mesh.ranks if r in pieces]
+    if len(holders) != len(placement.mesh.ranks):
+        return _Rebuilt(None)  # some rank of its mesh did not keep it (a value read by name only)
+    made = sorted({mb for r in holders for mb in pieces[r]})
+    arrays, replicas = [], ""
+    for mb in made:
+        if any(mb not in pieces[r] for r in holders):
+            return _Rebuilt(None)
+        by_rank = {r: pieces[r][mb] for r in holders}
+        replicas = replicas or _replica_mismatch(reduce_partials(by_rank, placement), placement, info.shape)
+        arrays.append(assemble(by_rank, placement, info.shape))
+    if len(arrays) == 1:
+        return _Rebuilt(arrays[0] if arrays[0].shape == shape else None, replicas)
+    if arrays[0].shape != shape:  # split over the micro-batches: along the dim that shrank
+        dim = next(d for d, (a, b) in enumerate(zip(arrays[0].shape, shape)) if a != b)
+        return _Rebuilt(np.concatenate(arrays, axis=dim), replicas, per_micro_batch=arrays, split_dim=dim)
+    pipeline_role = dist.rank_plan(holders[0]).pipeline
+    if pipeline_role is not None and key in pipeline_role.summed:
+        return _Rebuilt(np.sum(np.stack(arrays), axis=0), replicas, per_micro_batch=arrays)
+    return _Rebuilt(arrays[0], replicas, micro_batch=0, per_micro_batch=arrays)  # the same on every micro-batch
+
+
+def _replica_mismatch(reduced: Mapping[int, np.ndarray], placement: Any, shape: tuple[int, ...]) -> str:
+    """Ranks holding the same piece (after partial sums are reduced) whose copies differ."""
+    groups: dict[tuple, list[int]] = {}
+    for rank in sorted(reduced):
+        piece = tuple((s.start, s.stop) for s in placement.local_slices(shape, rank))
+        groups.setdefault(piece, []).append(rank)
+    for ranks in groups.values():
+        first = reduced[ranks[0]]
+        for other in ranks[1:]:
+            if not np.array_equal(first, reduced[other], equal_nan=True):
+                gap = float(np.max(np.abs(first.astype("float64") - reduced[other].astype("float64")))) if first.size else 0.0
+                return f"rank {other}'s copy differs from rank {ranks[0]}'s by up to {gap:.3g}"
+    return ""
+
+
+def reduction_length(graph: Any, key: ValueKey, maker: int | None = None) -> int:
+    """How many terms op ``maker`` (default: ``key``'s producer) sums into one element of
+    ``key`` (at least 1)."""
+    op = graph.ops[key[0] if maker is None else maker]
+    out = graph.values[key]
+    out_size = max(1, math.prod(out.shape))
+    inputs = [graph.values[k] for k in op.inputs if k is not None and graph.values[k].kind != "vector"]
+    length = 1
+    for value in inputs:  # a reduction, or a weight gradient summing over the rows
+        length = max(length, math.prod(value.shape) // out_size)
+    short = op.short_name
+    if short in MATMULS and inputs and inputs[0].shape:
+        x = inputs[0].shape
+        length = max(length, x[-2] if op.attrs.get("transpose_x") and len(x) > 1 else x[-1], math.prod(x[:-1]) if short.endswith("_grad") else 1)
+    if short.startswith("conv") and len(inputs) > 1:
+        length = max(length, math.prod(inputs[1].shape[1:]))
+    if any(word in short for word in SUMMING) and inputs and inputs[0].shape:
+        length = max(length, inputs[0].shape[-1])
+    if short in ("add_n", "sum"):
+        length = max(length, len(inputs))
+    return length
+
+
+def _tolerance(graph: Any, key: ValueKey, maker: int, errors: Mapping[ValueKey, float]) -> float:
+    value = graph.values[key]
+    eps = EPS.get(value.dtype)
+    if eps is None:
+        return 0.0  # integers, booleans: exact
+    inherited = max((errors.get(k, 0.0) for k in graph.ops[maker].inputs if k is not None and k != key), default=0.0)
+    return max(16 * eps * math.sqrt(reduction_length(graph, key, maker)), 16 * inherited)
+
+
+def _difference(
+    dist: Any, step: int, key: ValueKey, maker: int, want: np.ndarray, rebuilt: _Rebuilt, tolerance: float, errors: dict
+) -> Difference | None:  # fmt: skip
+    got = rebuilt.array
+    if got.shape != want.shape:
+        raise AutoparError(f"check: {dist.graph.values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
+    exact = EPS.get(dist.graph.values[key].dtype) is None
+    wide, serial = got.astype("float64"), want.astype("float64")
+    gap = np.abs(wide - serial)
+    scale = float(np.max(np.abs(serial))) if serial.size else 0.0
+    max_abs = float(np.nanmax(gap)) if gap.size else 0.0
+    error = max_abs / scale if scale > 0 else max_abs
+    if np.isnan(gap).any() and not np.isnan(serial).all():
+        error = math.inf
+    errors[key] = error
+    micro_batch = None
+    if rebuilt.micro_batch is not None and len(rebuilt.per_micro_batch) > 1:  # each micro-batch holds it whole
+        for mb, array in enumerate(rebuilt.per_micro_batch):
+            mb_error = float(np.max(np.abs(array.astype("float64") - serial))) / (scale or 1.0) if serial.size else 0.0
+            if mb_error > error:
+                error, micro_batch, gap = mb_error, mb, np.abs(array.astype("float64") - serial)
+                max_abs = float(np.max(gap))
+        errors[key] = error
+    differs = (max_abs > 0) if exact else (error > tolerance)
+    if not differs and not rebuilt.replicas:
+        return None
+    from autopar.causes import layer_of
+
+    where = tuple(int(i) for i in np.unravel_index(int(np.nanargmax(gap)), gap.shape)) if gap.size else ()
+    if rebuilt.split_dim is not None and where:  # the micro-batch holding that row
+        micro_batch = where[rebuilt.split_dim] // rebuilt.per_micro_batch[0].shape[rebuilt.split_dim]
+    rel = gap / np.maximum(np.abs(serial), scale * 1e-3 if scale else 1e-30)
+    graph = dist.graph
+    return Difference(
+        step=step, key=key, value=dist.state.label(key), op=str(graph.ops[maker]), layer=layer_of(graph, maker),
+        error=error, tolerance=tolerance, max_abs=max_abs, max_rel=float(np.nanmax(rel)) if rel.size else 0.0, where=where,
+        serial=float(serial[where]) if serial.size else 0.0, distributed=float(wide[where]) if wide.size else 0.0,
+        placement=str(dist.values.info(key).produced), micro_batch=micro_batch, replicas=rebuilt.replicas,
+        inputs=tuple(f"{dist.state.label(k)} {dist.values.info(k).produced}: error {errors.get(k, 0.0):.3g}"
+                     for k in graph.ops[maker].inputs if k is not None and k in dist.values),
+    )  # fmt: skip
+
+
+def _explained(dist: Any, found: Difference) -> Difference:
+    """``found`` with the collectives that fed its op: those moving one of its inputs."""
+    import dataclasses
+
+    graph = dist.graph
+    op = graph.ops[makers(graph).get(found.key, found.key[0])]
+    labels = {graph.values[k].label for k in op.inputs if k is not None} | {dist.state.label(k) for k in op.inputs if k is not None}
+    seen: dict[Any, str] = {}  # one line per collective (a send and its recv share their key)
+    for rank in dist.mesh.ranks:
+        for c in dist.comm_ops(rank):
+            if c.value in labels or any(f"{label}," in c.reason or c.reason.endswith(label) for label in labels):
+                kind = "send/recv" if c.kind.value in ("send", "recv") else str(c.kind)
+                text = f"{kind}(group={sorted(c.group)}) {c.value} {c.src} -> {c.dst}: {c.reason}"
+                seen.setdefault(c.key, text if len(text) <= 300 else text[:299] + "…")
+    return dataclasses.replace(found, collectives=tuple(seen.values()))
