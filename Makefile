@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_training_pieces.py
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_pipeline_run.py
+	$(PY) benchmarks/bench_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -4,6 +4,8 @@
     autopar explain TARGET            placements, collectives with costs, conflicts, pipeline,
                                       predicted memory and step time
     autopar diff TARGET --out DIR     per-rank text diffs and graphviz pictures into DIR
+    autopar check TARGET              where the distributed run first differs from serial, op by
+                                      op, on random feeds (exit 0 when every value equals, 1 not)
 
 How TARGET hands over its program (see the README):
 
@@ -263,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fold layers and repeated layers in the pictures (default: above 120 ops)")  # fmt: skip
     diff.add_argument("--layer", help="draw only this layer (struct_name, e.g. Linear_1)")
     diff.add_argument("--no-svg", action="store_true", help="write .dot files only")
+    check = sub.add_parser("check", help="where the distributed run first differs from serial, op by op (exit 1 if it does)",
+                           epilog=HANDOVER, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    check.add_argument("target", help="file.py, file.py:function or module:function")
+    check.add_argument("--steps", type=int, default=1, help="training steps compared (default 1)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    check.add_argument("--int-high", type=int, default=2,
+                       help="integer feeds (token ids, labels) are drawn below this (default 2: valid for any model)")  # fmt: skip
     return parser
 
 
@@ -275,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         dist = load_target(args.target)
         if args.command == "explain":
             sys.stdout.write(explain_text(dist, args.target))
+        elif args.command == "check":
+            from autopar.inspect.check import check, random_feeds
+
+            report = check(dist, random_feeds(dist, args.steps, args.seed, args.int_high))
+            print(report)
+            return 0 if report.clean else 1
         else:
             result = dist.dump_diff(args.out, ranks=args.ranks, context=args.context, collapse=args.collapse,
                                     layer=args.layer, svg=not args.no_svg)  # fmt: skip

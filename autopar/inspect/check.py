@@ -12,11 +12,15 @@ names the first op, in program order, whose output differs beyond its tolerance,
 the placements of its inputs and output, the collectives that fed it and where in the tensor the
 difference is largest; then a per-layer summary.
 
-Tolerances mean something: the error of a value is ``max |dist - serial| / max |serial|`` (its
-scale, not each element's), allowed ``16 · eps(dtype) · sqrt(K)`` where ``K`` is how many terms
-the op sums into one output element (a matmul's inner size, a reduction's length, the rows of a
-weight gradient), or 16 x the largest error of its inputs (an op may amplify what it is given,
-but cannot make a lost micro-batch out of rounding). Integer values compare exactly.
+Tolerances mean something. A value's scale is the larger of its own largest element and the
+largest terms its op adds up (its largest input, or the product of its two largest: a value that
+cancels to ~0, like a conv bias's gradient behind a batch norm, is judged by what it was summed
+from). Its ``max |dist - serial|`` may reach ``16 · eps(dtype) · sqrt(K)`` of that scale, ``K``
+being how many terms the op sums into one element (a matmul's inner size, a reduction's length,
+the rows of a weight gradient), or what its inputs' own differences become through the op
+(``16 · sqrt(K)`` x each input's difference x the largest other input): an op may carry and
+amplify the rounding it is given, it cannot make a lost micro-batch out of it. The error shown is
+the difference over the scale. Integer values compare exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from autopar.rank_plan import ValueKey
 
 EPS = {"float64": 2.3e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.9e-3}
 SUMMING = ("softmax", "norm", "mean", "sum", "cross_entropy", "logsumexp", "max", "min", "prod", "cumsum")
+MOVES = ("reshape", "transpose", "flatten", "squeeze", "assign", "slice", "concat", "split", "cast", "stack", "unbind", "expand")
 MATMULS = ("matmul", "matmul_grad", "linear", "bmm", "fused_gemm_epilogue")
 
 
@@ -138,6 +143,26 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
     return _compare(dist, keys, serial, distributed)
 
 
+def random_feeds(dist: Any, steps: int = 1, seed: int = 0, int_high: int = 2) -> list[dict[str, np.ndarray]]:
+    """``steps`` feed dicts of random global arrays for ``dist``'s program (floats standard
+    normal; integers in ``[0, int_high)``, valid token ids and labels of any model by default)."""
+    rng = np.random.default_rng(seed)
+    graph, out = dist.graph, []
+    for _ in range(steps):
+        feed = {}
+        for name, key in dist.values.named("feed").items():
+            value = graph.values[key]
+            shape = value.declared or value.shape  # (the whole batch, not one micro-batch)
+            if value.dtype.startswith(("int", "uint")):
+                feed[name] = rng.integers(0, int_high, size=shape).astype(value.dtype)
+            elif value.dtype == "bool":
+                feed[name] = rng.integers(0, 2, size=shape).astype(bool)
+            else:
+                feed[name] = rng.standard_normal(shape).astype(value.dtype)
+        out.append(feed)
+    return out
+
+
 # ---- running both sides ----------------------------------------------------------------
 def _feeds(feeds: Any, steps: int | None) -> list[Mapping[str, Any]]:
     if isinstance(feeds, Mapping):
@@ -161,7 +186,9 @@ def _keys(dist: Any) -> list[ValueKey]:
 
     def compared(key: ValueKey) -> bool:
         value, op = graph.values[key], graph.ops[key[0]]
-        return key in values and value.kind not in ("vector", "constant") and not (op.name in CONSTANT_OPS and not op.inputs)
+        if key not in values or value.kind in ("vector", "constant") or any(size < 0 for size in value.shape):
+            return False  # (a -1 size: an auxiliary output, batch_norm's reserve space)
+        return not (op.name in CONSTANT_OPS and not op.inputs)
 
     keys = [k for k in graph.tensor_keys() if compared(k)]
     made = makers(graph)
@@ -205,9 +232,10 @@ def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str
     from autopar.runtime.simulator import run_step
 
     plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
+    named = {k: dist.graph.values[k].name for k in keys if dist.values.info(k).kind in ("parameter", "state")}
     runners = {}
-    for rank, plan in plans.items():
-        mine = [k for k in keys if k in plan.replaced or plan.op_positions[k[0]] >= 0]
+    for rank, plan in plans.items():  # (parameters and states: read by name once the step is done)
+        mine = [k for k in keys if k not in named and (k in plan.replaced or plan.op_positions[k[0]] >= 0)]
         runners[rank] = PipelineRunner(plan, mine, capture=True) if plan.pipeline is not None else RankRunner(plan, mine)
     start = generator_state()
     for runner in runners.values():
@@ -226,6 +254,9 @@ def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str
             else:
                 for key, piece in zip(runner.fetch_keys, runner.fetch_pieces()):
                     step.setdefault(key, {})[rank] = {0: piece}
+            for key, name in named.items():
+                if runner.scope.find_var(name) is not None:
+                    step.setdefault(key, {})[rank] = {0: runner.read(name)}
         out.append(step)
     return out
 
@@ -249,6 +280,8 @@ def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: l
     compared = 0
     micro = _micro_batches(dist)
     made = makers(graph)
+    scales: dict[ValueKey, float] = {}  # each value's reference scale (a parameter's: from its last update)
+    gaps: dict[ValueKey, float] = {}  # each value's max |dist - serial| (a parameter's: after its last update)
     for step, (want, got) in enumerate(zip(serial, distributed)):
         errors: dict[ValueKey, float] = {}
         for key in keys:
@@ -260,8 +293,10 @@ def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: l
                 continue
             compared += 1
             maker = made.get(key, key[0])
-            tolerance = _tolerance(graph, key, maker, errors)
-            found = _difference(dist, step, key, maker, reference, rebuilt, tolerance, errors)
+            terms = scales[key] = max(_term_scale(graph, maker, want), _moved_scale(graph, maker, scales))
+            scale = max(float(np.max(np.abs(reference))) if reference.size else 0.0, terms)
+            allowed = _allowance(graph, key, maker, want, gaps, scale)
+            found = _difference(dist, step, key, maker, reference, rebuilt, allowed, scale, errors, gaps)
             layer = layer_of(graph, maker)
             stats = per_layer.setdefault(layer, [0, 0, 0.0, ""])
             stats[0] += 1
@@ -274,6 +309,28 @@ def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: l
     first = _explained(dist, differences[0]) if differences else None
     ordered = tuple([first] + differences[1:]) if first is not None else ()
     return CheckReport(len(serial), compared, ordered, layers, dist.mesh.size, micro)
+
+
+def _term_scale(graph: Any, maker: int, want: Mapping[ValueKey, np.ndarray]) -> float:
+    """How large the terms op ``maker`` adds up can be: its largest input, or the product of its
+    two largest (a matmul's, a product's). A value that cancels to ~0 (a conv bias's gradient
+    behind a batch norm is exactly 0) is judged against them, not against its own size."""
+    sizes = sorted(
+        (float(np.max(np.abs(want[k]))) for k in graph.ops[maker].inputs
+         if k is not None and k in want and want[k].size and want[k].dtype.kind == "f"),
+        reverse=True,
+    )  # fmt: skip
+    if not sizes:
+        return 0.0
+    return max(sizes[0], sizes[0] * sizes[1]) if len(sizes) > 1 else sizes[0]
+
+
+def _moved_scale(graph: Any, maker: int, scales: Mapping[ValueKey, float]) -> float:
+    """An op that only moves or re-lays values (reshape, transpose, slice, a cast, their grads)
+    keeps its input's reference scale: a ~0 gradient reshaped is still judged by its terms."""
+    if not any(word in graph.ops[maker].short_name for word in MOVES):
+        return 0.0
+    return max((scales.get(k, 0.0) for k in graph.ops[maker].inputs if k is not None), default=0.0)
 
 
 def _recomputed(graph: Any, key: ValueKey, want: Mapping[ValueKey, np.ndarray]) -> ValueKey:
@@ -353,39 +410,45 @@ def reduction_length(graph: Any, key: ValueKey, maker: int | None = None) -> int
     return length
 
 
-def _tolerance(graph: Any, key: ValueKey, maker: int, errors: Mapping[ValueKey, float]) -> float:
-    value = graph.values[key]
-    eps = EPS.get(value.dtype)
+def _allowance(graph: Any, key: ValueKey, maker: int, want: Mapping[ValueKey, np.ndarray], gaps: Mapping[ValueKey, float], scale: float) -> float:
+    """The largest |dist - serial| of ``key`` that rounding explains: ``16 · eps · sqrt(K)`` of its
+    scale, or what its inputs' own differences become through the op — each input's gap times
+    the largest other input (a product's gain), summed over K terms (``16 · sqrt(K)`` of it)."""
+    eps = EPS.get(graph.values[key].dtype)
     if eps is None:
         return 0.0  # integers, booleans: exact
-    inherited = max((errors.get(k, 0.0) for k in graph.ops[maker].inputs if k is not None and k != key), default=0.0)
-    return max(16 * eps * math.sqrt(reduction_length(graph, key, maker)), 16 * inherited)
+    root = math.sqrt(reduction_length(graph, key, maker))
+    inputs = [k for k in graph.ops[maker].inputs if k is not None and k != key and k in want and want[k].dtype.kind == "f"]
+    sizes = {k: float(np.max(np.abs(want[k]))) if want[k].size else 0.0 for k in inputs}
+    inherited = 0.0
+    for k in inputs:
+        gain = max([1.0] + [size for other, size in sizes.items() if other != k])
+        inherited = max(inherited, gaps.get(k, 0.0) * gain)
+    return max(16 * eps * root * scale, 16 * root * inherited)
 
 
 def _difference(
-    dist: Any, step: int, key: ValueKey, maker: int, want: np.ndarray, rebuilt: _Rebuilt, tolerance: float, errors: dict
+    dist: Any, step: int, key: ValueKey, maker: int, want: np.ndarray, rebuilt: _Rebuilt, allowed: float, scale: float,
+    errors: dict, gaps: dict,
 ) -> Difference | None:  # fmt: skip
     got = rebuilt.array
     if got.shape != want.shape:
         raise AutoparError(f"check: {dist.graph.values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
-    exact = EPS.get(dist.graph.values[key].dtype) is None
     wide, serial = got.astype("float64"), want.astype("float64")
     gap = np.abs(wide - serial)
-    scale = float(np.max(np.abs(serial))) if serial.size else 0.0
     max_abs = float(np.nanmax(gap)) if gap.size else 0.0
-    error = max_abs / scale if scale > 0 else max_abs
-    if np.isnan(gap).any() and not np.isnan(serial).all():
-        error = math.inf
-    errors[key] = error
     micro_batch = None
     if rebuilt.micro_batch is not None and len(rebuilt.per_micro_batch) > 1:  # each micro-batch holds it whole
         for mb, array in enumerate(rebuilt.per_micro_batch):
-            mb_error = float(np.max(np.abs(array.astype("float64") - serial))) / (scale or 1.0) if serial.size else 0.0
-            if mb_error > error:
-                error, micro_batch, gap = mb_error, mb, np.abs(array.astype("float64") - serial)
-                max_abs = float(np.max(gap))
-        errors[key] = error
-    differs = (max_abs > 0) if exact else (error > tolerance)
+            mb_gap = np.abs(array.astype("float64") - serial)
+            if mb_gap.size and float(np.max(mb_gap)) > max_abs:
+                micro_batch, gap, max_abs = mb, mb_gap, float(np.max(mb_gap))
+    if np.isnan(gap).any() and not np.isnan(serial).all():
+        max_abs = math.inf
+    error = max_abs / scale if scale > 0 else max_abs
+    tolerance = allowed / scale if scale > 0 else allowed
+    errors[key], gaps[key] = error, max_abs
+    differs = max_abs > allowed
     if not differs and not rebuilt.replicas:
         return None
     from autopar.causes import layer_of

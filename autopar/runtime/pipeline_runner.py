@@ -58,9 +58,9 @@ class PipelineRunner(RankRunner):
         self.jobs_of: dict[str, list[int]] = {}  # job label ("F0", "B2", "OPT") -> job indices
         for index, label in enumerate(self.host.phases):
             self.jobs_of.setdefault(label, []).append(index)
-        self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items()}
+        self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items() if pos[0] >= 0}  # (>= 0: made here)
         if capture:  # parameters and states, read by name: as the step leaves them
-            self.fetch_label |= {k: "OPT" for k in self.exports if plan.values.info(k).kind in ("parameter", "state")}
+            self.fetch_label |= {k: "OPT" for k in self.fetch_label if plan.values.info(k).kind in ("parameter", "state")}
         self.steps: list[Step] = self._steps()
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autopar.testing.models import SeedProgram, alexnet_program, annotate_megatron, gpt_block_program, linear_net, simple_net
+from autopar.testing.models import (
+    SeedProgram,
+    alexnet_program,
+    annotate_megatron,
+    gpt_block_program,
+    linear_net,
+    simple_net,
+)
 from autopar.testing.pipeline_models import residual_blocks, staged_mlp, tied_lm
 
 Built = tuple[SeedProgram, Any]
@@ -41,10 +48,13 @@ def _simple(mode: str) -> Built:
     return _compile(seed, mesh)
 
 
-def _gpt(mesh_shape: tuple[int, ...], names: list[str], vocab_parallel: bool = False, optimizer: str = "momentum", **strategy: Any) -> Built:
+def _gpt(
+    mesh_shape: tuple[int, ...], names: list[str], vocab_parallel: bool = False, optimizer: str = "momentum", dropout: float = 0.0,
+    **strategy: Any,
+) -> Built:  # fmt: skip
     import autopar
 
-    seed = gpt_block_program(batch=4, seq=8, hidden=32, heads=4, vocab=64, layers=2, optimizer=optimizer)
+    seed = gpt_block_program(batch=4, seq=8, hidden=32, heads=4, vocab=64, layers=2, optimizer=optimizer, dropout=dropout)
     mesh = _mesh(mesh_shape, names)
     if "mp" in names:
         annotate_megatron(seed, mesh)
@@ -68,6 +78,34 @@ def _alexnet(classifier_mp: bool = False) -> Built:
         autopar.shard_tensor(seed.layers["fc1"].weight, mesh, [None, "mp"])
         autopar.shard_tensor(seed.layers["fc2"].weight, mesh, ["mp", None])
     return _compile(seed, mesh)
+
+
+def _conv_bn(mode: str) -> Built:
+    """conv + BatchNorm2D + relu, a residual conv + BatchNorm2D, a linear head. ``"dp"``: the
+    batch split (exact batch statistics over dp); ``"mp"``: the first conv's output channels
+    split (the batch norms' statistics follow); ``"dp_mp"``: both."""
+    import autopar
+    from autopar.testing.models import _static
+
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = 11
+    nn, F = paddle.nn, paddle.nn.functional
+    mesh = _mesh((2, 2), ["dp", "mp"]) if mode == "dp_mp" else _mesh((2,), [mode])
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 3, 6, 6], "float32")
+        label = paddle.static.data("label", [4, 1], "int64")
+        conv1, bn1 = nn.Conv2D(3, 4, 3, padding=1), nn.BatchNorm2D(4)
+        conv2, bn2 = nn.Conv2D(4, 4, 3, padding=1), nn.BatchNorm2D(4, momentum=0.8)
+        if "dp" in mesh.dim_names:
+            autopar.shard_tensor(x, mesh, ["dp", None, None, None])
+        if "mp" in mesh.dim_names:
+            autopar.shard_tensor(conv1.weight, mesh, ["mp", None, None, None])
+            autopar.shard_tensor(conv1.bias, mesh, ["mp"])
+        h = F.relu(bn1(conv1(x)))
+        h = h + bn2(conv2(h))
+        loss = paddle.mean(F.cross_entropy(nn.Linear(4 * 36, 5)(paddle.flatten(h, 1)), label))
+        paddle.optimizer.Momentum(0.1).minimize(loss)
+    return _compile(SeedProgram(main, startup, {"x": x, "label": label}, loss), mesh)
 
 
 def _linear_adam() -> Built:
@@ -94,7 +132,11 @@ CONFIGS: dict[str, Callable[[], Built]] = {
     "linear_net dp2 adam": _linear_adam,
     "alexnet dp2": _alexnet,
     "alexnet dp2xmp2": lambda: _alexnet(classifier_mp=True),
+    "conv bn dp2": lambda: _conv_bn("dp"),
+    "conv bn mp2": lambda: _conv_bn("mp"),
+    "conv bn dp2xmp2": lambda: _conv_bn("dp_mp"),
     "gpt mp2": lambda: _gpt((2,), ["mp"]),
+    "gpt dp2 dropout": lambda: _gpt((2,), ["dp"], dropout=0.1),
     "gpt dp2xmp2": lambda: _gpt((2, 2), ["dp", "mp"]),
     "gpt mp2 sequence parallel": lambda: _gpt((2,), ["mp"], sequence_parallel=True),
     "gpt mp2 recompute": lambda: _gpt((2,), ["mp"], recompute=True),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autopar.collective import Collective
+from autopar.distributed_program import DistributedProgram
 from autopar.learning_rate import LearningRateSchedule
 from autopar.rank_plan import RankPlan
 
@@ -17,19 +18,19 @@ Edit = Callable[[RankPlan], RankPlan]
 Match = Callable[[Collective], bool]
 
 
-class FaultyProgram:
-    """``dist`` with every rank plan passed through ``edit`` (everything else delegated)."""
+class FaultyProgram(DistributedProgram):
+    """``dist`` (a DistributedProgram, shared) whose host rank plans pass through ``edit``."""
 
-    def __init__(self, dist: Any, edit: Edit) -> None:
-        self._dist, self._edit, self._plans = dist, edit, {}
+    def __init__(self, dist: DistributedProgram, edit: Edit) -> None:  # (not super().__init__: it shares dist's state)
+        self.__dict__.update(dist.__dict__)
+        self._correct, self._edit, self._faulty = dist, edit, {}
 
-    def rank_plan(self, rank: int, *args: Any, **kwargs: Any) -> RankPlan:
-        if rank not in self._plans:
-            self._plans[rank] = self._edit(self._dist.rank_plan(rank, *args, **kwargs))
-        return self._plans[rank]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dist, name)
+    def rank_plan(self, rank: int, backend: str = "host", after: str | None = None, fetches: Any = ()) -> RankPlan:
+        if backend != "host" or after is not None or fetches:
+            raise ValueError("a FaultyProgram runs its host rank plans as they are, without fetches")
+        if rank not in self._faulty:
+            self._faulty[rank] = self._edit(self._correct.rank_plan(rank))
+        return self._faulty[rank]
 
 
 def _collectives(plan: RankPlan, change: Callable[[Collective], Collective]) -> RankPlan:
