@@ -100,8 +100,8 @@ def key_activations(dist: Any) -> list[Any]:
     from autopar.graph import Role
     from autopar.inspect.view import layer_of
 
-    graph = dist.graph
-    resharded = {need.value for need in dist.propagation.reshards}
+    graph = dist.decisions.graph
+    resharded = {r.key for r in dist.decisions.reshards()}
     forward = [
         op for op in graph.ops if op.role is Role.FORWARD and op.name not in ("pd_op.full_int_array", "pd_op.full")
     ]
@@ -122,26 +122,17 @@ def key_activations(dist: Any) -> list[Any]:
 
 
 def placement_lines(dist: Any) -> list[str]:
-    graph, rank0 = dist.graph, dist.mesh.ranks[0]
-    from autopar.inspect.view import layer_of
-
+    decisions, rank0 = dist.decisions, dist.mesh.ranks[0]
     rows = [("tensor", "kind", "made by", "shape", "placement", f"local on rank {rank0}")]
 
-    def row(key: Any) -> tuple[str, ...]:
-        value = graph.values[key]
-        attr = dist.propagation.dist(key)
+    def row(value: Any) -> tuple[str, ...]:
+        attr = value.placement
         local = str(list(attr.local_shape(value.shape, rank0))) if rank0 in attr.mesh.ranks else "-"
-        op = graph.ops[key[0]]
-        layer = layer_of(graph, op.index)
-        made = (
-            "-"
-            if value.kind in ("parameter", "feed")
-            else f"{op.short_name}#{op.index}" + (f" ({layer})" if layer else "")
-        )
-        return value.label, value.kind, made, str(list(value.shape)), str(attr), local
+        made = "-" if value.kind in ("parameter", "feed") else value.producer.split(".", 1)[-1] + (f" ({value.layer})" if value.layer else "")
+        return decisions.graph.values[value.key].label, value.kind, made, str(list(value.shape)), str(attr), local
 
-    rows += [row(k) for k, v in graph.values.items() if v.kind == "parameter"]
-    rows += [row(k) for k in key_activations(dist)]
+    rows += [row(v) for v in decisions.values(("parameter",))]
+    rows += [row(decisions.value(k)) for k in key_activations(dist)]
     return [f"placements (per mesh dim {list(dist.mesh.dim_names)}):", *_table(rows)]
 
 
@@ -171,19 +162,23 @@ def collective_lines(dist: Any) -> list[str]:
 
 def pipeline_lines(dist: Any) -> list[str]:
     """Each pipeline rank's verified schedule and its modelled bubble (F = 1, B = 2)."""
-    plan = dist.state.pipeline
+    plan = dist.decisions.pipeline()
     if plan is None:
         return ["pipeline schedule: no pipeline"]
     from autopar.schedule_timeline import simulate_timeline
 
-    timeline = simulate_timeline({r: list(a) for r, a in plan.actions.items()})
+    timeline = simulate_timeline({r: list(a) for r, a in enumerate(plan.actions)})
     lines = [
         f"pipeline: {len(plan.stages)} stages on {len(plan.meshes)} sub-meshes, {plan.micro_batches} micro-batches, "
-        f"{plan.schedule_name}; modelled bubble {timeline.bubble_fraction:.1%} (F = 1, B = 2), peak stash per rank "
+        f"{plan.schedule}; modelled bubble {timeline.bubble_fraction:.1%} (F = 1, B = 2), peak stash per rank "
         f"{list(timeline.peak_stash)}"
     ]
-    for rank, actions in sorted(plan.actions.items()):
+    for rank, actions in enumerate(plan.actions):
         lines.append(f"  {plan.meshes[rank]}: {' '.join(map(str, actions))}")
+    for shared in plan.shared:
+        copies = f"; the updated value replaces the copy on {', '.join(map(str, shared.copies))} once per step" if shared.copies else \
+            "; sharded: the other stages receive it at each read"
+        lines.append(f"  shared parameter {shared.name}: read on {len(shared.readers)} stages, updated on {shared.owner}{copies}")
     return lines
 
 
@@ -192,20 +187,19 @@ def region_lines(dist: Any) -> list[str]:
     parallel region ends, and why (add a rule, or annotate around the op)."""
     unsupported = set(dist.report.unsupported_ops)
     lines = []
-    for planned in dist.state.reshards:
-        reader = dist.graph.ops[planned.need.op]
-        kinds = {step.kind.value for step in planned.plan.steps}
-        if str(reader) in unsupported and kinds & {"all_gather", "all_reduce"}:
+    for reshard in dist.decisions.reshards():
+        kinds = set(reshard.kinds)
+        if reshard.op in unsupported and kinds & {"all_gather", "all_reduce"}:
             lines.append(
-                f"  {dist.state.label(planned.need.value)} {planned.need.have} is made whole ({', '.join(sorted(kinds))}) "
-                f"for {reader}: it has no SPMD rule, so it runs replicated"
+                f"  {reshard.value} {reshard.have} is made whole ({', '.join(sorted(kinds))}) "
+                f"for {reshard.op}: it has no SPMD rule, so it runs replicated"
             )
     return ["parallel regions end (ops without an SPMD rule):", *lines, ""] if lines else []
 
 
 def sequence_lines(dist: Any) -> list[str]:
     """Sequence parallelism: the activations split along the sequence, and the region's edges."""
-    regions = dist.state.sequence
+    regions = dist.decisions.sequence()
     if regions is None:
         return []
     axis = regions.axis
@@ -219,15 +213,16 @@ def sequence_lines(dist: Any) -> list[str]:
 
 def zero_lines(dist: Any) -> list[str]:
     """ZeRO's decision per parameter update (empty without ZeRO)."""
-    if not dist.state.zero:
+    zero = dist.decisions.zero()
+    if not zero:
         return []
-    return [f"ZeRO stage {dist.strategy.zero_stage}:", *(f"  {z}" for z in dist.state.zero), ""]
+    return [f"ZeRO stage {dist.strategy.zero_stage}:", *(f"  {z}" for z in zero), ""]
 
 
 def explain_text(dist: Any, target: str = "") -> str:
     lines = [
         f"autopar explain {target}".rstrip(),
-        f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.graph)} serial ops",
+        f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.decisions.graph)} serial ops",
         "",
     ]
     lines += placement_lines(dist) + [""]

@@ -83,6 +83,14 @@ class DistributedProgram:
         """Why rank programs cannot be built (empty when they can)."""
         return self.state.unavailable
 
+    @functools.cached_property
+    def decisions(self) -> Any:
+        """What compile decided, as values (:mod:`autopar.inspect.query`): per value, per
+        reshard, per strategy feature. The public way to ask; the compile state is internal."""
+        from autopar.inspect.query import Decisions
+
+        return Decisions(self)
+
     @property
     def passes(self) -> PassPipeline:
         """The declared pass pipeline (``print(dist.passes)`` lists it with its options)."""

@@ -135,7 +135,7 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
     keys = _keys(dist)
     for item in fetch_list or ():
         if dist.key(item) not in keys:
-            raise AutoparError(f"check cannot compare {dist.graph.values[dist.key(item)].label}: it has no captured value")
+            raise AutoparError(f"check cannot compare {dist.decisions.graph.values[dist.key(item)].label}: it has no captured value")
     start = generator_state()
     distributed = _distributed_values(dist, keys, feeds)
     use_generator_state(start)
@@ -147,7 +147,7 @@ def random_feeds(dist: Any, steps: int = 1, seed: int = 0, int_high: int = 2) ->
     """``steps`` feed dicts of random global arrays for ``dist``'s program (floats standard
     normal; integers in ``[0, int_high)``, valid token ids and labels of any model by default)."""
     rng = np.random.default_rng(seed)
-    graph, out = dist.graph, []
+    graph, out = dist.decisions.graph, []
     for _ in range(steps):
         feed = {}
         for name, key in dist.values.named("feed").items():
@@ -182,7 +182,7 @@ def _keys(dist: Any) -> list[ValueKey]:
     carry their value in the op and every segment makes them again)."""
     from autopar.op_kinds import CONSTANT_OPS
 
-    graph, values = dist.graph, dist.values
+    graph, values = dist.decisions.graph, dist.values
 
     def compared(key: ValueKey) -> bool:
         value, op = graph.values[key], graph.ops[key[0]]
@@ -211,7 +211,7 @@ def makers(graph: Any) -> dict[ValueKey, int]:
 def _serial_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any]]) -> list[dict[ValueKey, np.ndarray]]:
     import paddle
 
-    program = dist.graph.program
+    program = dist.decisions.program
     ops = list(program.global_block().ops)
     scope, executor = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     out = []
@@ -232,7 +232,7 @@ def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str
     from autopar.runtime.simulator import run_step
 
     plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
-    named = {k: dist.graph.values[k].name for k in keys if dist.values.info(k).kind in ("parameter", "state")}
+    named = {k: dist.decisions.graph.values[k].name for k in keys if dist.values.info(k).kind in ("parameter", "state")}
     runners = {}
     for rank, plan in plans.items():  # (parameters and states: read by name once the step is done)
         mine = [k for k in keys if k not in named and (k in plan.replaced or plan.op_positions[k[0]] >= 0)]
@@ -274,7 +274,7 @@ class _Rebuilt:
 def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: list[dict]) -> CheckReport:
     from autopar.causes import layer_of
 
-    graph = dist.graph
+    graph = dist.decisions.graph
     differences: list[Difference] = []
     per_layer: dict[str, list] = {}
     compared = 0
@@ -433,7 +433,7 @@ def _difference(
 ) -> Difference | None:  # fmt: skip
     got = rebuilt.array
     if got.shape != want.shape:
-        raise AutoparError(f"check: {dist.graph.values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
+        raise AutoparError(f"check: {dist.decisions.graph.values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
     wide, serial = got.astype("float64"), want.astype("float64")
     gap = np.abs(wide - serial)
     max_abs = float(np.nanmax(gap)) if gap.size else 0.0
@@ -457,13 +457,13 @@ def _difference(
     if rebuilt.split_dim is not None and where:  # the micro-batch holding that row
         micro_batch = where[rebuilt.split_dim] // rebuilt.per_micro_batch[0].shape[rebuilt.split_dim]
     rel = gap / np.maximum(np.abs(serial), scale * 1e-3 if scale else 1e-30)
-    graph = dist.graph
+    graph = dist.decisions.graph
     return Difference(
-        step=step, key=key, value=dist.state.label(key), op=str(graph.ops[maker]), layer=layer_of(graph, maker),
+        step=step, key=key, value=dist.decisions.label(key), op=str(graph.ops[maker]), layer=layer_of(graph, maker),
         error=error, tolerance=tolerance, max_abs=max_abs, max_rel=float(np.nanmax(rel)) if rel.size else 0.0, where=where,
         serial=float(serial[where]) if serial.size else 0.0, distributed=float(wide[where]) if wide.size else 0.0,
         placement=str(dist.values.info(key).produced), micro_batch=micro_batch, replicas=rebuilt.replicas,
-        inputs=tuple(f"{dist.state.label(k)} {dist.values.info(k).produced}: error {errors.get(k, 0.0):.3g}"
+        inputs=tuple(f"{dist.decisions.label(k)} {dist.values.info(k).produced}: error {errors.get(k, 0.0):.3g}"
                      for k in graph.ops[maker].inputs if k is not None and k in dist.values),
     )  # fmt: skip
 
@@ -472,9 +472,9 @@ def _explained(dist: Any, found: Difference) -> Difference:
     """``found`` with the collectives that fed its op: those moving one of its inputs."""
     import dataclasses
 
-    graph = dist.graph
+    graph = dist.decisions.graph
     op = graph.ops[makers(graph).get(found.key, found.key[0])]
-    labels = {graph.values[k].label for k in op.inputs if k is not None} | {dist.state.label(k) for k in op.inputs if k is not None}
+    labels = {graph.values[k].label for k in op.inputs if k is not None} | {dist.decisions.label(k) for k in op.inputs if k is not None}
     seen: dict[Any, str] = {}  # one line per collective (a send and its recv share their key)
     for rank in dist.mesh.ranks:
         for c in dist.comm_ops(rank):

@@ -147,22 +147,23 @@ def saved_activations(graph: Any, resharded: frozenset[tuple[int, Any]] = frozen
     return keys
 
 
-def kept_copies(state: Any) -> tuple[list[TensorInfo], frozenset[tuple[int, Any]]]:
+def kept_copies(decisions: Any) -> tuple[list[TensorInfo], frozenset[tuple[int, Any]]]:
     """Resharded copies a forward read makes and a backward read reuses (the all-gathered input
     of a column-parallel linear under sequence parallelism, read again by its matmul_grad): kept
     until the backward in place of the value for that read. Also the (op index, value) reads
     they serve."""
-    graph, planned = state.graph, {p.index: p for p in state.reshards}
+    graph, reshards = decisions.graph, decisions.reshards()
+    planned = {r.index: r for r in reshards}
     kept, served = {}, set()
-    for p in state.reshards:
+    for p in reshards:
         first = planned.get(p.shared_with) if p.shared_with is not None else None
-        reader = graph.ops[p.need.op]
-        if first is None or graph.ops[first.need.op].role is not Role.FORWARD or reader.role is not Role.BACKWARD:
+        reader = graph.ops[p.op_index]
+        if first is None or graph.ops[first.op_index].role is not Role.FORWARD or reader.role is not Role.BACKWARD:
             continue
-        served.add((reader.index, p.need.value))
-        if _reads_data(reader, p.need.value):
-            value = graph.values[p.need.value]
-            kept[first.index] = TensorInfo(f"{value.label} as {p.need.need}", value.shape, value.dtype, p.need.need)
+        served.add((reader.index, p.key))
+        if _reads_data(reader, p.key):
+            value = graph.values[p.key]
+            kept[first.index] = TensorInfo(f"{value.label} as {p.need}", value.shape, value.dtype, p.need)
     return list(kept.values()), frozenset(served)
 
 
@@ -172,16 +173,17 @@ def _reads_data(op: Any, key: Any) -> bool:
 
 def cost_report(dist: Any) -> CostReport:
     """The :class:`CostReport` of a compiled program (see the module docstring)."""
-    graph, prop = dist.graph, dist.propagation
-    cluster = dist.state.cluster
-    params = [TensorInfo(v.name or v.label, v.shape, v.dtype, prop.dist(k)) for k, v in graph.values.items()
+    decisions = dist.decisions
+    graph, placement = decisions.graph, decisions.placement
+    cluster = decisions.cluster
+    params = [TensorInfo(v.name or v.label, v.shape, v.dtype, placement(k)) for k, v in graph.values.items()
               if v.kind == "parameter"]  # fmt: skip
-    copies, served = kept_copies(dist.state)
-    acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, prop.dist(k))
+    copies, served = kept_copies(decisions)
+    acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, placement(k))
             for k in saved_activations(graph, served)] + copies  # fmt: skip
-    states = [(v, prop.dist(k)) for k, v in graph.values.items() if v.kind == "state"]
+    states = [(v, placement(k)) for k, v in graph.values.items() if v.kind == "state"]
     # ZeRO-2/3: each rank keeps only its shard of each gradient (stage 1 keeps it whole)
-    zero = dist.state.zero if dist.state.strategy.zero_stage >= 2 else ()
+    zero = decisions.zero() if dist.strategy.zero_stage >= 2 else ()
     grads = {graph.values[z.param].name: z.sharded for z in zero if z.sharded is not None}
     memory = memory_per_rank(dist.mesh.ranks, params, acts, optimizer="sgd", grad_dists=grads)
     unpriced: set[str] = set()

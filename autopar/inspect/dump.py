@@ -77,7 +77,7 @@ def dump_diff(
         result.dots[rank] = dot_path
         if render:
             result.svgs[rank] = render_svg(dot_path)
-    if dist.state.pipeline is not None:  # drawn without graphviz
+    if dist.decisions.pipeline() is not None:  # drawn without graphviz
         result.schedule = _schedule_svg(dist, out / "schedule.svg")
     if svg and not render:
         result.note = NO_DOT.format(dir=out)
@@ -91,9 +91,9 @@ def _schedule_svg(dist: Any, path: Path) -> Path:
     from autopar.schedule_timeline import render_svg as render_timeline
     from autopar.schedule_timeline import simulate_timeline
 
-    plan = dist.state.pipeline
-    timeline = simulate_timeline({rank: list(actions) for rank, actions in plan.actions.items()})
-    path.write_text(render_timeline(timeline, f"{plan.schedule_name}, {plan.micro_batches} micro-batches (modelled)"))
+    plan = dist.decisions.pipeline()
+    timeline = simulate_timeline({rank: list(actions) for rank, actions in enumerate(plan.actions)})
+    path.write_text(render_timeline(timeline, f"{plan.schedule}, {plan.micro_batches} micro-batches (modelled)"))
     return path
 
 

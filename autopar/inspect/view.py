@@ -107,8 +107,8 @@ def rank_view(dist: Any, rank: int, after: str | None = None) -> RankView:
     """Rank ``rank``'s program (as it is after the pass ``after``, default: all passes) read
     against the serial program."""
     plan = dist.rank_plan(rank, after=after)
-    graph = dist.graph
-    serial_ops = list(dist.graph.program.global_block().ops)  # (the serial program after recompute's rewrite, if any)
+    graph = dist.decisions.graph
+    serial_ops = list(dist.decisions.program.global_block().ops)  # (the serial program after recompute's rewrite, if any)
     serial_labels = {
         r.id: graph.values[(i, j)].label
         for i, op in enumerate(serial_ops)

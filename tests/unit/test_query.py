@@ -1,0 +1,61 @@
+"""``dist.decisions``, the public query API: per value, per reshard, per strategy feature; and
+the command line, the inspection modules and the README ask only it (no compile state)."""
+
+import re
+from pathlib import Path
+
+import autopar
+from autopar.testing.catalog import build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_value_says_its_placement_and_who_decided_it():
+    seed, dist = build("simple dp2xmp2")
+    d = dist.decisions
+    weight = d.value(seed.layers["linear1"].weight.name)
+    assert str(weight.placement) == "[R,S(1)]" and weight.decided_by == "user annotation" and weight.kind == "parameter"
+    hidden = d.value(weight.key)  # keys work too
+    assert hidden == weight
+    row_parallel = [v for v in d.values(("activation",)) if v.producer.startswith("pd_op.matmul#") and "P(sum)" in str(v.placement)]
+    assert len(row_parallel) == 1 and str(row_parallel[0].placement) == "[S(0),P(sum)]"  # linear2's partial sums
+    assert row_parallel[0].decided_by.startswith("pd_op.") and row_parallel[0].layer.startswith("Linear")
+    assert d.placement(weight.key) == weight.placement
+
+
+def test_reshards_say_what_moves_why_and_at_what_price():
+    _, dist = build("simple mp2")
+    reshards = dist.decisions.reshards()
+    row_parallel = [r for r in reshards if "row-parallel output" in r.reason]
+    assert len(row_parallel) == 1 and row_parallel[0].kinds == ("all_reduce",) and row_parallel[0].bytes > 0
+    assert row_parallel[0].op.startswith("pd_op.add#") and row_parallel[0].site == "before read"
+    assert [str(c.kind) for c in dist.decisions.collectives(0)] == [str(c.kind) for c in dist.comm_ops(0)]
+
+
+def test_strategy_features_as_values():
+    _, tied = build("tied lm pp2 ZBH1")
+    pipeline = tied.decisions.pipeline()
+    assert pipeline.schedule == "ZBH1" and pipeline.micro_batches == 4 and len(pipeline.actions) == 2
+    (shared,) = pipeline.shared
+    assert shared.name.startswith("embedding_") and shared.owner == pipeline.meshes[0] and shared.copies == (pipeline.meshes[1],)
+    _, zero = build("gpt dp2 zero1")
+    assert zero.decisions.zero() and all(z.label for z in zero.decisions.zero())
+    _, plain = build("simple dp2")
+    assert plain.decisions.pipeline() is None and plain.decisions.zero() == () and plain.decisions.sequence() is None
+    _, recomputed = build("gpt mp2 recompute")
+    assert "kept" in str(recomputed.decisions.recompute()) or recomputed.decisions.recompute().dropped
+
+
+def test_the_command_line_inspection_and_readme_ask_only_the_query_api():
+    internal = re.compile(r"dist\.(state|graph|propagation)\b|\._by_impl")
+    files = [ROOT / "autopar/cli.py", ROOT / "README.md", *(p for p in (ROOT / "autopar/inspect").glob("*.py") if p.name != "query.py")]
+    found = [f"{p.name}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1) if internal.search(line)]
+    assert not found, found
+
+
+def test_a_value_of_another_program_is_refused_by_name():
+    import pytest
+
+    _, dist = build("simple dp2")
+    with pytest.raises(autopar.AutoparError, match="no parameter, feed or state named 'nope'"):
+        dist.decisions.value("nope")
