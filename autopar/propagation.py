@@ -124,6 +124,14 @@ class PropagationResult:
     def dist(self, key: ValueKey) -> DistAttr:
         return self.states[key].dist
 
+    def derived(self) -> PropagationResult:
+        """A copy a strategy decision may change (ZeRO's shard placements and reshards) while
+        this analysis stays as it was, for other strategies to derive from."""
+        return dataclasses.replace(
+            self, states=dict(self.states), op_results=dict(self.op_results), op_meshes=dict(self.op_meshes),
+            conflicts=list(self.conflicts), unsupported=list(self.unsupported), reshards=list(self.reshards),
+        )  # fmt: skip
+
     def made(self, key: ValueKey) -> DistAttr:
         """The placement ``key``'s producer makes (its own, unless resharded right after)."""
         found = self.produced.get(key)

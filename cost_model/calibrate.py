@@ -42,11 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.cost_model.cluster import Cluster, Device, Link, load_cluster
+from autopar.cost_model.cluster import EMULATIONS, Cluster, Device, Link, load_cluster
 from autopar.cost_model.comm import coefficients
 
 MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv", "exchange")
-EMULATED = ("reduce_scatter", "all_to_all")
+EMULATED = tuple(EMULATIONS)  # reduce_scatter, all_to_all: gloo has neither
 CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 40 << 20, 96 << 20)
 ROUNDS = 6  # each size is timed in 6 rounds spread over the run (a burst of load hits one round)
 KNEE = 32 << 20  # glibc's largest dynamic mmap threshold: every allocation this big is fresh memory

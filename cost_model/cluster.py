@@ -41,13 +41,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from autopar.collective_kinds import KINDS
 from autopar.errors import CostModelError
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
 }  # fmt: skip
-EMULATIONS = {"reduce_scatter": "all_reduce", "all_to_all": "all_gather"}
+EMULATIONS = {k.value: e.emulated_by.value for k, e in KINDS.items() if e.emulated_by is not None}  # reduce_scatter, all_to_all
 SUBGROUPS = ("native", "world_exchange")
 PROFILES = {"h100-node": "h100_node.json", "cpu-gloo": "cpu_gloo.json"}
 

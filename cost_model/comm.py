@@ -43,10 +43,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autopar.cost_model.cluster import EMULATIONS, Cluster, Link
+from autopar.collective_kinds import kind_of, priced_kinds
+from autopar.cost_model.cluster import Cluster, Link
 from autopar.errors import CostModelError
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+COLLECTIVES = priced_kinds()  # ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
 def _log2(p: int) -> int:
@@ -54,24 +55,16 @@ def _log2(p: int) -> int:
 
 
 def coefficients(kind: str, p: int, nbytes: float, algorithm: str = "ring") -> tuple[float, float]:
-    """``(steps, bytes)`` with time = ``steps * alpha + bytes * beta`` for one algorithm."""
+    """``(steps, bytes)`` with time = ``steps * alpha + bytes * beta`` for one algorithm (each
+    kind's formula: :mod:`autopar.collective_kinds`)."""
     if kind not in COLLECTIVES:
         raise CostModelError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
     if p <= 1:
         return 0.0, 0.0
-    if algorithm == "tree":
-        if kind == "all_reduce":
-            return 2.0 * _log2(p), 2.0 * nbytes
-        if kind == "broadcast":
-            return float(_log2(p)), _log2(p) * float(nbytes)
+    entry = kind_of(kind)
+    if algorithm == "tree" and not entry.tree:
         raise CostModelError(f"no tree algorithm for {kind}")
-    if kind == "all_reduce":
-        return 2.0 * (p - 1), 2.0 * (p - 1) / p * nbytes
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return float(p - 1), (p - 1) / p * nbytes
-    if kind == "broadcast":
-        return float(p - 1), float(nbytes)
-    return 1.0, float(nbytes)  # send_recv
+    return entry.coefficients(p, nbytes, algorithm)
 
 
 def algorithm_time(kind: str, p: int, nbytes: float, link: Link, algorithm: str = "ring") -> float:
@@ -109,14 +102,13 @@ def _time(kind: str, group: tuple[int, ...], nbytes: float, cluster: Cluster, wo
         raise CostModelError(f"{kind}: group {list(group)} is not inside the world of ranks 0..{len(world) - 1}")
     if world is not None and cluster.subgroups == "world_exchange" and set(group) != world:
         return exchange_time(kind, p, nbytes, tuple(sorted(world)), cluster)
+    entry = kind_of(kind)
     if kind in cluster.emulated:
-        run = EMULATIONS[kind]
-        if kind == "reduce_scatter":
-            return _time(run, group, nbytes, cluster, None) + local_copy_time(nbytes / p, cluster)
-        return _time(run, group, nbytes * p, cluster, None) + local_copy_time(nbytes, cluster)
+        moved, copied = entry.emulation_bytes(p, nbytes)
+        return _time(entry.emulated_by.value, group, moved, cluster, None) + local_copy_time(copied, cluster)
     link = cluster.link_for(group, kind)
     best = algorithm_time(kind, p, nbytes, link, "ring")
-    if cluster.tree and kind in ("all_reduce", "broadcast"):
+    if cluster.tree and entry.tree:
         best = min(best, algorithm_time(kind, p, nbytes, link, "tree"))
     return best
 
@@ -126,13 +118,12 @@ def exchange_time(kind: str, p: int, nbytes: float, world: Sequence[int], cluste
     sends its input to every other (``all_gather_object``: ``len(world)`` x input bytes
     gathered, priced with the profile's ``exchange`` fit, else its ``all_gather`` fit), then
     computes its group's output locally (a copy of what it combines)."""
-    piece = nbytes / p if kind == "all_gather" else nbytes  # what each rank sends
+    piece, combined = kind_of(kind).exchange(p, nbytes)  # what each rank sends, what it combines
     fits = dict(cluster.collectives)
     kind_fit = "exchange" if any(k.split("@")[0] == "exchange" for k in fits) else "all_gather"
     link = cluster.link_for(world, kind_fit)
     gathered = len(world) * piece
-    combined = p * piece if kind in ("all_reduce", "all_gather", "reduce_scatter") else piece
-    local = 0.0 if kind in ("broadcast", "send_recv") else local_copy_time(combined, cluster)
+    local = local_copy_time(combined, cluster) if combined else 0.0
     return algorithm_time("all_gather", len(world), gathered, link) + local
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.collective import CollectiveKind
+from autopar.collective_kinds import kind_of
 from autopar.cost_model import comm
 from autopar.cost_model.cluster import Cluster, default_cluster, dtype_bytes
 from autopar.dist_attr import DistAttr
@@ -223,17 +224,10 @@ def _concatenates(pieces: list[tuple[int, int]], bounds: tuple[int, int]) -> boo
 
 def _step(p: _Problem, kind: str, dims: tuple[int, ...], src: DistAttr, dst: DistAttr, **extra) -> ReshardStep:
     groups = mesh_groups(p.mesh, dims)
-    if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
-        nbytes = _piece_bytes(p, src)
-    else:  # all_gather output, slice output, make_partial buffer
-        nbytes = _piece_bytes(p, dst)
-    if kind == "slice":
-        time = comm.local_copy_time(nbytes, p.cluster)
-    elif kind == "make_partial":
-        if extra.get("reduce") in ("max", "min", "avg"):  # every rank keeps its copy
-            nbytes, time = 0, 0.0
-        else:
-            time = nbytes / p.cluster.device.memory_bandwidth
+    entry = kind_of(kind)
+    nbytes = _piece_bytes(p, src if entry.sized_by_input else dst)  # (all_gather, slice, make_partial: their output)
+    if CollectiveKind(kind).is_local:
+        nbytes, time = entry.local_time(nbytes, extra.get("reduce"), p.cluster)
     else:
         time = comm.groups_time(kind, groups, nbytes, p.cluster)
     return ReshardStep(kind, dims, groups, int(nbytes), time, src, dst, **extra)

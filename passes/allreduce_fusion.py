@@ -39,13 +39,14 @@ from typing import ClassVar
 
 from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.collective_kinds import REDUCE_CODES
 from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import Role
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, GradientBucket, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import REDUCE_CODES, read_site
+from autopar.passes.reshard_emission import read_site
 from autopar.propagation import SiteKind
 
 DEFAULT_BUCKET_BYTES = 32 << 20

@@ -22,11 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.collective import Collective
-from autopar.dist_attr import shard_bounds
+from autopar.collective_kinds import KINDS
 from autopar.errors import NativeUnsupported
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.passes.reshard_emission import REDUCE_CODES
 
 
 @dataclass(frozen=True)
@@ -60,13 +58,11 @@ def lower_for_native(rp: RankProgram, world: int) -> None:
     with paddle.static.program_guard(rp.program):
         for collective, op_id in rp.collectives:
             op = ops[op_id]
-            if (collective.kind == "all_reduce" and collective.reduce != "avg") or (
-                collective.kind == "all_gather" and collective.axis == 0 and _even(collective)
-            ):
+            paddle.pir.set_insertion_point(op)
+            new = KINDS[collective.kind].native_op(collective, op.operand_source(0), rp.rings[collective.group], rp.rank)
+            if new is None:  # the host op runs natively as it is
                 lowered.append((collective, op_id))
                 continue
-            paddle.pir.set_insertion_point(op)
-            new = _lowered(collective, op.operand_source(0), rp.rings[collective.group], rp.rank)
             new.set_type(paddle.pir.create_shaped_type(op.result(0).type(), list(collective.output_shape)))
             old = op.result(0)
             old.replace_all_uses_with(new)
@@ -84,54 +80,3 @@ def _repoint(rp: RankProgram, old: Any, new: Any) -> None:
         for key, value in table.items():
             if value.is_same(old):
                 table[key] = new
-
-
-def _even(comm: Collective) -> bool:
-    """Whether every member contributes a piece of the same size (what Paddle's gather needs)."""
-    return len({comm.src.local_shape(comm.shape, r)[comm.axis] for r in comm.group}) == 1
-
-
-def _lowered(comm: Collective, x: Any, ring: int, rank: int) -> Any:
-
-    parts = len(comm.group)
-    index = comm.group.index(rank)
-    if comm.kind == "all_reduce":
-        return _all_reduce(x, ring, comm.reduce, parts)
-    if comm.kind == "reduce_scatter":
-        return _own_slice(_all_reduce(x, ring, comm.reduce, parts), comm.axis, parts, index)
-    if comm.kind in ("all_gather", "all_to_all") and not _even(comm):
-        raise NativeUnsupported(
-            f"native backend: {comm.kind} of {comm.value} gathers uneven pieces {comm.src} (shape {list(comm.shape)}; "
-            f"{comm.reason}); use the host backend (backend='auto' does)"
-        )
-    if comm.kind == "all_gather":
-        return _gather_along(x, comm.axis, ring, parts)
-    if comm.kind == "all_to_all":
-        gathered = _gather_along(x, comm.axis, ring, parts)
-        return _own_slice(gathered, comm.split_axis, parts, index)
-    raise NativeUnsupported(f"the native backend cannot run {comm.kind} (from {comm.value}); use the host backend")
-
-
-def _all_reduce(x: Any, ring: int, reduce: str, parts: int) -> Any:
-    import paddle
-
-    if reduce == "avg":
-        return paddle._C_ops.scale(paddle._C_ops.all_reduce(x, ring, REDUCE_CODES["sum"]), 1.0 / parts, 0.0, True)
-    return paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[reduce])
-
-
-def _gather_along(x: Any, axis: int, ring: int, parts: int) -> Any:
-    import paddle
-
-    stacked = paddle._C_ops.all_gather(x, ring, parts)
-    if axis == 0:
-        return stacked
-    pieces = paddle._C_ops.split_with_num(stacked, parts, 0)
-    return paddle._C_ops.concat(pieces, axis)
-
-
-def _own_slice(x: Any, axis: int, parts: int, index: int) -> Any:
-    import paddle
-
-    lo, hi = shard_bounds(x.shape[axis], parts, index)
-    return paddle._C_ops.slice(x, [axis], [lo], [hi], [1], [])

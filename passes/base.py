@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autopar.collective import Collective
 from autopar.cost_model.planner import ReshardPlan
@@ -28,6 +28,16 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed
+
+if TYPE_CHECKING:  # (the passes that make these values import this module)
+    from autopar.cost_model.cluster import Cluster
+    from autopar.micro_batching import MicroBatching
+    from autopar.passes.pipeline_split import PipelinePlan
+    from autopar.passes.zero_fusion import ZeroBucket
+    from autopar.passes.zero_sharding import ZeroShard
+    from autopar.recompute import Recomputation
+    from autopar.sequence_parallel import SequenceRegions
+    from autopar.strategy import Strategy
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +79,20 @@ class CompileState:
     graph: ProgramGraph
     propagation: PropagationResult
     mesh: ProcessMesh
-    strategy: Any
-    cluster: Any = None  # the cost model's cluster, fitted to the mesh
-    startup: Any = None  # the serial startup program (read only)
+    strategy: Strategy
+    cluster: Cluster | None = None  # the cost model's cluster, fitted to the mesh
+    startup: object = None  # the serial startup program (a paddle.pir.Program; read only)
     reshards: list[PlannedReshard] = field(default_factory=list)
     buckets: list[GradientBucket] = field(default_factory=list)
-    zero_buckets: list[Any] = field(default_factory=list)  # ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)
+    zero_buckets: list[ZeroBucket] = field(default_factory=list)  # ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
-    zero: tuple[Any, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
+    zero: tuple[ZeroShard, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
     rewrite_dim_sets: set[tuple[int, ...]] = field(default_factory=set)  # mesh dims of collectives local rewrites emit
-    micro: Any = None  # micro-batching analysis (autopar.micro_batching), when the pipeline runs several
-    recompute: Any = None  # the recompute rewrite and its report (autopar.recompute), when the Strategy asks for it
-    pipeline: Any = None  # stages and schedule (passes/pipeline_split.py)
-    sequence: Any = None  # sequence parallelism's split activations (autopar.sequence_parallel.SequenceRegions)
+    micro: MicroBatching | None = None  # micro-batching analysis (autopar.micro_batching), when the pipeline runs several
+    recompute: Recomputation | None = None  # the recompute rewrite and its report (autopar.recompute), when the Strategy asks for it
+    pipeline: PipelinePlan | None = None  # stages and schedule (passes/pipeline_split.py)
+    sequence: SequenceRegions | None = None  # sequence parallelism's split activations (autopar.sequence_parallel.SequenceRegions)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
     _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 

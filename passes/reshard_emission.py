@@ -19,12 +19,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.errors import AutoparError
+from autopar.collective_kinds import KINDS
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
-
-REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3, "avg": 4}
 
 
 @dataclass(frozen=True)
@@ -120,11 +118,11 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
             return x
         out = paddle._C_ops.scale(x, 0.0, 0.0, True)
     else:
+        axis, split_axis = KINDS[step.kind].axes(step.tensor_dims)
         collective = Collective(
             kind=step.kind, group=group, key=key, value=value.label, src=step.src, dst=step.dst,
             shape=tuple(value.shape), output_shape=tuple(local), bytes=step.bytes, time=step.time, reason=reason,
-            reduce=step.reduce or "sum", axis=step.tensor_dims[0] if step.tensor_dims else 0,
-            split_axis=step.tensor_dims[-1] if step.kind is CollectiveKind.ALL_TO_ALL else 0,
+            reduce=step.reduce or "sum", axis=axis, split_axis=split_axis,
             root=0, dtype=value.dtype,
         )  # fmt: skip
         ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
@@ -163,25 +161,7 @@ def _point_to_point(
 
 def collective_op(collective: Collective, x: Any, ring: int) -> Any:
     """The Paddle op carrying ``collective`` in the host form of a rank program."""
-    import paddle
-
-    kind = collective.kind
-    if kind is CollectiveKind.ALL_REDUCE:
-        return paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[collective.reduce])
-    if kind is CollectiveKind.ALL_GATHER:
-        return paddle._C_ops.all_gather(x, ring, len(collective.group))
-    if kind is CollectiveKind.ALL_TO_ALL:
-        return paddle._C_ops.all_to_all(x, ring)
-    if kind is CollectiveKind.BROADCAST:
-        return paddle._C_ops.broadcast(x, ring, collective.root)
-    if kind is not CollectiveKind.REDUCE_SCATTER:
-        raise AutoparError(f"no op carries {kind} in a rank program yet (reshard of {collective.value})")
-    try:
-        return paddle._C_ops.reduce_scatter(x, ring, len(collective.group))
-    except ValueError:
-        # uneven or non-leading scatter: Paddle's op cannot even be built; the Collective
-        # value carries the semantics and the runtime or backend lowering performs it.
-        return paddle._C_ops.assign(x)
+    return KINDS[collective.kind].host_op(collective, x, ring)
 
 
 def _slice(x: Any, step: Any, shape: tuple[int, ...], rank: int) -> Any:

@@ -80,6 +80,7 @@ class ZeroSharding(Pass):
                 f"Strategy.zero_stage={self.stage}: the program has no optimizer update (sgd_, momentum_, adam_, adamw_)"
             )
         mesh_dim = data_parallel_dim(state, updates)
+        state.propagation = state.propagation.derived()  # ZeRO's placements: a new value, the analysis stays
         decisions = [self._shard(state, op, mesh_dim) for op in updates]
         state.propagation.reshards.sort(key=lambda need: need.op)  # shared reads: the first in program order emits
         state.zero = tuple(decisions)
@@ -138,7 +139,7 @@ class ZeroSharding(Pass):
         if made != sharded:
             site = ReshardSite(SiteKind.AFTER_PRODUCER, key[0], key[1])
             prop.reshards.append(ReshardNeed(site, key, made, sharded))
-        prop.__dict__.pop("produced", None)  # the cached map of after-producer reshards
+        prop.__dict__.pop("produced", None)  # the cached map of after-producer reshards (of the derived value)
 
     def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr) -> None:
         """Stages 1 and 2: the update reads its shard of the whole parameter and the updated

@@ -29,22 +29,19 @@ the process ends with a line naming the rank and the wait), so the bound holds u
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from autopar.collective import Collective, CollectiveKind
+from autopar.collective_kinds import KINDS, emulated, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.rank_status import collective_timeout, waiting
-from autopar.runtime.collectives import own_piece, perform
 from autopar.runtime.jobs import ScopeCall
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
 
 _LINKS: Any = None  # this process's pipeline links (autopar.runtime.p2p.Links), made on first use
-
-_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}  # all_reduces done in place: core.ReduceOp names
 
 
 class GlooCommunicator:
@@ -90,39 +87,32 @@ class GlooCommunicator:
         would call gloo with different sizes (measured: dp2 x mp2 with sequence parallelism,
         the fetched loss's all_reduce follows the gradients' on even mp ranks only). Merging
         them is a decision for the compiler, which sees every rank."""
-        from paddle.base import core
 
         job = call.collective
-        if sorted(job.group) != list(range(self.world)):
-            return False
-        if job.kind is CollectiveKind.ALL_REDUCE:
-            if job.reduce not in _REDUCE_OPS:
-                return False
-        elif job.kind is not CollectiveKind.BROADCAST:
+        run = KINDS[job.kind].in_place(job) if sorted(job.group) == list(range(self.world)) else None
+        if run is None:
             return False
         with waiting(self._label(job), timeout=self.timeout):
             call.target._copy_from(call.source, call.source._place())
             view = self._view
             view.get_tensor()._share_data_with(call.target)
-            if job.kind is CollectiveKind.ALL_REDUCE:
-                self._world_group.all_reduce(view, getattr(core.ReduceOp, _REDUCE_OPS[job.reduce]), True).wait()
-            else:
-                self._world_group.broadcast(view, job.group[job.root], True).wait()
+            run(self._world_group, view).wait()
         return True
 
     def run(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
         what = self._label(job)
-        if job.kind in (CollectiveKind.SEND, CollectiveKind.RECV):
+        if point_to_point(job.kind):
             with waiting(what, timeout=self.timeout), dygraph():
                 return self._point_to_point(job, x)
         with waiting(what, timeout=self.timeout), dygraph():
             world = sorted(job.group) == list(range(self.world))
+            x = np.require(x, requirements="C")
             if self.group_exchange and not world:
-                return self._in_group(job, np.require(x, requirements="C"))
-            if world and job.kind in ("all_reduce", "all_gather", "broadcast"):
-                return self._world(job, np.require(x, requirements="C"))
-            if world and job.kind in ("reduce_scatter", "all_to_all"):
-                return self._lowered(job, np.require(x, requirements="C"))
+                return self._in_group(job, x)
+            if world and KINDS[job.kind].emulated_by is not None:  # as gloo runs it natively (and the cost model prices it)
+                return emulated(job, self.rank, lambda emulation: KINDS[emulation.kind].eager(emulation, x, self))
+            if world:
+                return KINDS[job.kind].eager(job, x, self)
             everyone: list[Any] = []
             import paddle.distributed as pdist
 
@@ -163,17 +153,7 @@ class GlooCommunicator:
             return None
         return self._links().recv(sender, job.key, self.timeout)
 
-    def _lowered(self, job: Collective, x: np.ndarray) -> np.ndarray:
-        """A world reduce_scatter / all_to_all as gloo runs it natively (what the cost model
-        prices and the native backend's lowering does): all_reduce / all_gather + own piece."""
-        index = job.group.index(self.rank)
-        if job.kind == "reduce_scatter":
-            whole = self._world(replace(job, kind=CollectiveKind.ALL_REDUCE), x)
-            return own_piece(whole, job.axis, len(job.group), index)
-        gathered = self._world(replace(job, kind=CollectiveKind.ALL_GATHER), x)
-        return own_piece(gathered, job.split_axis, len(job.group), index)
-
-    def _buffer(self, x: np.ndarray) -> Any:
+    def buffer(self, x: np.ndarray) -> Any:
         """An eager tensor holding ``x``, reused per shape and dtype: every new eager tensor
         leaves ~100 B behind in Paddle 3.3.1 (measured), which grows with every step."""
         import paddle
@@ -186,33 +166,17 @@ class GlooCommunicator:
             tensor.get_tensor().set(x, paddle.CPUPlace())
         return tensor
 
-    def _world(self, job: Collective, x: np.ndarray) -> np.ndarray:
+    def gathered(self, x: np.ndarray) -> dict[int, np.ndarray]:
+        """Every rank's array, by rank (gloo's all_gather when the shapes agree, else an exchange)."""
         import paddle
         import paddle.distributed as pdist
 
-        if job.kind == "all_reduce" and job.reduce in ("sum", "avg", "max", "min"):
-            tensor = self._buffer(x)
-            op = {
-                "sum": pdist.ReduceOp.SUM,
-                "avg": pdist.ReduceOp.SUM,
-                "max": pdist.ReduceOp.MAX,
-                "min": pdist.ReduceOp.MIN,
-            }
-            pdist.all_reduce(tensor, op=op[job.reduce])
-            out = tensor.numpy()
-            return out / len(job.group) if job.reduce == "avg" else out
-        if job.kind == "broadcast":
-            tensor = self._buffer(x)
-            pdist.broadcast(tensor, src=job.group[job.root])
-            return tensor.numpy()
         pieces: list[Any] = []
         if self._even(x):
             pdist.all_gather(pieces, paddle.to_tensor(x))
-            by_rank = dict(zip(range(self.world), (p.numpy() for p in pieces)))
-        else:
-            pdist.all_gather_object(pieces, x)
-            by_rank = dict(zip(range(self.world), pieces))
-        return np.concatenate([by_rank[r] for r in job.group], axis=job.axis)
+            return dict(zip(range(self.world), (p.numpy() for p in pieces)))
+        pdist.all_gather_object(pieces, x)
+        return dict(zip(range(self.world), pieces))
 
     def _even(self, x: np.ndarray) -> bool:
         """Whether every rank's piece has the same shape (gloo's all_gather needs it)."""

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from autopar.collective import CollectiveKind
+from autopar.collective_kinds import perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan, ValueTable
-from autopar.runtime.collectives import perform
 from autopar.runtime.p2p import Inbox
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
@@ -102,7 +102,7 @@ def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: d
     moved = False
     for rank in sorted(pending):
         job = pending[rank]
-        while job is not None and job.kind in (CollectiveKind.SEND, CollectiveKind.RECV):
+        while job is not None and point_to_point(job.kind):
             sender, receiver = job.group
             inbox = mailbox.setdefault(receiver, Inbox())
             if job.kind is CollectiveKind.SEND:
@@ -126,7 +126,7 @@ def run_step(runners: Mapping[int, RankRunner]) -> None:
         ready = None
         for rank in sorted(r for r, job in pending.items() if job is not None):
             job = pending[rank]
-            if job.kind in (CollectiveKind.SEND, CollectiveKind.RECV):
+            if point_to_point(job.kind):
                 continue
             if all(pending.get(member) is not None and pending[member].key == job.key for member in job.group):
                 ready = job

@@ -170,3 +170,38 @@ def test_a_bias_added_three_times_on_two_stages_with_adam():
 
     seed = _program(build, PP)
     assert_equal_to_serial(seed, compiled(seed, PP, 4, "ZBH1"))
+
+
+def test_a_checkpoint_restores_every_copy_of_the_tied_weight(tmp_path):
+    """Saved after 2 steps, loaded (on the same pipeline) and trained 2 more: as 4 steps in a
+    row. The head stage's copy is loaded too (it is read there): a stale copy would make step 3's
+    forward wrong until the first refresh."""
+    seed = tied_lm(PP, (0, 1, 1), optimizer="momentum", seed=5)
+    dist = compiled(seed, PP, 2, "1F1B")
+    feeds = random_feeds(seed.feeds, 4, classes=10)
+    straight = autopar.simulate(dist, feeds, [seed.loss])
+    autopar.simulate(dist, feeds[:2], [seed.loss], save_to=tmp_path / "ckpt")
+    resumed = autopar.simulate(dist, feeds[2:], [seed.loss], load_from=tmp_path / "ckpt")
+    for step, (want, got) in enumerate(zip(straight.fetches[2:], resumed.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, err_msg=f"loss at step {step + 2}")
+    for name, want in straight.parameters.items():
+        np.testing.assert_allclose(resumed.parameters[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["recompute", "clip + zero2 + dp", "adamw interleaved"])
+def test_shared_parameters_beside_other_strategies_check_clean(case):
+    """Every value equal to serial (``autopar.check``, 3 steps) with recompute, global-norm
+    clipping with ZeRO-2 inside data-parallel stages, AdamW on virtual stages."""
+    pp, ppdp = PP, autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"])
+    one_f_one_b = autopar.PipelineConfig(micro_batches=2, schedule="1F1B")
+    mesh, placement, strategy, options = {
+        "recompute": (pp, (0, 1, 1), autopar.Strategy(pipeline=one_f_one_b, recompute=True), {"optimizer": "momentum"}),
+        "clip + zero2 + dp": (ppdp, (0, 1, 1), autopar.Strategy(pipeline=one_f_one_b, zero_stage=2),
+                              {"optimizer": "momentum", "data_parallel": "dp", "clip": 0.05}),
+        "adamw interleaved": (pp, (0, 1, 0, 1), autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=4, schedule="Interleaved1F1B")),
+                              {"optimizer": "adamw"}),
+    }[case]  # fmt: skip
+    seed = tied_lm(mesh, placement, seed=3, **options)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    report = autopar.check(dist, random_feeds(seed.feeds, 3, classes=10))
+    assert report.clean, str(report)

@@ -161,3 +161,23 @@ def test_stage_two_bucket_runs_right_after_its_last_gradient():
     last_grad = max(i for i, n in enumerate(names) if n.endswith("_grad"))
     assert last_grad < bucket < names.index("pd_op.adam_")
     assert set(names[last_grad + 1 : bucket]) <= packing, set(names[last_grad + 1 : bucket]) - packing
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
+    """ZeRO's shard placements and reshards are a new value derived from the analysis, which
+    stays as it was (for another strategy to derive from)."""
+    from autopar.compile import analyze, passes_for
+    from autopar.passes.base import PassPipeline
+
+    seed = simple_net(batch=8, sizes=SIZES, optimizer="adam")
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    zero = autopar.Strategy(zero_stage=stage)
+    state = analyze(seed.main, mesh, seed.startup, zero, PassPipeline(tuple(passes_for(zero))))
+    analysis = state.propagation
+    before = (dict(analysis.states), list(analysis.reshards), dict(analysis.op_results))
+    PassPipeline(tuple(passes_for(zero))).plan(state)
+    assert state.propagation is not analysis and state.zero
+    assert (analysis.states, analysis.reshards, analysis.op_results) == before
+    assert any(s.dist != analysis.states[k].dist for k, s in state.propagation.states.items())  # the derived value differs

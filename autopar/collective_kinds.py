@@ -1,0 +1,401 @@
+"""Each collective kind in one place: what it computes, how every backend runs it, what it
+costs (stage: plan reshards -> runtime).
+
+One class per :class:`~autopar.collective.CollectiveKind`, registered in :data:`KINDS`:
+
+- ``perform``: its meaning on numpy arrays, one output per group member (the simulator runs it;
+  every backend is tested against it);
+- ``coefficients``: ``(steps, bytes)`` of its ring (or tree) algorithm, time = steps·α + bytes·β;
+  ``exchange``: what each rank sends and combines when a world exchange runs it for a sub-group;
+- ``emulated_by``: the kind gloo runs instead (then the own piece is sliced locally);
+- ``host_op``: the Paddle op carrying it in a host-form rank program (the runtime performs it);
+- ``native_op``: its lowering for the native backend (None: the host op runs as it is);
+- ``eager``: how the host backend runs it over the whole world through Paddle's process group.
+
+Adding a kind is adding one class here: every pass, backend and price reads this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from autopar.collective import Collective, CollectiveKind
+from autopar.dist_attr import shard_bounds
+from autopar.errors import AutoparError, NativeUnsupported
+from autopar.pieces import REDUCERS
+
+REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3, "avg": 4}  # Paddle's reduce_type attribute
+
+
+def own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
+    """Piece ``index`` of ``parts`` along ``axis`` (the bounds every pass and backend use)."""
+    lo, hi = shard_bounds(x.shape[axis], parts, index)
+    return np.take(x, np.arange(lo, hi), axis=axis)
+
+
+def _reduce(arrays: list[np.ndarray], reduce: str) -> np.ndarray:
+    shapes = {a.shape for a in arrays}
+    if len(shapes) != 1:
+        raise AutoparError(f"reduction over pieces of different shapes {sorted(shapes)}")
+    return REDUCERS[reduce](np.stack(arrays), axis=0).astype(arrays[0].dtype)
+
+
+def _log2(p: int) -> int:
+    return int(np.ceil(np.log2(p))) if p > 1 else 0
+
+
+def _even(comm: Collective) -> bool:
+    """Whether every member contributes a piece of the same size (what Paddle's gather needs)."""
+    return len({comm.src.local_shape(comm.shape, r)[comm.axis] for r in comm.group}) == 1
+
+
+def _paddle_own_slice(x: Any, axis: int, parts: int, index: int) -> Any:
+    import paddle
+
+    lo, hi = shard_bounds(x.shape[axis], parts, index)
+    return paddle._C_ops.slice(x, [axis], [lo], [hi], [1], [])
+
+
+def _paddle_all_reduce(x: Any, ring: int, reduce: str, parts: int) -> Any:
+    """gloo has no average: a sum, then a scale by 1/|group|."""
+    import paddle
+
+    if reduce == "avg":
+        return paddle._C_ops.scale(paddle._C_ops.all_reduce(x, ring, REDUCE_CODES["sum"]), 1.0 / parts, 0.0, True)
+    return paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[reduce])
+
+
+def _paddle_gather_along(x: Any, axis: int, ring: int, parts: int) -> Any:
+    import paddle
+
+    stacked = paddle._C_ops.all_gather(x, ring, parts)
+    if axis == 0:
+        return stacked
+    return paddle._C_ops.concat(paddle._C_ops.split_with_num(stacked, parts, 0), axis)
+
+
+def _uneven_refused(comm: Collective) -> None:
+    if not _even(comm):
+        raise NativeUnsupported(
+            f"native backend: {comm.kind} of {comm.value} gathers uneven pieces {comm.src} (shape {list(comm.shape)}; "
+            f"{comm.reason}); use the host backend (backend='auto' does)"
+        )
+
+
+class Kind:
+    """A collective kind (subclass per kind; see the module docstring)."""
+
+    kind: ClassVar[CollectiveKind]
+    reduces: ClassVar[bool] = False  # takes a reduce op (sum, avg, max, min)
+    emulated_by: ClassVar[CollectiveKind | None] = None  # what gloo runs instead, then the own piece
+    tree: ClassVar[bool] = False  # has a tree algorithm (NCCL's all_reduce, broadcast)
+    sized_by_input: ClassVar[bool] = False  # its byte count is the input's (nccl-tests' convention), else the output's
+
+    def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
+        raise AutoparError(f"the runtime cannot perform {self.kind}")
+
+    def axes(self, tensor_dims: Sequence[int]) -> tuple[int, int]:
+        """``(axis, split_axis)`` of a Collective for a planner step moving ``tensor_dims``."""
+        return (tensor_dims[0] if tensor_dims else 0), 0
+
+    def piece_axis(self, job: Collective) -> int:
+        """The axis an emulation takes its own piece along."""
+        return job.axis
+
+    def coefficients(self, p: int, nbytes: float, algorithm: str = "ring") -> tuple[float, float]:
+        raise AutoparError(f"{self.kind} has no price")
+
+    def exchange(self, p: int, nbytes: float) -> tuple[float, float]:
+        """``(bytes each rank sends, bytes it combines)`` when a world exchange runs it."""
+        return nbytes, p * nbytes
+
+    def emulation_bytes(self, p: int, nbytes: float) -> tuple[float, float]:
+        """``(bytes its emulation moves, bytes copied locally for the own piece)``."""
+        raise AutoparError(f"{self.kind} is not emulated")
+
+    def local_time(self, nbytes: float, reduce: str | None, cluster: Any) -> tuple[float, float]:
+        """A local step's ``(bytes, seconds)`` (no data leaves the rank)."""
+        raise AutoparError(f"{self.kind} is not a local step")
+
+    def host_op(self, comm: Collective, x: Any, ring: int) -> Any:
+        raise AutoparError(f"no op carries {self.kind} in a rank program yet (reshard of {comm.value})")
+
+    def native_op(self, comm: Collective, x: Any, ring: int, rank: int) -> Any | None:
+        raise NativeUnsupported(f"the native backend cannot run {self.kind} (from {comm.value}); use the host backend")
+
+    def eager(self, job: Collective, x: np.ndarray, backend: Any) -> np.ndarray:
+        """The world collective through Paddle's process group; ``backend`` lends a reusable
+        eager tensor (``buffer(x)``) and an all-gather of every rank's array (``gathered(x)``,
+        rank -> array)."""
+        raise AutoparError(f"the host backend cannot run {self.kind} over the world")
+
+    def in_place(self, job: Collective) -> Any:
+        """``run(process_group, tensor) -> task`` performing ``job`` in place on a world
+        process group's tensor, or None when the kind (or its reduce op) cannot."""
+        return None
+
+
+class AllReduce(Kind):
+    kind = CollectiveKind.ALL_REDUCE
+    reduces = True
+    tree = True
+    sized_by_input = True
+
+    def perform(self, job, pieces):
+        out = _reduce(pieces, job.reduce)
+        return [out] * len(pieces)
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        if algorithm == "tree":
+            return 2.0 * _log2(p), 2.0 * nbytes
+        return 2.0 * (p - 1), 2.0 * (p - 1) / p * nbytes
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        return paddle._C_ops.all_reduce(x, ring, REDUCE_CODES[comm.reduce])
+
+    def native_op(self, comm, x, ring, rank):
+        return None if comm.reduce != "avg" else _paddle_all_reduce(x, ring, comm.reduce, len(comm.group))
+
+    def eager(self, job, x, backend):
+        import paddle.distributed as pdist
+
+        if job.reduce not in ("sum", "avg", "max", "min"):
+            raise AutoparError(f"the host backend cannot all_reduce with {job.reduce!r} over the world")
+        tensor = backend.buffer(x)
+        op = {"sum": pdist.ReduceOp.SUM, "avg": pdist.ReduceOp.SUM, "max": pdist.ReduceOp.MAX, "min": pdist.ReduceOp.MIN}
+        pdist.all_reduce(tensor, op=op[job.reduce])
+        out = tensor.numpy()
+        return out / len(job.group) if job.reduce == "avg" else out
+
+    def in_place(self, job):
+        from paddle.base import core
+
+        name = {"sum": "SUM", "max": "MAX", "min": "MIN"}.get(job.reduce)
+        if name is None:
+            return None
+        return lambda group, tensor: group.all_reduce(tensor, getattr(core.ReduceOp, name), True)
+
+
+class AllGather(Kind):
+    kind = CollectiveKind.ALL_GATHER
+
+    def perform(self, job, pieces):
+        out = np.concatenate(pieces, axis=job.axis)
+        return [out] * len(pieces)
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return float(p - 1), (p - 1) / p * nbytes
+
+    def exchange(self, p, nbytes):
+        return nbytes / p, nbytes  # each rank sends its piece of the gathered output
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        return paddle._C_ops.all_gather(x, ring, len(comm.group))
+
+    def native_op(self, comm, x, ring, rank):
+        _uneven_refused(comm)
+        return None if comm.axis == 0 else _paddle_gather_along(x, comm.axis, ring, len(comm.group))
+
+    def eager(self, job, x, backend):
+        by_rank = backend.gathered(x)
+        return np.concatenate([by_rank[r] for r in job.group], axis=job.axis)
+
+
+class ReduceScatter(Kind):
+    kind = CollectiveKind.REDUCE_SCATTER
+    reduces = True
+    emulated_by = CollectiveKind.ALL_REDUCE
+    sized_by_input = True
+
+    def emulation_bytes(self, p, nbytes):
+        return nbytes, nbytes / p  # all_reduce of the input, then the own chunk
+
+    def perform(self, job, pieces):
+        total = _reduce(pieces, job.reduce)
+        return [own_piece(total, job.axis, len(pieces), i) for i in range(len(pieces))]
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return float(p - 1), (p - 1) / p * nbytes
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        try:
+            return paddle._C_ops.reduce_scatter(x, ring, len(comm.group))
+        except ValueError:
+            # uneven or non-leading scatter: Paddle's op cannot even be built; the Collective
+            # value carries the semantics and the runtime or backend lowering performs it.
+            return paddle._C_ops.assign(x)
+
+    def native_op(self, comm, x, ring, rank):
+        parts = len(comm.group)
+        return _paddle_own_slice(_paddle_all_reduce(x, ring, comm.reduce, parts), comm.axis, parts, comm.group.index(rank))
+
+
+class AllToAll(Kind):
+    kind = CollectiveKind.ALL_TO_ALL
+    emulated_by = CollectiveKind.ALL_GATHER
+    sized_by_input = True
+
+    def emulation_bytes(self, p, nbytes):
+        return nbytes * p, nbytes  # all_gather of every rank's whole send buffer, then the own pieces
+
+    def exchange(self, p, nbytes):
+        return nbytes, nbytes
+
+    def perform(self, job, pieces):
+        parts = len(pieces)
+        return [np.concatenate([own_piece(p, job.split_axis, parts, i) for p in pieces], axis=job.axis) for i in range(parts)]
+
+    def axes(self, tensor_dims):
+        return tensor_dims[0], tensor_dims[-1]  # gathered along the first, split along the last
+
+    def piece_axis(self, job):
+        return job.split_axis
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return float(p - 1), (p - 1) / p * nbytes
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        return paddle._C_ops.all_to_all(x, ring)
+
+    def native_op(self, comm, x, ring, rank):
+        _uneven_refused(comm)
+        parts = len(comm.group)
+        gathered = _paddle_gather_along(x, comm.axis, ring, parts)
+        return _paddle_own_slice(gathered, comm.split_axis, parts, comm.group.index(rank))
+
+
+class Broadcast(Kind):
+    kind = CollectiveKind.BROADCAST
+    tree = True
+
+    def perform(self, job, pieces):
+        return [pieces[job.root]] * len(pieces)
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        if algorithm == "tree":
+            return float(_log2(p)), _log2(p) * float(nbytes)
+        return float(p - 1), float(nbytes)
+
+    def exchange(self, p, nbytes):
+        return nbytes, 0.0
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        return paddle._C_ops.broadcast(x, ring, comm.root)
+
+    def eager(self, job, x, backend):
+        import paddle.distributed as pdist
+
+        tensor = backend.buffer(x)
+        pdist.broadcast(tensor, src=job.group[job.root])
+        return tensor.numpy()
+
+    def in_place(self, job):
+        return lambda group, tensor: group.broadcast(tensor, job.group[job.root], True)
+
+
+class PointToPoint(Kind):
+    """``send_recv`` as the planner prices it; a rank program carries ``send`` (sender) or
+    ``recv`` (receiver): the receiver's output is the sender's input."""
+
+    kind = CollectiveKind.SEND_RECV
+
+    def perform(self, job, pieces):
+        return [None, pieces[0]]
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return 1.0, float(nbytes)
+
+    def exchange(self, p, nbytes):
+        return nbytes, 0.0
+
+    def native_op(self, comm, x, ring, rank):
+        raise NativeUnsupported(
+            "native backend: a pipeline's send / recv and its schedule run on the host backend "
+            "(static gloo programs have no send / recv kernel); use backend='host' or 'auto'"
+        )
+
+
+class Send(PointToPoint):
+    kind = CollectiveKind.SEND
+
+
+class Recv(PointToPoint):
+    kind = CollectiveKind.RECV
+
+
+class Local(Kind):
+    """Slice and make-partial: no data leaves the rank (emitted as local ops, never a Collective)."""
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return 0.0, 0.0
+
+
+class Slice(Local):
+    kind = CollectiveKind.SLICE
+
+    def local_time(self, nbytes, reduce, cluster):
+        return nbytes, 2.0 * nbytes / cluster.device.memory_bandwidth  # read + write of the new piece
+
+
+class MakePartial(Local):
+    kind = CollectiveKind.MAKE_PARTIAL
+
+    def local_time(self, nbytes, reduce, cluster):
+        if reduce in ("max", "min", "avg"):  # every rank keeps its copy
+            return 0, 0.0
+        return nbytes, nbytes / cluster.device.memory_bandwidth  # all copies but one zeroed
+
+
+KINDS: dict[CollectiveKind, Kind] = {cls.kind: cls() for cls in (
+    AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, PointToPoint, Send, Recv, Slice, MakePartial,
+)}  # fmt: skip
+
+
+def kind_of(kind: str | CollectiveKind) -> Kind:
+    """The entry of ``kind`` (a CollectiveKind or its name)."""
+    try:
+        return KINDS[CollectiveKind(kind)]
+    except ValueError:
+        raise AutoparError(f"unknown collective kind {kind!r}; expected one of {[k.value for k in KINDS]}") from None
+
+
+def perform(job: Collective, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Every receiving member's output of ``job`` given every member's input."""
+    group = list(job.group)
+    missing = [r for r in group if r not in inputs]
+    if missing:
+        raise AutoparError(f"{job.kind} over {group}: no input from ranks {missing}")
+    outputs = KINDS[job.kind].perform(job, [np.asarray(inputs[r]) for r in group])
+    return {r: out for r, out in zip(group, outputs) if out is not None}
+
+
+def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:
+    """``job`` run as its emulation (``run(emulating_job)`` gives the emulating kind's output),
+    then this rank's own piece."""
+    from dataclasses import replace
+
+    entry = KINDS[job.kind]
+    whole = run(replace(job, kind=entry.emulated_by))
+    return own_piece(whole, entry.piece_axis(job), len(job.group), job.group.index(rank))
+
+
+def point_to_point(kind: str | CollectiveKind) -> bool:
+    return isinstance(KINDS[CollectiveKind(kind)], PointToPoint)
+
+
+def priced_kinds() -> Sequence[str]:
+    """The kinds the cost model prices (the planner's step kinds that move data)."""
+    return tuple(k.value for k, entry in KINDS.items() if not isinstance(entry, Local) and k not in (CollectiveKind.SEND, CollectiveKind.RECV))
