@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_pipeline_run.py
 	$(PY) benchmarks/bench_check.py
+	$(PY) benchmarks/bench_strategies.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -7,6 +7,7 @@
 """
 
 from autopar import errors
+from autopar.analysis import Analysis, analyze
 from autopar.annotate import shard_op, shard_tensor
 from autopar.compile import compile  # noqa: A004
 from autopar.dist_attr import DistAttr
@@ -20,6 +21,6 @@ from autopar.runtime.simulator import SimulationResult, simulate
 from autopar.strategy import PipelineConfig, Strategy
 
 __all__ = [
-    "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement",
-    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "check", "compile", "errors", "shard_op", "shard_tensor", "simulate",
+    "Analysis", "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement",
+    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "shard_op", "shard_tensor", "simulate",
 ]  # fmt: skip

@@ -47,22 +47,40 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     startup_program: Any = None,
     strategy: Strategy | None = None,
     callback: Any = None,
+    analysis: Any = None,
 ) -> DistributedProgram:
     """Propagate the annotations of ``program`` over ``mesh`` and plan every pass; see DESIGN.md.
 
     ``callback(pass, state, rank_program_or_None)`` runs after each pass (compile-time
     planning, then per rank as rank programs are built): the hook for per-pass dumps.
+    ``analysis``: an :class:`autopar.analysis.Analysis` of this program (``autopar.analyze``)
+    to plan from instead of analysing again (strategies differing in the ZeRO stage, fusion or
+    the schedule share one).
     """
+    from autopar.analysis import Analysis
+
     if callback is not None and not callable(callback):
         raise AutoparError(f"callback must be callable (pass, state, rank_program_or_None) or None, got {type(callback).__name__}")
+    if analysis is not None and not isinstance(analysis, Analysis):
+        raise AutoparError(f"analysis must be what autopar.analyze returned, got {type(analysis).__name__}")
     with gc_paused():
-        strategy = _checked(strategy)
-        if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
-            strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
+        strategy = effective_strategy(program, mesh, strategy)
         pipeline = PassPipeline(tuple(passes_for(strategy)), callback)
-        state = analyze(program, mesh, startup_program, strategy, pipeline)
+        if analysis is None:
+            state = analyze_state(program, mesh, startup_program, strategy, pipeline)
+        else:
+            analysis.check(program, mesh, startup_program, strategy)
+            state = analysis.state_for(strategy)
         pipeline.plan(state)
         return DistributedProgram(program, startup_program, state, pipeline)
+
+
+def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | None) -> Strategy:
+    """``strategy`` checked, with a pipeline of one micro-batch when shard_op placed stages."""
+    strategy = _checked(strategy)
+    if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
+        strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
+    return strategy
 
 
 def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
@@ -88,7 +106,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     return passes
 
 
-def analyze(
+def analyze_state(
     program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None,
     pipeline: PassPipeline | None = None,
 ) -> CompileState:  # fmt: skip

@@ -1,6 +1,6 @@
 """Propagation speed on GPT-style programs (forward + backward + AdamW, hidden 1024).
 
-Times graph building + propagation (``autopar.compile.analyze``) — median of runs — for
+Times graph building + propagation (``autopar.compile.analyze_state``) — median of runs — for
 12 / 24 / 48 layers with Megatron annotations on the weights and data parallel on the batch
 (a 2 x 2 mesh). Targets: 24 layers under 1 s; t(48) / t(24) <= 2.2 (linear scaling). Printed
 beside it: compile (analysis + every pass's planning) + ``rank_plan(0)`` (one rank's program
@@ -19,7 +19,7 @@ import warnings
 warnings.filterwarnings("ignore")
 
 import autopar  # noqa: E402
-from autopar.compile import analyze  # noqa: E402
+from autopar.compile import analyze_state  # noqa: E402
 from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
 
 
@@ -37,9 +37,9 @@ def time_compile(layers: int, runs: int) -> tuple[int, float, float]:
     mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
     autopar.shard_tensor(seed.feeds["ids"], mesh, ["dp", None])
     annotate_megatron(seed, mesh)
-    ops = len(analyze(seed.main, mesh).graph.ops)
+    ops = len(analyze_state(seed.main, mesh).graph.ops)
     whole = median_time(lambda: autopar.compile(seed.main, mesh, startup_program=seed.startup).rank_plan(0), runs)
-    return ops, median_time(lambda: analyze(seed.main, mesh), runs), whole
+    return ops, median_time(lambda: analyze_state(seed.main, mesh), runs), whole
 
 
 def main() -> None:

@@ -186,18 +186,18 @@ class _ShardBatch(Pass):
 
 
 def test_strategy_annotations_rank_between_user_and_rules():
-    from autopar.compile import analyze
+    from autopar.compile import analyze_state
     from autopar.passes.base import PassPipeline
     from autopar.propagation import Priority
 
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
-    state = analyze(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
+    state = analyze_state(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
     x = state.graph.by_name["x"]
     assert str(state.propagation.dist(x)) == "[S(0)]" and state.propagation.states[x].priority is Priority.STRATEGY
     assert str(state.propagation.dist(state.graph.key_of(seed.values["linear1"]))) == "[S(0)]"  # rules follow it
     autopar.shard_tensor(seed.feeds["x"], mesh, [None, None])  # the user's own annotation wins
-    state = analyze(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
+    state = analyze_state(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
     assert str(state.propagation.dist(x)) == "[R]" and state.propagation.states[x].priority is Priority.USER
 
 
@@ -208,12 +208,12 @@ def test_two_passes_placing_one_value_differently_are_refused():
         def annotate(self, graph, mesh):
             return {graph.by_name["x"]: autopar.DistAttr(mesh, [-1, -1])}
 
-    from autopar.compile import analyze
+    from autopar.compile import analyze_state
     from autopar.passes.base import PassPipeline
 
     seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
     with pytest.raises(AutoparError, match="passes 'shard_batch' and 'replicate_batch' place x differently"):
-        analyze(seed.main, autopar.ProcessMesh([0, 1]), pipeline=PassPipeline((_ShardBatch(), _Replicate())))
+        analyze_state(seed.main, autopar.ProcessMesh([0, 1]), pipeline=PassPipeline((_ShardBatch(), _Replicate())))
 
 
 def test_a_fetch_list_is_made_whole_inside_the_program():

@@ -167,14 +167,14 @@ def test_stage_two_bucket_runs_right_after_its_last_gradient():
 def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
     """ZeRO's shard placements and reshards are a new value derived from the analysis, which
     stays as it was (for another strategy to derive from)."""
-    from autopar.compile import analyze, passes_for
+    from autopar.compile import analyze_state, passes_for
     from autopar.passes.base import PassPipeline
 
     seed = simple_net(batch=8, sizes=SIZES, optimizer="adam")
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
     zero = autopar.Strategy(zero_stage=stage)
-    state = analyze(seed.main, mesh, seed.startup, zero, PassPipeline(tuple(passes_for(zero))))
+    state = analyze_state(seed.main, mesh, seed.startup, zero, PassPipeline(tuple(passes_for(zero))))
     analysis = state.propagation
     before = (dict(analysis.states), list(analysis.reshards), dict(analysis.op_results))
     PassPipeline(tuple(passes_for(zero))).plan(state)
