@@ -12,8 +12,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.schedule import SCHEDULES as SCHEDULE_GENERATORS
 
-SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B", "ZBH1")
+SCHEDULES = tuple(SCHEDULE_GENERATORS)  # the names autopar.schedule generates (one table)
 
 
 def _named_fields(cls: type) -> type:

@@ -35,7 +35,6 @@ from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.schedule import Action, build_schedule
 
 PHASES = {Role.FORWARD: "F", Role.BACKWARD: "B", Role.OPTIMIZER: "OPT"}
-RUNNABLE = ("FThenB", "1F1B", "Interleaved1F1B", "ZBH1")  # schedules the runtime runs
 
 
 @dataclass(frozen=True)
@@ -77,10 +76,6 @@ class PipelineSplit(Pass):
     emit_ensures: ClassVar[str] = "stage-split"
 
     def plan(self, state: CompileState) -> None:
-        if self.schedule not in RUNNABLE:
-            raise AutoparError(
-                f"PipelineConfig(schedule={self.schedule!r}): the runtime runs {', '.join(RUNNABLE)}"
-            )
         meshes, stages, stage_of = find_stages(state)
         virtual = len(stages) // len(meshes)
         if (virtual > 1) != (self.schedule == "Interleaved1F1B"):
