@@ -122,7 +122,13 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
     tensors = _record(program).tensors
     earlier = tensors.get(value.id)
     if earlier is not None and earlier[0] != attr:  # which one was meant cannot be told
-        raise AnnotationError(f"tensor {label!r} is already annotated as {earlier[0]}; shard_tensor again asks for {attr}")
+        before, now = earlier[0], attr
+        if before.mesh != now.mesh:  # the same placement text on two meshes: name them
+            raise AnnotationError(
+                f"tensor {label!r} is already annotated as {before} on {before.mesh}; shard_tensor again asks for {now} "
+                f"on {now.mesh} (to move a value to another stage's mesh, annotate a copy: paddle.assign)"
+            )
+        raise AnnotationError(f"tensor {label!r} is already annotated as {before}; shard_tensor again asks for {now}")
     tensors[value.id] = (attr, label)
     return value
 

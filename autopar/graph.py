@@ -294,11 +294,16 @@ def _optimizer_feeders(graph: ProgramGraph) -> None:
         if users and all(graph.ops[u].role is Role.OPTIMIZER for u in users) and op.role is Role.BACKWARD:
             if not op.name.endswith("_grad"):
                 op.role = Role.OPTIMIZER
+    first_grad = next((op.index for op in graph.ops if op.role is Role.BACKWARD), len(graph.ops))
     for op in graph.ops:
-        if op.name == "builtin.combine" and op.role is Role.BACKWARD:
+        # a combine packing forward values for a grad op (concat_grad's inputs) is part of the
+        # backward: it takes its reader's role (it was FORWARD, and ran in the forward's phase)
+        if op.name == "builtin.combine" and (op.role is Role.BACKWARD or op.index > first_grad):
             readers = [u for k in op.inputs if k is not None for u in graph.values[k].users if u > op.index and graph.ops[u].name != "builtin.combine"]
             if readers:
                 op.role = graph.ops[min(readers)].role
+        elif op.name == "builtin.split" and op.inputs and op.inputs[0] is not None:
+            op.role = graph.ops[op.inputs[0][0]].role  # unpacks its producer's vector (concat_grad's gradients)
 
 
 def _link_forward_ops(graph: ProgramGraph) -> None:

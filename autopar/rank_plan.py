@@ -242,9 +242,19 @@ class RankPlan:
             array = _feed_array(name, array, info)
             if tuple(array.shape) != info.shape:
                 raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(info.shape)}")
-            if self.rank in info.placement.mesh.ranks:  # (a feed of another pipeline stage is not read here)
+            if self.rank in info.placement.mesh.ranks:
                 local[name] = self._piece(info, array)
+            elif name in self.program_feeds and not info.placement.sharded_mesh_dims():
+                local[name] = array  # another stage's whole feed, read here too (a residual input, a mask)
         return local
+
+    @functools.cached_property
+    def program_feeds(self) -> frozenset[str]:
+        """Names of the feeds this rank's program reads (``pd_op.data`` ops that are not scope reads)."""
+        return frozenset(
+            str(op.attrs()["name"]) for op in self.program.global_block().ops
+            if op.name() == "pd_op.data" and not op.result(0).persistable
+        )  # fmt: skip
 
     def _piece(self, info: ValueInfo, array: np.ndarray) -> np.ndarray:
         """This rank's piece of a global feed; a Partial feed is split as a pending reduction:

@@ -100,3 +100,12 @@ def test_a_second_different_annotation_is_refused():
     autopar.shard_tensor(net.feeds["x"], MESH, ["dp", None])  # the same again: fine
     with pytest.raises(AnnotationError, match=r"tensor 'x' is already annotated as .*\[S\(0\),R\].*again asks for"):
         autopar.shard_tensor(net.feeds["x"], MESH, [None, "mp"])
+
+
+def test_a_second_annotation_on_another_mesh_names_both_meshes():
+    """The same placement text on two stages' meshes: the message named [R] twice."""
+    net = simple_net(sizes=(16, 10))
+    pp = autopar.ProcessMesh([0, 1], ["pp"])
+    autopar.shard_tensor(net.feeds["x"], pp[0], [None, None])
+    with pytest.raises(AnnotationError, match=r"annotated as \[R\] on mesh\(pp=1\)\[0\]; .* \[R\] on mesh\(pp=1\)\[1\]"):
+        autopar.shard_tensor(net.feeds["x"], pp[1], [None, None])
