@@ -18,7 +18,6 @@ is refused, naming the field.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,11 +78,12 @@ class Analysis:
                 )
 
     def state_for(self, strategy: Strategy) -> CompileState:
-        """A fresh compile state for ``strategy`` over this analysis' graph and propagation."""
+        """A fresh compile state for ``strategy`` over this analysis' results (the passes' own
+        fields start empty)."""
         base = self.state
-        return dataclasses.replace(
-            base, strategy=strategy, reshards=[], buckets=[], zero_buckets=[], unavailable="", zero=(),
-            rewrite_dim_sets=set(), pipeline=None, stages=["propagated"], _dim_sets=None,
+        return CompileState(
+            base.graph, base.propagation, base.mesh, strategy, cluster=base.cluster, startup=base.startup, micro=base.micro,
+            sequence=base.sequence, recompute=base.recompute, regather=base.regather,
         )  # fmt: skip
 
 

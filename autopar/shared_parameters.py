@@ -48,39 +48,21 @@ def reader_meshes(graph: ProgramGraph, param: ValueKey, op_meshes: Mapping[int, 
 
 def owner_meshes(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> dict[int, ProcessMesh]:
     """``op_meshes`` plus, for each parameter read on several stage meshes, its update and the
-    ops making its gradient from the contributions (the sum, clipping's rescale) on the mesh
-    of its first forward reader (without this the sum ran where its first operand was made,
-    and the update elsewhere: the gradient crossed the pipeline twice)."""
+    optimizer ops making its gradient (the sum of its parts, clipping's rescale) on the mesh of
+    its first forward reader (without this the sum ran where its first operand was made, and
+    the update elsewhere: the gradient crossed the pipeline twice)."""
     placed = dict(op_meshes)
-    raw = {g.param: key for key, g in gradients(graph).items() if not g.clipped}
+    made = gradients(graph)
     for update, _ in updates(graph):
         param = update.inputs[0]
         meshes = reader_meshes(graph, param, op_meshes)
         if len(meshes) < 2:
             continue
-        owner = meshes[0]
-        placed.setdefault(update.index, owner)
-        for key in _gradient_path(graph, update, raw.get(param)):
-            placed.setdefault(key[0], owner)
+        placed.setdefault(update.index, meshes[0])
+        for key, gradient in made.items():
+            if gradient.param == param and graph.ops[key[0]].role is Role.OPTIMIZER:
+                placed.setdefault(key[0], meshes[0])
     return placed
-
-
-def _gradient_path(graph: ProgramGraph, update, raw: ValueKey | None) -> list[ValueKey]:
-    """The optimizer-made values from the raw gradient (its sum over the contributions) to the
-    operand the update reads."""
-    like = [k for k in update.inputs[1:] if k is not None and graph.values[k].kind == "activation"]
-    path = []
-    for key in like:
-        while graph.ops[key[0]].role is Role.OPTIMIZER and graph.ops[key[0]].name != "builtin.combine":
-            path.append(key)
-            if key == raw:
-                break
-            same = [k for k in graph.ops[key[0]].inputs if k is not None and graph.values[k].shape == graph.values[key].shape
-                    and graph.values[k].kind == "activation"]  # fmt: skip
-            if len(same) != 1:
-                break
-            key = same[0]
-    return path
 
 
 def replica_refreshes(graph: ProgramGraph, propagation: PropagationResult) -> list[ReshardNeed]:

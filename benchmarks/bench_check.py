@@ -14,11 +14,11 @@ simulated steps — the price of asking "where does it first differ" instead of 
 
 from __future__ import annotations
 
-import statistics
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
+
+from timing import median_time  # noqa: E402  (benchmarks/timing.py)
 
 import autopar  # noqa: E402
 from autopar.testing.catalog import build, feeds  # noqa: E402
@@ -26,15 +26,6 @@ from autopar.testing.catalog import build, feeds  # noqa: E402
 CONFIGS = ("gpt dp2xmp2", "gpt mp2 sequence parallel", "residual pp2xmp2 FThenB", "tied lm pp2 ZBH1")
 RUNS = 5
 LONG = 17
-
-
-def timed(run) -> float:
-    times = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -46,10 +37,10 @@ def main() -> None:
         report = autopar.check(dist, batches[:1])
         assert report.clean, str(report)
         autopar.simulate(dist, batches[:1], [seed.loss])
-        one = timed(lambda: autopar.simulate(dist, batches[:1], [seed.loss]))  # noqa: B023 (called right here)
-        many = timed(lambda: autopar.simulate(dist, batches, [seed.loss]))  # noqa: B023
+        one = median_time(lambda: autopar.simulate(dist, batches[:1], [seed.loss]), RUNS)  # noqa: B023 (called right here)
+        many = median_time(lambda: autopar.simulate(dist, batches, [seed.loss]), RUNS)  # noqa: B023
         per_step = (many - one) / (LONG - 1)
-        checked = timed(lambda: autopar.check(dist, batches[:1]))  # noqa: B023
+        checked = median_time(lambda: autopar.check(dist, batches[:1]), RUNS)  # noqa: B023
         print(f"{name:28} {report.compared:6d} {one * 1e3:14.1f}ms {per_step * 1e3:6.1f}ms {checked * 1e3:11.1f}ms "
               f"{checked / one:11.2f}x {f'{checked / per_step:9.1f}' if per_step > 1e-3 else '        -'}")  # fmt: skip
 

@@ -34,8 +34,7 @@ from autopar.cost_model import tensor_bytes  # noqa: E402
 from autopar.cost_model.comm import coefficients  # noqa: E402
 from autopar.runtime.jobs import CollectiveCall  # noqa: E402
 from autopar.runtime.rank_runner import RankRunner  # noqa: E402
-from autopar.runtime.replicas import generator_state, use_generator_state  # noqa: E402
-from autopar.runtime.simulator import run_step  # noqa: E402
+from autopar.runtime.simulator import run_step, start_ranks  # noqa: E402
 from autopar.testing.models import simple_net  # noqa: E402
 from autopar.testing.serial import random_feeds  # noqa: E402
 
@@ -76,14 +75,9 @@ def predicted(dist: Any) -> dict[int, dict[str, int]]:
 def run_ranks(seed: Any, dist: Any) -> dict[int, RankRunner]:
     """Every rank's runner after start-up (one generator state) and STEPS steps, as ``simulate`` runs them."""
     runners = {r: RankRunner(dist.rank_plan(r), []) for r in dist.mesh.ranks}
-    start = generator_state()
-    for runner in runners.values():
-        use_generator_state(start)
-        runner.run_startup()
+    start_ranks(runners)
     for feed in random_feeds(seed.feeds, STEPS):
-        for runner in runners.values():
-            runner.set_feeds(feed)
-        run_step(runners)
+        run_step(runners, feed)
     return runners
 
 

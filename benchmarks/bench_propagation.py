@@ -12,24 +12,15 @@ built: what each process of a job does).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
 
+from timing import median_time  # noqa: E402  (benchmarks/timing.py)
+
 import autopar  # noqa: E402
 from autopar.compile import analyze_state  # noqa: E402
 from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
-
-
-def median_time(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def time_compile(layers: int, runs: int) -> tuple[int, float, float]:

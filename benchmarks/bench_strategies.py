@@ -16,11 +16,11 @@ and both totals as multiples of one compile (Core 3.0's target: 20 strategies <=
 
 from __future__ import annotations
 
-import statistics
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
+
+from timing import median_time  # noqa: E402  (benchmarks/timing.py)
 
 import autopar  # noqa: E402
 from autopar.analysis import analysed_fields  # noqa: E402
@@ -48,24 +48,15 @@ def program():
     return seed, mesh
 
 
-def median(run) -> float:
-    times = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     seed, mesh = program()
     chosen = strategies()
     args = (seed.main, mesh, seed.startup)
     autopar.compile(*args, chosen[0])  # (warm: rule tables, imports)
-    one = median(lambda: autopar.compile(*args, chosen[0]))
+    one = median_time(lambda: autopar.compile(*args, chosen[0]), RUNS)
     analysis = autopar.analyze(*args, chosen[0])
-    analysed = median(lambda: autopar.analyze(*args, chosen[0]))
-    planned = median(lambda: autopar.compile(*args, chosen[0], analysis=analysis))
+    analysed = median_time(lambda: autopar.analyze(*args, chosen[0]), RUNS)
+    planned = median_time(lambda: autopar.compile(*args, chosen[0], analysis=analysis), RUNS)
 
     def separately():
         for strategy in chosen:
@@ -84,8 +75,8 @@ def main() -> None:
     for strategy in chosen:  # what each distinct analysis costs
         key = tuple(analysed_fields(strategy).items())
         if key not in kinds:
-            kinds[key] = median(lambda strategy=strategy: autopar.analyze(*args, strategy))
-    each, reused = median(separately), median(shared)
+            kinds[key] = median_time(lambda strategy=strategy: autopar.analyze(*args, strategy), RUNS)
+    each, reused = median_time(separately, RUNS), median_time(shared, RUNS)
     print(f"24-layer GPT ({len(seed.main.global_block().ops)} ops), mesh pp=2 x dp=2 x mp=2, median of {RUNS} runs")
     print(f"  one compile                          {one:6.2f} s   (an analysis alone {analysed:.2f} s, planning from it {planned:.3f} s)")
     print(f"  {len(chosen)} strategies, each analysed        {each:6.2f} s   {each / one:5.1f}x one compile")

@@ -146,21 +146,16 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
 def random_feeds(dist: Any, steps: int = 1, seed: int = 0, int_high: int = 2) -> list[dict[str, np.ndarray]]:
     """``steps`` feed dicts of random global arrays for ``dist``'s program (floats standard
     normal; integers in ``[0, int_high)``, valid token ids and labels of any model by default)."""
-    rng = np.random.default_rng(seed)
-    graph, out = dist.decisions.graph, []
-    for _ in range(steps):
-        feed = {}
-        for name, key in dist.values.named("feed").items():
-            value = graph.values[key]
-            shape = value.declared or value.shape  # (the whole batch, not one micro-batch)
-            if value.dtype.startswith(("int", "uint")):
-                feed[name] = rng.integers(0, int_high, size=shape).astype(value.dtype)
-            elif value.dtype == "bool":
-                feed[name] = rng.integers(0, 2, size=shape).astype(bool)
-            else:
-                feed[name] = rng.standard_normal(shape).astype(value.dtype)
-        out.append(feed)
-    return out
+    from types import SimpleNamespace
+
+    from autopar.testing.serial import random_feeds as draw
+
+    graph = dist.decisions.graph
+    declared = {
+        name: SimpleNamespace(shape=graph.values[key].declared or graph.values[key].shape, dtype=graph.values[key].dtype)
+        for name, key in dist.values.named("feed").items()
+    }  # (the whole batch, not one micro-batch)
+    return draw(declared, steps, seed=seed, classes=int_high)
 
 
 # ---- running both sides ----------------------------------------------------------------
@@ -227,25 +222,18 @@ def _serial_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any
 def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any]]) -> list[dict[ValueKey, dict[int, dict[int, np.ndarray]]]]:
     """Per step: key -> rank -> micro-batch -> this rank's piece (micro-batch 0 without a pipeline)."""
     from autopar.runtime.pipeline_runner import PipelineRunner
-    from autopar.runtime.rank_runner import RankRunner
-    from autopar.runtime.replicas import generator_state, use_generator_state
-    from autopar.runtime.simulator import run_step
+    from autopar.runtime.simulator import run_step, runner_for, start_ranks
 
     plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
     named = {k: dist.decisions.graph.values[k].name for k in keys if dist.values.info(k).kind in ("parameter", "state")}
     runners = {}
     for rank, plan in plans.items():  # (parameters and states: read by name once the step is done)
         mine = [k for k in keys if k not in named and (k in plan.replaced or plan.op_positions[k[0]] >= 0)]
-        runners[rank] = PipelineRunner(plan, mine, capture=True) if plan.pipeline is not None else RankRunner(plan, mine)
-    start = generator_state()
-    for runner in runners.values():
-        use_generator_state(start)
-        runner.run_startup()
+        runners[rank] = runner_for(plan, mine, capture=True)
+    start_ranks(runners)
     out = []
     for feed in feeds:
-        for runner in runners.values():
-            runner.set_feeds(feed)
-        run_step(runners)
+        run_step(runners, feed)
         step: dict[ValueKey, dict[int, dict[int, np.ndarray]]] = {}
         for rank, runner in runners.items():
             if isinstance(runner, PipelineRunner):

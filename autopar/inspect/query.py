@@ -199,7 +199,3 @@ class Decisions:
         """Recompute's rewrite and report (:class:`~autopar.recompute.Recomputation`: ``print``
         it), or None."""
         return self._state.recompute
-
-    def regathered(self) -> frozenset[ValueKey]:
-        """Values gathered again for the backward instead of kept from the forward (ZeRO-3)."""
-        return self._state.regather

@@ -64,19 +64,14 @@ def simulate_plans(
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
     runners = {rank: runner_for(plan, keys) for rank, plan in plans.items()}
-    start = generator_state()  # every rank draws its start-up values from the same state
-    for runner in runners.values():
-        use_generator_state(start)
-        runner.run_startup()
+    start_ranks(runners)
     if load_from is not None:
         from autopar.checkpoint import load_ranks
 
         load_ranks(load_from, plans, runners)
     fetches = []
     for feed in feeds:
-        for runner in runners.values():
-            runner.set_feeds(feed)
-        run_step(runners)
+        run_step(runners, feed)
         fetches.append([gather(values, key, {r: runner.fetch_pieces()[i] for r, runner in runners.items()}) for i, key in enumerate(keys)])
     if save_to is not None:
         from autopar.checkpoint import save_ranks
@@ -85,13 +80,22 @@ def simulate_plans(
     return SimulationResult(fetches, parameters(values, runners))
 
 
-def runner_for(plan: RankPlan, keys: Sequence[Any]) -> RankRunner:
-    """The runner of a rank plan: a pipelined one walks its schedule."""
+def runner_for(plan: RankPlan, keys: Sequence[Any], capture: bool = False) -> RankRunner:
+    """The runner of a rank plan: a pipelined one walks its schedule (``capture``: keeping each
+    key's piece per micro-batch, :meth:`PipelineRunner.captured`)."""
     if plan.pipeline is not None:
         from autopar.runtime.pipeline_runner import PipelineRunner
 
-        return PipelineRunner(plan, keys)
+        return PipelineRunner(plan, keys, capture=capture)
     return RankRunner(plan, keys)
+
+
+def start_ranks(runners: Mapping[int, RankRunner]) -> None:
+    """Every rank's start-up, each drawing from the same generator state (the current one)."""
+    start = generator_state()
+    for runner in runners.values():
+        use_generator_state(start)
+        runner.run_startup()
 
 
 def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: dict) -> bool:
@@ -117,7 +121,10 @@ def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: d
     return moved
 
 
-def run_step(runners: Mapping[int, RankRunner]) -> None:
+def run_step(runners: Mapping[int, RankRunner], feed: Mapping[str, Any]) -> None:
+    """One step of every rank on the global ``feed``, collectives performed in memory."""
+    for runner in runners.values():
+        runner.set_feeds(feed)
     pending = {rank: runner.run_until_collective() for rank, runner in runners.items()}
     mailbox: dict[int, Inbox] = {}  # receiving rank -> its messages
     while any(job is not None for job in pending.values()):

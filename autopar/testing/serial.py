@@ -29,7 +29,8 @@ def run_serial(main: Any, startup: Any, feeds: Sequence[Mapping[str, Any]], fetc
 
 
 def random_feeds(feeds: Mapping[str, Any], steps: int, seed: int = 0, classes: int = 10) -> list[dict[str, np.ndarray]]:
-    """``steps`` feed dicts of random data matching the program's feed values (ints < classes)."""
+    """``steps`` feed dicts of random data matching the program's feed values (each with
+    ``shape`` and ``dtype``): integers below ``classes``, booleans, floats standard normal."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
@@ -37,9 +38,30 @@ def random_feeds(feeds: Mapping[str, Any], steps: int, seed: int = 0, classes: i
         for name, value in feeds.items():
             shape = list(value.shape)
             dtype = str(value.dtype).replace("paddle.", "")
-            if dtype.startswith("int"):
+            if dtype.startswith(("int", "uint")):
                 step[name] = rng.integers(0, classes, size=shape).astype(dtype)
+            elif dtype == "bool":
+                step[name] = rng.integers(0, 2, size=shape).astype(bool)
             else:
                 step[name] = rng.standard_normal(shape).astype(dtype)
         out.append(step)
     return out
+
+
+def assert_simulation_equals_serial(seed: Any, dist: Any, steps: int = 3, classes: int = 10) -> None:
+    """``steps`` random steps of ``dist`` in the simulator and of the seed's serial program from
+    one generator state: losses every step (rtol 1e-5) and parameters after the last (rtol 1e-5,
+    atol 1e-6) equal (``simulate`` also refuses replicated copies that differ)."""
+    import paddle
+
+    import autopar
+
+    feeds = random_feeds(seed.feeds, steps, classes=classes)
+    start = paddle.get_rng_state()
+    result = autopar.simulate(dist, feeds, [seed.loss])
+    paddle.set_rng_state(start)
+    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)

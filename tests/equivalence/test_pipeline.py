@@ -2,7 +2,6 @@
 3 steps (rtol 1e-5), for FThenB and 1F1B, m = 1..4 micro-batches (odd m included), Momentum
 and Adam, 2 and 4 stages, and data parallelism inside the stages (pp=2 x dp=2)."""
 
-import numpy as np
 import paddle
 import pytest
 
@@ -10,26 +9,12 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.testing.models import simple_net
 from autopar.testing.pipeline_models import residual_blocks, staged_mlp
-from autopar.testing.serial import random_feeds, run_serial
-
-STEPS = 3
+from autopar.testing.serial import assert_simulation_equals_serial, random_feeds
 
 
 def _compile(seed, mesh, micro_batches, schedule="1F1B"):
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule))
     return autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
-
-
-def assert_equal_to_serial(seed, dist, steps=STEPS):
-    feeds = random_feeds(seed.feeds, steps, classes=10)
-    start = paddle.get_rng_state()
-    result = autopar.simulate(dist, feeds, [seed.loss])
-    paddle.set_rng_state(start)
-    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
-    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
-    for name, want in serial.parameters.items():
-        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
@@ -42,7 +27,7 @@ def test_two_stages(schedule, micro_batches, optimizer):
     sends = [c for c in dist.comm_ops(0) if c.kind == "send"]
     assert len(sends) == 1 and sends[0].group == (0, 1)  # the stage boundary's activation, once per micro-batch
     assert [c.kind.value for c in dist.comm_ops(1)] == ["recv", "send"]  # activation in, its gradient back
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_four_stages_unseeded():
@@ -50,7 +35,7 @@ def test_four_stages_unseeded():
     seed = staged_mlp(mesh, widths=(8, 16, 16, 16, 10), stages=4, seed=None)
     dist = _compile(seed, mesh, 4)
     assert [str(a) for a in dist.schedule(3) if a.kind.value in ("F", "B")] == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3"]
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_data_parallel_inside_the_stages():
@@ -60,7 +45,7 @@ def test_data_parallel_inside_the_stages():
     dist = _compile(seed, mesh, 2)
     assert {c.kind.value for c in dist.comm_ops(0)} >= {"send", "recv", "all_reduce"}
     assert all(c.group in ((0, 2), (2, 0)) for c in dist.comm_ops(0) if c.kind.value in ("send", "recv"))
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_schedules_the_runtime_does_not_run_yet_and_bad_micro_batches_are_refused():
@@ -86,7 +71,7 @@ def test_interleaved_virtual_stages(micro_batches, optimizer):
     dist = _compile(seed, mesh, micro_batches, "Interleaved1F1B")
     compute = [str(a) for a in dist.schedule(0) if a.kind.value in ("F", "B")]
     assert {a[0] for a in compute} == {"0", "2"}  # rank 0 holds stages 0 and 2
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_an_op_needing_the_whole_batch_is_refused_under_micro_batching():
@@ -114,7 +99,7 @@ def test_tensor_parallel_inside_the_stages():
         autopar.shard_tensor(seed.layers[name].weight, mesh[stage], mapping)
     dist = _compile(seed, mesh, 3)
     assert [f"{c.kind}{list(c.group)}" for c in dist.comm_ops(2)] == ["recv[0, 2]", "all_reduce[2, 3]", "send[2, 0]"]
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
@@ -123,7 +108,7 @@ def test_a_residual_stream_crosses_the_stages(schedule):
     whose builtin.combine must stay with it (it was kept on the earlier stage, reading the other
     stage's gradients without a transfer)."""
     seed = residual_blocks(autopar.ProcessMesh([0, 1], ["pp"]), classes=10)
-    assert_equal_to_serial(seed, _compile(seed, autopar.ProcessMesh([0, 1], ["pp"]), 2, schedule))
+    assert_simulation_equals_serial(seed, _compile(seed, autopar.ProcessMesh([0, 1], ["pp"]), 2, schedule))
 
 
 def test_a_megatron_gpt_cut_into_stages_by_layers():
@@ -141,7 +126,7 @@ def test_a_megatron_gpt_cut_into_stages_by_layers():
     qkv = dist.dist_attr(seed.layers["qkv0"].weight.name)
     assert qkv.mesh == mesh[0] and str(qkv) == "[S(1)]"
     assert dist.dist_attr(seed.layers["fc2_1"].weight.name).mesh == mesh[1]
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_zero_bubble_splits_each_backward_into_input_and_weight_gradients():
@@ -155,7 +140,7 @@ def test_zero_bubble_splits_each_backward_into_input_and_weight_gradients():
     assert {"F0", "W0", "OPT"} <= first and not {"B0", "I0"} & first
     assert {"F1", "I1", "OPT"} <= middle and "B1" not in middle
     assert {a.kind.value for a in dist.schedule(3)} >= {"F", "I", "W", "OPT"}
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_dump_diff_draws_the_schedule(tmp_path):
@@ -176,7 +161,7 @@ def test_stages_by_layer_ranges(stages, schedule):
     config = autopar.PipelineConfig(micro_batches=2, schedule=schedule, stages=stages)
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
     assert len(dist.state.pipeline.stages) == stages
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
     with pytest.raises(AutoparError, match="PipelineConfig.stages must be >= 2"):
         autopar.PipelineConfig(stages=1)
     with pytest.raises(AutoparError, match="has 4 layers"):
@@ -232,7 +217,7 @@ def test_global_norm_clipping_across_stages(schedule):
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, schedule=schedule, stages=2))
     dist = autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
     seed = type("Seed", (), {"main": main, "startup": startup, "loss": loss, "feeds": {"x": x, "label": label}})
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def _two_stage_program(case):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.testing.pipeline_models import tied_lm
-from autopar.testing.serial import random_feeds, run_serial
+from autopar.testing.serial import assert_simulation_equals_serial, random_feeds
 
 PP = autopar.ProcessMesh([0, 1], ["pp"])
 PLACEMENTS = {"FThenB": (0, 1, 1), "1F1B": (0, 1, 1), "ZBH1": (0, 1, 1), "Interleaved1F1B": (0, 1, 0, 1)}
@@ -25,18 +25,6 @@ def compiled(seed, mesh, micro_batches, schedule, zero_stage=0):
     config = autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule)
     strategy = autopar.Strategy(pipeline=config, zero_stage=zero_stage)
     return autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
-
-
-def assert_equal_to_serial(seed, dist, steps=3):
-    feeds = random_feeds(seed.feeds, steps, classes=10)
-    start = paddle.get_rng_state()
-    result = autopar.simulate(dist, feeds, [seed.loss])  # (refuses copies that differ)
-    paddle.set_rng_state(start)
-    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
-    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
-    for name, want in serial.parameters.items():
-        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
@@ -49,7 +37,7 @@ def test_tied_embedding(schedule, micro_batches, optimizer):
     refresh = [c for c in dist.comm_ops(0) if c.value == weight]
     assert [c.kind.value for c in refresh] == ["send"], dist.comm_ops(0)  # the updated weight, to the head's copy
     assert "replaces the copy once per step" in refresh[0].reason and refresh[0].bytes == 16 * 8 * 4
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_the_gradient_crosses_once_per_step_into_the_owners_update():
@@ -64,14 +52,14 @@ def test_the_gradient_crosses_once_per_step_into_the_owners_update():
 
 def test_one_micro_batch_keeps_the_copy_up_to_date():
     seed = tied_lm(PP, (0, 1))
-    assert_equal_to_serial(seed, compiled(seed, PP, 1, "1F1B"), steps=4)
+    assert_simulation_equals_serial(seed, compiled(seed, PP, 1, "1F1B"), steps=4)
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
 def test_a_layer_called_on_two_stages(micro_batches):
     seed = tied_lm(PP, (0, 0, 1, 1), optimizer="momentum", shared=(0, 1))
     assert seed.layers["block0"] is seed.layers["block1"]
-    assert_equal_to_serial(seed, compiled(seed, PP, micro_batches, "1F1B"))
+    assert_simulation_equals_serial(seed, compiled(seed, PP, micro_batches, "1F1B"))
 
 
 def test_a_layer_called_twice_on_one_rank_interleaved():
@@ -79,7 +67,7 @@ def test_a_layer_called_twice_on_one_rank_interleaved():
     sums them mid-backward, among the backward ops: the send after that sum once ran once per
     step and the plans deadlocked)."""
     seed = tied_lm(PP, (0, 1, 0, 1, 1), shared=(0, 2))
-    assert_equal_to_serial(seed, compiled(seed, PP, 2, "Interleaved1F1B"))
+    assert_simulation_equals_serial(seed, compiled(seed, PP, 2, "Interleaved1F1B"))
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])
@@ -90,12 +78,12 @@ def test_data_parallel_and_zero_inside_the_stages(zero_stage):
     refreshes = {c.group for c in dist.comm_ops(2) if "replaces the copy" in c.reason}
     # each dp rank refreshes its copy; ZeRO-3 shards the weight: the head's stage receives it at each read
     assert refreshes == (set() if zero_stage == 3 else {(0, 2)})
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_global_norm_clipping_counts_the_shared_gradient_once():
     seed = tied_lm(PP, (0, 1, 1), optimizer="momentum", clip=0.05)
-    assert_equal_to_serial(seed, compiled(seed, PP, 2, "1F1B"))
+    assert_simulation_equals_serial(seed, compiled(seed, PP, 2, "1F1B"))
 
 
 @st.composite
@@ -124,7 +112,7 @@ def test_random_pipelines_with_shared_parameters_equal_serial(case):
     ranks, placement, shared, schedule, micro_batches, optimizer = case
     mesh = autopar.ProcessMesh(list(range(ranks)), ["pp"])
     seed = tied_lm(mesh, placement, batch=12, optimizer=optimizer, shared=shared)
-    assert_equal_to_serial(seed, compiled(seed, mesh, micro_batches, schedule), steps=2)
+    assert_simulation_equals_serial(seed, compiled(seed, mesh, micro_batches, schedule), steps=2)
 
 
 def _program(build, mesh):
@@ -155,7 +143,7 @@ def test_a_vocabulary_split_tied_embedding_inside_tensor_parallel_stages():
     seed = _program(build, mesh)
     dist = compiled(seed, mesh, 4, "1F1B")
     assert not [c for c in dist.comm_ops(2) if "replaces the copy" in c.reason]
-    assert_equal_to_serial(seed, dist)
+    assert_simulation_equals_serial(seed, dist)
 
 
 def test_a_bias_added_three_times_on_two_stages_with_adam():
@@ -169,7 +157,7 @@ def test_a_bias_added_three_times_on_two_stages_with_adam():
         return {"x": x}, loss
 
     seed = _program(build, PP)
-    assert_equal_to_serial(seed, compiled(seed, PP, 4, "ZBH1"))
+    assert_simulation_equals_serial(seed, compiled(seed, PP, 4, "ZBH1"))
 
 
 def test_a_checkpoint_restores_every_copy_of_the_tied_weight(tmp_path):
