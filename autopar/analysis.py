@@ -83,18 +83,17 @@ class Analysis:
         base = self.state
         return CompileState(
             base.graph, base.propagation, base.mesh, strategy, cluster=base.cluster, startup=base.startup, micro=base.micro,
-            sequence=base.sequence, recompute=base.recompute, regather=base.regather,
+            sequence=base.sequence, recompute=base.recompute, regather=base.regather, rewrites=base.rewrites,
         )  # fmt: skip
 
 
 def analyze(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> Analysis:
     """The analysis of ``program`` on ``mesh`` for ``strategy`` (and every strategy sharing its
     analysed fields): pass it to ``autopar.compile(..., analysis=...)``."""
-    from autopar.compile import analyze_state, effective_strategy, passes_for
+    from autopar.compile import analyze_state, effective_strategy
     from autopar.gc_pause import gc_paused
-    from autopar.passes.base import PassPipeline
 
     with gc_paused():
         strategy = effective_strategy(program, mesh, strategy)
-        state = analyze_state(program, mesh, startup_program, strategy, PassPipeline(tuple(passes_for(strategy))))
+        state = analyze_state(program, mesh, startup_program, strategy)
     return Analysis(program, mesh, startup_program, tuple(analysed_fields(strategy).items()), state)

@@ -17,9 +17,8 @@ from autopar.dist_attr import DistAttr
 from autopar.distributed_program import DistributedProgram
 from autopar.errors import AnnotationError, AutoparError
 from autopar.gc_pause import gc_paused
-from autopar.graph import ProgramGraph, Role, ValueKey
+from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
-from autopar.micro_batching import micro_batching
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
@@ -33,11 +32,8 @@ from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
-from autopar.pipeline_cut import layer_stages
-from autopar.propagation import propagate
-from autopar.recompute import recompute, regathered
-from autopar.sequence_parallel import sequence_regions
-from autopar.shared_parameters import owner_meshes
+from autopar.rewrites import Analysed, apply_all, rewrites_for
+from autopar.rewrites.recompute import regathered
 from autopar.strategy import PipelineConfig, Strategy
 
 
@@ -65,9 +61,9 @@ def compile(  # noqa: A001  (the public name the design card fixes)
         raise AutoparError(f"analysis must be what autopar.analyze returned, got {type(analysis).__name__}")
     with gc_paused():
         strategy = effective_strategy(program, mesh, strategy)
-        pipeline = PassPipeline(tuple(passes_for(strategy)), callback)
+        pipeline = PassPipeline(tuple(passes_for(strategy)), callback, rewrites_for(strategy))
         if analysis is None:
-            state = analyze_state(program, mesh, startup_program, strategy, pipeline)
+            state = analyze_state(program, mesh, startup_program, strategy)
         else:
             analysis.check(program, mesh, startup_program, strategy)
             state = analysis.state_for(strategy)
@@ -106,12 +102,9 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     return passes
 
 
-def analyze_state(
-    program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None,
-    pipeline: PassPipeline | None = None,
-) -> CompileState:  # fmt: skip
-    """The first stages only: graph view, annotations (the user's, then those the pipeline's
-    passes ask for) and propagation; no program rewrites."""
+def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
+    """The analysis: graph view, annotations, the Strategy's serial rewrites
+    (:mod:`autopar.rewrites`, each returning a new value) and propagation."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     _check_program(program, "program")
@@ -120,30 +113,18 @@ def analyze_state(
     strategy = _checked(strategy)
     if strategy.pipeline is not None:
         _check_pipeline_dim(mesh)
-    graph, rewrite = ProgramGraph(program), None
-    if strategy.recompute:  # a serial rewrite of a clone (values sent between pipeline stages stay kept)
-        rewrite = recompute(program, strategy.recompute, _stage_meshes(program, graph, mesh, strategy))
-        graph = rewrite.graph()
+    graph = ProgramGraph(program)
     _check_static_shapes(graph)
     _check_startup(graph, startup_program)
     warn_foreign_annotations(program, graph)
-    micro = None
-    if strategy.pipeline is not None and strategy.pipeline.micro_batches > 1:
-        micro = micro_batching(graph, strategy.pipeline.micro_batches)  # the graph now has one micro-batch's shapes
     user = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None)
     _refuse_meaningless_partials(graph, user)
-    made = pipeline.annotations(graph, mesh) if pipeline is not None else {}
-    op_meshes = _stage_meshes(program, graph, mesh, strategy)
-    if strategy.pipeline is not None:
-        user = _onto_stages(graph, mesh, user, op_meshes)
-    cluster = _cluster(strategy).fitted(mesh.ranks)
-    result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy=made)
-    sequence = None
-    if strategy.sequence_parallel:  # which activations split depends on where tensor parallelism put things
-        sequence = sequence_regions(graph, result, mesh, strategy.sequence_parallel)
-        result = propagate(graph, mesh, user, op_meshes, cluster=cluster, strategy={**sequence.annotations(graph, result), **made})
-    return CompileState(graph, result, mesh, strategy, cluster=cluster, startup=startup_program, micro=micro, sequence=sequence,
-                        recompute=rewrite, regather=regathered(rewrite, graph, strategy))  # fmt: skip
+    start = Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, _op_meshes(program, graph, mesh))
+    work = apply_all(rewrites_for(strategy), start)
+    _check_pieces(work.graph, work.user)
+    return CompileState(work.graph, work.propagate(), mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
+                        sequence=work.sequence, recompute=work.recompute, regather=regathered(work.recompute, work.graph, strategy),
+                        rewrites=work.reports)  # fmt: skip
 
 
 def _refuse_meaningless_partials(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
@@ -242,16 +223,21 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
                 else "sub-mesh placements land with the pipeline (place a stage's ops with shard_op)"
             )  # fmt: skip
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh} but compile was given {mesh}; {why}")
-        shape = graph.values[key].shape
-        for tensor_dim, size in enumerate(shape):
+        placements[key] = attr
+    return placements
+
+
+def _check_pieces(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
+    """No annotation may leave a rank an empty piece (of one micro-batch, under a pipeline)."""
+    for key, attr in user.items():
+        value = graph.values[key]
+        for tensor_dim, size in enumerate(value.shape):
             parts = attr.shard_index(tensor_dim, attr.mesh.ranks[0])[1]
             if parts > size:
                 raise AnnotationError(
-                    f"tensor {label!r} of shape {list(shape)}: dim {tensor_dim} ({size} elements) split into {parts} "
-                    "pieces would leave ranks an empty piece"
+                    f"tensor {value.label!r} of shape {list(value.shape)}: dim {tensor_dim} ({size} elements) split into "
+                    f"{parts} pieces would leave ranks an empty piece"
                 )
-        placements[key] = attr
-    return placements
 
 
 def _check_pipeline_dim(mesh: ProcessMesh) -> None:
@@ -264,34 +250,6 @@ def _check_pipeline_dim(mesh: ProcessMesh) -> None:
             f"a pipeline runs its stages over mesh dim 0, which {mesh} names {mesh.dim_names[0]!r}; "
             f"put 'pp' first: ProcessMesh(..., dim_names={names}) with the ranks arranged to match"
         )
-
-
-def _onto_stages(graph: ProgramGraph, mesh: ProcessMesh, user: dict[ValueKey, DistAttr], op_meshes: dict[int, ProcessMesh]) -> dict[ValueKey, DistAttr]:
-    """A parameter annotated on the whole mesh of a pipeline (``["mp", None]`` on a pp x mp
-    mesh, e.g. with ``PipelineConfig(stages=n)``, where the user does not place layers) lives
-    on the stage that reads it: the annotation moves to that stage's sub-mesh by dim name. One
-    that splits over the pipeline's own dim stays (and is refused where it cannot run)."""
-    from autopar.propagation import transplant
-
-    moved = dict(user)
-    for key, attr in user.items():
-        value = graph.values[key]
-        if attr.mesh != mesh or value.kind != "parameter" or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
-            continue
-        stages = {op_meshes[u] for u in value.users if u in op_meshes and graph.ops[u].role is Role.FORWARD}
-        if len(stages) == 1:
-            moved[key] = transplant(attr, stages.pop())
-    return moved
-
-
-def _stage_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh, strategy: Strategy) -> dict[int, ProcessMesh]:
-    """Op index -> the sub-mesh shard_op or ``PipelineConfig(stages=n)`` places it on."""
-    op_meshes = _op_meshes(program, graph, mesh)
-    if strategy.pipeline is not None and strategy.pipeline.stages is not None:
-        op_meshes = layer_stages(graph, mesh, strategy.pipeline.stages, op_meshes)
-    if strategy.pipeline is not None:
-        op_meshes = owner_meshes(graph, op_meshes)
-    return op_meshes
 
 
 def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int, ProcessMesh]:

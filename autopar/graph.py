@@ -12,6 +12,7 @@ see plain tensor lists (``concat([x, y], axis)``). Building the view never touch
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Iterator, Mapping
@@ -49,7 +50,7 @@ class OpNode:
     outputs: list[ValueKey | None]  # None: a null result (e.g. a grad nobody needs)
     role: Role = Role.FORWARD
     forward_op: int | None = None  # for grad ops: the forward op they differentiate (recompute clones: the op they re-run)
-    recomputes: int | None = None  # recompute clones (autopar.recompute): the forward op whose results this op re-makes
+    recomputes: int | None = None  # recompute clones (autopar.rewrites.recompute): the forward op whose results this op re-makes
     op_id: int = 0
     # where each input is an operand in the program: (op index, operand index); a member
     # of a vector operand is an operand of its builtin.combine (-1: of no op; not replaceable)
@@ -221,6 +222,23 @@ class ProgramGraph:
                 if key is not None:
                     graph.add_edge(("op", op.index), ("v", *key), position=pos)
         return graph
+
+    def derived(
+        self, shapes: Mapping[ValueKey, tuple[int, ...]] | None = None, attrs: Mapping[int, dict[str, Any]] | None = None
+    ) -> ProgramGraph:
+        """A new view of the same program with some values' shapes (``declared`` keeps the
+        program's) and some ops' attributes replaced: how a rewrite that changes no op (one
+        micro-batch's shapes, per-rank statistics) states its result without editing this one."""
+        new = object.__new__(ProgramGraph)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "nx"})  # (nx: rebuilt on use)
+        new.values = dict(self.values)
+        for key, shape in (shapes or {}).items():
+            old = self.values[key]
+            new.values[key] = dataclasses.replace(old, shape=tuple(shape), declared=old.program_shape, users=old.users)
+        new.ops = list(self.ops)
+        for index, changed in (attrs or {}).items():
+            new.ops[index] = dataclasses.replace(self.ops[index], attrs={**self.ops[index].attrs, **changed})
+        return new
 
     # ---- queries ---------------------------------------------------------------------
     def key_of(self, value: Any) -> ValueKey | None:

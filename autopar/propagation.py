@@ -430,15 +430,21 @@ class Propagator:
         """
         fixed = [self.states.get(k) if k is not None else None for k in op.outputs]
         wanted = [s.dist if s is not None and s.priority.fixed else None for s in fixed]
-        if self.cluster is None or not any(w is not None and w != p for w, p in zip(wanted, inferred.outputs)):
-            return inferred
         rule = get_rule(op.name)
+        free = getattr(rule, "free_outputs", False)
+        if (self.cluster is None and not free) or not any(w is not None and w != p for w, p in zip(wanted, inferred.outputs)):
+            return inferred
         out_specs = [
             None if k is None else TensorSpec(self.graph.values[k].shape, transplant(w, mesh) if w is not None else None, self.graph.values[k].dtype)
             for k, w in zip(op.outputs, wanted)
         ]  # fmt: skip
         with _rule_errors(op, rule, specs):
-            needs = rule.infer_backward(specs, out_specs, op.attrs, self.context(op, mesh)).inputs
+            backward = rule.infer_backward(specs, out_specs, op.attrs, self.context(op, mesh))
+        if free and backward.inputs == inferred.inputs:  # it makes the fixed outputs from what it reads: no reshard
+            return dataclasses.replace(inferred, outputs=tuple(b if w is not None else o for b, w, o in zip(backward.outputs, wanted, inferred.outputs)))
+        if self.cluster is None:
+            return inferred
+        needs = backward.inputs
         offered = [s if s is None or n is None else dataclasses.replace(s, dist=n) for s, n in zip(specs, needs)]
         again = self.infer(op, mesh, offered)
         if again is None or any(o is not None and a != o.dist for a, o in zip(again.inputs, offered)):

@@ -69,7 +69,7 @@ class PipelineConfig:
 
 def _recompute_selection(value: Any) -> bool | tuple[str, ...]:
     """``Strategy.recompute``: False, True, or op types / layer paths (a str or a list of them,
-    kept as a tuple); see :mod:`autopar.recompute`."""
+    kept as a tuple); see :mod:`autopar.rewrites.recompute`."""
     forms = "False, True, or a tuple of op types / layer paths such as ('softmax', 'dropout') or ('TransformerLayer',)"
     if isinstance(value, bool):
         return value
@@ -99,8 +99,8 @@ class Strategy:
 
     pipeline: PipelineConfig | None = None
     zero_stage: int = 0
-    sequence_parallel: bool | str = False  # True, or the tensor-parallel mesh dim's name (autopar/sequence_parallel.py)
-    recompute: bool | tuple[str, ...] = False  # op types / layer paths, or True: every layer (autopar/recompute.py)
+    sequence_parallel: bool | str = False  # True, or the tensor-parallel mesh dim's name (autopar/rewrites/sequence_parallel.py)
+    recompute: bool | tuple[str, ...] = False  # op types / layer paths, or True: every layer (autopar/rewrites/recompute.py)
     cluster: str | None = None  # a cost_model profile name or JSON path; None = the hardware's (cpu-gloo without a GPU)
     fuse_allreduce: bool = True  # gradient all-reduces packed into buckets (passes/allreduce_fusion.py)
     allreduce_bucket_mb: float = 32.0

@@ -31,12 +31,13 @@ from autopar.propagation import PropagationResult, ReshardNeed
 
 if TYPE_CHECKING:  # (the passes that make these values import this module)
     from autopar.cost_model.cluster import Cluster
-    from autopar.micro_batching import MicroBatching
     from autopar.passes.pipeline_split import PipelinePlan
     from autopar.passes.zero_fusion import ZeroBucket
     from autopar.passes.zero_sharding import ZeroShard
-    from autopar.recompute import Recomputation
-    from autopar.sequence_parallel import SequenceRegions
+    from autopar.rewrites import Rewrite
+    from autopar.rewrites.micro_batching import MicroBatching
+    from autopar.rewrites.recompute import Recomputation
+    from autopar.rewrites.sequence_parallel import SequenceRegions
     from autopar.strategy import Strategy
 
 
@@ -89,10 +90,11 @@ class CompileState:
     zero: tuple[ZeroShard, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
     rewrite_dim_sets: set[tuple[int, ...]] = field(default_factory=set)  # mesh dims of collectives local rewrites emit
-    micro: MicroBatching | None = None  # micro-batching analysis (autopar.micro_batching), when the pipeline runs several
-    recompute: Recomputation | None = None  # the recompute rewrite and its report (autopar.recompute), when the Strategy asks for it
+    micro: MicroBatching | None = None  # micro-batching analysis (autopar.rewrites.micro_batching), when the pipeline runs several
+    recompute: Recomputation | None = None  # the recompute rewrite and its report (autopar.rewrites.recompute), when the Strategy asks for it
     pipeline: PipelinePlan | None = None  # stages and schedule (passes/pipeline_split.py)
-    sequence: SequenceRegions | None = None  # sequence parallelism's split activations (autopar.sequence_parallel.SequenceRegions)
+    sequence: SequenceRegions | None = None  # sequence parallelism's split activations (autopar.rewrites.sequence_parallel.SequenceRegions)
+    rewrites: tuple[tuple[str, str], ...] = ()  # (rewrite, its report) of each serial rewrite, in order (autopar.rewrites)
     stages: list[str] = field(default_factory=lambda: ["propagated"])
     _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
 
@@ -204,11 +206,6 @@ class Pass:
     emit_requires: ClassVar[tuple[str, ...]] = ()
     emit_ensures: ClassVar[str] = ""
 
-    def annotate(self, graph: ProgramGraph, mesh: ProcessMesh) -> dict[ValueKey, Any]:
-        """Placements this pass asks of propagation (priority between the user's and the
-        rules'), e.g. ZeRO's state sharding; default: none."""
-        return {}
-
     def plan(self, state: CompileState) -> None:
         """Compile-time, rank-independent decisions (default: none)."""
 
@@ -234,19 +231,7 @@ class PassPipeline:
 
     passes: tuple[Pass, ...]
     callback: Callable[[Pass, CompileState, RankProgram | None], None] | None = None
-
-    def annotations(self, graph: ProgramGraph, mesh: ProcessMesh) -> dict[ValueKey, Any]:
-        """Every pass's :meth:`Pass.annotate`, merged; two passes placing one value differently
-        is refused by name."""
-        merged: dict[ValueKey, tuple[str, Any]] = {}
-        for p in self.passes:
-            for key, attr in p.annotate(graph, mesh).items():
-                earlier = merged.setdefault(key, (p.name, attr))
-                if earlier[1] != attr:
-                    raise AutoparError(
-                        f"passes {earlier[0]!r} and {p.name!r} place {graph.values[key].label} differently: {earlier[1]} vs {attr}"
-                    )
-        return {key: attr for key, (_, attr) in merged.items()}
+    rewrites: tuple[Rewrite, ...] = ()  # the serial rewrites before propagation (autopar.rewrites), for printing
 
     def plan(self, state: CompileState) -> CompileState:
         for p in self.passes:
@@ -289,7 +274,9 @@ class PassPipeline:
         return [p.name for p in self.passes]
 
     def __str__(self) -> str:
-        return "\n".join(f"{i + 1}. {p}" for i, p in enumerate(self.passes))
+        """The rewrites (before propagation), then the passes, numbered in the order they run."""
+        steps = [f"{r}  (rewrite)" for r in self.rewrites] + [str(p) for p in self.passes]
+        return "\n".join(f"{i + 1}. {step}" for i, step in enumerate(steps))
 
 
 def _check_stages(p: Pass, required: tuple[str, ...], stages: list[str], what: str) -> None:

@@ -58,13 +58,10 @@ from autopar.causes import in_layer, layer_of
 from autopar.collective import CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.dist_attr import DistAttr
-from autopar.errors import AutoparError
-from autopar.graph import OpNode, ProgramGraph
-from autopar.mesh import ProcessMesh
+from autopar.graph import OpNode
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import emit_step, replace_uses
-from autopar.spmd.batch_norm import LOCAL_STATISTICS, SplitStatistics, batch_statistics, split_statistics
-from autopar.spmd.registry import op_key
+from autopar.spmd.batch_norm import SplitStatistics, split_statistics
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,31 +98,8 @@ class BatchNormStats(Pass):
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
     emit_ensures: ClassVar[str] = "statistics-rewritten"
 
-    def annotate(self, graph: ProgramGraph, mesh: ProcessMesh) -> dict:
-        """Places nothing; with ``local``, marks each training batch_norm (grad) op of the graph
-        view with :data:`LOCAL_STATISTICS`, so that its rules state per-rank statistics."""
-        if self.local:
-            for op in graph.ops:
-                if op_key(op.name).removesuffix("_") in ("batch_norm", "batch_norm_grad") and batch_statistics(op.attrs):
-                    op.attrs[LOCAL_STATISTICS] = True
-        return {}
-
     def plan(self, state: CompileState) -> None:
-        """Refuse batch statistics over micro-batches: they run one after another, so no
-        all_reduce can give the whole batch's statistics."""
         state.rewrite_dim_sets.update(tuple(split.mesh_dims) for _, split in split_ops(state))
-        if state.micro is None:
-            return
-        for op in state.graph.ops:
-            if not op.inputs or op.inputs[0] is None:
-                continue
-            inputs = [None if key is None else state.micro.placements.get(key) for key in op.inputs]
-            value = state.graph.values[op.inputs[0]]
-            if split_statistics(op.name, op.attrs, inputs, value.shape) is not None:
-                raise AutoparError(
-                    f"micro-batching: {op} takes batch statistics over {value.label}, which each micro-batch holds a "
-                    "piece of; the statistics need the whole batch at once"
-                )
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle

@@ -12,7 +12,7 @@ already scaled — and multiplies its piece of the input by its box of that tens
 
 Drawing the whole mask costs each rank the elementwise work of the whole tensor; it moves no
 bytes (gathering the input, as before, moved the whole activation). Micro-batching cannot do
-this (its micro-batches would need different rows of one mask): :mod:`autopar.micro_batching`
+this (its micro-batches would need different rows of one mask): :mod:`autopar.rewrites.micro_batching`
 refuses a training dropout on a split batch.
 """
 

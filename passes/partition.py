@@ -21,6 +21,7 @@ from autopar.spmd import TensorSpec, get_rule
 from autopar.spmd.base import SpmdRule
 
 RESHAPE_OPS = ("pd_op.reshape", "pd_op.reshape_")
+EXPAND_OPS = ("pd_op.expand",)  # operand 1: the target shape, global in the serial program
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,13 @@ class Partition(Pass):
                 rp.ops[key[0]].set_int_array_attr("shape", list(made))
 
     def _shape_constants(self, state: CompileState, rp: RankProgram) -> None:
-        """Reshape targets and ``full`` shapes name global sizes: give them the local ones."""
+        """Reshape and expand targets and ``full`` shapes name global sizes: give them the local ones."""
         import paddle
 
         for op in state.graph.ops:
             if not _holds(state, op.outputs[0] if op.outputs else None, rp.rank):
                 continue
-            if op.name in RESHAPE_OPS:
+            if op.name in RESHAPE_OPS or op.name in EXPAND_OPS:
                 out = op.outputs[0]
                 local = produced_shape(state, out, rp.rank) or _local(state, out, rp.rank)
                 if local == state.graph.values[out].program_shape:

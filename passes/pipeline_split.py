@@ -154,7 +154,7 @@ def find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict
         mesh = op_meshes.get(op.index)
         if op.index in stage_of or mesh is None or _is_constant(op):
             continue
-        stage = _follow(op, mesh, runs, stage_of, readers)
+        stage = _follow(graph, op, mesh, runs, stage_of, readers)
         if stage is None:
             raise AutoparError(
                 f"{op} runs on {mesh}, which is no pipeline stage of it ({', '.join(map(str, meshes))}): "
@@ -183,14 +183,28 @@ def _is_constant(op: Any) -> bool:
     return op.name in SOURCE_OPS or (op.name in CONSTANT_OPS and not op.inputs)
 
 
-def _follow(op: Any, mesh: ProcessMesh, runs: list[ProcessMesh], stage_of: dict[int, int], readers: dict[Any, list[int]]) -> int | None:
+def _follow(
+    graph: Any, op: Any, mesh: ProcessMesh, runs: list[ProcessMesh], stage_of: dict[int, int], readers: dict[Any, list[int]]
+) -> int | None:
     """The stage on ``mesh`` (the op's) among, in order: the stages reading an update's
     parameter, the grad op's forward op's, those making its inputs."""
     candidates = list(readers.get(op.inputs[0], ())) if op.role is Role.OPTIMIZER and op.inputs else []
     if op.forward_op is not None and op.forward_op in stage_of:
         candidates.append(stage_of[op.forward_op])
-    candidates += [stage_of[key[0]] for key in op.inputs if key is not None and key[0] in stage_of]
+    for key in op.inputs:
+        maker = None if key is None else _through_split(graph, key[0])
+        if maker in stage_of:
+            candidates.append(stage_of[maker])
     return next((stage for stage in candidates if runs[stage] == mesh), None)
+
+
+def _through_split(graph: Any, index: int) -> int:
+    """The op making a value: for a member of a builtin.split, the op whose vector it splits
+    (concat_grad's, say: the split itself gets its stage only afterwards)."""
+    op = graph.ops[index]
+    if op.name == "builtin.split" and op.inputs and op.inputs[0] is not None:
+        return op.inputs[0][0]
+    return index
 
 
 def _check_meshes(state: CompileState, meshes: list[ProcessMesh], runs: list[ProcessMesh]) -> None:

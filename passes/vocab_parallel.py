@@ -30,7 +30,6 @@ from autopar.causes import in_layer, layer_of, value_layer
 from autopar.collective import CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.dist_attr import DistAttr
-from autopar.errors import AutoparError
 from autopar.graph import OpNode
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import emit_step, replace_uses
@@ -65,20 +64,7 @@ class VocabParallel(Pass):
     emit_ensures: ClassVar[str] = "rows-rewritten"
 
     def plan(self, state: CompileState) -> None:
-        """Refuse a row split over micro-batches: they run one after another, so no all_reduce
-        can finish the row (an op normalizing over the batch needs the whole batch at once)."""
         state.rewrite_dim_sets.update(tuple(split.mesh_dims) for _, split in split_rows(state))
-        if state.micro is None:
-            return
-        for op in state.graph.ops:
-            inputs = [None if key is None else state.micro.placements.get(key) for key in op.inputs]
-            split = split_row(op.name, op.attrs, inputs)
-            if split is not None:
-                value = state.graph.values[op.inputs[split.operand]]
-                raise AutoparError(
-                    f"micro-batching: {op} normalizes over dim {split.axis} of {value.label}, which each micro-batch holds "
-                    "a piece of; the op needs the whole batch at once and cannot run one micro-batch at a time"
-                )
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle

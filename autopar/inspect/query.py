@@ -191,11 +191,11 @@ class Decisions:
         return tuple(self._state.zero)
 
     def sequence(self) -> Any:
-        """Sequence parallelism's regions (:class:`~autopar.sequence_parallel.SequenceRegions`),
+        """Sequence parallelism's regions (:class:`~autopar.rewrites.sequence_parallel.SequenceRegions`),
         or None."""
         return self._state.sequence
 
     def recompute(self) -> Any:
-        """Recompute's rewrite and report (:class:`~autopar.recompute.Recomputation`: ``print``
+        """Recompute's rewrite and report (:class:`~autopar.rewrites.recompute.Recomputation`: ``print``
         it), or None."""
         return self._state.recompute

@@ -98,6 +98,10 @@ class SpmdRule:
     """Base class: a rule for one or more op names. Subclasses override the two inferences."""
 
     op_names: tuple[str, ...] = ()
+    # the op makes whatever split of its outputs a reader fixes, from the inputs it reads
+    # (``infer_backward`` says how): a fill, an expand of a broadcast dim. Propagation then
+    # makes a fixed output directly instead of making it whole and slicing it
+    free_outputs: bool = False
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         raise NotImplementedError

@@ -25,7 +25,7 @@ from autopar.spmd.operands import keep_pending, letters, spread
 from autopar.spmd.registry import register_rule
 
 
-def _broadcast_equation(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+def broadcast_equation(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     operands, out = broadcast_letters([s.shape for s in specs])
     return equation(operands, [out])
 
@@ -87,11 +87,11 @@ ADDITIVE = ("add", "subtract")
 MULTILINEAR = ("multiply",)
 NONLINEAR_BINARY = ("divide", "maximum", "minimum", "elementwise_pow", "greater_than", "less_than", "equal", "not_equal")
 for _name in ADDITIVE:
-    register_rule(EinsumRule(_broadcast_equation, linearity="additive"), _name)
+    register_rule(EinsumRule(broadcast_equation, linearity="additive"), _name)
 for _name in MULTILINEAR:
-    register_rule(EinsumRule(_broadcast_equation, linearity="multi"), _name)
+    register_rule(EinsumRule(broadcast_equation, linearity="multi"), _name)
 for _name in NONLINEAR_BINARY:
-    register_rule(EinsumRule(_broadcast_equation), _name)
+    register_rule(EinsumRule(broadcast_equation), _name)
 register_rule(BroadcastGradRule(shape_only=True), *(f"{n}_grad" for n in ADDITIVE))
 register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
 
@@ -138,4 +138,4 @@ register_rule(SameShapeGradRule(tensors=3), "silu_grad")
 
 
 # add_n: ``ab,ab,... -> ab``; partial operands stay partial alike
-register_rule(EinsumRule(_broadcast_equation, linearity="additive"), "add_n")
+register_rule(EinsumRule(broadcast_equation, linearity="additive"), "add_n")

@@ -37,6 +37,8 @@ def _out_ndim(attrs: Mapping[str, Any], default: int, inputs: Sequence[TensorSpe
 class FullRule(SpmdRule):
     """``(int-array / scalar operands) -> out``: replicated; backward takes the wanted splits."""
 
+    free_outputs = True
+
     def infer_forward(self, inputs, attrs, ctx):
         ndim = _out_ndim(attrs, 1, inputs)
         return RuleResult(tuple(replicated(ctx, s) for s in inputs), (DistAttr.replicated(ctx.mesh, ndim),))

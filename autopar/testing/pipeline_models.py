@@ -147,3 +147,49 @@ def tied_lm(
         optim.minimize(loss)
     mods = {"embedding": embedding, **{f"block{i}": b for i, b in enumerate(blocks)}}
     return SeedProgram(main, startup, {"ids": ids, "label": label}, loss, mods)
+
+
+def in_graph_tables(
+    mesh: Any, placement: tuple[int, ...] | None = (0, 0, 1), batch: int = 4, seq: int = 8, hidden: int = 16,
+    vocab: int = 32, optimizer: str = "sgd", seed: int | None = 5,
+) -> SeedProgram:  # fmt: skip
+    """A decoder as language models write one, its tables and masks built in the graph from
+    constants, outside any layer: position ids ``arange(seq)`` expanded to the batch, a causal
+    mask ``tril(ones([seq, seq]))`` read by every attention block, a padding mask
+    ``ones([batch, seq])``, and a rotate-half rotary step (``concat([-x2, x1])``). Embeddings,
+    two attention blocks and the LM head + loss are placed on ``mesh[placement[i]]``
+    (``placement=None``: nothing placed, for ``PipelineConfig(stages=n)`` or no pipeline)."""
+    import autopar
+
+    paddle, main, startup = _static()
+    if seed is not None:
+        main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+
+    def placed(fn: Any, part: int) -> Any:
+        return fn if placement is None else autopar.shard_op(fn, mesh[placement[part]])
+
+    with paddle.static.program_guard(main, startup):
+        ids = paddle.static.data("ids", [batch, seq], "int64")
+        labels = paddle.static.data("labels", [batch, seq], "int64")
+        mods = {"tokens": nn.Embedding(vocab, hidden), "positions": nn.Embedding(seq, hidden), "head": nn.Linear(hidden, vocab)}
+        positions = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([batch, seq])
+        causal = paddle.tril(paddle.ones([seq, seq], "float32"))
+        padding = paddle.ones([batch, seq], "float32")
+        h = placed(lambda t: mods["tokens"](t) + mods["positions"](positions), 0)(ids)
+        for i in range(2):
+            q, k, v, o = (nn.Linear(hidden, hidden) for _ in range(4))
+            mods.update({f"q{i}": q, f"k{i}": k, f"v{i}": v, f"o{i}": o})
+
+            def block(t: Any, q: Any = q, k: Any = k, v: Any = v, o: Any = o) -> Any:
+                def rotate_half(x: Any) -> Any:
+                    return paddle.concat([-x[..., hidden // 2 :], x[..., : hidden // 2]], axis=-1)
+
+                scores = paddle.matmul(rotate_half(q(t)), rotate_half(k(t)), transpose_y=True) / float(hidden) ** 0.5
+                scores = scores + (1.0 - causal) * -1e4 + (1.0 - padding.unsqueeze(1)) * -1e4
+                return t + o(paddle.matmul(F.softmax(scores, -1), v(t)))
+
+            h = placed(block, i + 1)(h)
+        loss = placed(lambda t: paddle.mean(F.cross_entropy(mods["head"](t), labels.unsqueeze(-1))), 2)(h)
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"ids": ids, "labels": labels}, loss, mods)

@@ -1,4 +1,4 @@
-"""The automatic cut of ``PipelineConfig(stages=n)`` (autopar/pipeline_cut.py): each stage is one
+"""The automatic cut of ``PipelineConfig(stages=n)`` (autopar/rewrites/pipeline_cut.py): each stage is one
 contiguous run of whole layers. Before, every distinct ``struct_name`` path was a layer, and a
 residual block's add (recorded under the block's own path) went back to an earlier stage: one
 residual block + a head on two stages ran mesh0 -> mesh1 -> mesh0 (1F1B refused it: rank 0 had
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.errors import AnnotationError
-from autopar.pipeline_cut import cut_stages
+from autopar.rewrites.pipeline_cut import cut_stages
 from autopar.testing.serial import run_serial
 
 pytestmark = pytest.mark.filterwarnings("ignore")

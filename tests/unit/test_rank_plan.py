@@ -5,6 +5,7 @@ implements."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import autopar
 from autopar.collective import Collective, CollectiveKind
 from autopar.errors import AutoparError, NativeUnsupported
-from autopar.passes.base import Pass
+from autopar.rewrites import Rewrite
 from autopar.testing.models import simple_net
 
 RUNTIME = Path(autopar.__file__).parent / "runtime"
@@ -175,45 +176,52 @@ def test_shard_tensor_takes_autopar_placements():
     assert str(dist.dist_attr(seed.layers["linear1"].weight)) == "[R,S(1)]"
 
 
-class _ShardBatch(Pass):
-    """A stand-in for a strategy pass (ZeRO, sequence parallel) that asks for a placement."""
+@dataclasses.dataclass(frozen=True)
+class _ShardBatch(Rewrite):
+    """A stand-in for a strategy rewrite (sequence parallelism) that asks for a placement."""
 
+    dims: tuple = (0, -1)
     name = "shard_batch"
 
-    def annotate(self, graph, mesh):
-        key = graph.by_name["x"]
-        return {key: autopar.DistAttr(mesh, [0, -1])}
+    def apply(self, work):
+        key = work.graph.by_name["x"]
+        return work.reported(self, "", made=work.annotated(self, {key: autopar.DistAttr(work.mesh, list(self.dims))}))
+
+
+def _analysed(seed, mesh, *rewrites):
+    from autopar.compile import _op_meshes, _user_placements
+    from autopar.cost_model.cluster import default_cluster
+    from autopar.graph import ProgramGraph
+    from autopar.rewrites import Analysed, apply_all
+
+    graph = ProgramGraph(seed.main)
+    start = Analysed(seed.main, graph, mesh, default_cluster().fitted(mesh.ranks), _user_placements(seed.main, graph, mesh),
+                     _op_meshes(seed.main, graph, mesh))  # fmt: skip
+    work = apply_all(rewrites, start)
+    return work.graph, work.propagate()
 
 
 def test_strategy_annotations_rank_between_user_and_rules():
-    from autopar.compile import analyze_state
-    from autopar.passes.base import PassPipeline
     from autopar.propagation import Priority
 
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
-    state = analyze_state(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
-    x = state.graph.by_name["x"]
-    assert str(state.propagation.dist(x)) == "[S(0)]" and state.propagation.states[x].priority is Priority.STRATEGY
-    assert str(state.propagation.dist(state.graph.key_of(seed.values["linear1"]))) == "[S(0)]"  # rules follow it
+    graph, propagation = _analysed(seed, mesh, _ShardBatch())
+    x = graph.by_name["x"]
+    assert str(propagation.dist(x)) == "[S(0)]" and propagation.states[x].priority is Priority.STRATEGY
+    assert str(propagation.dist(graph.key_of(seed.values["linear1"]))) == "[S(0)]"  # rules follow it
     autopar.shard_tensor(seed.feeds["x"], mesh, [None, None])  # the user's own annotation wins
-    state = analyze_state(seed.main, mesh, pipeline=PassPipeline((_ShardBatch(),)))
-    assert str(state.propagation.dist(x)) == "[R]" and state.propagation.states[x].priority is Priority.USER
+    graph, propagation = _analysed(seed, mesh, _ShardBatch())
+    assert str(propagation.dist(x)) == "[R]" and propagation.states[x].priority is Priority.USER
 
 
-def test_two_passes_placing_one_value_differently_are_refused():
+def test_two_rewrites_placing_one_value_differently_are_refused():
     class _Replicate(_ShardBatch):
         name = "replicate_batch"
 
-        def annotate(self, graph, mesh):
-            return {graph.by_name["x"]: autopar.DistAttr(mesh, [-1, -1])}
-
-    from autopar.compile import analyze_state
-    from autopar.passes.base import PassPipeline
-
     seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
-    with pytest.raises(AutoparError, match="passes 'shard_batch' and 'replicate_batch' place x differently"):
-        analyze_state(seed.main, autopar.ProcessMesh([0, 1]), pipeline=PassPipeline((_ShardBatch(), _Replicate())))
+    with pytest.raises(AutoparError, match="rewrites 'shard_batch' and 'replicate_batch' place x differently"):
+        _analysed(seed, autopar.ProcessMesh([0, 1]), _ShardBatch(), _Replicate((-1, -1)))
 
 
 def test_a_fetch_list_is_made_whole_inside_the_program():

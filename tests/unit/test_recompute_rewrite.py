@@ -1,4 +1,4 @@
-"""Selective recompute as a serial rewrite (autopar/recompute.py): what is selected, what is
+"""Selective recompute as a serial rewrite (autopar/rewrites/recompute.py): what is selected, what is
 refused by name, and the rewritten program — which backward reads moved to clones, that the
 dropped values leave saved_activations, that dropout is recomputed from its forward mask, and
 that the rewritten program alone computes exactly what the user's does."""
@@ -11,7 +11,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role
 from autopar.inspect.cost_report import saved_activations
-from autopar.recompute import recompute
+from autopar.rewrites.recompute import recompute
 from autopar.testing.models import annotate_megatron, gpt_block_program
 from autopar.testing.pipeline_models import staged_mlp
 from autopar.testing.serial import random_feeds, run_serial

@@ -174,7 +174,7 @@ def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
     zero = autopar.Strategy(zero_stage=stage)
-    state = analyze_state(seed.main, mesh, seed.startup, zero, PassPipeline(tuple(passes_for(zero))))
+    state = analyze_state(seed.main, mesh, seed.startup, zero)
     analysis = state.propagation
     before = (dict(analysis.states), list(analysis.reshards), dict(analysis.op_results))
     PassPipeline(tuple(passes_for(zero))).plan(state)

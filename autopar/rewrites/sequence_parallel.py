@@ -70,8 +70,8 @@ class SequenceRegions:
     def annotations(self, graph: ProgramGraph, first: PropagationResult) -> dict[ValueKey, DistAttr]:
         """Strategy annotations: split values get the axis on their sequence dim (after the dims
         already splitting it, e.g. a data-parallel batch); edge values keep their placement; the
-        recomputation of a value (autopar.recompute) is placed like it."""
-        from autopar.recompute import clone_outputs
+        recomputation of a value (autopar.rewrites.recompute) is placed like it."""
+        from autopar.rewrites.recompute import clone_outputs
 
         made = {}
         for v in self.values:

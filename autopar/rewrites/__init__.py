@@ -1,0 +1,243 @@
+"""Serial rewrites: what a Strategy changes before propagation, one protocol for all
+(stage: rewrites, between annotate and propagate).
+
+compile = annotate -> **rewrites** -> propagate -> passes. A rewrite takes the analysis built
+so far, an :class:`Analysed` value, and returns a new one; it never edits its input. What it
+may change: the program (a rewritten clone: recompute), the graph view of it (one micro-batch's
+shapes, per-rank batch statistics), the annotations it adds at strategy priority (below the
+user's, above the rules': sequence parallelism's split activations), the op meshes (pipeline
+stages), and its own typed decision (``micro``, ``recompute``, ``sequence``) with a one-line
+report. The Strategy declares the list (:func:`rewrites_for`), printed first by
+``print(dist.passes)``; every refusal of one kind lives in the rewrite that makes the decision
+(micro-batching's in :mod:`.micro_batching`).
+
+Why a value: one analysis serves several strategies (``autopar.analyze``), and the passes read
+what each rewrite decided as typed fields of the compile state, never a mutated graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import ProgramGraph, Role, ValueKey
+from autopar.mesh import ProcessMesh
+from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.rewrites.micro_batching import MicroBatching, micro_batching
+from autopar.rewrites.pipeline_cut import layer_stages
+from autopar.rewrites.recompute import Recomputation, recompute
+from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
+from autopar.rewrites.stage_constants import stage_constants
+from autopar.shared_parameters import owner_meshes
+from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
+from autopar.spmd.registry import op_key
+
+if TYPE_CHECKING:
+    from autopar.cost_model.cluster import Cluster
+    from autopar.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class Analysed:
+    """The analysis of one program on one mesh as the rewrites build it (never edited: each
+    rewrite returns a new value with ``dataclasses.replace``)."""
+
+    program: Any  # the serial program ``graph`` views: the user's, or a rewrite's clone of it
+    graph: ProgramGraph
+    mesh: ProcessMesh
+    cluster: Cluster
+    user: Mapping[ValueKey, DistAttr]  # the user's annotations
+    op_meshes: Mapping[int, ProcessMesh]  # op index -> the sub-mesh it runs on (shard_op, pipeline stages)
+    made: Mapping[ValueKey, tuple[DistAttr, str]] = dataclasses.field(default_factory=dict)  # at strategy priority, by rewrite
+    recompute: Recomputation | None = None
+    micro: MicroBatching | None = None
+    sequence: SequenceRegions | None = None
+    reports: tuple[tuple[str, str], ...] = ()  # (rewrite, what it did)
+
+    def propagate(self) -> PropagationResult:
+        """Propagation of the annotations over the graph as it stands."""
+        made = {key: attr for key, (attr, _) in self.made.items()}
+        return propagate(self.graph, self.mesh, dict(self.user), dict(self.op_meshes), cluster=self.cluster, strategy=made)
+
+    def annotated(self, rewrite: Rewrite, placements: Mapping[ValueKey, DistAttr]) -> dict[ValueKey, tuple[DistAttr, str]]:
+        """The strategy annotations with ``rewrite``'s ``placements`` added; two rewrites
+        placing one value differently is refused, naming both."""
+        made = dict(self.made)
+        for key, attr in placements.items():
+            earlier = made.setdefault(key, (attr, rewrite.name))
+            if earlier[0] != attr:
+                raise AutoparError(
+                    f"rewrites {earlier[1]!r} and {rewrite.name!r} place {self.graph.values[key].label} differently: "
+                    f"{earlier[0]} vs {attr}"
+                )
+        return made
+
+    def moved(self, program: Any, positions: Sequence[int | None], recomputes: Mapping[int, int] | None = None) -> dict[str, Any]:
+        """The fields of this analysis for ``program``, a rewrite of its program whose op ``i``
+        is now op ``positions[i]`` (None: erased): the graph of it, through which the user's
+        Values and op ids (and every earlier rewrite's) stand for their new keys, and the
+        annotations and op meshes at their new indices."""
+        graph = ProgramGraph(program, recomputes=recomputes)
+        old = self.graph
+        ops = {op.op_id: op.index for op in old.ops} | old.op_aliases
+        graph.alias(
+            {vid: (positions[i], j) for vid, (i, j) in old._by_impl.items() if positions[i] is not None},
+            {op_id: positions[i] for op_id, i in ops.items() if positions[i] is not None},
+        )
+
+        def keys(mapping: Mapping[ValueKey, Any]) -> dict[ValueKey, Any]:
+            return {(positions[i], j): v for (i, j), v in mapping.items() if positions[i] is not None}
+
+        op_meshes = {positions[i]: m for i, m in self.op_meshes.items() if positions[i] is not None}
+        return {"program": program, "graph": graph, "user": keys(self.user), "made": keys(self.made), "op_meshes": op_meshes}
+
+    def reported(self, rewrite: Rewrite, text: str, **changes: Any) -> Analysed:
+        """This analysis with ``changes`` and ``rewrite``'s report appended."""
+        return dataclasses.replace(self, reports=(*self.reports, (rewrite.name, text)), **changes)
+
+
+class Rewrite:
+    """Base of the frozen rewrite dataclasses: ``apply`` returns a new :class:`Analysed`."""
+
+    name: ClassVar[str] = "rewrite"
+
+    def apply(self, work: Analysed) -> Analysed:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        return f"{self.name}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+
+
+@dataclass(frozen=True)
+class PipelineStages(Rewrite):
+    """Where each op of a pipeline runs: ``PipelineConfig(stages=n)``'s layer cut
+    (:mod:`.pipeline_cut`; else the stages shard_op placed), a parameter read on several
+    stages owned by its first reader's (:func:`~autopar.shared_parameters.owner_meshes`), and a
+    parameter annotated on the whole mesh moved to the stage reading it."""
+
+    stages: int | None = None
+    name: ClassVar[str] = "pipeline_stages"
+
+    def apply(self, work: Analysed) -> Analysed:
+        op_meshes = dict(work.op_meshes)
+        if self.stages is not None:
+            op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes)
+        staged = stage_constants(work.program, work.graph, op_meshes)
+        if staged is not None:
+            work = work.reported(self, str(staged), **work.moved(staged.program, staged.positions))
+            op_meshes = {**{staged.positions[i]: m for i, m in op_meshes.items() if staged.positions[i] is not None}, **staged.meshes}
+        op_meshes = owner_meshes(work.graph, op_meshes)
+        user = _onto_stages(work.graph, work.mesh, work.user, op_meshes)
+        counts: dict[ProcessMesh, int] = {}
+        for index, mesh in op_meshes.items():
+            if work.graph.ops[index].role is Role.FORWARD:
+                counts[mesh] = counts.get(mesh, 0) + 1
+        text = ", ".join(f"{count} forward ops on {mesh}" for mesh, count in counts.items())
+        return work.reported(self, text or "no op placed", op_meshes=op_meshes, user=user)
+
+
+@dataclass(frozen=True)
+class Recompute(Rewrite):
+    """Selective recompute (:mod:`.recompute`): a clone of the program with the selected ops
+    cloned into the backward; annotations and op meshes follow the ops to their new indices."""
+
+    selection: bool | tuple[str, ...] = True
+    name: ClassVar[str] = "recompute"
+
+    def apply(self, work: Analysed) -> Analysed:
+        rewrite = recompute(work.program, self.selection, work.op_meshes)
+        moved = work.moved(rewrite.program, rewrite.positions, recomputes=rewrite.clones)
+        return work.reported(self, str(rewrite).splitlines()[0], recompute=rewrite, **moved)
+
+
+@dataclass(frozen=True)
+class LocalBatchNorm(Rewrite):
+    """``Strategy(local_batch_norm=True)``: each training batch_norm (grad) op of the graph view
+    is marked :data:`~autopar.spmd.batch_norm.LOCAL_STATISTICS`, so that its rules state per-rank
+    statistics (the program is unchanged; passes/batch_norm_stats.py averages the running ones)."""
+
+    name: ClassVar[str] = "local_batch_norm"
+
+    def apply(self, work: Analysed) -> Analysed:
+        marked = {
+            op.index: {LOCAL_STATISTICS: True}
+            for op in work.graph.ops
+            if op_key(op.name).removesuffix("_") in ("batch_norm", "batch_norm_grad") and batch_statistics(op.attrs)
+        }
+        return work.reported(self, f"{len(marked)} batch_norm op(s) with per-rank statistics", graph=work.graph.derived(attrs=marked))
+
+
+@dataclass(frozen=True)
+class MicroBatch(Rewrite):
+    """The program as it runs on one of ``count`` micro-batches (:mod:`.micro_batching`): the
+    graph's shapes become one micro-batch's; refused by name where an op needs the whole batch."""
+
+    count: int = 1
+    name: ClassVar[str] = "micro_batching"
+
+    def apply(self, work: Analysed) -> Analysed:
+        micro, graph = micro_batching(work.graph, self.count)
+        text = f"{len(micro.feeds)} feed(s) split into {self.count} micro-batches; {len(micro.scales)} op(s) rescaled"
+        return work.reported(self, text, graph=graph, micro=micro)
+
+
+@dataclass(frozen=True)
+class SequenceParallel(Rewrite):
+    """Sequence parallelism (:mod:`.sequence_parallel`): from a first propagation, the
+    activations between tensor-parallel regions annotated ``Shard(seq)`` at strategy priority."""
+
+    asked: bool | str = True
+    name: ClassVar[str] = "sequence_parallel"
+
+    def apply(self, work: Analysed) -> Analysed:
+        first = work.propagate()
+        regions = sequence_regions(work.graph, first, work.mesh, self.asked)
+        made = work.annotated(self, regions.annotations(work.graph, first))
+        split = sum(1 for v in regions.values if v.seq_dim is not None)
+        return work.reported(self, f"{split} activation(s) split along the sequence over {regions.axis!r}", made=made, sequence=regions)
+
+
+def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
+    """The rewrites ``strategy`` declares, in the order they run."""
+    found: list[Rewrite] = []
+    pipeline = strategy.pipeline
+    if pipeline is not None:
+        found.append(PipelineStages(pipeline.stages))
+    if strategy.recompute:
+        found.append(Recompute(strategy.recompute))
+    if strategy.local_batch_norm:
+        found.append(LocalBatchNorm())
+    if pipeline is not None and pipeline.micro_batches > 1:
+        found.append(MicroBatch(pipeline.micro_batches))
+    if strategy.sequence_parallel:
+        found.append(SequenceParallel(strategy.sequence_parallel))
+    return tuple(found)
+
+
+def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:
+    for rewrite in rewrites:
+        work = rewrite.apply(work)
+    return work
+
+
+def _onto_stages(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]
+) -> dict[ValueKey, DistAttr]:  # fmt: skip
+    """A parameter annotated on the whole mesh of a pipeline (``["mp", None]`` on a pp x mp
+    mesh, e.g. with ``PipelineConfig(stages=n)``, where the user does not place layers) lives
+    on the stage that reads it: the annotation moves to that stage's sub-mesh by dim name. One
+    that splits over the pipeline's own dim stays (and is refused where it cannot run)."""
+    moved = dict(user)
+    for key, attr in user.items():
+        value = graph.values[key]
+        if attr.mesh != mesh or value.kind != "parameter" or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
+            continue
+        stages = {op_meshes[u] for u in value.users if u in op_meshes and graph.ops[u].role is Role.FORWARD}
+        if len(stages) == 1:
+            moved[key] = transplant(attr, stages.pop())
+    return moved

@@ -1,0 +1,222 @@
+"""Micro-batching: the serial program as it runs on one micro-batch (stage: serial rewrite,
+before propagation).
+
+A pipeline splits each step's global batch into ``m`` equal micro-batches and runs forward and
+backward once per micro-batch; the optimizer runs once per step on the gradients summed over
+the micro-batches. Which values shrink, and how, is a sharding question: micro-batches are
+data parallelism along a sequential axis. So this module propagates a split of every feed's
+batch dim over a 1-d ``micro_batch`` mesh of size ``m`` with the ordinary SPMD rules, and
+reads off:
+
+- each value's shape on one micro-batch (the graph's shapes become these; every later stage,
+  real propagation and partition included, works on one micro-batch);
+- the local correction an op's rule asks for (a mean over the micro-batch is scaled by
+  1/m so that losses and gradients become partial sums over the micro-batches);
+- the values pending a sum over the micro-batches: the gradients the optimizer reads (the
+  runtime accumulates them) and the losses (a fetch adds the micro-batches' pieces).
+
+An op that needs a value whole over the batch before the optimizer (batch statistics, a
+reshape folding the batch into another dim) cannot run one micro-batch at a time: refused
+by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
+from autopar.mesh import ProcessMesh
+from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate
+from autopar.spmd import RuleContext, TensorSpec, get_rule
+from autopar.spmd.base import SpmdRule
+from autopar.spmd.batch_norm import split_statistics
+from autopar.spmd.vocab_parallel import split_row
+
+SHAPE_ATTR_OPS = ("pd_op.reshape", "pd_op.reshape_", "pd_op.full", "pd_op.expand")
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """The micro-batch analysis of one program (see the module docstring)."""
+
+    count: int
+    placements: Mapping[ValueKey, DistAttr]  # over the 1-d micro_batch mesh
+    scales: Mapping[int, float]  # op index -> factor applied to its float results
+    feeds: Mapping[str, int]  # feed name -> the dim split into micro-batches
+
+    def pending_sum(self, key: ValueKey) -> bool:
+        """Whether ``key`` is a partial sum over the micro-batches (add the pieces)."""
+        return self.placements[key].partial_dims.get(0) == "sum"
+
+    def split_dim(self, key: ValueKey) -> int | None:
+        """The dim of ``key`` split over the micro-batches (None: not split)."""
+        for dim, mesh_dims in enumerate(self.placements[key].mapping):
+            if mesh_dims:
+                return dim
+        return None
+
+
+def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, ProgramGraph]:
+    """Analyse ``graph`` for ``count`` micro-batches: the analysis, and a new view of the
+    program with one micro-batch's shapes (the program's own stay in ``ValueNode.declared``).
+    Every refusal of micro-batching is here."""
+    mesh = ProcessMesh(list(range(count)), ["micro_batch"])
+    feeds, annotations = {}, {}
+    for key, value in graph.values.items():
+        if value.kind != "feed" or not value.shape:
+            continue
+        if value.shape[0] % count:
+            raise AutoparError(
+                f"micro-batching: feed {value.label!r} has {value.shape[0]} rows (dim 0), which {count} micro-batches "
+                "do not divide evenly; choose micro_batches dividing the global batch"
+            )
+        feeds[value.name] = 0
+        annotations[key] = DistAttr(mesh, [0] + [-1] * (len(value.shape) - 1))
+    result = _cut_whole_batch_values(graph, mesh, annotations)
+    for need in result.reshards:
+        op = graph.ops[need.op]
+        accumulated = op.role is Role.OPTIMIZER and need.have.partial_dims == {0: "sum"} and need.need.is_replicated
+        if accumulated:
+            continue
+        value = graph.values[need.value]
+        if need.site.kind is SiteKind.AFTER_PRODUCER or _cuttable(graph, need.value, need.have, need.need):
+            maker = graph.ops[need.value[0]]
+            raise AutoparError(
+                f"micro-batching: {maker}{_layer(maker)} makes {value.label} {list(value.shape)} whole over the batch, and "
+                f"{op} reads one micro-batch's rows of it ({need.need}); no rule lets {maker.name} make a micro-batch's "
+                "piece: compute it from the inputs' rows, or use one micro-batch"
+            )
+        raise AutoparError(
+            f"micro-batching: {op}{_layer(op)} reads {value.label} as {need.need}, but one micro-batch holds {need.have}; "
+            "the op needs the whole batch at once and cannot run one micro-batch at a time"
+        )
+    for op in graph.ops:  # a training dropout's micro-batches would need different rows of one mask
+        required = result.op_results.get(op.index)
+        if op.name == "pd_op.dropout" and not op.attrs.get("is_test", False) and required is not None:
+            if required.inputs[0] is not None and required.inputs[0].sharded_mesh_dims():
+                raise AutoparError(
+                    f"micro-batching: {op} (training dropout) draws one mask over the whole batch; its micro-batches "
+                    "would each need different rows of it: run dropout outside the pipeline, or use one micro-batch"
+                )
+    placements = {k: s.dist for k, s in result.states.items()}
+    _refuse_whole_batch_normalization(graph, placements)
+    scales = {op.index: _scale(graph, result.op_results[op.index], op) for op in graph.ops if op.index in result.op_results}
+    analysis = MicroBatching(count, placements, {k: f for k, f in scales.items() if f != 1.0}, feeds)
+    return analysis, _shrunk(graph, placements)
+
+
+def _cut_whole_batch_values(graph: ProgramGraph, mesh: ProcessMesh, feeds: dict[ValueKey, DistAttr]) -> PropagationResult:
+    """Propagate the feeds' split; then every value built whole over the batch without reading
+    a feed (``paddle.ones([batch, seq])``, an expand of a position table to the batch) that a
+    micro-batch's op reads as its rows is cut too: annotated with that split (strategy
+    priority), and, where its producer cannot make the split from what it reads, the producer's
+    inputs as its rule says it would need them — back to the constants it is built from, which
+    make one micro-batch's rows (a ``full`` its shape, an expand its target). Repeated while
+    such reads remain (each round reaches one op further back)."""
+    cut: dict[ValueKey, DistAttr] = {}
+    for _ in range(len(graph.ops) + 1):
+        result = propagate(graph, mesh, feeds, {}, strategy=cut)
+        more: dict[ValueKey, DistAttr] = {}
+        for need in result.reshards:
+            if need.site.kind is SiteKind.AFTER_PRODUCER and need.value in cut:
+                more.update(_inputs_making(graph, mesh, result, need))
+            elif _cuttable(graph, need.value, need.have, need.need):
+                more[need.value] = need.need
+        more = {key: dist for key, dist in more.items() if key not in cut}
+        if not more:
+            return result
+        cut.update(more)
+    return result
+
+
+def _inputs_making(graph: ProgramGraph, mesh: ProcessMesh, result: PropagationResult, need: ReshardNeed) -> dict[ValueKey, DistAttr]:
+    """The cuttable inputs of ``need.value``'s producer, placed as its rule needs them to make
+    ``need.need`` (empty without a rule: the producer is then refused by name)."""
+    op = graph.ops[need.value[0]]
+    rule = get_rule(op.name)
+    if rule is None:
+        return {}
+    specs = [None if k is None else TensorSpec(graph.values[k].shape, result.dist(k), graph.values[k].dtype) for k in op.inputs]
+    outs = [
+        None if k is None else TensorSpec(graph.values[k].shape, need.need if k == need.value else None, graph.values[k].dtype)
+        for k in op.outputs
+    ]  # fmt: skip
+    wanted = rule.infer_backward(specs, outs, op.attrs, RuleContext(mesh, op_name=op.name)).inputs
+    return {
+        key: dist for key, dist in zip(op.inputs, wanted)
+        if key is not None and dist is not None and _cuttable(graph, key, result.dist(key), dist)
+    }  # fmt: skip
+
+
+def _cuttable(graph: ProgramGraph, key: ValueKey, have: DistAttr, need: DistAttr) -> bool:
+    """A read of a micro-batch's rows of a value that is whole (not pending) over the batch
+    and is not a parameter, state or feed (those hold the same thing every micro-batch, or
+    are split already)."""
+    return (
+        bool(need.sharded_mesh_dims()) and not have.partial and not have.sharded_mesh_dims()
+        and graph.values[key].kind in ("activation", "constant")
+    )  # fmt: skip
+
+
+def _layer(op: OpNode) -> str:
+    path = str(op.attrs.get("struct_name") or "").strip("/")
+    return f" (in {path})" if path else ""
+
+
+def _refuse_whole_batch_normalization(graph: ProgramGraph, placements: Mapping[ValueKey, DistAttr]) -> None:
+    """Batch statistics, or a row normalized over the batch: micro-batches run one after
+    another, so no all_reduce can give the whole batch's statistics or finish the row."""
+    for op in graph.ops:
+        if not op.inputs or op.inputs[0] is None:
+            continue
+        inputs = [None if key is None else placements.get(key) for key in op.inputs]
+        value = graph.values[op.inputs[0]]
+        if split_statistics(op.name, op.attrs, inputs, value.shape) is not None:
+            raise AutoparError(
+                f"micro-batching: {op} takes batch statistics over {value.label}, which each micro-batch holds a "
+                "piece of; the statistics need the whole batch at once"
+            )
+        split = split_row(op.name, op.attrs, inputs)
+        if split is not None:
+            value = graph.values[op.inputs[split.operand]]
+            raise AutoparError(
+                f"micro-batching: {op} normalizes over dim {split.axis} of {value.label}, which each micro-batch holds "
+                "a piece of; the op needs the whole batch at once and cannot run one micro-batch at a time"
+            )
+
+
+def _shrunk(graph: ProgramGraph, placements: Mapping[ValueKey, DistAttr]) -> ProgramGraph:
+    shapes_of: dict[ValueKey, tuple[int, ...]] = {}
+    for key, value in graph.values.items():
+        dist = placements.get(key)
+        if dist is None or value.kind == "vector":
+            continue
+        shapes = {dist.local_shape(value.shape, r) for r in dist.mesh.ranks}
+        if len(shapes) > 1:
+            raise AutoparError(
+                f"micro-batching: {value.label} of shape {list(value.shape)} would split unevenly into micro-batches "
+                f"({sorted(shapes)}); choose micro_batches dividing it"
+            )
+        shape = shapes.pop()
+        if shape != value.shape:
+            shapes_of[key] = shape
+    attrs = {}
+    for op in graph.ops:  # sizes written into an op (a reshape's target, a full's shape) shrink with its result
+        out = op.outputs[0] if op.outputs else None
+        if op.name in SHAPE_ATTR_OPS and out in shapes_of and "shape" in op.attrs:
+            attrs[op.index] = {"shape": list(shapes_of[out])}
+    return graph.derived(shapes_of, attrs)
+
+
+def _scale(graph: ProgramGraph, inferred, op) -> float:
+    rule = get_rule(op.name)
+    if rule is None or type(rule).local_scale is SpmdRule.local_scale:
+        return 1.0
+    specs = [
+        None if key is None else TensorSpec(graph.values[key].program_shape, dist, graph.values[key].dtype)
+        for key, dist in zip(op.inputs, inferred.inputs)
+    ]
+    return float(rule.local_scale(specs, op.attrs, 0))

@@ -1,0 +1,133 @@
+"""Ops models use to build masks and broadcast tables: expand, tril / triu, where, logical and
+bitwise ops, arange, and their grads (stage: propagate).
+
+    expand        1b -> ab     (x [1, S] to [B, S]): a broadcast dim takes any split of the
+                               output (each rank expands to its own piece); its gradient is a
+                               partial sum over the mesh dims that split it
+    tril / triu   ab11 -> ab11 the last two dims whole (the diagonal is counted from the corner)
+    where         abc,abc,abc -> abc   (Paddle broadcasts the operands first); grad linear in g
+    logical_* / bitwise_*      broadcasting elementwise, as compare ops
+    arange        -> a         whole: each element is its own index, so no rank can make a piece
+                               of it without knowing its offset
+
+A mask built from a batch-sized constant (``paddle.ones([B, S])``) or an expand to the batch is
+then split like the batch it is added to (data parallelism, micro-batches) instead of being
+made whole on every rank and sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autopar.dist_attr import DistAttr
+from autopar.spmd.base import (
+    EinsumRule,
+    RuleContext,
+    RuleResult,
+    SpmdRule,
+    TensorSpec,
+    einsum_backward,
+    einsum_forward,
+    einsum_grad,
+)  # fmt: skip
+from autopar.spmd.elementwise import UnaryRule, broadcast_equation
+from autopar.spmd.letters import broadcast_letters, equation
+from autopar.spmd.operands import keep_pending, letters, replicated, spread
+from autopar.spmd.registry import register, register_rule
+
+
+def expand_target(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """expand's output shape from its (constant) ``shape`` operand; ``-1`` keeps x's size.
+    None when the shape is computed at run time."""
+    target = attrs.get("shape")
+    if not isinstance(target, (list, tuple)):
+        return None
+    offset = len(target) - len(x_shape)
+    return tuple(int(x_shape[i - offset]) if int(t) == -1 else int(t) for i, t in enumerate(target))
+
+
+def _expand_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str, str] | None:
+    out = expand_target(x_shape, attrs)
+    if out is None:
+        return None
+    (x, _), out_letters = broadcast_letters([x_shape, out])
+    return x, out_letters
+
+
+@register("expand", "broadcast_to")
+class ExpandRule(SpmdRule):
+    """``(x, shape) -> out`` (see the module docstring); the shape operand stays whole."""
+
+    free_outputs = True
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        found = _expand_letters(inputs[0].shape, attrs)
+        if found is None:  # a shape known at run time only: whole
+            return RuleResult(tuple(replicated(ctx, s) for s in inputs), (replicated(ctx, inputs[0]),))
+        rule = EinsumRule(lambda specs, attrs: equation([found[0]], [found[1]]), linearity="multi")
+        return spread(rule.infer_forward(inputs[:1], attrs, ctx), [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        found = _expand_letters(inputs[0].shape, attrs)
+        if found is None:
+            return self.infer_forward(inputs, attrs, ctx)
+        rule = EinsumRule(lambda specs, attrs: equation([found[0]], [found[1]]))
+        return spread(rule.infer_backward(inputs[:1], outputs, attrs, ctx), [0], inputs, ctx)
+
+
+@register("expand_grad", "broadcast_to_grad")
+class ExpandGradRule(SpmdRule):
+    """``(x, out_grad, shape) -> x_grad``: the sum over the broadcast dims; x is read for its
+    shape only."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        found = _expand_letters(inputs[0].shape, attrs) if inputs[1].shape != inputs[0].shape else None
+        x, out = found if found is not None else (letters(inputs[0].ndim),) * 2
+        result = einsum_grad(equation([x, out], [x]), inputs[:2], ctx, grad_operands=[1])
+        return spread(keep_pending(result, inputs, [0]), [0, 1], inputs, ctx)
+
+
+class _LastTwoWhole(SpmdRule):
+    """``ab11 -> ab11``: tril / triu and their grads (one tensor operand)."""
+
+    @staticmethod
+    def _equation(inputs: Sequence[TensorSpec]) -> str:
+        ndim = inputs[0].ndim
+        names = letters(ndim, whole=range(max(ndim - 2, 0), ndim))
+        return f"{names}->{names}"
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        return spread(einsum_forward(self._equation(inputs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return spread(einsum_backward(self._equation(inputs), inputs[:1], outputs[:1], ctx), [0], inputs, ctx)
+
+
+register_rule(_LastTwoWhole(), "tril", "triu", "tril_grad", "triu_grad")
+
+
+@register("where_grad")
+class WhereGradRule(SpmdRule):
+    """``(condition, x, y, out_grad) -> (x_grad, y_grad)``: out_grad where the condition picks
+    the operand, 0 elsewhere: linear in out_grad (its pending sum passes through)."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        operands, _ = broadcast_letters([s.shape for s in inputs])
+        return einsum_grad(equation(operands, operands[1:3]), inputs, ctx, grad_operands=[3])
+
+
+@register("arange")
+class ArangeRule(SpmdRule):
+    """``(start, end, step) -> out``: whole (see the module docstring), forward and backward."""
+
+    def infer_forward(self, inputs, attrs, ctx):
+        return RuleResult(tuple(replicated(ctx, s) for s in inputs), (DistAttr.replicated(ctx.mesh, 1),))
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return self.infer_forward(inputs, attrs, ctx)
+
+
+register_rule(EinsumRule(broadcast_equation), "where")
+register_rule(EinsumRule(broadcast_equation), "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor")
+register_rule(UnaryRule(), "bitwise_not")
