@@ -8,7 +8,7 @@
 
 from autopar import errors
 from autopar.analysis import Analysis, analyze
-from autopar.annotate import shard_op, shard_tensor
+from autopar.annotate import reshard, shard_op, shard_tensor
 from autopar.compile import compile  # noqa: A004
 from autopar.dist_attr import DistAttr
 from autopar.distributed_program import CompileReport, DistributedProgram
@@ -22,5 +22,5 @@ from autopar.strategy import PipelineConfig, Strategy
 
 __all__ = [
     "Analysis", "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement",
-    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "shard_op", "shard_tensor", "simulate",
+    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "reshard", "shard_op", "shard_tensor", "simulate",
 ]  # fmt: skip

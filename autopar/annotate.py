@@ -1,4 +1,4 @@
-"""User annotations on PIR programs: ``shard_tensor`` and ``shard_op`` (stage: annotate).
+"""User annotations on PIR programs: ``shard_tensor``, ``shard_op`` and ``reshard`` (stage: annotate).
 
 Annotations are kept beside the program (a weak table keyed by the Program object), never
 written into it: the user's program stays exactly as built. ``compile`` reads them back.
@@ -126,7 +126,7 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
         if before.mesh != now.mesh:  # the same placement text on two meshes: name them
             raise AnnotationError(
                 f"tensor {label!r} is already annotated as {before} on {before.mesh}; shard_tensor again asks for {now} "
-                f"on {now.mesh} (to move a value to another stage's mesh, annotate a copy: paddle.assign)"
+                f"on {now.mesh} (to move a value to another placement or stage, use autopar.reshard(value, mesh, placements))"
             )
         raise AnnotationError(f"tensor {label!r} is already annotated as {before}; shard_tensor again asks for {now}")
     tensors[value.id] = (attr, label)
@@ -209,3 +209,26 @@ def shard_op(layer_or_fn: Callable[..., Any], mesh: ProcessMesh) -> Callable[...
         return out
 
     return placed
+
+
+def reshard(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
+    """A new value equal to ``value``, placed on ``mesh`` as ``dims_mapping`` says (Paddle's
+    ``dist.reshard``): the forward moves the value there, the backward moves its gradient
+    back; onto another pipeline stage's mesh it is a send / recv. ``value`` keeps its own
+    placement (one value has one annotation; this is the way to ask for a second).
+
+    It is a copy (``paddle.assign``) run on ``mesh``, its result annotated: call it while
+    building the program, where Paddle's ``dist.reshard`` would be called."""
+    import paddle
+
+    if not isinstance(mesh, ProcessMesh):
+        raise AnnotationError(f"reshard needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+    if not hasattr(value, "is_dense_tensor_type") or not value.is_dense_tensor_type():
+        raise AnnotationError(f"reshard moves a tensor of a static program, got {type(value).__name__}")
+    label = value_label(value)
+    program = program_of(value)
+    _check_current_program(program, label)
+    to_dist_attr(dims_mapping, mesh, len(value.shape), label)  # refused here, naming the value, if it does not fit
+    copy = shard_op(paddle.assign, mesh)(value)
+    copy.stop_gradient = value.stop_gradient
+    return shard_tensor(copy, mesh, dims_mapping)

@@ -32,6 +32,7 @@ from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
+from autopar.propagation import transplant
 from autopar.rewrites import Analysed, apply_all, rewrites_for
 from autopar.rewrites.recompute import regathered
 from autopar.strategy import PipelineConfig, Strategy
@@ -68,11 +69,43 @@ def compile(  # noqa: A001  (the public name the design card fixes)
             analysis.check(program, mesh, startup_program, strategy)
             state = analysis.state_for(strategy)
         pipeline.plan(state)
+        _warn_lost_splits(state)
         return DistributedProgram(program, startup_program, state, pipeline)
 
 
+def _warn_lost_splits(state: CompileState) -> None:
+    """Warn, once per op, where an op without an SPMD rule makes a split value whole every
+    step (no silent loss of parallelism: the result equals serial either way)."""
+    import warnings
+
+    from autopar.errors import ParallelismWarning
+    from autopar.units import format_bytes
+
+    unsupported = set(state.propagation.unsupported)
+    lost: dict[int, list[str]] = {}
+    for planned in state.reshards:
+        op = state.graph.ops[planned.need.op]
+        if str(op) not in unsupported or planned.shared_with is not None or not planned.plan.bytes:
+            continue
+        if not planned.need.have.sharded_mesh_dims() and not planned.need.have.partial:
+            continue
+        lost.setdefault(op.index, []).append(
+            f"{state.label(planned.need.value)} {planned.need.have} -> whole ({format_bytes(planned.plan.bytes)})"
+        )
+    for index, reads in lost.items():
+        op = state.graph.ops[index]
+        path = str(op.attrs.get("struct_name") or "").strip("/")
+        warnings.warn(
+            f"{op}{f' (in {path})' if path else ''} has no SPMD rule, so it runs whole on every rank: it reads "
+            f"{'; '.join(reads)} each step, and what it makes is whole after it. Give {op.name} a rule "
+            "(autopar.spmd.register_rule; check it with autopar.testing.check_rule) or compute it outside the split region",
+            ParallelismWarning,
+            stacklevel=3,
+        )
+
+
 def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | None) -> Strategy:
-    """``strategy`` checked, with a pipeline of one micro-batch when shard_op placed stages."""
+    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages."""
     strategy = _checked(strategy)
     if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
         strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
@@ -80,7 +113,10 @@ def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | Non
 
 
 def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
-    return any(op_mesh != mesh for op_mesh in annotations_of(program).ops.values())
+    """Whether shard_op placed ops, or shard_tensor / reshard placed values, on sub-meshes."""
+    notes = annotations_of(program)
+    meshes = [*notes.ops.values(), *(attr.mesh for attr, _ in notes.tensors.values())]
+    return any(m != mesh and not m.same_grid(mesh) and mesh.contains(m) for m in meshes)
 
 
 def passes_for(strategy: Strategy) -> list[Pass]:
@@ -122,7 +158,9 @@ def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, 
     start = Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, _op_meshes(program, graph, mesh))
     work = apply_all(rewrites_for(strategy), start)
     _check_pieces(work.graph, work.user)
-    return CompileState(work.graph, work.propagate(), mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
+    propagation = work.propagate()
+    _refuse_annotations_off_their_stage(work.graph, work.user, propagation)
+    return CompileState(work.graph, propagation, mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
                         sequence=work.sequence, recompute=work.recompute, regather=regathered(work.recompute, work.graph, strategy),
                         rewrites=work.reports)  # fmt: skip
 
@@ -217,6 +255,8 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
             raise AnnotationError(f"tensor {label!r} is annotated but is not a value of the compiled program")
         if not mesh.contains(attr.mesh):
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh}, which is not a sub-mesh of {mesh}")
+        if attr.mesh != mesh and attr.mesh.same_grid(mesh):  # a slice of size-1 dims away: the same placement
+            attr = transplant(attr, mesh)
         if attr.mesh != mesh and not (staged and attr.mesh.size < mesh.size):
             why = (
                 "annotate with the mesh given to compile" if attr.mesh.size == mesh.size
@@ -225,6 +265,22 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh} but compile was given {mesh}; {why}")
         placements[key] = attr
     return placements
+
+
+def _refuse_annotations_off_their_stage(graph: ProgramGraph, user: dict[ValueKey, DistAttr], propagation: Any) -> None:
+    """An intermediate annotated on a mesh its producer does not run on (a stage-0 output
+    annotated on ``mesh[1]``) is refused: a value has one placement, made where its op runs;
+    moving it to another stage is ``autopar.reshard`` (before: an internal MeshError when rank
+    programs were built)."""
+    for key, attr in user.items():
+        made_on = propagation.op_meshes.get(key[0])
+        if made_on is None or graph.values[key].kind != "activation" or set(attr.mesh.ranks) <= set(made_on.ranks):
+            continue
+        raise AnnotationError(
+            f"tensor {graph.values[key].label!r} is made by {graph.ops[key[0]]} on {made_on} but annotated on {attr.mesh}: "
+            f"annotate it on the mesh its op runs on, or move it with autopar.reshard(value, mesh, placements), which "
+            "returns a copy placed there"
+        )
 
 
 def _check_pieces(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
@@ -261,5 +317,5 @@ def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int
         op = graph.ops[by_id[op_id]]
         if not mesh.contains(op_mesh):
             raise AnnotationError(f"op {op} is placed by shard_op on {op_mesh}, which is not a sub-mesh of {mesh}")
-        meshes[op.index] = op_mesh
+        meshes[op.index] = mesh if op_mesh.same_grid(mesh) else op_mesh
     return meshes

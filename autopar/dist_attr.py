@@ -69,6 +69,11 @@ def _partial_item(item: Any) -> tuple[Any, Any]:
     raise PlacementError(f"{_PARTIAL_FORM}; got the entry {item!r}")
 
 
+def _spans(mesh: ProcessMesh, mesh_dim: int) -> bool:
+    """Whether ``mesh_dim`` has more than one rank (a dim out of range is kept, to be refused)."""
+    return not 0 <= mesh_dim < mesh.ndim or mesh.shape[mesh_dim] > 1
+
+
 def _normalize_partial(partial: Any, mesh: ProcessMesh | None = None) -> tuple[tuple[int, str], ...]:
     """Partial mesh dims -> sorted ((mesh dim, kind), ...); names need ``mesh``."""
     if partial is None:
@@ -134,6 +139,9 @@ class DistAttr:
             partial_dims = partial
         entries = tuple(_normalize_entry(e, mesh) for e in _mapping_entries(dims_mapping))
         partial_t = _normalize_partial(partial_dims, mesh)
+        if 1 in mesh.shape:  # a mesh dim of size 1 splits nothing and has nothing pending: no one-rank collectives
+            entries = tuple(tuple(d for d in entry if _spans(mesh, d)) for entry in entries)
+            partial_t = tuple((d, kind) for d, kind in partial_t if _spans(mesh, d))
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "mapping", entries)
         object.__setattr__(self, "partial", partial_t)

@@ -36,6 +36,11 @@ class AnnotationWarning(UserWarning):
     """An annotation that compile can see but not apply (made on another program's value)."""
 
 
+class ParallelismWarning(UserWarning):
+    """A split the annotations asked for is made whole for lack of an SPMD rule: the program
+    is still equal to serial, but moves bytes and repeats work the user did not ask for."""
+
+
 class ScheduleError(AutoparError):
     """A pipeline schedule request that cannot be built, or a schedule that fails verification."""
 

@@ -255,6 +255,15 @@ class ProcessMesh:
             raise MeshError(f"contains() takes an autopar.ProcessMesh, got {type(other).__name__}")
         return set(other.ranks) <= set(self.ranks)
 
+    def same_grid(self, other: ProcessMesh) -> bool:
+        """The same ranks in the same order along the same named dims, dims of size 1 aside:
+        ``[pp=1, dp=2, mp=2]`` and its slice ``[dp=2, mp=2]`` (PaddleNLP's meshes)."""
+
+        def spanning(mesh: ProcessMesh) -> list[tuple[str, int]]:
+            return [(name, size) for name, size in zip(mesh.dim_names, mesh.shape) if size > 1]
+
+        return self.ranks == other.ranks and spanning(self) == spanning(other)
+
     def tolist(self) -> Any:
         def build(offset: int, dims: tuple[int, ...]) -> Any:
             if len(dims) == 1:

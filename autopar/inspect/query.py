@@ -195,6 +195,10 @@ class Decisions:
         or None."""
         return self._state.sequence
 
+    def rewrites(self) -> tuple[tuple[str, str], ...]:
+        """Each serial rewrite that ran (:mod:`autopar.rewrites`) and its one-line report, in order."""
+        return tuple(self._state.rewrites)
+
     def recompute(self) -> Any:
         """Recompute's rewrite and report (:class:`~autopar.rewrites.recompute.Recomputation`: ``print``
         it), or None."""

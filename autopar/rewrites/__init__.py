@@ -27,11 +27,16 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
-from autopar.rewrites.micro_batching import MicroBatching, micro_batching
+from autopar.rewrites.micro_batching import MicroBatching
+from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
-from autopar.rewrites.recompute import Recomputation, recompute
+from autopar.rewrites.recompute import Recomputation
+from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
-from autopar.rewrites.stage_constants import stage_constants
+from autopar.rewrites.stage_constants import stage_constants as copy_constants
+from autopar.rewrites.stage_inference import infer_stages, on_stages
+from autopar.rewrites.static_shapes import static_shapes as constant_shapes
+from autopar.rewrites.whole_feeds import whole_feed_copies
 from autopar.shared_parameters import owner_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
@@ -114,9 +119,26 @@ class Rewrite:
 
 
 @dataclass(frozen=True)
+class ShapeReads(Rewrite):
+    """Shape reads made constants (:mod:`.static_shapes`): a shape is known from the global
+    shape, never gathered."""
+
+    name: ClassVar[str] = "static_shapes"
+
+    def apply(self, work: Analysed) -> Analysed:
+        rewritten = constant_shapes(work.program)
+        if rewritten is None:
+            return work.reported(self, "no shape read")
+        same = tuple(range(len(work.graph.ops)))
+        return work.reported(self, str(rewritten), **work.moved(rewritten.program, same))
+
+
+@dataclass(frozen=True)
 class PipelineStages(Rewrite):
     """Where each op of a pipeline runs: ``PipelineConfig(stages=n)``'s layer cut
-    (:mod:`.pipeline_cut`; else the stages shard_op placed), a parameter read on several
+    (:mod:`.pipeline_cut`), else the stages shard_op placed and those the annotations on stage
+    meshes imply (:mod:`.stage_inference`), values built from constants on every stage reading
+    them (:mod:`.stage_constants`), a parameter read on several
     stages owned by its first reader's (:func:`~autopar.shared_parameters.owner_meshes`), and a
     parameter annotated on the whole mesh moved to the stage reading it."""
 
@@ -127,7 +149,9 @@ class PipelineStages(Rewrite):
         op_meshes = dict(work.op_meshes)
         if self.stages is not None:
             op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes)
-        staged = stage_constants(work.program, work.graph, op_meshes)
+        elif on_stages(work.mesh, work.user):  # parameters annotated on stage meshes place their ops (Paddle's way)
+            op_meshes = infer_stages(work.graph, work.mesh, work.user, op_meshes)
+        staged = copy_constants(work.program, work.graph, op_meshes)
         if staged is not None:
             work = work.reported(self, str(staged), **work.moved(staged.program, staged.positions))
             op_meshes = {**{staged.positions[i]: m for i, m in op_meshes.items() if staged.positions[i] is not None}, **staged.meshes}
@@ -150,7 +174,7 @@ class Recompute(Rewrite):
     name: ClassVar[str] = "recompute"
 
     def apply(self, work: Analysed) -> Analysed:
-        rewrite = recompute(work.program, self.selection, work.op_meshes)
+        rewrite = recompute_program(work.program, self.selection, work.op_meshes)
         moved = work.moved(rewrite.program, rewrite.positions, recomputes=rewrite.clones)
         return work.reported(self, str(rewrite).splitlines()[0], recompute=rewrite, **moved)
 
@@ -181,7 +205,14 @@ class MicroBatch(Rewrite):
     name: ClassVar[str] = "micro_batching"
 
     def apply(self, work: Analysed) -> Analysed:
-        micro, graph = micro_batching(work.graph, self.count)
+        micro, graph = micro_batch_view(work.graph, self.count)
+        for _ in range(len(work.graph.ops)):  # a count over the whole batch: made from the whole feeds
+            if not micro.whole_reads:
+                break
+            copies = whole_feed_copies(work.program, work.graph, micro.whole_reads, work.op_meshes)
+            work = work.reported(self, str(copies), **work.moved(copies.program, copies.positions))
+            work = dataclasses.replace(work, op_meshes={**work.op_meshes, **copies.meshes})
+            micro, graph = micro_batch_view(work.graph, self.count)
         text = f"{len(micro.feeds)} feed(s) split into {self.count} micro-batches; {len(micro.scales)} op(s) rescaled"
         return work.reported(self, text, graph=graph, micro=micro)
 
@@ -204,7 +235,7 @@ class SequenceParallel(Rewrite):
 
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The rewrites ``strategy`` declares, in the order they run."""
-    found: list[Rewrite] = []
+    found: list[Rewrite] = [ShapeReads()]
     pipeline = strategy.pipeline
     if pipeline is not None:
         found.append(PipelineStages(pipeline.stages))

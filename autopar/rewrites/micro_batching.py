@@ -30,6 +30,7 @@ from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate
+from autopar.rewrites.whole_feeds import WHOLE_BATCH, feed_only
 from autopar.spmd import RuleContext, TensorSpec, get_rule
 from autopar.spmd.base import SpmdRule
 from autopar.spmd.batch_norm import split_statistics
@@ -46,6 +47,9 @@ class MicroBatching:
     placements: Mapping[ValueKey, DistAttr]  # over the 1-d micro_batch mesh
     scales: Mapping[int, float]  # op index -> factor applied to its float results
     feeds: Mapping[str, int]  # feed name -> the dim split into micro-batches
+    # reads (op index, operand) of a whole-batch value made from feeds alone (a count of valid
+    # tokens): the micro-batching rewrite makes them from the whole feeds (rewrites/whole_feeds.py)
+    whole_reads: tuple[tuple[int, int], ...] = ()
 
     def pending_sum(self, key: ValueKey) -> bool:
         """Whether ``key`` is a partial sum over the micro-batches (add the pieces)."""
@@ -62,11 +66,13 @@ class MicroBatching:
 def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, ProgramGraph]:
     """Analyse ``graph`` for ``count`` micro-batches: the analysis, and a new view of the
     program with one micro-batch's shapes (the program's own stay in ``ValueNode.declared``).
-    Every refusal of micro-batching is here."""
+    Every refusal of micro-batching is here. With reads of whole-batch values made from feeds
+    alone, only those are returned (``whole_reads``; the rewrite copies their makers and asks
+    again)."""
     mesh = ProcessMesh(list(range(count)), ["micro_batch"])
     feeds, annotations = {}, {}
     for key, value in graph.values.items():
-        if value.kind != "feed" or not value.shape:
+        if value.kind != "feed" or not value.shape or value.name.endswith(WHOLE_BATCH):  # (a whole-batch copy: whole)
             continue
         if value.shape[0] % count:
             raise AutoparError(
@@ -76,6 +82,12 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
         feeds[value.name] = 0
         annotations[key] = DistAttr(mesh, [0] + [-1] * (len(value.shape) - 1))
     result = _cut_whole_batch_values(graph, mesh, annotations)
+    whole_reads = tuple(
+        (need.op, need.site.slot) for need in result.reshards
+        if need.site.kind is SiteKind.BEFORE_READ and not need.need.sharded_mesh_dims() and feed_only(graph, need.value)
+    )  # fmt: skip
+    if whole_reads:  # made from the whole feeds first (.whole_feeds); then the rest is decided again
+        return MicroBatching(count, {}, {}, feeds, whole_reads), graph
     for need in result.reshards:
         op = graph.ops[need.op]
         accumulated = op.role is Role.OPTIMIZER and need.have.partial_dims == {0: "sum"} and need.need.is_replicated

@@ -2,9 +2,12 @@
 op of an unannotated program runs on.
 
 A stage is one contiguous run of the forward pass, cut between layers. The units cut are the
-layers at the shallowest depth of Paddle's ``struct_name`` paths that has at least ``n`` of them
-(the top-level blocks when there are enough, their sub-layers only when not), so a cut does not
-fall inside a residual block whose sum closes after it. Before, every distinct path was a layer
+calls at the shallowest depth of Paddle's ``struct_name`` paths at which one layer class is
+called at least ``n`` times — the repeated blocks, however deep they sit
+(``Model/Decoder/DecoderLayer_k``: before, the one ``Model`` call around them was a single unit
+and the whole model went to stage 0) — else the shallowest depth that has at least ``n`` units
+(the top-level blocks when there are enough, their sub-layers only when not), so a cut does
+not fall inside a residual block whose sum closes after it. Before that, every distinct path was a layer
 (``/Block/``, ``/Block/Linear_1/``, ...): a block's residual add, recorded under ``/Block/``, went
 back to an earlier stage than the block's second Linear — one block + a head on two stages ran
 mesh0 -> mesh1 -> mesh0 (rank 0 had two stages: 1F1B refused it), and two blocks were cut after
@@ -23,6 +26,7 @@ from typing import Any
 
 from autopar.errors import AnnotationError
 from autopar.graph import ProgramGraph, Role
+from autopar.layer_paths import path_of, repeated_depth
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import SOURCE_OPS
 
@@ -55,15 +59,15 @@ def cut_stages(paths: Sequence[Unit | None], stages: int) -> list[int]:
 
 
 def _path(op: Any) -> Unit | None:
-    path = tuple(part for part in str(op.attrs.get("struct_name") or "").split("/") if part)
-    return path or None
+    return path_of(op) or None
 
 
 def _units(paths: Sequence[Unit | None], stages: int) -> tuple[list[Unit], list[int]]:
     """The units at the shallowest depth with ``stages`` of them (in the order the forward pass
     meets them) and each op's unit (an op of no layer: the op before's)."""
     deepest = max((len(p) for p in paths if p), default=0)
-    for depth in range(1, deepest + 1):
+    repeated = repeated_depth([p for p in paths if p], times=stages)  # the repeated blocks, however deep
+    for depth in [repeated] if repeated is not None else range(1, deepest + 1):
         units = list(dict.fromkeys(p[:depth] for p in paths if p))
         if len(units) >= stages:
             break

@@ -5,17 +5,20 @@ forward (stage: serial rewrite, before analysis).
 
 - by op type: ``"softmax"`` selects ``pd_op.softmax`` and its in-place form ``pd_op.softmax_``;
 - by layer path: the ``struct_name`` Paddle 3.3 records on every op an ``nn.Layer`` call makes
-  is the path of layer classes from the outermost call (``/TransformerLayer_1/Attention/Linear/``;
+  is the path of layer classes from the outermost call (``/Model/Decoder/DecoderLayer_1/Attention/``;
   the n-th call of a class under one parent is ``Class_n``, counted over the process, so a second
   program built in it continues the count; attribute names are not recorded; ops written outside
-  any layer carry none). A path selects the ops whose path starts with it, component by
-  component, each a shell pattern matching a call's class (every call: ``"TransformerLayer"``)
-  or its counted name (``"TransformerLayer_1"``): ``"TransformerLayer/Attention"``.
-  A path ending in an op type selects the ops of that type the layer's own forward makes (not
-  its sublayers'): ``"TransformerLayer/matmul"`` is attention's q·kᵀ and probs·v, not the
-  Linear layers' matmuls;
-- ``True``: every top-level layer call (``"*"``), Megatron's "full" recompute: each layer is
-  recomputed from its input, the only activation of it kept.
+  any layer carry none; :mod:`autopar.layer_paths`). A path selects the ops whose path contains
+  it, component by component, starting at any depth (``"DecoderLayer"`` selects
+  ``Model/Decoder/DecoderLayer_3``; a leading ``/`` anchors it at the top), each component a
+  shell pattern matching a call's class (every call: ``"DecoderLayer"``) or its counted name
+  (``"DecoderLayer_1"``): ``"DecoderLayer/Attention"``. A path ending in an op type selects the
+  ops of that type the layer's own forward makes (not its sublayers'):
+  ``"TransformerLayer/matmul"`` is attention's q·kᵀ and probs·v, not the Linear layers' matmuls;
+- ``True``: Megatron's "full" recompute, each call of the repeated layers (the shallowest depth
+  at which one layer class is called twice or more, however deep: ``DecoderLayer_k`` under
+  ``Model/Decoder``; embeddings and the head are not recomputed), each recomputed from its
+  input, the only activation of it kept; without repeated layers, every top-level layer call.
 
 The rewrite works on a clone of the user's program (never on the program itself):
 
@@ -47,8 +50,7 @@ annotations and ``shard_op`` placements resolve through :meth:`Recomputation.gra
 
 from __future__ import annotations
 
-import fnmatch
-import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,7 @@ import numpy as np
 
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, Role, ValueKey
+from autopar.layer_paths import call_class, match_end, path_of, repeated_depth
 from autopar.op_kinds import SOURCE_OPS
 from autopar.units import format_bytes
 
@@ -228,7 +231,7 @@ def _base(op: OpNode) -> str:
 
 
 def _path(op: OpNode) -> list[str]:
-    return [c for c in str(op.attrs.get("struct_name") or "").split("/") if c]
+    return list(path_of(op))
 
 
 def select(graph: ProgramGraph, selection: bool | tuple[str, ...], first: int) -> dict[int, str | None]:
@@ -236,12 +239,7 @@ def select(graph: ProgramGraph, selection: bool | tuple[str, ...], first: int) -
     of clones is cut between groups), None for ops selected by type only."""
     candidates = _candidates(graph, first)
     if selection is True:
-        if not any(_path(op) for op in candidates):
-            raise AutoparError(
-                "Strategy.recompute=True recomputes every layer call (the ops Paddle records a struct_name on), but no "
-                f"op of the program was made by an nn.Layer call; name op types instead: {_types(candidates)}"
-            )
-        selection = ("*",)
+        return _every_layer(candidates)
     chosen: dict[int, str | None] = {}
     unmatched = []
     for entry in selection:
@@ -249,14 +247,19 @@ def select(graph: ProgramGraph, selection: bool | tuple[str, ...], first: int) -
         by_type = [op for op in candidates if _base(op) == name]
         for op in by_type:
             chosen.setdefault(op.index, None)
-        pattern = [c for c in entry.split("/") if c]
-        by_layer = [op for op in candidates if _layer_match(_path(op), pattern)]
-        # "Layer*/softmax": ops of that type the layer's own forward makes (not its sublayers')
-        by_layer += [op for op in candidates if len(pattern) > 1 and _base(op) == pattern[-1]
-                     and len(_path(op)) == len(pattern) - 1 and _layer_match(_path(op), pattern[:-1])]  # fmt: skip
-        for op in by_layer:
-            chosen[op.index] = "/".join(_path(op)[: len(pattern)])
-        if not by_type and not by_layer:
+        pattern = entry.rstrip("/").split("/")
+        found = False
+        for op in candidates:
+            path = path_of(op)
+            end = match_end(path, pattern)
+            if end is None and len(pattern) > 1 and _base(op) == pattern[-1]:
+                # "Layer*/softmax": ops of that type the layer's own forward makes (not its sublayers')
+                end = match_end(path, pattern[:-1])
+                end = end if end == len(path) else None
+            if end is not None:
+                chosen[op.index] = "/".join(path[:end])
+                found = True
+        if not by_type and not found:
             unmatched.append(entry)
     if unmatched:
         layers = sorted({"/".join(_path(op)) for op in candidates if _path(op)})
@@ -268,11 +271,25 @@ def select(graph: ProgramGraph, selection: bool | tuple[str, ...], first: int) -
     return chosen
 
 
-def _layer_match(path: list[str], pattern: list[str]) -> bool:
-    """Component by component: the call's counted name (``Linear_2``) or its class (``Linear``)."""
-    return len(path) >= len(pattern) and all(
-        fnmatch.fnmatchcase(c, p) or fnmatch.fnmatchcase(re.sub(r"_\d+$", "", c), p) for c, p in zip(path, pattern)
-    )
+def _every_layer(candidates: list[OpNode]) -> dict[int, str | None]:
+    """``recompute=True``: each call of the repeated layers (the shallowest depth at which one
+    layer class is called twice or more: ``Model/Decoder/DecoderLayer_k``), else every
+    top-level layer call."""
+    paths = [path_of(op) for op in candidates]
+    if not any(paths):
+        raise AutoparError(
+            "Strategy.recompute=True recomputes every layer call (the ops Paddle records a struct_name on), but no "
+            f"op of the program was made by an nn.Layer call; name op types instead: {_types(candidates)}"
+        )
+    depth = repeated_depth([p for p in paths if p])
+    if depth is None:
+        return {op.index: path[0] for op, path in zip(candidates, paths) if path}
+    calls = Counter(call_class(call[-1]) for call in {p[:depth] for p in paths if len(p) >= depth})
+    repeated = {name for name, count in calls.items() if count >= 2}
+    return {
+        op.index: "/".join(path[:depth]) for op, path in zip(candidates, paths)
+        if len(path) >= depth and call_class(path[depth - 1]) in repeated
+    }  # fmt: skip
 
 
 def _types(ops: list[OpNode]) -> str:

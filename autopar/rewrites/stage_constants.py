@@ -96,7 +96,12 @@ def stage_constants(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, P
         for index in sorted(needed):
             for mesh, first in needed[index].items():
                 paddle.pir.set_insertion_point(raw[first])
-                sources = [_copy_of(copies, ids, s, mesh) for s in raw[index].operands_source()]
+                sources = []
+                for source in raw[index].operands_source():
+                    maker = source.get_defining_op() if source.initialized() else None
+                    if maker is not None and maker.name() == "builtin.combine":  # a vector operand: its own copy
+                        source = _clone(maker, [_copy_of(copies, ids, m, mesh) for m in maker.operands_source()]).result(0)
+                    sources.append(_copy_of(copies, ids, source, mesh))
                 copies[(index, mesh)] = _clone(raw[index], sources)
         paddle.pir.reset_insertion_point_to_end()
     for reader, mesh in reader_mesh.items():
@@ -107,7 +112,7 @@ def stage_constants(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, P
             if made is not None and (made[0], mesh) in copies:
                 op.operand(slot).set_source(copies[(made[0], mesh)].result(made[1]))
     erased = set()
-    for index in reversed(sorted(needed)):
+    for index in reversed(derived):  # what no read needs any more (builtin.combine included)
         if all(not r.initialized() or not r.all_used_ops() for r in raw[index].results()):
             raw[index].erase()
             erased.add(index)

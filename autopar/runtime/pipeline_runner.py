@@ -28,6 +28,7 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.errors import AutoparError
 from autopar.rank_plan import RankPlan, ValueKey
+from autopar.rewrites.whole_feeds import WHOLE_BATCH
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
@@ -111,6 +112,11 @@ class PipelineRunner(RankRunner):
                 raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {declared}")
             for k, piece in enumerate(np.split(array, count, axis=dim)):
                 micro[k][name] = piece
+        for name in self.plan.program_feeds:  # a whole-batch copy of a feed (rewrites/whole_feeds.py): every micro-batch
+            base = name.removesuffix(WHOLE_BATCH)
+            if base != name and base in feed:
+                for k in range(count):
+                    micro[k][name] = np.asarray(feed[base])
         self.micro_feeds = [self.plan.local_feeds(m) for m in micro]
         self.feeds = self.micro_feeds[-1]
         self.position = 0

@@ -241,6 +241,9 @@ def _partial_passthrough(
         if linearity == "multi" and len(holders) == 1:
             kept[holders[0]][d] = kind
             out[d] = kind
+        elif linearity == "first" and holders == [0]:  # x / y: linear in x for a whole y
+            kept[0][d] = kind
+            out[d] = kind
         elif linearity == "additive" and len(holders) == len(specs):
             for i in holders:
                 kept[i][d] = kind

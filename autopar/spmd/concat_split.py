@@ -94,6 +94,25 @@ class SplitRule(SpmdRule):
         return spread(einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx), [0], inputs, ctx)
 
 
+@register("unbind")
+class UnbindRule(SpmdRule):
+    """``x -> out[0..n-1]`` along ``axis``: ``a1c -> ac,ac,...`` (the axis whole; its grad is
+    ``stack``)."""
+
+    def _equation(self, inputs, attrs) -> str:
+        ndim = inputs[0].ndim
+        axis = axis_attr(attrs, "axis", ndim)
+        names = letters(ndim, whole=[axis])
+        out = names[:axis] + names[axis + 1 :]
+        return equation([names], [out] * inputs[0].shape[axis])
+
+    def infer_forward(self, inputs, attrs, ctx):
+        return einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi")
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        return einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx)
+
+
 def _slice_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
     axes = axes_attr(attrs, "axes", ndim)
     names = letters(ndim, whole=axes)

@@ -85,15 +85,29 @@ class UnaryRule(SpmdRule):
 
 ADDITIVE = ("add", "subtract")
 MULTILINEAR = ("multiply",)
-NONLINEAR_BINARY = ("divide", "maximum", "minimum", "elementwise_pow", "greater_than", "less_than", "equal", "not_equal")
+NONLINEAR_BINARY = ("maximum", "minimum", "elementwise_pow", "greater_than", "less_than", "equal", "not_equal")
 for _name in ADDITIVE:
     register_rule(EinsumRule(broadcast_equation, linearity="additive"), _name)
 for _name in MULTILINEAR:
     register_rule(EinsumRule(broadcast_equation, linearity="multi"), _name)
 for _name in NONLINEAR_BINARY:
     register_rule(EinsumRule(broadcast_equation), _name)
+register_rule(EinsumRule(broadcast_equation, linearity="first"), "divide")  # a pending sum over a whole divisor stays pending
+class DivideGradRule(BroadcastGradRule):
+    """``(x, y, out, out_grad) -> (x_grad, y_grad)``: ``x_grad = out_grad / y``, ``y_grad =
+    -out_grad * out / y``; x gives x_grad its shape only, and ``out`` is read only for a live
+    y_grad: their pending sums are left pending (a loss ``sum / count`` whose sum is pending
+    over micro-batches, the count whole)."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        result = super().infer_forward(inputs, attrs, ctx)
+        y_grad_live = ctx.live_outputs is None or len(ctx.live_outputs) < 2 or ctx.live_outputs[1]
+        return keep_pending(result, inputs, [0] if y_grad_live else [0, 2])
+
+
 register_rule(BroadcastGradRule(shape_only=True), *(f"{n}_grad" for n in ADDITIVE))
-register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("divide", "maximum", "minimum", "elementwise_pow")))
+register_rule(BroadcastGradRule(), *(f"{n}_grad" for n in MULTILINEAR + ("maximum", "minimum", "elementwise_pow")))
+register_rule(DivideGradRule(), "divide_grad")
 
 
 FLOAT_PRECISION = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53, "complex64": 24, "complex128": 53}

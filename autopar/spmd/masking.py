@@ -57,7 +57,10 @@ def _expand_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[s
 
 @register("expand", "broadcast_to")
 class ExpandRule(SpmdRule):
-    """``(x, shape) -> out`` (see the module docstring); the shape operand stays whole."""
+    """``(x, shape) -> out`` (see the module docstring); the shape operand stays whole. A
+    target computed in the program (from a shape read) is not known to the forward inference,
+    which keeps the output whole; the backward one reads it from the output's static shape (the
+    partition pass writes each rank's own target, whatever computed it)."""
 
     free_outputs = True
 
@@ -69,9 +72,7 @@ class ExpandRule(SpmdRule):
         return spread(rule.infer_forward(inputs[:1], attrs, ctx), [0], inputs, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        found = _expand_letters(inputs[0].shape, attrs)
-        if found is None:
-            return self.infer_forward(inputs, attrs, ctx)
+        found = _expand_letters(inputs[0].shape, {"shape": list(outputs[0].shape)})  # (the target may be computed)
         rule = EinsumRule(lambda specs, attrs: equation([found[0]], [found[1]]))
         return spread(rule.infer_backward(inputs[:1], outputs, attrs, ctx), [0], inputs, ctx)
 
@@ -82,8 +83,7 @@ class ExpandGradRule(SpmdRule):
     shape only."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        found = _expand_letters(inputs[0].shape, attrs) if inputs[1].shape != inputs[0].shape else None
-        x, out = found if found is not None else (letters(inputs[0].ndim),) * 2
+        (x, out), _ = broadcast_letters([inputs[0].shape, inputs[1].shape])
         result = einsum_grad(equation([x, out], [x]), inputs[:2], ctx, grad_operands=[1])
         return spread(keep_pending(result, inputs, [0]), [0, 1], inputs, ctx)
 

@@ -193,3 +193,50 @@ def in_graph_tables(
         loss = placed(lambda t: paddle.mean(F.cross_entropy(mods["head"](t), labels.unsqueeze(-1))), 2)(h)
         make_optimizer(optimizer).minimize(loss)
     return SeedProgram(main, startup, {"ids": ids, "labels": labels}, loss, mods)
+
+
+def nested_decoder(
+    layers: int = 4, batch: int = 4, seq: int = 6, hidden: int = 8, vocab: int = 16, optimizer: str = "sgd", seed: int | None = 3
+) -> SeedProgram:  # fmt: skip
+    """A model as libraries nest one: ``Model`` holding an embedding, a ``Decoder`` of
+    ``DecoderLayer`` blocks (pre-norm residual MLPs) and a norm + LM head, called once (layer
+    paths ``Model/Decoder/DecoderLayer_k/...``). Nothing placed."""
+    paddle, main, startup = _static()
+    if seed is not None:
+        main.random_seed = startup.random_seed = seed
+    nn, F = paddle.nn, paddle.nn.functional
+
+    class DecoderLayer(nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+        def forward(self, h: Any) -> Any:
+            return h + self.down(F.gelu(self.up(self.norm(h))))
+
+    class Decoder(nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.LayerList([DecoderLayer() for _ in range(layers)])
+
+        def forward(self, h: Any) -> Any:
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    class Model(nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.decoder = nn.Embedding(vocab, hidden), Decoder()
+            self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab)
+
+        def forward(self, ids: Any) -> Any:
+            return self.head(self.norm(self.decoder(self.embed(ids))))
+
+    with paddle.static.program_guard(main, startup):
+        ids = paddle.static.data("ids", [batch, seq], "int64")
+        labels = paddle.static.data("labels", [batch, seq, 1], "int64")
+        model = Model()
+        loss = paddle.mean(F.cross_entropy(model(ids), labels))
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"ids": ids, "labels": labels}, loss, {"model": model})

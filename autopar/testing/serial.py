@@ -48,15 +48,18 @@ def random_feeds(feeds: Mapping[str, Any], steps: int, seed: int = 0, classes: i
     return out
 
 
-def assert_simulation_equals_serial(seed: Any, dist: Any, steps: int = 3, classes: int = 10) -> None:
+def assert_simulation_equals_serial(
+    seed: Any, dist: Any, steps: int = 3, classes: int = 10, feeds: list[dict[str, Any]] | None = None
+) -> None:
     """``steps`` random steps of ``dist`` in the simulator and of the seed's serial program from
     one generator state: losses every step (rtol 1e-5) and parameters after the last (rtol 1e-5,
-    atol 1e-6) equal (``simulate`` also refuses replicated copies that differ)."""
+    atol 1e-6) equal (``simulate`` also refuses replicated copies that differ). ``feeds``: one
+    dict per step instead of random ones."""
     import paddle
 
     import autopar
 
-    feeds = random_feeds(seed.feeds, steps, classes=classes)
+    feeds = feeds if feeds is not None else random_feeds(seed.feeds, steps, classes=classes)
     start = paddle.get_rng_state()
     result = autopar.simulate(dist, feeds, [seed.loss])
     paddle.set_rng_state(start)

@@ -275,7 +275,8 @@ PARTIAL_CASES = [
     ("subtract", [(4, 6), (6,)], [P, P], False),  # ours keeps both pending
     ("multiply", [(4, 6), (4, 6)], [P, R], True),  # x stays pending in both
     ("multiply", [(4, 6), (4, 6)], [P, P], False),  # ours R,R; Paddle P,R (reduces y only)
-    ("divide", [(4, 6), (4, 6)], [P, R], True),
+    ("divide", [(4, 6), (4, 6)], [P, R], False),  # ours keeps x pending (linear in x); Paddle reduces it
+    ("divide", [(4, 6), (4, 6)], [R, P], True),  # both reduce the divisor
     ("maximum", [(4, 6), (4, 6)], [P, P], True),
     ("matmul", [(4, 6), (6, 8)], [P, R], False),  # ours keeps x pending; Paddle reduces it
     ("matmul", [(4, 6), (6, 8)], [P, P], True),

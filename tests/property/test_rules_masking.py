@@ -125,3 +125,13 @@ def test_arange_is_whole_both_ways():
     assert rule.infer_forward(scalars, {}, RuleContext(mesh)).outputs[0].is_replicated
     wanted = TensorSpec((8,), DistAttr.parse("[S(0)]", mesh, 1))
     assert rule.infer_backward(scalars, [wanted], {}, RuleContext(mesh)).outputs[0].is_replicated
+
+
+@given(meshes(), shapes(2, 3, max_side=4), st.data())
+def test_unbind(mesh, shape, data):
+    """``unbind`` (timm's ``q, k, v = qkv.unbind(0)``): the axis whole, the rest as it lies."""
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    x = _rand(shape)
+    dist = data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))
+    check = check_rule("unbind", eager(lambda t, axis: paddle.unbind(t, axis)), [x], [dist], {"axis": axis}, mesh)
+    assert not check.result.inputs[0].mapping[axis]

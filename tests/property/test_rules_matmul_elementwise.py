@@ -152,6 +152,8 @@ def _check_partial_law(name, required):
         assert partial[0] == partial[1], [str(d) for d in required]
     elif name == "multiply":
         assert not partial[0] & partial[1], [str(d) for d in required]
+    elif name == "divide":  # linear in x over a whole y
+        assert not partial[1], [str(d) for d in required]
     else:
         assert not partial[0] and not partial[1], [str(d) for d in required]
 
@@ -381,12 +383,15 @@ def test_bias_add_and_its_grad():
 
 
 def test_partial_rules_of_binary_ops():
-    """add keeps two pending sums pending; multiply keeps one; divide and relu reduce them."""
+    """add keeps two pending sums pending; multiply keeps one; divide keeps its numerator's
+    over a whole divisor (a loss sum over micro-batches / a whole count) and reduces a divisor's;
+    relu reduces them."""
     both = ["[P(sum),R]", "[P(sum),R]"]
     assert _infer("add", [(4, 6), (4, 6)], both) == (both, ["[P(sum),R]"])
     assert _infer("add", [(4, 6), (4, 6)], ["[P(sum),R]", None])[0] == ["[R,R]", "[R,R]"]
     assert _infer("multiply", [(4, 6), (4, 6)], ["[P(sum),R]", None]) == (["[P(sum),R]", "[R,R]"], ["[P(sum),R]"])
-    assert _infer("divide", [(4, 6), (4, 6)], ["[P(sum),R]", None])[0] == ["[R,R]", "[R,R]"]
+    assert _infer("divide", [(4, 6), (4, 6)], ["[P(sum),R]", None]) == (["[P(sum),R]", "[R,R]"], ["[P(sum),R]"])
+    assert _infer("divide", [(4, 6), (4, 6)], [None, "[P(sum),R]"])[0] == ["[R,R]", "[R,R]"]
     assert _infer("relu", [(4, 6)], ["[S(1),P(sum)]"]) == (["[S(1),R]"], ["[S(1),R]"])
 
 

@@ -1,0 +1,9 @@
+"""Model zoo: public reference architectures written the way their users write them (layers
+nested, tables and masks built in the graph) and annotated the way Paddle's semi-auto users
+annotate them (placement lists per mesh dim, parameters on their stage's sub-mesh,
+``reshard`` between stages). Used by the tests and ``benchmarks/bench_zoo.py``.
+
+Each module has a ``Config``, ``build(config, batch, mesh=None, ...) -> SeedProgram`` and the
+annotations a user would write, chosen by the mesh's dim names: ``dp`` splits the batch, ``mp``
+gives Megatron tensor parallelism, ``pp`` places consecutive layers on ``mesh[i]``.
+"""

@@ -1,0 +1,57 @@
+"""The zoo (``autopar.testing.zoo``: public reference architectures written and annotated as
+their users write them) x every strategy, each equal to serial in the simulator: losses every
+step and every parameter after 3 SGD steps (rtol 1e-5). Pipelines are annotated the Paddle way:
+parameters on their stage's sub-mesh, ``reshard`` between stages; the automatic cut gets an
+unannotated model."""
+
+import pytest
+
+import autopar
+from autopar.testing.serial import assert_simulation_equals_serial
+from autopar.testing.zoo import bert, gpt2, llama, mixer, vit
+
+M = autopar.ProcessMesh
+DP, MP, PP = M([0, 1], ["dp"]), M([0, 1], ["mp"]), M([0, 1], ["pp"])
+DP_MP = M([[0, 1], [2, 3]], ["dp", "mp"])
+
+
+def _pipeline(micro_batches, **config):
+    return autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, **config))
+
+
+# name -> (mesh, strategy, virtual stages per pipeline rank, annotate the model)
+STRATEGIES = {
+    "dp": (DP, None, 1, True),
+    "mp": (MP, None, 1, True),
+    "dp x mp": (DP_MP, None, 1, True),
+    "sequence parallel": (DP_MP, autopar.Strategy(sequence_parallel=True), 1, True),
+    "zero-1": (DP, autopar.Strategy(zero_stage=1), 1, True),
+    "zero-2": (DP, autopar.Strategy(zero_stage=2), 1, True),
+    "zero-3": (DP, autopar.Strategy(zero_stage=3), 1, True),
+    "recompute": (DP, autopar.Strategy(recompute=True), 1, True),
+    "pp 1F1B m=2": (PP, _pipeline(2), 1, True),
+    "pp 1F1B m=4": (PP, _pipeline(4), 1, True),
+    "pp interleaved": (PP, _pipeline(2, schedule="Interleaved1F1B"), 2, True),
+    "pp x mp": (M([[0, 1], [2, 3]], ["pp", "mp"]), _pipeline(2), 1, True),
+    "pp x dp": (M([[0, 1], [2, 3]], ["pp", "dp"]), _pipeline(2), 1, True),
+    "automatic cut": (PP, _pipeline(2, stages=2), 1, False),
+}
+MODELS = {
+    "llama": (llama, lambda layers: llama.Config(n_layers=layers), None),
+    "gpt2": (gpt2, lambda layers: gpt2.Config(n_layer=layers), gpt2.feeds),
+    "vit": (vit, lambda layers: vit.Config(depth=layers), None),
+    "bert": (bert, lambda layers: bert.Config(num_hidden_layers=layers), bert.feeds),
+    "mixer": (mixer, lambda layers: mixer.Config(num_blocks=layers), None),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_zoo_model_equals_serial(model, strategy):
+    module, config_of, feeds_of = MODELS[model]
+    mesh, chosen, virtual, annotated = STRATEGIES[strategy]
+    config = config_of(2 * virtual)
+    seed = module.build(config, batch=4, seq=8, mesh=mesh if annotated else None, virtual=virtual)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=chosen)
+    feeds = feeds_of(config, 4, 8, 3) if feeds_of is not None else None
+    assert_simulation_equals_serial(seed, dist, classes=5 if module in (vit, mixer) else 64, feeds=feeds)
