@@ -113,9 +113,12 @@ def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | Non
 
 
 def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
-    """Whether shard_op placed ops, or shard_tensor / reshard placed values, on sub-meshes."""
+    """Whether shard_op placed ops on sub-meshes, or (on a mesh whose first dim is ``pp``, as
+    Paddle names it) shard_tensor / reshard placed values on its stages."""
     notes = annotations_of(program)
-    meshes = [*notes.ops.values(), *(attr.mesh for attr, _ in notes.tensors.values())]
+    meshes = list(notes.ops.values())
+    if mesh.dim_names[0] == "pp":
+        meshes += [attr.mesh for attr, _ in notes.tensors.values()]
     return any(m != mesh and not m.same_grid(mesh) and mesh.contains(m) for m in meshes)
 
 

@@ -530,6 +530,11 @@ class Propagator:
         first would update a temporary copy and lose the update. (An update's own parameter
         follows the parameter instead: ZeRO writes its shard back.)"""
         changed = False
+        in_place = [self.graph.ops[i] for i in result.op_results if self.graph.ops[i].short_name.endswith("_")]
+        readers: dict[ValueKey, int] = {}
+        for op in in_place:
+            for key in set(op.inputs) - {None}:
+                readers[key] = readers.get(key, 0) + 1
         for op_index, inferred in result.op_results.items():
             op = self.graph.ops[op_index]
             if not op.short_name.endswith("_"):
@@ -537,6 +542,8 @@ class Propagator:
             kinds = ("state",) if op.role is Role.OPTIMIZER else ("state", "parameter")
             for key, need in zip(op.inputs, inferred.inputs):
                 if key is None or need is None or self.graph.values[key].kind not in kinds:
+                    continue
+                if readers[key] > 1:  # read by several updates (the learning rate): updated by none of them
                     continue
                 state = self.states[key]
                 if state.dist == need:

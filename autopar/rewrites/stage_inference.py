@@ -26,9 +26,9 @@ def stage_meshes(mesh: ProcessMesh) -> list[ProcessMesh]:
 
 
 def on_stages(mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr]) -> bool:
-    """Whether an annotation places a value on one stage's sub-mesh (Paddle's way of placing
-    stages without shard_op)."""
-    stages = stage_meshes(mesh)
+    """Whether an annotation places a value on one stage's sub-mesh of a mesh whose first dim
+    is ``pp`` (Paddle's way of placing stages without shard_op)."""
+    stages = stage_meshes(mesh) if mesh.dim_names[0] == "pp" else []
     return any(attr.mesh in stages for attr in user.values())
 
 

@@ -8,9 +8,10 @@ rank's scope from its forward to its backward, whatever runs in between); after 
 gradients are kept per micro-batch; at ``OPT`` a small program adds them, in the rank's scope,
 into micro-batch 0's (which the update reads), whatever order the backwards ran in (zero-bubble
 defers weight gradients), and the update runs once. (Measured: running the same segments in one child scope
-per micro-batch instead fails inside Paddle's cached interpreters on the second step.) Sends and recvs are collectives inside the F / B
-jobs (the schedule's SEND / RECV actions are where they fall); each is stamped with its
-micro-batch, and a recv takes the message of its own key (:mod:`autopar.runtime.p2p`), not the
+per micro-batch instead fails inside Paddle's cached interpreters on the second step.) The steps are the schedule's own actions in their order
+(:meth:`PipelineRunner._steps`): a RECV action runs the recvs its phase starts with, a SEND
+action the sends it ends with (p2p in the middle of a phase, where a cut inside a residual
+block crosses twice, runs inside it); each is stamped with its micro-batch, and a recv takes the message of its own key (:mod:`autopar.runtime.p2p`), not the
 next one on the link: the order of the messages need not be the same at both ends. Fetches add
 up their micro-batches' pieces (a loss is a partial sum over them); values split over the
 micro-batches are not fetched.
@@ -32,6 +33,7 @@ from autopar.rewrites.whole_feeds import WHOLE_BATCH
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
+from autopar.schedule import COMPUTE_KINDS, OPTIMIZER, RECV_F, RECV_KINDS, SEND_F, SEND_KINDS
 from autopar.schedule_timeline import Span
 
 Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", stage, k), ("fetch", action, k),
@@ -70,16 +72,34 @@ class PipelineRunner(RankRunner):
         self._began = self._waited = self._asked = 0.0
 
     def _steps(self) -> list[Step]:
+        """The schedule's actions, in order, as the jobs they run: ``RECV_*`` the p2p recvs a
+        phase starts with, ``F`` / ``B`` / ``I`` / ``W`` its compute (and any p2p in its
+        middle: a cut inside a residual block crosses twice in one phase), ``SEND_*`` the sends
+        it ends with, ``OPT`` the accumulation of every micro-batch's gradients and the update."""
         steps: list[Step] = []
         updated = False
+        ends = {label: self._ends(jobs) for label, jobs in self.jobs_of.items()}
+        # (phase, micro-batch, "recv" / "send") a p2p action runs: only those edges leave the phase
+        edges = {
+            (self._p2p_phase(a), a.micro_batch, "recv" if a.kind in RECV_KINDS else "send")
+            for a in self.role.actions if a.kind in RECV_KINDS or a.kind in SEND_KINDS
+        }  # fmt: skip
         for number, action in enumerate(self.role.actions):
-            kind, k = action.kind.value, action.micro_batch
-            if kind in ("F", "B", "I", "W"):
+            kind, k = action.kind, action.micro_batch
+            if kind in COMPUTE_KINDS:
+                label = f"{kind.value}{action.stage}"
+                leading, body, trailing = ends.get(label, ((), (), ()))
+                body = (
+                    (() if (label, k, "recv") in edges else leading) + body + (() if (label, k, "send") in edges else trailing)
+                )
                 steps.append(("begin", number, k))
-                steps += [("job", i, k) for i in self.jobs_of.get(f"{kind}{action.stage}", [])]
+                steps += [("job", i, k) for i in body]
                 steps.append(("fetch", number, k))
                 steps.append(("end", number, k))
-            elif kind == "OPT" and not updated:  # one update for all the rank's stages
+            elif kind in RECV_KINDS or kind in SEND_KINDS:
+                leading, _, trailing = ends.get(self._p2p_phase(action), ((), (), ()))
+                steps += [("job", i, k) for i in (leading if kind in RECV_KINDS else trailing)]
+            elif kind is OPTIMIZER and not updated:  # one update for all the rank's stages
                 updated = True
                 steps.append(("begin", number, 0))
                 stages = sorted({a.stage for a in self.role.actions if a.kind.value in ("B", "W")})
@@ -88,6 +108,29 @@ class PipelineRunner(RankRunner):
                 steps.append(("fetch", number, 0))
                 steps.append(("end", number, 0))
         return steps
+
+    def _ends(self, jobs: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """A phase's jobs as (the recvs it starts with, the rest, the sends it ends with)."""
+
+        def p2p(index: int, kind: str) -> bool:
+            job = self.host.jobs[index]
+            return not isinstance(job, Segment) and job.collective.kind.value == kind
+
+        start, stop = 0, len(jobs)
+        while start < stop and p2p(jobs[start], "recv"):
+            start += 1
+        while stop > start and p2p(jobs[stop - 1], "send"):
+            stop -= 1
+        return tuple(jobs[:start]), tuple(jobs[start:stop]), tuple(jobs[stop:])
+
+    def _p2p_phase(self, action: Any) -> str:
+        """The phase whose edges a send / recv action runs: the forward's for ``*_F``, the
+        backward's for ``*_B`` (zero-bubble: the input-gradient half's, or, on the first
+        stage, which sends no input gradient, the weight-gradient half's)."""
+        if action.kind in (SEND_F, RECV_F):
+            return f"F{action.stage}"
+        phases = [f"{kind}{action.stage}" for kind in "IBW"]
+        return next((phase for phase in phases if phase in self.jobs_of), phases[1])
 
     # ---- feeds ------------------------------------------------------------------------
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
