@@ -106,6 +106,8 @@ def _warn_lost_splits(state: CompileState) -> None:
 
 def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | None) -> Strategy:
     """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages."""
+    if not isinstance(mesh, ProcessMesh):
+        raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     strategy = _checked(strategy)
     if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
         strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch

@@ -7,6 +7,7 @@ bitwise ops, arange, and their grads (stage: propagate).
     tril / triu   ab11 -> ab11 the last two dims whole (the diagonal is counted from the corner)
     where         abc,abc,abc -> abc   (Paddle broadcasts the operands first); grad linear in g
     logical_* / bitwise_*      broadcasting elementwise, as compare ops
+    tile          ab -> a1     (repeat_times [1, 2]): a repeated dim whole, the rest keeps its split
     arange        -> a         whole: each element is its own index, so no rank can make a piece
                                of it without knowing its offset
 
@@ -126,6 +127,49 @@ class ArangeRule(SpmdRule):
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
         return self.infer_forward(inputs, attrs, ctx)
+
+
+def _tile_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """x's and out's letters for ``tile``: a repeated dim (and a new leading one) is whole."""
+    repeats = attrs.get("repeat_times")
+    if not isinstance(repeats, (list, tuple)):
+        return None
+    repeats = [int(r) for r in repeats]
+    ndim = max(len(x_shape), len(repeats))
+    repeats = [1] * (ndim - len(repeats)) + repeats
+    offset = ndim - len(x_shape)
+    whole = [i for i, r in enumerate(repeats) if r != 1 or i < offset]
+    out = letters(ndim, whole=whole)
+    return out[offset:], out
+
+
+@register("tile")
+class TileRule(SpmdRule):
+    """``(x, repeat_times) -> out``: ``ab -> a1`` for ``repeat_times=[1, 2]``; a dim repeated
+    is whole (its copies would not be contiguous pieces), the others keep their split."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        found = _tile_letters(inputs[0].shape, attrs)
+        if found is None:
+            return RuleResult(tuple(replicated(ctx, s) for s in inputs), (DistAttr.replicated(ctx.mesh, inputs[0].ndim),))
+        return spread(einsum_forward(equation([found[0]], [found[1]]), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
+
+    def infer_backward(self, inputs, outputs, attrs, ctx):
+        found = _tile_letters(inputs[0].shape, attrs)
+        if found is None:
+            return self.infer_forward(inputs, attrs, ctx)
+        return spread(einsum_backward(equation([found[0]], [found[1]]), inputs[:1], outputs, ctx), [0], inputs, ctx)
+
+
+@register("tile_grad")
+class TileGradRule(SpmdRule):
+    """``(x, out_grad, repeat_times) -> x_grad``: the sum of the copies; x gives the shape."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        found = _tile_letters(inputs[0].shape, attrs)
+        x, out = found if found is not None else (letters(inputs[0].ndim, whole=range(inputs[0].ndim)),) * 2
+        result = einsum_grad(equation([x, out], [x]), inputs[:2], ctx, grad_operands=[1])
+        return spread(keep_pending(result, inputs, [0]), [0, 1], inputs, ctx)
 
 
 register_rule(EinsumRule(broadcast_equation), "where")

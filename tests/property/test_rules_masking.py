@@ -135,3 +135,26 @@ def test_unbind(mesh, shape, data):
     dist = data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))
     check = check_rule("unbind", eager(lambda t, axis: paddle.unbind(t, axis)), [x], [dist], {"axis": axis}, mesh)
     assert not check.result.inputs[0].mapping[axis]
+
+
+@given(meshes(), shapes(1, 3, max_side=4), st.data())
+def test_tile_and_grad(mesh, shape, data):
+    repeats = data.draw(st.lists(st.integers(1, 3), min_size=len(shape), max_size=len(shape) + 1))
+    x = _rand(shape)
+    attrs = {"repeat_times": repeats}
+    operand = np.array(repeats, "int64")
+    dist = data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))
+    tile = eager(lambda t, r, repeat_times: paddle.tile(t, repeat_times))
+    out = tile([x, operand], attrs)[0]
+    check_rule("tile", tile, [x, operand], [dist, None], attrs, mesh)
+    g = _rand(out.shape, 1)
+
+    def grad(inputs, attrs):  # each rank sums its piece's copies
+        x_, g_, _ = inputs
+        reps = [1] * (g_.ndim - len(attrs["repeat_times"])) + list(attrs["repeat_times"])
+        lead = g_.ndim - x_.ndim
+        folded = g_.reshape([d for i in range(g_.ndim) for d in ((reps[i], g_.shape[i] // reps[i]) if i >= lead else (g_.shape[i], 1))])
+        return [folded.sum(axis=tuple(range(0, 2 * g_.ndim, 2))).reshape(x_.shape)]
+
+    dists = [data.draw(maybe_dist_attrs(mesh, len(shape))), data.draw(maybe_dist_attrs(mesh, out.ndim, partial=True)), None]
+    check_rule("tile_grad", grad, [x, g, operand], dists, attrs, mesh)
