@@ -193,7 +193,20 @@ def reshard_cause(state: Any, need: Any) -> str:
         return in_layer(_partial_feature(origin), layer_of(graph, origin.index) or layer_of(graph, reader.index))
     gathered = need.have.sharded_mesh_dims() - need.need.sharded_mesh_dims()
     feature = f"gathered for {reader.short_name}" if gathered else f"resharded for {reader.short_name}"
-    return in_layer(feature, layer_of(graph, reader.index) or layer_of(graph, producer.index))
+    cause = in_layer(feature, layer_of(graph, reader.index) or layer_of(graph, producer.index))
+    if gathered and reader.role is Role.FORWARD and reader.short_name.removesuffix("_") in LAYOUT_READERS:
+        cause += f" ({LAYOUT_HINT})"
+    return cause
+
+
+# a split that a reshape or a split into chunks cannot carry, and how to keep it (explain)
+LAYOUT_READERS = ("reshape", "split", "split_with_num")
+LAYOUT_HINT = (
+    "the pieces of the split dim do not line up with what this op takes apart: a fused q/k/v "
+    "projection split by columns and laid out [3, heads, head_dim] puts q's and k's columns on one "
+    "rank; lay it out [heads, 3, head_dim] (or use separate q, k, v projections) so that each rank's "
+    "columns hold whole heads and the split is kept"
+)
 
 
 def _partial_origin(state: Any, key: ValueKey, mesh_dims: set[int]) -> Any:

@@ -34,7 +34,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, Role, ValueKey
 from autopar.passes.base import CompileState, Pass
-from autopar.propagation import Priority, ReshardNeed, ReshardSite, SiteKind, ValueState
+from autopar.propagation import Priority, PropagationResult, ReshardNeed, ReshardSite, SiteKind, ValueState
 from autopar.spmd import RuleResult, get_rule
 
 
@@ -81,11 +81,13 @@ class ZeroSharding(Pass):
             )
         mesh_dim = data_parallel_dim(state, updates)
         state.propagation = state.propagation.derived()  # ZeRO's placements: a new value, the analysis stays
-        decisions = [self._shard(state, op, mesh_dim) for op in updates]
+        edits = _ReshardEdits()
+        decisions = [self._shard(state, op, mesh_dim, edits) for op in updates]
+        edits.apply(state.propagation)
         state.propagation.reshards.sort(key=lambda need: need.op)  # shared reads: the first in program order emits
         state.zero = tuple(decisions)
 
-    def _shard(self, state: CompileState, op: OpNode, mesh_dim: int) -> ZeroShard:
+    def _shard(self, state: CompileState, op: OpNode, mesh_dim: int, edits: _ReshardEdits) -> ZeroShard:
         rule = get_rule(op.name)
         prop, graph = state.propagation, state.graph
         param = op.inputs[0]
@@ -106,8 +108,7 @@ class ZeroSharding(Pass):
             for j, d in enumerate(result.outputs)
         )
         prop.op_results[op.index] = RuleResult(inputs, outputs, result.conflicts)
-        own = {ReshardSite(SiteKind.BEFORE_READ, op.index, i) for i in like}
-        prop.reshards[:] = [need for need in prop.reshards if need.site not in own]
+        edits.drop.update(ReshardSite(SiteKind.BEFORE_READ, op.index, i) for i in like)
         for i in like:
             key = op.inputs[i]
             if graph.values[key].kind == "state":
@@ -115,15 +116,15 @@ class ZeroSharding(Pass):
         for key, dist in zip(op.outputs, outputs):
             if key is not None and dist is not None:
                 prop.states[key] = dataclasses.replace(prop.states[key], dist=dist)
-        self._gradient(state, op, grad, sharded)
+        self._gradient(state, op, grad, sharded, edits)
         if self.stage == 3:  # the parameter is stored as its shard; its other readers gather it
-            self._move(state, param, sharded, skip=op.index)
+            self._move(state, param, sharded, op.index, edits)
             state.regather = state.regather | {param}
         else:
-            self._write_back(state, op, param, sharded)
+            self._write_back(state, op, param, sharded, edits)
         return ZeroShard(param, label, op.index, whole, sharded, f"stage {self.stage}", op.inputs[grad])
 
-    def _gradient(self, state: CompileState, op: OpNode, slot: int, sharded: DistAttr) -> None:
+    def _gradient(self, state: CompileState, op: OpNode, slot: int, sharded: DistAttr, edits: _ReshardEdits) -> None:
         """Stage 1: the gradient stays whole until the update, which reads its shard (a
         reduce_scatter there, where the gradient is partial). Stages 2 and 3: the gradient
         is resharded right after the op that makes it, so only its shard outlives it."""
@@ -131,26 +132,24 @@ class ZeroSharding(Pass):
         if self.stage == 1:
             have = prop.dist(key)
             if have != sharded:
-                prop.reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, slot), key, have, sharded))
+                edits.added.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, slot), key, have, sharded))
             return
         made = prop.made(key)
-        prop.reshards[:] = [n for n in prop.reshards if not (n.value == key and n.site.kind is SiteKind.AFTER_PRODUCER)]
-        self._move(state, key, sharded, skip=op.index)
+        edits.drop_after_producer.add(key)
+        self._move(state, key, sharded, op.index, edits)
         if made != sharded:
             site = ReshardSite(SiteKind.AFTER_PRODUCER, key[0], key[1])
-            prop.reshards.append(ReshardNeed(site, key, made, sharded))
-        prop.__dict__.pop("produced", None)  # the cached map of after-producer reshards (of the derived value)
+            edits.added.append(ReshardNeed(site, key, made, sharded))
 
-    def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr) -> None:
+    def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr, edits: _ReshardEdits) -> None:
         """Stages 1 and 2: the update reads its shard of the whole parameter and the updated
         shards are gathered back into it."""
         stored = state.propagation.dist(param)
-        reshards = state.propagation.reshards
-        reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, 0), param, stored, sharded))
+        edits.added.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, 0), param, stored, sharded))
         updated = op.outputs[0]
-        reshards.append(ReshardNeed(ReshardSite(SiteKind.WRITE_BACK, op.index, 0), updated, sharded, stored))
+        edits.added.append(ReshardNeed(ReshardSite(SiteKind.WRITE_BACK, op.index, 0), updated, sharded, stored))
 
-    def _move(self, state: CompileState, key: ValueKey, placement: DistAttr, skip: int) -> None:
+    def _move(self, state: CompileState, key: ValueKey, placement: DistAttr, skip: int, edits: _ReshardEdits) -> None:
         """``key`` now lies as ``placement``: every reader but op ``skip`` (the update, which
         reads it so) reshards it to what it reads (stage-3 parameters: an all_gather)."""
         prop, graph = state.propagation, state.graph
@@ -163,11 +162,29 @@ class ZeroSharding(Pass):
             for slot, k in enumerate(graph.ops[r].inputs)
             if k == key
         }
-        prop.reshards[:] = [n for n in prop.reshards if n.site not in sites]
+        edits.drop.update(sites)
         for site in sorted(sites, key=lambda s: (s.op, s.slot)):
             need = prop.op_results[site.op].inputs[site.slot] or old
             if need != placement:
-                prop.reshards.append(ReshardNeed(site, key, placement, need))
+                edits.added.append(ReshardNeed(site, key, placement, need))
+
+
+@dataclasses.dataclass
+class _ReshardEdits:
+    """ZeRO's changes to the propagation's reshard needs, applied in one pass (filtering the
+    list once per parameter made planning quadratic: 0.3 s for a 24-layer GPT at stage 3)."""
+
+    drop: set[ReshardSite] = dataclasses.field(default_factory=set)  # sites whose planned needs go
+    drop_after_producer: set[ValueKey] = dataclasses.field(default_factory=set)  # values resharded after their producer no more
+    added: list[ReshardNeed] = dataclasses.field(default_factory=list)
+
+    def apply(self, prop: PropagationResult) -> None:
+        kept = [
+            n for n in prop.reshards
+            if n.site not in self.drop and not (n.site.kind is SiteKind.AFTER_PRODUCER and n.value in self.drop_after_producer)
+        ]  # fmt: skip
+        prop.reshards[:] = kept + self.added
+        prop.__dict__.pop("produced", None)  # the cached map of after-producer reshards (of the derived value)
 
 
 def data_parallel_dim(state: CompileState, updates: list[OpNode]) -> int:

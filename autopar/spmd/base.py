@@ -363,15 +363,33 @@ def replicated_result(ctx: RuleContext, inputs: Sequence[TensorSpec], outputs: S
 
 @dataclass
 class EinsumRule(SpmdRule):
-    """A rule fully described by an equation built from the operand shapes and attrs."""
+    """A rule fully described by an equation built from the operand shapes and attrs (a family
+    is one registration, not a class). ``tensors``: which operands the equation describes —
+    0 all, ``k > 0`` the first k, ``k < 0`` all but the last ``-k``; the others (an axis, a
+    shape, scalars) are required whole."""
 
     equation: Callable[[Sequence[TensorSpec], Mapping[str, Any]], str]
     linearity: str | None = None
     reduce_kind: str = "sum"
     op_names: tuple[str, ...] = field(default=())
+    tensors: int = 0
+
+    def _count(self, inputs: Sequence[Any]) -> int:
+        return len(inputs) if self.tensors == 0 else self.tensors if self.tensors > 0 else len(inputs) + self.tensors
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        return einsum_forward(self.equation(inputs, attrs), inputs, ctx, linearity=self.linearity, reduce_kind=self.reduce_kind)
+        n = self._count(inputs)
+        result = einsum_forward(self.equation(inputs, attrs), inputs[:n], ctx, linearity=self.linearity, reduce_kind=self.reduce_kind)
+        return _rest_whole(result, inputs, n, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
-        return einsum_backward(self.equation(inputs, attrs), inputs, outputs, ctx)
+        n = self._count(inputs)
+        return _rest_whole(einsum_backward(self.equation(inputs, attrs), inputs[:n], outputs, ctx), inputs, n, ctx)
+
+
+def _rest_whole(result: RuleResult, inputs: Sequence[TensorSpec | None], n: int, ctx: RuleContext) -> RuleResult:
+    """``result`` for the first ``n`` operands, the rest required whole (or None when absent)."""
+    if n == len(inputs):
+        return result
+    rest = tuple(None if s is None else DistAttr.replicated(ctx.mesh, s.ndim) for s in inputs[n:])
+    return RuleResult(tuple(result.inputs) + rest, result.outputs, result.conflicts)

@@ -23,37 +23,26 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.spmd.base import (
+    EinsumRule,
     RuleContext,
     RuleResult,
     SpmdRule,
     TensorSpec,
-    einsum_backward,
-    einsum_forward,
     einsum_grad,
 )
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import axes_attr, axis_attr, letters, spread
-from autopar.spmd.registry import register
+from autopar.spmd.registry import register, register_rule
 
 
-@register("concat", "split_grad")
-class ConcatRule(SpmdRule):
+def _concat_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``(x[0], ..., x[n-1], axis) -> out``: ``a1c,a1c->a1c``; the axis whole, the rest merged."""
+    ndim = inputs[0].ndim
+    names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
+    return equation([names] * (len(inputs) - 1), [names])
 
-    def _equation(self, inputs, attrs) -> tuple[str, int]:
-        count = len(inputs) - 1  # the last operand is always the axis
-        ndim = inputs[0].ndim
-        names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
-        return equation([names] * count, [names]), count
 
-    def infer_forward(self, inputs, attrs, ctx):
-        eq, count = self._equation(inputs, attrs)
-        result = einsum_forward(eq, inputs[:count], ctx, linearity="additive")
-        return spread(result, range(count), inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        eq, count = self._equation(inputs, attrs)
-        return spread(einsum_backward(eq, inputs[:count], outputs, ctx), range(count), inputs, ctx)
+register_rule(EinsumRule(_concat_equation, linearity="additive", tensors=-1), "concat", "split_grad")  # (split's grad concatenates)
 
 
 @register("concat_grad")
@@ -76,41 +65,26 @@ def _split_count(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) 
     return len(attrs["sections"])
 
 
-@register("split", "split_with_num")
-class SplitRule(SpmdRule):
+def _split_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``(x, [sections], axis) -> out[0..n-1]``: ``a1c -> a1c,a1c,...``."""
-
-    def _equation(self, inputs, attrs) -> str:
-        ndim = inputs[0].ndim
-        names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
-        return equation([names], [names] * _split_count(inputs, attrs))
-
-    def infer_forward(self, inputs, attrs, ctx):
-        return spread(
-            einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx
-        )
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return spread(einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx), [0], inputs, ctx)
+    ndim = inputs[0].ndim
+    names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
+    return equation([names], [names] * _split_count(inputs, attrs))
 
 
-@register("unbind")
-class UnbindRule(SpmdRule):
-    """``x -> out[0..n-1]`` along ``axis``: ``a1c -> ac,ac,...`` (the axis whole; its grad is
+register_rule(EinsumRule(_split_equation, linearity="multi", tensors=1), "split", "split_with_num")
+
+
+def _unbind_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """``x -> out[0..n-1]`` along ``axis``: ``a1c -> ac,ac,...`` (the axis whole; the grad is
     ``stack``)."""
+    ndim = inputs[0].ndim
+    axis = axis_attr(attrs, "axis", ndim)
+    names = letters(ndim, whole=[axis])
+    return equation([names], [names[:axis] + names[axis + 1 :]] * inputs[0].shape[axis])
 
-    def _equation(self, inputs, attrs) -> str:
-        ndim = inputs[0].ndim
-        axis = axis_attr(attrs, "axis", ndim)
-        names = letters(ndim, whole=[axis])
-        out = names[:axis] + names[axis + 1 :]
-        return equation([names], [out] * inputs[0].shape[axis])
 
-    def infer_forward(self, inputs, attrs, ctx):
-        return einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi")
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx)
+register_rule(EinsumRule(_unbind_equation, linearity="multi"), "unbind")
 
 
 def _slice_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
@@ -120,17 +94,13 @@ def _slice_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
     return names, "".join(c for i, c in enumerate(names) if i not in drop)
 
 
-@register("slice")
-class SliceRule(SpmdRule):
+def _slice_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``(input, starts, ends) -> out``: ``a1c -> a1c`` (sliced axes whole; decreased ones dropped)."""
+    src, out = _slice_letters(inputs[0].ndim, attrs)
+    return f"{src}->{out}"
 
-    def infer_forward(self, inputs, attrs, ctx):
-        src, out = _slice_letters(inputs[0].ndim, attrs)
-        return spread(einsum_forward(f"{src}->{out}", inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
 
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        src, out = _slice_letters(inputs[0].ndim, attrs)
-        return spread(einsum_backward(f"{src}->{out}", inputs[:1], outputs, ctx), [0], inputs, ctx)
+register_rule(EinsumRule(_slice_equation, linearity="multi", tensors=1), "slice")
 
 
 @register("slice_grad")

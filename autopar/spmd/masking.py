@@ -89,23 +89,14 @@ class ExpandGradRule(SpmdRule):
         return spread(keep_pending(result, inputs, [0]), [0, 1], inputs, ctx)
 
 
-class _LastTwoWhole(SpmdRule):
-    """``ab11 -> ab11``: tril / triu and their grads (one tensor operand)."""
-
-    @staticmethod
-    def _equation(inputs: Sequence[TensorSpec]) -> str:
-        ndim = inputs[0].ndim
-        names = letters(ndim, whole=range(max(ndim - 2, 0), ndim))
-        return f"{names}->{names}"
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        return spread(einsum_forward(self._equation(inputs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return spread(einsum_backward(self._equation(inputs), inputs[:1], outputs[:1], ctx), [0], inputs, ctx)
+def _last_two_whole(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """``ab11 -> ab11``: tril / triu and their grads (the diagonal counts from the corner)."""
+    ndim = specs[0].ndim
+    names = letters(ndim, whole=range(max(ndim - 2, 0), ndim))
+    return f"{names}->{names}"
 
 
-register_rule(_LastTwoWhole(), "tril", "triu", "tril_grad", "triu_grad")
+register_rule(EinsumRule(_last_two_whole, linearity="multi"), "tril", "triu", "tril_grad", "triu_grad")
 
 
 @register("where_grad")

@@ -55,3 +55,13 @@ def test_zoo_model_equals_serial(model, strategy):
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=chosen)
     feeds = feeds_of(config, 4, 8, 3) if feeds_of is not None else None
     assert_simulation_equals_serial(seed, dist, classes=5 if module in (vit, mixer) else 64, feeds=feeds)
+
+
+def test_a_qkv_layout_that_loses_the_split_is_explained():
+    """ViT's fused qkv laid out [3, heads, head_dim] and split by columns over mp cannot keep
+    the split through its reshape (issue: real models, 19): the gather says why and how to keep
+    it (explain reads the same reason)."""
+    seed = vit.build(vit.Config(), batch=4, mesh=MP)
+    dist = autopar.compile(seed.main, MP, startup_program=seed.startup)
+    gathers = [c for c in dist.comm_ops(0) if c.kind.value == "all_gather" and "gathered for reshape in" in c.reason]
+    assert gathers and all("lay it out [heads, 3, head_dim]" in c.reason for c in gathers)
