@@ -122,8 +122,8 @@ class Compute:
 class PipelineRole:
     """What a pipelined rank runs: its stage's verified schedule, one micro-batch at a time.
 
-    ``phases``: per op of the program, the phase it runs in ("F", "B": once per micro-batch;
-    "OPT": once per step). ``feed_dims``: each feed's dim cut into micro-batches.
+    ``phases``: per op of the program, the :class:`~autopar.schedule.Phase` it runs in (``F0``,
+    ``B1``, ...: once per micro-batch; ``OPT``: once per step). ``feed_dims``: each feed's dim cut into micro-batches.
     ``summed``: values pending a sum over the micro-batches (losses, gradients): a fetch adds
     its micro-batches' pieces, the update reads the accumulated gradients.
     """
@@ -131,7 +131,7 @@ class PipelineRole:
     stage: int
     actions: tuple[Any, ...]  # autopar.schedule.Action values, send / recv included
     micro_batches: int
-    phases: tuple[str, ...]
+    phases: tuple[Any, ...]  # autopar.schedule.Phase per op
     feed_dims: Mapping[str, int]
     summed: frozenset[ValueKey]
     split: frozenset[ValueKey] = frozenset()  # values split over the micro-batches (not fetched)

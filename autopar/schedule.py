@@ -59,6 +59,33 @@ INPUT_GRAD_KINDS = frozenset({B, I})  # the backwards whose input gradient goes 
 SEND_KINDS = frozenset({SEND_F, SEND_B})
 RECV_KINDS = frozenset({RECV_F, RECV_B})
 _PAIR_KIND = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
+
+class Phase(str):
+    """What a rank runs for one compute action of its schedule: ``F0`` (stage 0's forward of a
+    micro-batch), ``B1``, ``I1`` / ``W1`` (zero-bubble's halves), ``OPT`` (the update, once per
+    step). Every op of a pipelined rank program has one. A str (printed, compared, a dict key),
+    built from and read through its ``kind`` and ``stage``, never parsed."""
+
+    kind: ActionKind
+    stage: int | None
+
+    def __new__(cls, kind: ActionKind, stage: int | None = None) -> Phase:
+        if not isinstance(kind, ActionKind) or kind not in COMPUTE_KINDS | {OPTIMIZER}:
+            raise ScheduleError(f"a phase is a compute action kind or OPT, got {kind!r}")
+        if (kind is OPTIMIZER) != (stage is None) or (stage is not None and not _is_index(stage)):
+            raise ScheduleError(f"a {kind.name} phase {'has no' if kind is OPTIMIZER else 'needs a'} stage, got {stage!r}")
+        self = super().__new__(cls, kind.value if stage is None else f"{kind.value}{stage}")
+        self.kind, self.stage = kind, stage
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[ActionKind, int | None]]:
+        return Phase, (self.kind, self.stage)
+
+    @classmethod
+    def of(cls, action: Action) -> Phase:
+        """The phase a compute or optimizer action runs."""
+        return cls(action.kind, None if action.kind is OPTIMIZER else action.stage)
+
 _ACTION_TEXT = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OPT|F|B|I|W)(\d*)")
 
 
@@ -101,6 +128,9 @@ class Action:
             raise ScheduleError(f"cannot parse action {text!r}; expected <stage><kind>[<micro_batch>], e.g. 2F0")
         stage, kind, micro_batch = match.groups()
         return Action(int(stage), ActionKind(kind), int(micro_batch) if micro_batch else None)
+
+
+UPDATE = Phase(OPTIMIZER)  # the optimizer's phase, once per step
 
 
 def stage_to_rank(stage: int, num_ranks: int) -> int:

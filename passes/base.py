@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # (the passes that make these values import this module)
     from autopar.rewrites.micro_batching import MicroBatching
     from autopar.rewrites.recompute import Recomputation
     from autopar.rewrites.sequence_parallel import SequenceRegions
+    from autopar.schedule import Phase
     from autopar.strategy import Strategy
 
 
@@ -173,7 +174,7 @@ class RankProgram:
     stages: list[str] = field(default_factory=list)
     fetches: tuple[ValueKey, ...] = ()  # values the runtime fetches (made whole by fetch_replication)
     fetched: dict[ValueKey, Any] = field(default_factory=dict)  # fetch -> its whole value
-    phases: dict[int, str] = field(default_factory=dict)  # op id -> pipeline phase ("F", "B", "OPT")
+    phases: dict[int, Phase] = field(default_factory=dict)  # op id -> pipeline phase (autopar.schedule.Phase: F0, B1, OPT)
     update_side: set[int] = field(default_factory=set)  # ids of ops inserted for a read by an update: run with it
 
     def value(self, key: ValueKey) -> Any:

@@ -32,9 +32,9 @@ from autopar.graph import VECTOR_OPS, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.schedule import Action, build_schedule
+from autopar.schedule import UPDATE, Action, B, F, I, Phase, W, build_schedule
 
-PHASES = {Role.FORWARD: "F", Role.BACKWARD: "B", Role.OPTIMIZER: "OPT"}
+PHASES = {Role.FORWARD: F, Role.BACKWARD: B}  # an op's role -> its phase's kind (the optimizer's: UPDATE)
 
 
 @dataclass(frozen=True)
@@ -115,17 +115,22 @@ def _split_backward(rp: RankProgram) -> None:
     ops = list(rp.program.global_block().ops)
     sends = {op_id for c, op_id in rp.collectives if c.kind.value == "send"}
     for op in ops:
-        label = rp.phases.get(op.id(), "")
-        if label.startswith("B"):
-            rp.phases[op.id()] = "W" + label[1:]
-    pending = [op for op in ops if op.id() in sends and rp.phases[op.id()].startswith("W")]
+        phase = rp.phases.get(op.id())
+        if phase is not None and phase.kind is B:
+            rp.phases[op.id()] = Phase(W, phase.stage)
+
+    def deferred(op: Any) -> bool:
+        phase = rp.phases.get(op.id())
+        return phase is not None and phase.kind is W
+
+    pending = [op for op in ops if op.id() in sends and deferred(op)]
     while pending:
         op = pending.pop()
-        if not rp.phases[op.id()].startswith("W"):
+        if not deferred(op):
             continue
-        rp.phases[op.id()] = "I" + rp.phases[op.id()][1:]
+        rp.phases[op.id()] = Phase(I, rp.phases[op.id()].stage)
         for source in op.operands_source():
-            if source.initialized() and rp.phases.get(source.get_defining_op().id(), "").startswith("W"):
+            if source.initialized() and deferred(source.get_defining_op()):
                 pending.append(source.get_defining_op())
 
 
@@ -229,7 +234,7 @@ def _check_meshes(state: CompileState, meshes: list[ProcessMesh], runs: list[Pro
         )
 
 
-def _labels(state: CompileState, rp: RankProgram, ops: list[Any], serial: dict[int, int], keep: list[bool]) -> list[str]:
+def _labels(state: CompileState, rp: RankProgram, ops: list[Any], serial: dict[int, int], keep: list[bool]) -> list[Phase]:
     """Each op's job label: ``F<stage>`` / ``B<stage>`` / ``OPT``. An op inserted for a read by
     an update runs with the update, once per step, at both ends: a gradient sent to another
     stage's update is sent once its micro-batches are summed (sent per micro-batch, the update
@@ -240,24 +245,24 @@ def _labels(state: CompileState, rp: RankProgram, ops: list[Any], serial: dict[i
     runs."""
     plan, graph = state.pipeline, state.graph
 
-    def own(i: int) -> str | None:
+    def own(i: int) -> Phase | None:
         index = serial.get(ops[i].id())
         if index is None or index not in plan.stage_of:
             return None
         role = graph.ops[index].role
-        return "OPT" if role is Role.OPTIMIZER else f"{PHASES[role]}{plan.stage_of[index]}"
+        return UPDATE if role is Role.OPTIMIZER else Phase(PHASES[role], plan.stage_of[index])
 
-    labels: list[str | None] = ["OPT" if ops[i].id() in rp.update_side else own(i) for i in range(len(ops))]
-    following: list[tuple[str | None, bool]] = [(None, False)] * len(ops)
-    nxt: tuple[str | None, bool] = (None, False)
+    labels: list[Phase | None] = [UPDATE if ops[i].id() in rp.update_side else own(i) for i in range(len(ops))]
+    following: list[tuple[Phase | None, bool]] = [(None, False)] * len(ops)
+    nxt: tuple[Phase | None, bool] = (None, False)
     for i in reversed(range(len(ops))):
         following[i] = nxt
         if labels[i] is not None:
             nxt = (labels[i], keep[i])
     sends = {op_id for c, op_id in rp.collectives if c.kind.value == "send"}
     position = {op.id(): i for i, op in enumerate(ops)}
-    previous: str | None = None
-    out: list[str] = []
+    previous: Phase | None = None
+    out: list[Phase] = []
     for i in range(len(ops)):
         label = labels[i]
         if label is None and ops[i].id() in sends:
@@ -266,7 +271,7 @@ def _labels(state: CompileState, rp: RankProgram, ops: list[Any], serial: dict[i
                 label = out[made]
         if label is None:
             after, ours = following[i]
-            label = after if ours else (previous or after or "OPT")
+            label = after if ours else (previous or after or UPDATE)
         elif keep[i]:
             previous = label
         out.append(label)

@@ -29,22 +29,23 @@ from typing import Any
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.rank_plan import RankPlan
 from autopar.runtime.jobs import CollectiveCall, Job, Segment
+from autopar.schedule import UPDATE
 
 
 @dataclass
 class HostPlan:
     """One rank's jobs, plus where each exported value lives in the scope.
 
-    Pipelined plans: ``phases[i]`` is job ``i``'s phase ("F", "B", "OPT"; a segment never spans
+    Pipelined plans: ``phases[i]`` is job ``i``'s :class:`~autopar.schedule.Phase` (``F0``, ``B1``, ``OPT``; a segment never spans
     two) and ``accumulated`` the scope names made once per micro-batch and read by the update
     (gradients: the runner sums them over the micro-batches).
     """
 
     jobs: list[Job]
     names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
-    phases: list[str] = field(default_factory=list)
+    phases: list[Any] = field(default_factory=list)  # each job's autopar.schedule.Phase ("" when not pipelined)
     accumulated: list[str] = field(default_factory=list)
-    accumulated_phases: list[str] = field(default_factory=list)  # the phase making each accumulated name
+    accumulated_phases: list[Any] = field(default_factory=list)  # the Phase making each accumulated name
 
 
 def _scope_name(op: Any, position: int, result: int, prefix: str = "autopar") -> str:
@@ -101,7 +102,7 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
     crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
     names = {key: _scope_name(ops[key[0]], *key, prefix) for key in crossing}
     jobs: list[Job] = []
-    phases: list[str] = []
+    phases: list[Any] = []
     for k, (kind, members) in enumerate(runs):
         if kind == "segment":
             mine = {i for i, s in segment_of.items() if s == k}
@@ -167,10 +168,10 @@ def _accumulated(ops: list[Any], crossing: set, phase: tuple[str, ...], position
     """Crossing values made per micro-batch (F / B) and read by the once-per-step update."""
     out = []
     for key in sorted(crossing):
-        if phase[key[0]] == "OPT":
+        if phase[key[0]] == UPDATE:
             continue
         readers = [position[u.id()] for u in ops[key[0]].result(key[1]).all_used_ops()]
-        if any(phase[r] == "OPT" for r in readers):
+        if any(phase[r] == UPDATE for r in readers):
             out.append(key)
     return out
 

@@ -1,6 +1,7 @@
 """PipelineRunner: a pipelined rank's step, walked as its schedule's actions (stage: runtime).
 
-The rank's host plan is cut into phases ("F", "B" per micro-batch, "OPT" once per step). A
+The rank's host plan is cut into phases (:class:`~autopar.schedule.Phase`: ``F0``, ``B1``, ...
+per micro-batch, ``OPT`` once per step). A
 step splits each global feed into the micro-batches, then follows the schedule: ``F`` / ``B``
 of micro-batch ``k`` run that phase's jobs from micro-batch ``k``'s own copy of the host plan,
 whose values passed between jobs have their own scope names (its activations stay in the
@@ -33,7 +34,7 @@ from autopar.rewrites.whole_feeds import WHOLE_BATCH
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
-from autopar.schedule import COMPUTE_KINDS, OPTIMIZER, RECV_F, RECV_KINDS, SEND_F, SEND_KINDS
+from autopar.schedule import COMPUTE_KINDS, OPTIMIZER, RECV_F, RECV_KINDS, SEND_F, SEND_KINDS, UPDATE, B, F, I, Phase, W
 from autopar.schedule_timeline import Span
 
 Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", stage, k), ("fetch", action, k),
@@ -58,12 +59,12 @@ class PipelineRunner(RankRunner):
         self.hosts: list[HostPlan] = [self.host] + [
             build_host_plan(plan, exports, f"autopar.r{next(_RUNNERS)}.mb{k}") for k in range(1, role.micro_batches)
         ]
-        self.jobs_of: dict[str, list[int]] = {}  # job label ("F0", "B2", "OPT") -> job indices
+        self.jobs_of: dict[Phase, list[int]] = {}  # phase (F0, B2, OPT) -> job indices
         for index, label in enumerate(self.host.phases):
             self.jobs_of.setdefault(label, []).append(index)
         self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items() if pos[0] >= 0}  # (>= 0: made here)
         if capture:  # parameters and states, read by name: as the step leaves them
-            self.fetch_label |= {k: "OPT" for k in self.fetch_label if plan.values.info(k).kind in ("parameter", "state")}
+            self.fetch_label |= {k: UPDATE for k in self.fetch_label if plan.values.info(k).kind in ("parameter", "state")}
         self.steps: list[Step] = self._steps()
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program
@@ -87,7 +88,7 @@ class PipelineRunner(RankRunner):
         for number, action in enumerate(self.role.actions):
             kind, k = action.kind, action.micro_batch
             if kind in COMPUTE_KINDS:
-                label = f"{kind.value}{action.stage}"
+                label = Phase.of(action)
                 leading, body, trailing = ends.get(label, ((), (), ()))
                 body = (
                     (() if (label, k, "recv") in edges else leading) + body + (() if (label, k, "send") in edges else trailing)
@@ -104,7 +105,7 @@ class PipelineRunner(RankRunner):
                 steps.append(("begin", number, 0))
                 stages = sorted({a.stage for a in self.role.actions if a.kind.value in ("B", "W")})
                 steps += [("accumulate", stage, k) for stage in stages for k in range(1, self.role.micro_batches)]
-                steps += [("job", i, 0) for i in self.jobs_of.get("OPT", [])]
+                steps += [("job", i, 0) for i in self.jobs_of.get(UPDATE, [])]
                 steps.append(("fetch", number, 0))
                 steps.append(("end", number, 0))
         return steps
@@ -123,13 +124,13 @@ class PipelineRunner(RankRunner):
             stop -= 1
         return tuple(jobs[:start]), tuple(jobs[start:stop]), tuple(jobs[stop:])
 
-    def _p2p_phase(self, action: Any) -> str:
+    def _p2p_phase(self, action: Any) -> Phase:
         """The phase whose edges a send / recv action runs: the forward's for ``*_F``, the
         backward's for ``*_B`` (zero-bubble: the input-gradient half's, or, on the first
         stage, which sends no input gradient, the weight-gradient half's)."""
         if action.kind in (SEND_F, RECV_F):
-            return f"F{action.stage}"
-        phases = [f"{kind}{action.stage}" for kind in "IBW"]
+            return Phase(F, action.stage)
+        phases = [Phase(kind, action.stage) for kind in (I, B, W)]
         return next((phase for phase in phases if phase in self.jobs_of), phases[1])
 
     # ---- feeds ------------------------------------------------------------------------
@@ -215,7 +216,8 @@ class PipelineRunner(RankRunner):
         program = paddle.static.Program()
         with paddle.static.program_guard(program):
             for j, total in enumerate(first.accumulated):
-                if first.accumulated_phases[j] not in (f"B{stage}", f"I{stage}", f"W{stage}"):
+                phase = first.accumulated_phases[j]
+                if phase.kind not in (B, I, W) or phase.stage != stage:
                     continue
                 tensor = self.scope.find_var(total).get_tensor()
                 shape, dtype = list(tensor.shape()), str(np.array(tensor).dtype)
@@ -228,7 +230,7 @@ class PipelineRunner(RankRunner):
 
     def _stash(self, number: int, micro_batch: int) -> None:
         action = self.role.actions[number]
-        label = "OPT" if action.kind.value == "OPT" else f"{action.kind.value}{action.stage}"
+        label = Phase.of(action)
         for key, found in self.fetch_label.items():
             if found != label:
                 continue

@@ -13,6 +13,7 @@ from autopar.collective import Collective
 from autopar.distributed_program import DistributedProgram
 from autopar.learning_rate import LearningRateSchedule
 from autopar.rank_plan import RankPlan
+from autopar.schedule import Phase
 
 Edit = Callable[[RankPlan], RankPlan]
 Match = Callable[[Collective], bool]
@@ -53,7 +54,7 @@ def wrong_piece(match: Match) -> Edit:
     return lambda plan: _collectives(plan, lambda c: dataclasses.replace(c, group=c.group[1:] + c.group[:1]) if match(c) else c)
 
 
-def run_in_phase(match: Match, phase: Callable[[RankPlan, int], str]) -> Edit:
+def run_in_phase(match: Match, phase: Callable[[RankPlan, int], Phase]) -> Edit:
     """Pipelines: the ops carrying the matching collectives run in another phase, ``phase(plan,
     position)`` (e.g. a gradient's send back in its backward, once per micro-batch)."""
 

@@ -12,6 +12,7 @@ import pytest
 import autopar
 from autopar.errors import AutoparError
 from autopar.inspect.check import reduction_length
+from autopar.schedule import UPDATE
 from autopar.testing import faults
 from autopar.testing.catalog import CONFIGS, build, feeds
 
@@ -102,7 +103,7 @@ def test_a_weight_gradient_made_once_per_step():
 
     def once_per_step(plan):
         ops = list(plan.program.global_block().ops)
-        phases = ["OPT" if op.name() == "pd_op.embedding_grad" else phase for op, phase in zip(ops, plan.pipeline.phases)]
+        phases = [UPDATE if op.name() == "pd_op.embedding_grad" else phase for op, phase in zip(ops, plan.pipeline.phases)]
         return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, phases=tuple(phases)))
 
     first, text = first_difference("tied lm pp2 ZBH1", once_per_step)
