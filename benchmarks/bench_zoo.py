@@ -53,6 +53,14 @@ def _floor(seed, feeds) -> float:
     return max(float(np.max(np.abs(first.parameters[k] - second.parameters[k]))) for k in first.parameters)
 
 
+def _sent(collective) -> float:
+    """Bytes rank 0 sends over ``collective`` (ring algorithm; a recv sends nothing)."""
+    kind = collective.kind.value
+    if kind in ("send", "recv"):
+        return collective.bytes if kind == "send" else 0.0
+    return coefficients(kind, len(collective.group), collective.bytes)[1]
+
+
 def _row(model, strategy):
     import paddle
 
@@ -76,7 +84,7 @@ def _row(model, strategy):
     loss_diff = max(abs(float(np.asarray(g[0]) - np.asarray(w[0]))) for g, w in zip(result.fetches, serial.fetches))
     param_diff = max(float(np.max(np.abs(result.parameters[k] - v))) for k, v in serial.parameters.items())
     ops = dist.comm_ops(0)
-    moved = sum(coefficients(c.kind.value, len(c.group), c.bytes)[1] for c in ops if c.group)
+    moved = sum(_sent(c) for c in ops)
     optimum = ""
     if strategy in DATA_PARALLEL:  # a ring all_reduce of every gradient over the dp group
         gradients = sum(v.size * v.itemsize for v in serial.parameters.values())
