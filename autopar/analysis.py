@@ -52,6 +52,8 @@ class Analysis:
     startup_program: Any
     fields: tuple[tuple[str, Any], ...]
     state: CompileState  # never planned: compiles plan copies of it
+    rewrites: tuple[Any, ...] = ()  # the serial rewrites run (autopar.rewrites), in order
+    steps: tuple[Any, ...] = ()  # the analysis before them, then after each (autopar.rewrites.Analysed values)
 
     @property
     def graph(self) -> Any:
@@ -87,13 +89,40 @@ class Analysis:
         )  # fmt: skip
 
 
-def analyze(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> Analysis:
+def analyze(
+    program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None, base: Analysis | None = None
+) -> Analysis:  # fmt: skip
     """The analysis of ``program`` on ``mesh`` for ``strategy`` (and every strategy sharing its
-    analysed fields): pass it to ``autopar.compile(..., analysis=...)``."""
-    from autopar.compile import analyze_state, effective_strategy
+    analysed fields): pass it to ``autopar.compile(..., analysis=...)``.
+
+    ``base``: an analysis of the same program for another strategy to derive this one from —
+    the rewrites both strategies run first (the shape reads, the pipeline stages) are not run
+    again, and a strategy that only adds sequence parallelism reuses ``base``'s propagation as
+    its first one. The result is the analysis ``analyze`` would make without ``base``."""
+    from autopar.compile import analysis_start, effective_strategy, state_of
     from autopar.gc_pause import gc_paused
+    from autopar.rewrites import applied, rewrites_for
 
     with gc_paused():
         strategy = effective_strategy(program, mesh, strategy)
-        state = analyze_state(program, mesh, startup_program, strategy)
-    return Analysis(program, mesh, startup_program, tuple(analysed_fields(strategy).items()), state)
+        rewrites = rewrites_for(strategy)
+        if base is None:
+            steps = applied(rewrites, analysis_start(program, mesh, startup_program, strategy))
+        else:
+            if not isinstance(base, Analysis):
+                raise AutoparError(f"analyze(base=...) takes what autopar.analyze returned, got {type(base).__name__}")
+            _check_base(base, program, mesh, startup_program, strategy)
+            shared = 0
+            while shared < min(len(rewrites), len(base.rewrites)) and rewrites[shared] == base.rewrites[shared]:
+                shared += 1
+            steps = list(base.steps[: shared + 1]) + applied(rewrites[shared:], base.steps[shared])[1:]
+        state = state_of(steps[-1], strategy, startup_program)
+    return Analysis(program, mesh, startup_program, tuple(analysed_fields(strategy).items()), state, rewrites, tuple(steps))
+
+
+def _check_base(base: Analysis, program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> None:
+    """``base`` must analyse the same program, mesh and start-up, with the same cluster."""
+    if program is not base.program or mesh != base.mesh or startup_program is not base.startup_program:
+        raise AutoparError("analyze(base=...): the base analysis was made for another program, mesh or startup_program")
+    if dict(base.fields)["cluster"] != strategy.cluster:
+        raise AutoparError(f"analyze(base=...): the base analysis priced another cluster ({dict(base.fields)['cluster']!r})")

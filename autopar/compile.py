@@ -146,12 +146,19 @@ def passes_for(strategy: Strategy) -> list[Pass]:
 def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
     """The analysis: graph view, annotations, the Strategy's serial rewrites
     (:mod:`autopar.rewrites`, each returning a new value) and propagation."""
+    strategy = _checked(strategy)
+    work = apply_all(rewrites_for(strategy), analysis_start(program, mesh, startup_program, strategy))
+    return state_of(work, strategy, startup_program)
+
+
+def analysis_start(program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> Analysed:
+    """The analysis before any rewrite: the program checked, its graph view, the user's
+    annotations and op placements."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     _check_program(program, "program")
     if startup_program is not None:
         _check_program(startup_program, "startup_program")
-    strategy = _checked(strategy)
     if strategy.pipeline is not None:
         _check_pipeline_dim(mesh)
     graph = ProgramGraph(program)
@@ -160,12 +167,15 @@ def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, 
     warn_foreign_annotations(program, graph)
     user = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None)
     _refuse_meaningless_partials(graph, user)
-    start = Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, _op_meshes(program, graph, mesh))
-    work = apply_all(rewrites_for(strategy), start)
+    return Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, _op_meshes(program, graph, mesh))
+
+
+def state_of(work: Analysed, strategy: Strategy, startup_program: Any) -> CompileState:
+    """The compile state of the rewritten analysis ``work``: propagated, checked."""
     _check_pieces(work.graph, work.user)
     propagation = work.propagate()
     _refuse_annotations_off_their_stage(work.graph, work.user, propagation)
-    return CompileState(work.graph, propagation, mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
+    return CompileState(work.graph, propagation, work.mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
                         sequence=work.sequence, recompute=work.recompute, regather=regathered(work.recompute, work.graph, strategy),
                         rewrites=work.reports)  # fmt: skip
 

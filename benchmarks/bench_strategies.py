@@ -7,8 +7,8 @@ sequence parallelism and recompute. Printed, each the median of 3 runs:
 - one compile (analysis + planning), and its split;
 - the 20 compiled one by one (each analyses again);
 - the 20 compiled from ``autopar.analyze`` once per distinct analysis (the micro-batch count,
-  SP and recompute need their own; the ZeRO stage, fusion and schedule share one), then
-  ``compile(..., analysis=...)``;
+  SP and recompute need their own, each derived from the first with ``analyze(..., base=)``;
+  the ZeRO stage, fusion and schedule share one), then ``compile(..., analysis=...)``;
 and both totals as multiples of one compile (Core 3.0's target: 20 strategies <= 4x one compile).
 
     .venv/bin/python benchmarks/bench_strategies.py
@@ -66,25 +66,29 @@ def main() -> None:
         analyses = {}
         for strategy in chosen:
             key = tuple(analysed_fields(strategy).items())
-            if key not in analyses:
-                analyses[key] = autopar.analyze(*args, strategy)
+            if key not in analyses:  # the first made afresh, the others derived from it
+                analyses[key] = autopar.analyze(*args, strategy, base=next(iter(analyses.values()), None))
             autopar.compile(*args, strategy, analysis=analyses[key])
 
     groups = len({tuple(analysed_fields(s).items()) for s in chosen})
     kinds = {}
-    for strategy in chosen:  # what each distinct analysis costs
+    first = autopar.analyze(*args, chosen[0])
+    for strategy in chosen:  # what each distinct analysis costs, made afresh / derived from the first
         key = tuple(analysed_fields(strategy).items())
         if key not in kinds:
-            kinds[key] = median_time(lambda strategy=strategy: autopar.analyze(*args, strategy), RUNS)
+            kinds[key] = (
+                median_time(lambda strategy=strategy: autopar.analyze(*args, strategy), RUNS),
+                median_time(lambda strategy=strategy: autopar.analyze(*args, strategy, base=first), RUNS),
+            )
     each, reused = median_time(separately, RUNS), median_time(shared, RUNS)
     print(f"24-layer GPT ({len(seed.main.global_block().ops)} ops), mesh pp=2 x dp=2 x mp=2, median of {RUNS} runs")
     print(f"  one compile                          {one:6.2f} s   (an analysis alone {analysed:.2f} s, planning from it {planned:.3f} s)")
     print(f"  {len(chosen)} strategies, each analysed        {each:6.2f} s   {each / one:5.1f}x one compile")
     print(f"  {len(chosen)} strategies, {groups} analyses shared   {reused:6.2f} s   {reused / one:5.1f}x one compile   (target <= 4x)")
-    for key, seconds in kinds.items():
+    for key, (fresh, derived) in kinds.items():
         fields = dict(key)
         what = ", ".join(f"{k}={v}" for k, v in fields.items() if k in ("micro_batches", "sequence_parallel", "recompute"))
-        print(f"    analysis {what:58} {seconds:5.2f} s")
+        print(f"    analysis {what:58} {fresh:5.2f} s afresh, {derived:5.2f} s derived from the first")
 
 
 if __name__ == "__main__":

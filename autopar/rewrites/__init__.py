@@ -62,11 +62,16 @@ class Analysed:
     micro: MicroBatching | None = None
     sequence: SequenceRegions | None = None
     reports: tuple[tuple[str, str], ...] = ()  # (rewrite, what it did)
+    propagated: PropagationResult | None = dataclasses.field(default=None, compare=False, repr=False)  # when known
 
     def propagate(self) -> PropagationResult:
-        """Propagation of the annotations over the graph as it stands."""
-        made = {key: attr for key, (attr, _) in self.made.items()}
-        return propagate(self.graph, self.mesh, dict(self.user), dict(self.op_meshes), cluster=self.cluster, strategy=made)
+        """Propagation of the annotations over the graph as it stands (computed once: an
+        analysis a later one is derived from keeps it; read only)."""
+        if self.propagated is None:
+            made = {key: attr for key, (attr, _) in self.made.items()}
+            result = propagate(self.graph, self.mesh, dict(self.user), dict(self.op_meshes), cluster=self.cluster, strategy=made)
+            object.__setattr__(self, "propagated", result)
+        return self.propagated
 
     def annotated(self, rewrite: Rewrite, placements: Mapping[ValueKey, DistAttr]) -> dict[ValueKey, tuple[DistAttr, str]]:
         """The strategy annotations with ``rewrite``'s ``placements`` added; two rewrites
@@ -101,8 +106,8 @@ class Analysed:
         return {"program": program, "graph": graph, "user": keys(self.user), "made": keys(self.made), "op_meshes": op_meshes}
 
     def reported(self, rewrite: Rewrite, text: str, **changes: Any) -> Analysed:
-        """This analysis with ``changes`` and ``rewrite``'s report appended."""
-        return dataclasses.replace(self, reports=(*self.reports, (rewrite.name, text)), **changes)
+        """This analysis with ``changes`` and ``rewrite``'s report appended (not propagated)."""
+        return dataclasses.replace(self, reports=(*self.reports, (rewrite.name, text)), propagated=None, **changes)
 
 
 class Rewrite:
@@ -251,9 +256,15 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
 
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:
+    return applied(rewrites, work)[-1]
+
+
+def applied(rewrites: Sequence[Rewrite], work: Analysed) -> list[Analysed]:
+    """``work`` and the value after each of ``rewrites`` in turn."""
+    steps = [work]
     for rewrite in rewrites:
-        work = rewrite.apply(work)
-    return work
+        steps.append(rewrite.apply(steps[-1]))
+    return steps
 
 
 def _onto_stages(

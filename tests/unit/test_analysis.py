@@ -72,3 +72,35 @@ def test_a_strategy_needing_another_analysis_is_refused_by_name():
         autopar.compile(other.main, mesh, other.startup, analysis=analysis)
     with pytest.raises(AutoparError, match="analysis must be what autopar.analyze returned"):
         autopar.compile(seed.main, mesh, seed.startup, analysis=object())
+
+
+def _gpt_pp_mp():
+    from autopar.testing.models import annotate_megatron, gpt_block_program
+
+    seed = gpt_block_program(batch=4, seq=8, hidden=16, heads=2, vocab=32, layers=2, optimizer="sgd", seed=1, layer_calls=True)
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "mp"])
+    annotate_megatron(seed, mesh)
+    return seed, mesh
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"micro_batches": 4}, {"sequence_parallel": True}, {"recompute": True}, {"micro_batches": 4, "sequence_parallel": True}],
+)
+def test_an_analysis_derived_from_another_is_the_analysis_made_afresh(fields):
+    """``analyze(..., base=a)`` reuses the rewrites both strategies run first (and, adding only
+    sequence parallelism, ``a``'s propagation): what it gives compiles exactly like a fresh one."""
+    seed, mesh = _gpt_pp_mp()
+
+    def strategy(micro_batches=2, **rest):
+        return autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, stages=2), **rest)
+
+    base = autopar.analyze(seed.main, mesh, seed.startup, strategy())
+    derived = autopar.analyze(seed.main, mesh, seed.startup, strategy(**fields), base=base)
+    fresh = autopar.analyze(seed.main, mesh, seed.startup, strategy(**fields))
+    assert derived.steps[0] is base.steps[0]  # the graph and annotations were not made again
+    assert {k: s.dist for k, s in derived.propagation.states.items()} == {k: s.dist for k, s in fresh.propagation.states.items()}
+    shared = autopar.compile(seed.main, mesh, seed.startup, strategy(**fields), analysis=derived)
+    assert _collectives(shared) == _collectives(autopar.compile(seed.main, mesh, seed.startup, strategy(**fields)))
+    with pytest.raises(AutoparError, match="another program"):
+        autopar.analyze(_gpt_pp_mp()[0].main, mesh, seed.startup, strategy(**fields), base=base)
