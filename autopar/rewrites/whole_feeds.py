@@ -92,7 +92,7 @@ def _copy(graph: ProgramGraph, raw: list[Any], ids: Mapping, made: dict, key: Va
     if value.kind == "feed":
         whole = paddle.static.data(value.name + WHOLE_BATCH, list(value.program_shape), value.dtype)
         copy = made[key] = whole
-        meshes_op = whole.get_defining_op()
+        copied_op = whole.get_defining_op()
     elif op.name in CONSTANT_OPS and not op.inputs:
         return raw[key[0]].result(key[1])  # a constant is the same for the whole batch
     else:
@@ -109,10 +109,10 @@ def _copy(graph: ProgramGraph, raw: list[Any], ids: Mapping, made: dict, key: Va
                 sources.append(_copy(graph, raw, ids, made, ids[source.id], mesh, meshes))
             else:
                 sources.append(source)
-        meshes_op = _clone(raw[key[0]], sources)
-        for j, result in enumerate(meshes_op.results()):
+        copied_op = _clone(raw[key[0]], sources)
+        for j, result in enumerate(copied_op.results()):
             made[(key[0], j)] = result
         copy = made[key]
     if mesh is not None:
-        meshes[meshes_op] = mesh
+        meshes[copied_op] = mesh
     return copy
