@@ -12,6 +12,7 @@ from autopar.spmd import (  # noqa: F401  (registration)
     elementwise,
     embedding,
     fill,
+    indexing,
     masking,
     matmul,
     metrics,

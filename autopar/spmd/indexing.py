@@ -1,0 +1,98 @@
+"""Ops that work along one axis: cumsum, flip, roll, index_select / gather, one_hot, and their
+grads (stage: propagate). Each is one equation (:class:`~autopar.spmd.base.EinsumRule`): the
+axis they work along is whole (a piece of it cannot be scanned, reversed, rolled or indexed
+alone), every other dim keeps its split. cumsum, flip, roll and the selections are linear in
+their tensor, so a pending sum passes through.
+
+    cumsum / flip / roll   a1c -> a1c          (flatten / no axis: every dim whole)
+    index_select / gather  1b,1 -> 1b          (x, index: the axis and the index whole)
+    one_hot                ab -> ab1           (the new class dim whole)
+    *_grad                 the same letters, the incoming gradient's pending sum kept
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
+from autopar.spmd.letters import equation
+from autopar.spmd.operands import axes_attr, keep_pending, letters, spread
+from autopar.spmd.registry import register_rule
+
+
+def _along(ndim: int, attrs: Mapping[str, Any], everything: bool = False) -> str:
+    """``ndim`` letters with the ``axis`` attribute's dims whole (all of them: ``everything``)."""
+    axes = range(ndim) if everything or not _axes(attrs, ndim) else _axes(attrs, ndim)
+    return letters(ndim, whole=axes)
+
+
+def _axes(attrs: Mapping[str, Any], ndim: int) -> list[int]:
+    return axes_attr(attrs, "axis", ndim) if attrs.get("axis") not in (None, []) else []
+
+
+def _scan(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """cumsum / flip: ``a1c -> a1c``; cumsum with ``flatten`` scans every dim."""
+    names = _along(inputs[0].ndim, attrs, everything=bool(attrs.get("flatten", False)))
+    return f"{names}->{names}"
+
+
+def _roll(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """roll with no axis rolls the flattened tensor: every dim whole."""
+    names = _along(inputs[0].ndim, attrs, everything=not _axes(attrs, inputs[0].ndim))
+    return f"{names}->{names}"
+
+
+@dataclass
+class EquationGradRule(SpmdRule):
+    """The grad op of an equation-described op: ``letters(inputs, attrs)`` gives each tensor
+    operand's letters (the incoming gradient at ``grad``), the result takes the first's; only
+    the incoming gradient's pending sum passes through, operands read for their shape keep
+    theirs (no reduction for a shape)."""
+
+    letters: Callable[[Sequence[TensorSpec], Mapping[str, Any]], list[str]]
+    grad: int
+    tensors: int
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        names = self.letters(inputs, attrs)
+        result = einsum_grad(equation(names, names[:1]), inputs[: self.tensors], ctx, grad_operands=[self.grad])
+        shape_only = [i for i in range(self.tensors) if i != self.grad]
+        return spread(keep_pending(result, inputs, shape_only), range(self.tensors), inputs, ctx)
+
+
+def _scan_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    names = _scan(inputs[:1], attrs).split("->")[0]
+    return [names, names]
+
+
+def _roll_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    names = _roll(inputs[:1], attrs).split("->")[0]
+    return [names, names]
+
+
+def _select(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """index_select / gather: ``(x, index) -> out``, the axis and the index whole."""
+    names = letters(inputs[0].ndim, whole=_axes(attrs, inputs[0].ndim) or [0])
+    return equation([names, "1" * inputs[1].ndim], [names])
+
+
+def _select_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    """``(x, index, out_grad) -> x_grad``."""
+    names = letters(inputs[0].ndim, whole=_axes(attrs, inputs[0].ndim) or [0])
+    return [names, "1" * inputs[1].ndim, names]
+
+
+def _one_hot(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    names = letters(inputs[0].ndim)
+    return f"{names}->{names}1"
+
+
+register_rule(EinsumRule(_scan, linearity="multi", tensors=1), "cumsum", "flip")
+register_rule(EquationGradRule(_scan_letters, grad=1, tensors=2), "cumsum_grad")
+register_rule(EinsumRule(_roll, linearity="multi", tensors=1), "roll")
+register_rule(EquationGradRule(_roll_letters, grad=1, tensors=2), "roll_grad")
+register_rule(EinsumRule(_select, linearity="multi", tensors=2), "index_select", "gather")
+register_rule(EquationGradRule(_select_grad_letters, grad=2, tensors=3), "index_select_grad", "gather_grad")
+register_rule(EinsumRule(_one_hot, tensors=1), "one_hot")
