@@ -51,7 +51,7 @@ annotations and ``shard_op`` placements resolve through :meth:`Recomputation.gra
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -479,20 +479,29 @@ def _clone(original: Any, sources: list[Any]) -> Any:
     return original.clone(mapping, paddle.pir.CloneOptions(False, True, True))
 
 
+def clone_reading(original: Any, source_of: Callable[[Any], Any]) -> list[Any]:
+    """A copy of ``original`` at the insertion point reading ``source_of`` of each of its
+    operands; a vector operand gets a copy of the builtin.combine building it, its members
+    mapped alike. Returns the inserted ops, the copy last (recompute's clones, a stage's copy of
+    a constant-built value, a whole-batch copy of a count)."""
+    out, sources = [], []
+    for source in original.operands_source():
+        producer = source.get_defining_op() if source.initialized() else None
+        if producer is not None and producer.name() == "builtin.combine":
+            out.append(_clone(producer, [source_of(m) for m in producer.operands_source()]))
+            sources.append(out[-1].result(0))
+        else:
+            sources.append(source_of(source))
+    out.append(_clone(original, sources))
+    return out
+
+
 def _clone_unit(plan: _Plan, raw: list[Any], ids: dict, made: dict, index: int) -> list[Any]:
     """Clone op ``index`` with the builtin.combine ops building its vector operands and the
     builtin.split ops taking its vector results apart; returns the inserted ops."""
-    op, out = raw[index], []
-    sources = []
-    for source in op.operands_source():
-        producer = source.get_defining_op() if source.initialized() else None
-        if producer is not None and producer.name() == "builtin.combine":
-            out.append(_clone(producer, [_source(plan, ids, made, index, m) for m in producer.operands_source()]))
-            sources.append(out[-1].result(0))
-        else:
-            sources.append(_source(plan, ids, made, index, source))
-    copy = _clone(op, sources)
-    out.append(copy)
+    op = raw[index]
+    out = clone_reading(op, lambda value: _source(plan, ids, made, index, value))
+    copy = out[-1]
     for j, result in enumerate(op.results()):
         if not result.initialized():
             continue

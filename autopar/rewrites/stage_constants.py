@@ -26,7 +26,7 @@ from typing import Any
 from autopar.graph import VECTOR_OPS, ProgramGraph, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
-from autopar.rewrites.recompute import RANDOM_OPS, _clone
+from autopar.rewrites.recompute import RANDOM_OPS, clone_reading
 
 
 def constant_ops(graph: ProgramGraph) -> set[int]:
@@ -96,13 +96,7 @@ def stage_constants(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, P
         for index in sorted(needed):
             for mesh, first in needed[index].items():
                 paddle.pir.set_insertion_point(raw[first])
-                sources = []
-                for source in raw[index].operands_source():
-                    maker = source.get_defining_op() if source.initialized() else None
-                    if maker is not None and maker.name() == "builtin.combine":  # a vector operand: its own copy
-                        source = _clone(maker, [_copy_of(copies, ids, m, mesh) for m in maker.operands_source()]).result(0)
-                    sources.append(_copy_of(copies, ids, source, mesh))
-                copies[(index, mesh)] = _clone(raw[index], sources)
+                copies[(index, mesh)] = clone_reading(raw[index], lambda value, mesh=mesh: _copy_of(copies, ids, value, mesh))[-1]
         paddle.pir.reset_insertion_point_to_end()
     for reader, mesh in reader_mesh.items():
         op = raw[reader]

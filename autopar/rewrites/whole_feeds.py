@@ -21,7 +21,7 @@ from typing import Any
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS
-from autopar.rewrites.recompute import _clone
+from autopar.rewrites.recompute import clone_reading
 
 WHOLE_BATCH = "@whole_batch"
 
@@ -89,30 +89,19 @@ def _copy(graph: ProgramGraph, raw: list[Any], ids: Mapping, made: dict, key: Va
     if key in made:
         return made[key]
     value, op = graph.values[key], graph.ops[key[0]]
-    if value.kind == "feed":
-        whole = paddle.static.data(value.name + WHOLE_BATCH, list(value.program_shape), value.dtype)
-        copy = made[key] = whole
-        copied_op = whole.get_defining_op()
-    elif op.name in CONSTANT_OPS and not op.inputs:
+    if op.name in CONSTANT_OPS and not op.inputs:
         return raw[key[0]].result(key[1])  # a constant is the same for the whole batch
+    if value.kind == "feed":
+        whole = made[key] = paddle.static.data(value.name + WHOLE_BATCH, list(value.program_shape), value.dtype)
+        inserted = [whole.get_defining_op()]
     else:
-        sources = []
-        for source in raw[key[0]].operands_source():
-            maker = source.get_defining_op() if source.initialized() else None
-            if maker is not None and maker.name() == "builtin.combine":
-                members = [_copy(graph, raw, ids, made, ids[m.id], mesh, meshes) for m in maker.operands_source()]
-                combined = _clone(maker, members)
-                if mesh is not None:
-                    meshes[combined] = mesh
-                sources.append(combined.result(0))
-            elif source.initialized() and source.id in ids:
-                sources.append(_copy(graph, raw, ids, made, ids[source.id], mesh, meshes))
-            else:
-                sources.append(source)
-        copied_op = _clone(raw[key[0]], sources)
-        for j, result in enumerate(copied_op.results()):
-            made[(key[0], j)] = result
-        copy = made[key]
+
+        def source_of(source: Any) -> Any:
+            known = source.initialized() and source.id in ids
+            return _copy(graph, raw, ids, made, ids[source.id], mesh, meshes) if known else source
+
+        inserted = clone_reading(raw[key[0]], source_of)
+        made.update({(key[0], j): result for j, result in enumerate(inserted[-1].results())})
     if mesh is not None:
-        meshes[copied_op] = mesh
-    return copy
+        meshes.update(dict.fromkeys(inserted, mesh))
+    return made[key]
