@@ -431,7 +431,7 @@ class Propagator:
         fixed = [self.states.get(k) if k is not None else None for k in op.outputs]
         wanted = [s.dist if s is not None and s.priority.fixed else None for s in fixed]
         rule = get_rule(op.name)
-        free = getattr(rule, "free_outputs", False)
+        free = rule.free_outputs
         if (self.cluster is None and not free) or not any(w is not None and w != p for w, p in zip(wanted, inferred.outputs)):
             return inferred
         out_specs = [
