@@ -2,7 +2,8 @@
 
     python benchmarks/bench_runtime.py [--rounds 2]   # starts itself under autopar.launch --nproc 2
 
-SimpleNet (Linear 256->1024->256->10, ReLU, cross-entropy, Momentum + L2), global batch 64:
+SimpleNet (Linear 256->1024->256->10, ReLU, cross-entropy, Momentum + L2), global batch 64, and
+a tiny one (8->16->8->4, batch 8: latency-bound, ``dp-tiny``):
 
 - dp=2: autopar (``x`` annotated ``["dp", None]``) vs the serial program on the local batch with
   an explicit ``all_reduce`` + ``scale(1/2)`` on every gradient before the optimizer;
@@ -19,7 +20,8 @@ median over the rounds, so the host backend's ratios to the hand-written program
 figures of different jobs measured a minute apart (the per-round ratios are listed too:
 their spread is the machine's noise). Every configuration runs without fetches and
 (``+loss``) fetching the loss every step, as training loops do (autopar's fetch is made whole
-inside the program: one small collective, no exchange). autopar runs with its gradient
+inside the program: a data-parallel loss rides in the gradient bucket, no collective of its
+own, no exchange). autopar runs with its gradient
 all-reduce fusion (the default) and without it (``-unfused``: the like-for-like comparison with
 the hand-written program, which all-reduces each gradient on its own).
 
@@ -46,25 +48,28 @@ warnings.filterwarnings("ignore")
 
 SIZES = (256, 1024, 256, 10)
 BATCH = 64
+TINY_SIZES, TINY_BATCH = (8, 16, 8, 4), 8  # latency-bound: the collectives' launch, not their bytes, is the step
+MODELS = {"dp": (SIZES, BATCH), "mp": (SIZES, BATCH), "dp-tiny": (TINY_SIZES, TINY_BATCH)}
 BLOCKS, STEPS, WARMUP = 5, 40, 5
 RESULTS_ENV = "AUTOPAR_BENCH_RESULTS"  # where a job's rank 0 writes its figures (JSON)
 
 
-def hand_written(mode: str, rank: int, world: int):
+def hand_written(model: str, rank: int, world: int):
     """The static program a user would write by hand for this rank (ring 0 spans the world)."""
     import paddle
 
+    (sizes, batch), mode = MODELS[model], model.split("-")[0]
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
-    local_batch = BATCH // world if mode == "dp" else BATCH
-    hidden = SIZES[1] // world if mode == "mp" else SIZES[1]
+    local_batch = batch // world if mode == "dp" else batch
+    hidden = sizes[1] // world if mode == "mp" else sizes[1]
     with paddle.static.program_guard(main, startup):
-        x = paddle.static.data("x", [local_batch, SIZES[0]], "float32")
+        x = paddle.static.data("x", [local_batch, sizes[0]], "float32")
         label = paddle.static.data("label", [local_batch, 1], "int64")
-        l1 = paddle.nn.Linear(SIZES[0], hidden)
-        l2 = paddle.nn.Linear(hidden, SIZES[2], bias_attr=False)
-        b2 = paddle.create_parameter([SIZES[2]], "float32", is_bias=True)
-        l3 = paddle.nn.Linear(SIZES[2], SIZES[3])
+        l1 = paddle.nn.Linear(sizes[0], hidden)
+        l2 = paddle.nn.Linear(hidden, sizes[2], bias_attr=False)
+        b2 = paddle.create_parameter([sizes[2]], "float32", is_bias=True)
+        l3 = paddle.nn.Linear(sizes[2], sizes[3])
         partial = l2(paddle.nn.functional.relu(l1(x)))
         h = paddle.nn.functional.relu(partial + b2)
         loss = paddle.mean(paddle.nn.functional.cross_entropy(l3(h), label))
@@ -92,12 +97,13 @@ def _all_reduce_after(value) -> None:
     paddle.pir.reset_insertion_point_to_end()
 
 
-def autopar_program(mode: str, fuse: bool = True):
+def autopar_program(model: str, fuse: bool = True):
     """The DistributedProgram and the serial loss Value."""
     import autopar
     from autopar.testing.models import simple_net
 
-    net = simple_net(batch=BATCH, sizes=SIZES)
+    (sizes, batch), mode = MODELS[model], model.split("-")[0]
+    net = simple_net(batch=batch, sizes=sizes)
     mesh = autopar.ProcessMesh([0, 1], [mode])
     if mode == "dp":
         autopar.shard_tensor(net.feeds["x"], mesh, ["dp", None])
@@ -118,17 +124,18 @@ def timed(step) -> float:
     return (time.perf_counter() - start) / STEPS
 
 
-def bench(mode: str, rank: int, world: int, backend: str) -> dict[str, float]:
+def bench(model: str, rank: int, world: int, backend: str) -> dict[str, float]:
     import numpy as np
 
     import autopar
 
     rng = np.random.default_rng(0)
-    feed = {"x": rng.standard_normal((BATCH, SIZES[0])).astype("float32"),
-            "label": rng.integers(0, SIZES[3], (BATCH, 1)).astype("int64")}  # fmt: skip
+    sizes, batch = MODELS[model]
+    feed = {"x": rng.standard_normal((batch, sizes[0])).astype("float32"),
+            "label": rng.integers(0, sizes[3], (batch, 1)).astype("int64")}  # fmt: skip
     runs = {}
     for fuse in (True, False):
-        dist, loss = autopar_program(mode, fuse)
+        dist, loss = autopar_program(model, fuse)
         exe = autopar.Executor(dist, backend=backend)
         exe.run_startup()
         name = f"autopar-{backend}" + ("" if fuse else "-unfused")
@@ -136,7 +143,7 @@ def bench(mode: str, rank: int, world: int, backend: str) -> dict[str, float]:
         if fuse:  # what every training loop does: fetch the loss each step
             runs[name + "+loss"] = lambda exe=exe, loss=loss: exe.run(feed, fetch_list=[loss])
     if backend == "native":  # the hand-written program's in-program collectives use the native rings
-        runs.update(hand_runs(mode, rank, world, feed))
+        runs.update(hand_runs(model, rank, world, feed))
     blocks: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(BLOCKS):
         for name, step in runs.items():
@@ -144,12 +151,13 @@ def bench(mode: str, rank: int, world: int, backend: str) -> dict[str, float]:
     return {name: statistics.median(times) for name, times in blocks.items()}
 
 
-def hand_runs(mode: str, rank: int, world: int, feed: dict) -> dict:
+def hand_runs(model: str, rank: int, world: int, feed: dict) -> dict:
     import paddle
 
     from autopar.runtime.prepared import PreparedProgram
 
-    main, startup, local_batch, hand_loss = hand_written(mode, rank, world)
+    mode = model.split("-")[0]
+    main, startup, local_batch, hand_loss = hand_written(model, rank, world)
     scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     lo = rank * local_batch if mode == "dp" else 0
     local = {k: v[lo : lo + local_batch] for k, v in feed.items()}
@@ -198,7 +206,7 @@ def main() -> None:
         return
     rank, world = int(os.environ["PADDLE_TRAINER_ID"]), int(os.environ["PADDLE_TRAINERS_NUM"])
     backend = sys.argv[1]
-    figures = {mode: bench(mode, rank, world, backend) for mode in ("dp", "mp")}
+    figures = {model: bench(model, rank, world, backend) for model in MODELS}
     if rank == 0:
         with open(os.environ[RESULTS_ENV], "w") as out:
             json.dump(figures, out)
@@ -207,10 +215,11 @@ def main() -> None:
 def report(results: list[dict[str, dict[str, float]]]) -> None:
     """One table per mode: each figure's median over the rounds, its ratio to the hand-written
     program (fetching the same loss for ``+loss``) and, fetching, to its own no-fetch step."""
-    for mode in results[0]:
-        rounds = [r[mode] for r in results]
+    for model in results[0]:
+        rounds = [r[model] for r in results]
         times = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
-        print(f"SimpleNet {mode}=2, batch {BATCH}, sizes {SIZES}: median of {len(rounds)} rounds "
+        (sizes, batch), mode = MODELS[model], model.split("-")[0]
+        print(f"SimpleNet {model}: {mode}=2, batch {batch}, sizes {sizes}: median of {len(rounds)} rounds "
               "(hand-written: in the native jobs)")  # fmt: skip
         for name, t in times.items():
             fetching = name.endswith("+loss")

@@ -35,11 +35,13 @@ class SimulationResult:
 def simulate(
     dist: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = (), load_from: Any = None, save_to: Any = None
 ) -> SimulationResult:
-    """Run ``len(feeds)`` steps of ``dist`` on all ranks in this process (startup first).
-    ``load_from``: a checkpoint directory loaded after the start-up, before the first step (saved
+    """Run ``len(feeds)`` steps of ``dist`` on all ranks in this process (startup first), each
+    rank on the plan the Executor runs for this fetch list (fetches made whole inside the
+    program where it can). ``load_from``: a checkpoint directory loaded after the start-up, before the first step (saved
     on any mesh); ``save_to``: where to save one after the last step (:mod:`autopar.checkpoint`)."""
     _check_arguments(dist, feeds, fetch_list)
-    plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
+    keys = tuple(dist.key(item) for item in fetch_list)
+    plans = {rank: dist.rank_plan(rank, fetches=keys) for rank in dist.mesh.ranks}
     return simulate_plans(plans, feeds, fetch_list, load_from=load_from, save_to=save_to)
 
 
@@ -72,7 +74,7 @@ def simulate_plans(
     fetches = []
     for feed in feeds:
         run_step(runners, feed)
-        fetches.append([gather(values, key, {r: runner.fetch_pieces()[i] for r, runner in runners.items()}) for i, key in enumerate(keys)])
+        fetches.append(fetched(values, keys, runners))
     if save_to is not None:
         from autopar.checkpoint import save_ranks
 
@@ -146,6 +148,24 @@ def run_step(runners: Mapping[int, RankRunner], feed: Mapping[str, Any]) -> None
         for r in ready.group:
             runners[r].finish_collective(outputs.get(r))
             pending[r] = runners[r].run_until_collective()
+
+
+def fetched(values: ValueTable, keys: Sequence[Any], runners: Mapping[int, RankRunner]) -> list[np.ndarray]:
+    """The step's fetches as global arrays: each rank's whole copy where its program made them
+    whole (the copies must agree), else assembled from every rank's piece."""
+    pieces = {rank: runner.fetch_pieces() for rank, runner in runners.items()}
+    out = []
+    for i, key in enumerate(keys):
+        holders = [r for r in values.info(key).produced.mesh.ranks if runners[r].whole]
+        if not holders:
+            out.append(gather(values, key, {r: got[i] for r, got in pieces.items()}))
+            continue
+        first = pieces[holders[0]][i]
+        for rank in holders[1:]:
+            if not np.array_equal(pieces[rank][i], first):
+                raise AutoparError(f"simulate: fetched {values.info(key).label} differs between ranks {holders[0]} and {rank}")
+        out.append(first)
+    return out
 
 
 def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np.ndarray:
