@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_pipeline_run.py
 	$(PY) benchmarks/bench_check.py
 	$(PY) benchmarks/bench_strategies.py
+	$(PY) benchmarks/bench_vs_paddle.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -5,5 +5,8 @@ annotate them (placement lists per mesh dim, parameters on their stage's sub-mes
 
 Each module has a ``Config``, ``build(config, batch, mesh=None, ...) -> SeedProgram`` and the
 annotations a user would write, chosen by the mesh's dim names: ``dp`` splits the batch, ``mp``
-gives Megatron tensor parallelism, ``pp`` places consecutive layers on ``mesh[i]``.
+gives Megatron tensor parallelism, ``pp`` places consecutive layers on ``mesh[i]``. ``build``
+makes the model with ``network(config, stages)`` and its loss with ``compute_loss(config,
+*outputs, *labels)`` (feeds ``INPUTS`` to the model, ``LABELS`` to the loss): the same two make
+the model in dynamic mode for Paddle's own semi-auto engine (``benchmarks/bench_vs_paddle.py``).
 """

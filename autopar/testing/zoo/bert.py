@@ -38,6 +38,10 @@ class Config:
     layer_norm_eps: float = 1e-12
 
 
+# the feeds the model and the loss take, in order
+INPUTS, LABELS = ("input_ids", "token_type_ids"), ("mlm_labels", "nsp_labels")
+
+
 def build(
     config: Config = Config(), batch: int = 4, seq: int = 8, mesh: autopar.ProcessMesh | None = None, virtual: int = 1,
     optimizer: str = "sgd", seed: int | None = 19,
@@ -46,10 +50,32 @@ def build(
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
+    stages = Stages(mesh, config.num_hidden_layers, virtual)
+    with paddle.static.program_guard(main, startup):
+        input_ids = paddle.static.data("input_ids", [batch, seq], "int64")
+        token_type_ids = paddle.static.data("token_type_ids", [batch, seq], "int64")
+        mlm_labels = paddle.static.data("mlm_labels", [batch, seq], "int64")
+        nsp_labels = paddle.static.data("nsp_labels", [batch, 1], "int64")
+        model = network(config, stages)
+        if mesh is not None:
+            _annotate(model, (input_ids, token_type_ids), (mlm_labels, nsp_labels), stages)
+        prediction, relationship = model(input_ids, token_type_ids)
+        loss = compute_loss(config, prediction, relationship, mlm_labels, nsp_labels)
+        make_optimizer(optimizer).minimize(loss)
+    feeds = {"input_ids": input_ids, "token_type_ids": token_type_ids, "mlm_labels": mlm_labels, "nsp_labels": nsp_labels}
+    return SeedProgram(main, startup, feeds, loss, {"model": model})
+
+
+def network(config: Config = Config(), stages: Stages | None = None) -> Any:
+    """The model, a ``paddle.nn.Layer`` made in the mode Paddle is in: static inside
+    :func:`build`'s program guard, dynamic for Paddle's own semi-auto engine
+    (``benchmarks/bench_vs_paddle.py``). ``stages``: the pipeline stage of each layer (None: one mesh)."""
+    import paddle
+
     nn, F = paddle.nn, paddle.nn.functional
     H, heads = config.hidden_size, config.num_attention_heads
     head_dim = H // heads
-    stages = Stages(mesh, config.num_hidden_layers, virtual)
+    stages = stages if stages is not None else Stages(None, config.num_hidden_layers)
 
     class BertEmbeddings(nn.Layer):
         def __init__(self) -> None:
@@ -134,20 +160,16 @@ def build(
             word = self.bert.embeddings.word_embeddings.weight
             return paddle.matmul(h, word, transpose_y=True) + self.decoder_bias, self.seq_relationship(pooled)
 
-    with paddle.static.program_guard(main, startup):
-        input_ids = paddle.static.data("input_ids", [batch, seq], "int64")
-        token_type_ids = paddle.static.data("token_type_ids", [batch, seq], "int64")
-        mlm_labels = paddle.static.data("mlm_labels", [batch, seq], "int64")
-        nsp_labels = paddle.static.data("nsp_labels", [batch, 1], "int64")
-        model = BertForPreTraining()
-        if mesh is not None:
-            _annotate(model, (input_ids, token_type_ids), (mlm_labels, nsp_labels), stages)
-        prediction, relationship = model(input_ids, token_type_ids)
-        mlm = F.cross_entropy(prediction.reshape([-1, config.vocab_size]), mlm_labels.reshape([-1, 1])).mean()
-        loss = mlm + F.cross_entropy(relationship, nsp_labels).mean()
-        make_optimizer(optimizer).minimize(loss)
-    feeds = {"input_ids": input_ids, "token_type_ids": token_type_ids, "mlm_labels": mlm_labels, "nsp_labels": nsp_labels}
-    return SeedProgram(main, startup, feeds, loss, {"model": model})
+    return BertForPreTraining()
+
+
+def compute_loss(config: Config, prediction: Any, relationship: Any, mlm_labels: Any, nsp_labels: Any) -> Any:
+    """Masked-LM plus next-sentence cross-entropy (the model's outputs, then ``LABELS``)."""
+    import paddle
+
+    F = paddle.nn.functional
+    mlm = F.cross_entropy(prediction.reshape([-1, config.vocab_size]), mlm_labels.reshape([-1, 1])).mean()
+    return mlm + F.cross_entropy(relationship, nsp_labels).mean()
 
 
 def _annotate(model: Any, inputs: tuple[Any, ...], labels: tuple[Any, ...], stages: Stages) -> None:

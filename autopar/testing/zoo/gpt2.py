@@ -33,6 +33,7 @@ class Config:
 
 
 IGNORE = -100
+INPUTS, LABELS = ("idx",), ("targets",)  # the feeds the model and the loss take, in order
 
 
 def build(
@@ -44,8 +45,26 @@ def build(
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
-    nn, F = paddle.nn, paddle.nn.functional
     stages = Stages(mesh, config.n_layer, virtual)
+    with paddle.static.program_guard(main, startup):
+        idx = paddle.static.data("idx", [batch, seq], "int64")
+        targets = paddle.static.data("targets", [batch, seq], "int64")
+        model = network(config, stages)
+        if mesh is not None:
+            _annotate(model, idx, targets, stages)
+        loss = compute_loss(config, model(idx), targets)
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"idx": idx, "targets": targets}, loss, {"model": model})
+
+
+def network(config: Config = Config(), stages: Stages | None = None) -> Any:
+    """The model, a ``paddle.nn.Layer`` made in the mode Paddle is in: static inside
+    :func:`build`'s program guard, dynamic for Paddle's own semi-auto engine
+    (``benchmarks/bench_vs_paddle.py``). ``stages``: the pipeline stage of each block (None: one mesh)."""
+    import paddle
+
+    nn, F = paddle.nn, paddle.nn.functional
+    stages = stages if stages is not None else Stages(None, config.n_layer)
     head_dim = config.n_embd // config.n_head
 
     class CausalSelfAttention(nn.Layer):
@@ -104,19 +123,19 @@ def build(
                 x = block(x, bias)
             return paddle.matmul(self.ln_f(x), self.wte.weight, transpose_y=True)  # the tied LM head
 
-    with paddle.static.program_guard(main, startup):
-        idx = paddle.static.data("idx", [batch, seq], "int64")
-        targets = paddle.static.data("targets", [batch, seq], "int64")
-        model = GPT()
-        if mesh is not None:
-            _annotate(model, idx, targets, stages)
-        logits = model(idx)
-        flat = targets.reshape([-1, 1])
-        token_loss = F.cross_entropy(logits.reshape([-1, config.vocab_size]), flat, ignore_index=IGNORE, reduction="none")
-        valid = (flat != IGNORE).astype("float32")
-        loss = (token_loss * valid).sum() / valid.sum()  # PyTorch's ignore_index mean: over the valid tokens
-        make_optimizer(optimizer).minimize(loss)
-    return SeedProgram(main, startup, {"idx": idx, "targets": targets}, loss, {"model": model})
+    return GPT()
+
+
+def compute_loss(config: Config, logits: Any, targets: Any) -> Any:
+    """Next-token cross-entropy over the targets that are not -100 (the model's outputs, then ``LABELS``)."""
+    import paddle
+
+    flat = targets.reshape([-1, 1])
+    token_loss = paddle.nn.functional.cross_entropy(
+        logits.reshape([-1, config.vocab_size]), flat, ignore_index=IGNORE, reduction="none"
+    )
+    valid = (flat != IGNORE).astype("float32")
+    return (token_loss * valid).sum() / valid.sum()  # PyTorch's ignore_index mean: over the valid tokens
 
 
 def _annotate(model: Any, idx: Any, targets: Any, stages: Stages) -> None:

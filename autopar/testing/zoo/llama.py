@@ -34,6 +34,9 @@ class Config:
     rope_theta: float = 10000.0
 
 
+INPUTS, LABELS = ("tokens",), ("labels",)  # the feeds the model and the loss take, in order
+
+
 def build(
     config: Config = Config(), batch: int = 4, seq: int = 8, mesh: autopar.ProcessMesh | None = None, virtual: int = 1,
     optimizer: str = "sgd", seed: int | None = 11,
@@ -42,9 +45,27 @@ def build(
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
+    stages = Stages(mesh, config.n_layers, virtual)
+    with paddle.static.program_guard(main, startup):
+        tokens = paddle.static.data("tokens", [batch, seq], "int64")
+        labels = paddle.static.data("labels", [batch, seq], "int64")
+        model = network(config, stages)
+        if mesh is not None:
+            _annotate(model, tokens, labels, stages)
+        loss = compute_loss(config, model(tokens), labels)
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"tokens": tokens, "labels": labels}, loss, {"model": model})
+
+
+def network(config: Config = Config(), stages: Stages | None = None) -> Any:
+    """The model, a ``paddle.nn.Layer`` made in the mode Paddle is in: static inside
+    :func:`build`'s program guard, dynamic for Paddle's own semi-auto engine
+    (``benchmarks/bench_vs_paddle.py``). ``stages``: the pipeline stage of each block (None: one mesh)."""
+    import paddle
+
     nn, F = paddle.nn, paddle.nn.functional
     head_dim = config.dim // config.n_heads
-    stages = Stages(mesh, config.n_layers, virtual)
+    stages = stages if stages is not None else Stages(None, config.n_layers)
 
     class RMSNorm(nn.Layer):
         def __init__(self, dim: int, eps: float) -> None:
@@ -134,16 +155,14 @@ def build(
                 h = layer(h, cos, sin, mask)
             return self.output(self.norm(h))
 
-    with paddle.static.program_guard(main, startup):
-        tokens = paddle.static.data("tokens", [batch, seq], "int64")
-        labels = paddle.static.data("labels", [batch, seq], "int64")
-        model = Transformer()
-        if mesh is not None:
-            _annotate(model, tokens, labels, stages)
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.reshape([-1, config.vocab_size]), labels.reshape([-1, 1])).mean()
-        make_optimizer(optimizer).minimize(loss)
-    return SeedProgram(main, startup, {"tokens": tokens, "labels": labels}, loss, {"model": model})
+    return Transformer()
+
+
+def compute_loss(config: Config, logits: Any, labels: Any) -> Any:
+    """Next-token cross-entropy, averaged over every token (the model's outputs, then ``LABELS``)."""
+    import paddle
+
+    return paddle.nn.functional.cross_entropy(logits.reshape([-1, config.vocab_size]), labels.reshape([-1, 1])).mean()
 
 
 def _annotate(model: Any, tokens: Any, labels: Any, stages: Stages) -> None:

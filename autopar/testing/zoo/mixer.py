@@ -33,6 +33,9 @@ class Config:
     num_blocks: int = 2
 
 
+INPUTS, LABELS = ("images",), ("labels",)  # the feeds the model and the loss take, in order
+
+
 def build(
     config: Config = Config(), batch: int = 4, mesh: autopar.ProcessMesh | None = None, virtual: int = 1,
     optimizer: str = "sgd", seed: int | None = 23, **_: Any,
@@ -41,8 +44,37 @@ def build(
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
-    nn, F = paddle.nn, paddle.nn.functional
     stages = Stages(mesh, config.num_blocks, virtual)
+    with paddle.static.program_guard(main, startup):
+        images = paddle.static.data("images", [batch, config.in_chans, config.img_size, config.img_size], "float32")
+        labels = paddle.static.data("labels", [batch, 1], "int64")
+        model = network(config, stages)
+        if mesh is not None:
+            annotate(images, stages.first, dp=0)
+            annotate(labels, stages.last, dp=0)
+            whole(model.stem, stages.first)
+            for i, block in enumerate(model.blocks):
+                mesh_i = stages.of_layer(i)
+                for mlp in (block.token_mixing, block.channel_mixing):
+                    column(mlp.fc1, mesh_i)
+                    row(mlp.fc2, mesh_i)
+                whole(block.norm1, mesh_i)
+                whole(block.norm2, mesh_i)
+            whole(model.pre_head_layer_norm, stages.last)
+            whole(model.head, stages.last)
+        loss = compute_loss(config, model(images), labels)
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"images": images, "labels": labels}, loss, {"model": model})
+
+
+def network(config: Config = Config(), stages: Stages | None = None) -> Any:
+    """The model, a ``paddle.nn.Layer`` made in the mode Paddle is in: static inside
+    :func:`build`'s program guard, dynamic for Paddle's own semi-auto engine
+    (``benchmarks/bench_vs_paddle.py``). ``stages``: the pipeline stage of each block (None: one mesh)."""
+    import paddle
+
+    nn, F = paddle.nn, paddle.nn.functional
+    stages = stages if stages is not None else Stages(None, config.num_blocks)
     tokens = (config.img_size // config.patch_size) ** 2
 
     class MlpBlock(nn.Layer):
@@ -81,23 +113,11 @@ def build(
                 x = block(x)
             return self.head(self.pre_head_layer_norm(x).mean(axis=1))
 
-    with paddle.static.program_guard(main, startup):
-        images = paddle.static.data("images", [batch, config.in_chans, config.img_size, config.img_size], "float32")
-        labels = paddle.static.data("labels", [batch, 1], "int64")
-        model = MlpMixer()
-        if mesh is not None:
-            annotate(images, stages.first, dp=0)
-            annotate(labels, stages.last, dp=0)
-            whole(model.stem, stages.first)
-            for i, block in enumerate(model.blocks):
-                mesh_i = stages.of_layer(i)
-                for mlp in (block.token_mixing, block.channel_mixing):
-                    column(mlp.fc1, mesh_i)
-                    row(mlp.fc2, mesh_i)
-                whole(block.norm1, mesh_i)
-                whole(block.norm2, mesh_i)
-            whole(model.pre_head_layer_norm, stages.last)
-            whole(model.head, stages.last)
-        loss = F.cross_entropy(model(images), labels).mean()
-        make_optimizer(optimizer).minimize(loss)
-    return SeedProgram(main, startup, {"images": images, "labels": labels}, loss, {"model": model})
+    return MlpMixer()
+
+
+def compute_loss(config: Config, logits: Any, labels: Any) -> Any:
+    """Cross-entropy of the class logits (the model's outputs, then ``LABELS``)."""
+    import paddle
+
+    return paddle.nn.functional.cross_entropy(logits, labels).mean()

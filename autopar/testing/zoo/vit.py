@@ -35,6 +35,9 @@ class Config:
     mlp_ratio: float = 2.0
 
 
+INPUTS, LABELS = ("images",), ("labels",)  # the feeds the model and the loss take, in order
+
+
 def build(
     config: Config = Config(), batch: int = 4, mesh: autopar.ProcessMesh | None = None, virtual: int = 1,
     optimizer: str = "sgd", seed: int | None = 17, **_: Any,
@@ -44,8 +47,40 @@ def build(
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
-    nn, F = paddle.nn, paddle.nn.functional
     stages = Stages(mesh, config.depth, virtual)
+    with paddle.static.program_guard(main, startup):
+        images = paddle.static.data("images", [batch, config.in_chans, config.img_size, config.img_size], "float32")
+        labels = paddle.static.data("labels", [batch, 1], "int64")
+        model = network(config, stages)
+        if mesh is not None:
+            annotate(images, stages.first, dp=0)
+            annotate(labels, stages.last, dp=0)
+            for name in ("cls_token", "pos_embed"):
+                annotate(getattr(model, name), stages.first)
+            whole(model.patch_embed, stages.first)
+            for i, block in enumerate(model.blocks):
+                mesh_i = stages.of_layer(i)
+                column(block.attn.qkv, mesh_i)
+                row(block.attn.proj, mesh_i)
+                column(block.mlp.fc1, mesh_i)
+                row(block.mlp.fc2, mesh_i)
+                whole(block.norm1, mesh_i)
+                whole(block.norm2, mesh_i)
+            whole(model.norm, stages.last)
+            whole(model.head, stages.last)
+        loss = compute_loss(config, model(images), labels)
+        make_optimizer(optimizer).minimize(loss)
+    return SeedProgram(main, startup, {"images": images, "labels": labels}, loss, {"model": model})
+
+
+def network(config: Config = Config(), stages: Stages | None = None) -> Any:
+    """The model, a ``paddle.nn.Layer`` made in the mode Paddle is in: static inside
+    :func:`build`'s program guard, dynamic for Paddle's own semi-auto engine
+    (``benchmarks/bench_vs_paddle.py``). ``stages``: the pipeline stage of each block (None: one mesh)."""
+    import paddle
+
+    nn, F = paddle.nn, paddle.nn.functional
+    stages = stages if stages is not None else Stages(None, config.depth)
     dim, heads = config.embed_dim, config.num_heads
     head_dim = dim // heads
     patches = (config.img_size // config.patch_size) ** 2
@@ -101,26 +136,11 @@ def build(
                 x = block(x)
             return self.head(self.norm(x)[:, 0])
 
-    with paddle.static.program_guard(main, startup):
-        images = paddle.static.data("images", [batch, config.in_chans, config.img_size, config.img_size], "float32")
-        labels = paddle.static.data("labels", [batch, 1], "int64")
-        model = VisionTransformer()
-        if mesh is not None:
-            annotate(images, stages.first, dp=0)
-            annotate(labels, stages.last, dp=0)
-            for name in ("cls_token", "pos_embed"):
-                annotate(getattr(model, name), stages.first)
-            whole(model.patch_embed, stages.first)
-            for i, block in enumerate(model.blocks):
-                mesh_i = stages.of_layer(i)
-                column(block.attn.qkv, mesh_i)
-                row(block.attn.proj, mesh_i)
-                column(block.mlp.fc1, mesh_i)
-                row(block.mlp.fc2, mesh_i)
-                whole(block.norm1, mesh_i)
-                whole(block.norm2, mesh_i)
-            whole(model.norm, stages.last)
-            whole(model.head, stages.last)
-        loss = F.cross_entropy(model(images), labels).mean()
-        make_optimizer(optimizer).minimize(loss)
-    return SeedProgram(main, startup, {"images": images, "labels": labels}, loss, {"model": model})
+    return VisionTransformer()
+
+
+def compute_loss(config: Config, logits: Any, labels: Any) -> Any:
+    """Cross-entropy of the class logits (the model's outputs, then ``LABELS``)."""
+    import paddle
+
+    return paddle.nn.functional.cross_entropy(logits, labels).mean()
