@@ -70,7 +70,9 @@ def _world_size(dist: Any) -> int:
 class Executor:
     """``backend``: "host" (any mesh: segments + process-group collectives), "native" (the
     whole rank program with in-program collectives; on CPU only world-spanning ones), or
-    "auto" (native when every collective spans the world, else host)."""
+    "auto": on a CPU job whose ranks share one host, host (its shared-memory collectives take
+    tens of microseconds, gloo's in-program ones a millisecond); otherwise native when every
+    collective spans the world (on GPUs always), else host."""
 
     def __init__(self, dist: Any, rank: int | None = None, backend: str = "auto", communicator: Communicator | None = None) -> None:
         _check_arguments(dist, rank, communicator)
@@ -82,6 +84,8 @@ class Executor:
             raise AutoparError(f"the mesh {dist.mesh} needs {dist.world_size} processes, only {self.world} were started")
         if self.rank not in dist.mesh.ranks:
             raise AutoparError(f"rank {self.rank} is not in {dist.mesh}")
+        if backend == "auto" and communicator is None and _shared_memory_host(self.world):
+            backend = "host"
         self.plan: RankPlan = dist.rank_plan(self.rank, backend)
         self.backend = self.plan.backend
         # the plan for a fetch list makes the fetches whole inside the program (no exchange)
@@ -96,9 +100,7 @@ class Executor:
 
             self.comm = StoreExchange(create_rings(self.plan), self.rank, self.world)
         elif communicator is None:
-            from autopar.runtime.gloo import GlooCommunicator
-
-            self.comm = GlooCommunicator(self.rank, self.world)
+            self.comm = _host_communicator(self.rank, self.world)
         else:
             self.comm = communicator
         if self.plan.pipeline is not None and hasattr(self.comm, "group_exchange"):
@@ -250,3 +252,23 @@ class Executor:
             pieces = {r: everyone[r][name] for r in info.placement.mesh.ranks}
             out[name] = assemble(pieces, info.placement, info.shape)
         return out
+
+
+def _shared_memory_host(world: int) -> bool:
+    """A CPU job whose ranks can all use shared memory (:func:`autopar.runtime.shm.available`)."""
+    from autopar.runtime import shm
+    from autopar.runtime.device import current_device
+
+    return current_device().kind == "cpu" and shm.available(world)
+
+
+def _host_communicator(rank: int, world: int) -> Any:
+    """Shared memory when every rank runs on this host (:mod:`autopar.runtime.shm`: a collective
+    in tens of microseconds, any sub-group), else gloo's process group."""
+    from autopar.runtime import shm
+
+    if shm.available(world):
+        return shm.SharedMemoryCommunicator(rank, world)
+    from autopar.runtime.gloo import GlooCommunicator
+
+    return GlooCommunicator(rank, world)

@@ -33,15 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from autopar.collective import Collective, CollectiveKind
+from autopar.collective import Collective
 from autopar.collective_kinds import KINDS, emulated, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.rank_status import collective_timeout, waiting
 from autopar.runtime.jobs import ScopeCall
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
-
-_LINKS: Any = None  # this process's pipeline links (autopar.runtime.p2p.Links), made on first use
 
 
 class GlooCommunicator:
@@ -133,25 +131,22 @@ class GlooCommunicator:
         return perform(job, inputs)[self.rank]
 
     def _links(self) -> Any:
-        global _LINKS
-        if _LINKS is None:
-            from paddle.base import core
+        from paddle.base import core
 
-            from autopar.runtime.p2p import Links
+        from autopar.runtime.p2p import process_links
 
-            _LINKS = Links(self.rank, core.create_or_get_global_tcp_store())
-        return _LINKS
+        return process_links(self.rank, core.create_or_get_global_tcp_store())
 
     def _point_to_point(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
         """Pipeline p2p over buffered links, each message matched to its recv by the
         collective's key (value, micro-batch), not by its place on the link
         (:mod:`autopar.runtime.p2p`: gloo's send blocks until the recv is posted, which
         deadlocks 1F1B; the TCP store costs ~40 ms a message)."""
-        sender, receiver = job.group
-        if job.kind is CollectiveKind.SEND:
-            self._links().send(receiver, x, job.key)
-            return None
-        return self._links().recv(sender, job.key, self.timeout)
+        from paddle.base import core
+
+        from autopar.runtime.p2p import send_or_recv
+
+        return send_or_recv(self.rank, core.create_or_get_global_tcp_store(), job, x, self.timeout)
 
     def buffer(self, x: np.ndarray) -> Any:
         """An eager tensor holding ``x``, reused per shape and dtype: every new eager tensor

@@ -113,3 +113,27 @@ class Links:
     def recv(self, sender: int, tag: Hashable, timeout: float) -> np.ndarray:
         """The next array ``sender`` sent stamped ``tag`` (whatever else arrived before it)."""
         return self.inbox.take(sender, tag, timeout)
+
+
+_LINKS: Links | None = None  # this process's links, made on first use
+
+
+def process_links(rank: int, store: Any) -> Links:
+    """This process's links (one per process, whichever communicator asks first)."""
+    global _LINKS
+    if _LINKS is None:
+        _LINKS = Links(rank, store)
+    return _LINKS
+
+
+def send_or_recv(rank: int, store: Any, job: Any, x: np.ndarray, timeout: float) -> np.ndarray | None:
+    """A pipeline send (returns None at once: buffered) or recv (the sender's array stamped
+    with the collective's key: value, micro-batch — not the next message on the link)."""
+    from autopar.collective import CollectiveKind
+
+    sender, receiver = job.group
+    links = process_links(rank, store)
+    if job.kind is CollectiveKind.SEND:
+        links.send(receiver, x, job.key)
+        return None
+    return links.recv(sender, job.key, timeout)

@@ -13,8 +13,11 @@ for irregular ops (reshape, conv, cross-entropy, ...).
 
 Partial inputs: an op that is linear in its inputs may consume them partial and keep the
 result partial (``linearity="multi"``: matmul, multiply — at most one partial operand per mesh
-dim; ``"additive"``: add, subtract — all operands partial alike). Everything else requires its
-inputs complete, so the planner inserts the reduction in front of it.
+dim; ``"additive"``: add, subtract — all operands partial alike; ``"alike"``: add_n, stack —
+same-shape operands where, if some are partial and the others whole, the whole ones are made
+partial locally (free) and the result stays partial: one reduction after the op instead of
+one per partial operand). Everything else requires its inputs complete, so the planner
+inserts the reduction in front of it.
 """
 
 from __future__ import annotations
@@ -379,12 +382,40 @@ class EinsumRule(SpmdRule):
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         n = self._count(inputs)
-        result = einsum_forward(self.equation(inputs, attrs), inputs[:n], ctx, linearity=self.linearity, reduce_kind=self.reduce_kind)
+        linearity = "additive" if self.linearity == "alike" else self.linearity
+        result = einsum_forward(self.equation(inputs, attrs), inputs[:n], ctx, linearity=linearity, reduce_kind=self.reduce_kind)
+        if self.linearity == "alike":
+            result = pending_alike(result, inputs, range(n))
         return _rest_whole(result, inputs, n, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
         n = self._count(inputs)
         return _rest_whole(einsum_backward(self.equation(inputs, attrs), inputs[:n], outputs, ctx), inputs, n, ctx)
+
+
+def pending_alike(result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int]) -> RuleResult:
+    """An additive op's operands at ``positions``: where some are pending sums (or averages)
+    over a mesh dim no letter splits and the others are whole there, require all of them
+    pending alike (the whole ones made partial locally) and leave the output pending."""
+    required, outputs = list(result.inputs), list(result.outputs)
+    known = [i for i in positions if specs[i] is not None and specs[i].dist is not None and required[i] is not None]
+    if not known:
+        return result
+    split = {d for i in known for d in required[i].sharded_mesh_dims()}
+    kinds: dict[int, set[str]] = {}
+    for i in known:
+        for d, kind in specs[i].dist.partial:
+            kinds.setdefault(d, set()).add(kind)
+    add = {
+        d: next(iter(k)) for d, k in kinds.items() if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS
+    }
+    if not add:
+        return result
+    for i in positions:  # every operand, also those with no placement yet: all pending alike
+        if required[i] is not None:
+            required[i] = required[i].with_partial({**required[i].partial_dims, **add})
+    outputs = [None if o is None else o.with_partial({**o.partial_dims, **add}) for o in outputs]
+    return RuleResult(tuple(required), tuple(outputs), result.conflicts)
 
 
 def _rest_whole(result: RuleResult, inputs: Sequence[TensorSpec | None], n: int, ctx: RuleContext) -> RuleResult:

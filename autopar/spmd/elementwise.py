@@ -151,5 +151,6 @@ register_rule(
 register_rule(SameShapeGradRule(tensors=3), "silu_grad")
 
 
-# add_n: ``ab,ab,... -> ab``; partial operands stay partial alike
-register_rule(EinsumRule(broadcast_equation, linearity="additive"), "add_n")
+# add_n: ``ab,ab,... -> ab``; partial operands stay partial, whole ones made partial alike (a
+# gradient summed from three column-parallel inputs and a residual: one all_reduce, not three)
+register_rule(EinsumRule(broadcast_equation, linearity="alike"), "add_n")

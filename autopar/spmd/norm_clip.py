@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.spmd.base import (
-    LINEAR_KINDS,
+    EinsumRule,
     RuleContext,
     RuleResult,
     SpmdRule,
@@ -49,7 +49,7 @@ from autopar.spmd.base import (
 )
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import keep_pending, letters, spread
-from autopar.spmd.registry import register
+from autopar.spmd.registry import register, register_rule
 
 # ---- squared_l2_norm ----------------------------------------------------------------------
 
@@ -138,46 +138,14 @@ def _stacked_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
     return names, names[:axis] + "1" + names[axis:]
 
 
-def pending_alike(result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int]) -> RuleResult:
-    """An additive op's operands at ``positions``: where some are pending sums (or averages)
-    over a mesh dim no letter splits and the others are whole there, require all of them
-    pending alike (the whole ones made partial locally) and leave the output pending."""
-    required, outputs = list(result.inputs), list(result.outputs)
-    known = [i for i in positions if specs[i] is not None and specs[i].dist is not None and required[i] is not None]
-    if not known:
-        return result
-    split = {d for i in known for d in required[i].sharded_mesh_dims()}
-    kinds: dict[int, set[str]] = {}
-    for i in known:
-        for d, kind in specs[i].dist.partial:
-            kinds.setdefault(d, set()).add(kind)
-    add = {
-        d: next(iter(k)) for d, k in kinds.items() if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS
-    }
-    if not add:
-        return result
-    for i in positions:  # every operand, also those with no placement yet: all pending alike
-        if required[i] is not None:
-            required[i] = required[i].with_partial({**required[i].partial_dims, **add})
-    outputs = [None if o is None else o.with_partial({**o.partial_dims, **add}) for o in outputs]
-    return RuleResult(tuple(required), tuple(outputs), result.conflicts)
+def _stack_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    names, stacked = _stacked_letters(inputs[0].ndim, attrs)
+    return equation([names] * len(inputs), [stacked])
 
 
-@register("stack", "unstack_grad")
-class StackRule(SpmdRule):
-    """``(x[0], ..., x[n-1]) -> out``: ``ab,ab -> a1b``; pending sums stay pending (see
-    :func:`pending_alike`). unstack_grad reads ``(out_grad[0..n-1])`` and is the same op."""
-
-    def _equation(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
-        names, stacked = _stacked_letters(inputs[0].ndim, attrs)
-        return equation([names] * len(inputs), [stacked])
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        result = einsum_forward(self._equation(inputs, attrs), inputs, ctx, linearity="additive")
-        return pending_alike(result, inputs, range(len(inputs)))
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return einsum_backward(self._equation(inputs, attrs), inputs, outputs[:1], ctx)
+# stack ``(x[0], ..., x[n-1]) -> out``: ``ab,ab -> a1b``, pending sums stay pending, whole
+# operands made pending alike; unstack_grad reads ``(out_grad[0..n-1])`` and is the same op
+register_rule(EinsumRule(_stack_equation, linearity="alike"), "stack", "unstack_grad")
 
 
 def _unstack_count(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], axis: int) -> int:

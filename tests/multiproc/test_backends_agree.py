@@ -1,6 +1,7 @@
 """One truth for all backends: the same programs (RNNs, to_tensor constants after a
-collective, collectives reading a feed) through simulate, the host backend and the native
-backend (2 real processes) give bit-equal losses and parameters."""
+collective, collectives reading a feed) through simulate, the host backend (its shared-memory
+and its gloo communicator) and the native backend (2 real processes) give bit-equal losses and
+parameters."""
 
 import textwrap
 
@@ -12,7 +13,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, warnings
+    import os, sys, warnings
     warnings.filterwarnings("ignore")
     import numpy as np, paddle
     import autopar
@@ -30,11 +31,14 @@ SCRIPT = textwrap.dedent(
         dist = autopar.compile(main, mesh, startup_program=startup)
         steps = feeds_for(feeds)
         prints = {}
-        for backend in ("host", "native"):  # host first: its process group must exist before native rings
+        # gloo's host first: its process group must exist before native rings
+        for backend, comm in (("host", "gloo"), ("host", "shm"), ("native", "")):
+            os.environ["AUTOPAR_HOST_COMM"] = comm
             exe = autopar.Executor(dist, backend=backend)
+            assert type(exe.comm).__name__ == {"gloo": "GlooCommunicator", "shm": "SharedMemoryCommunicator", "": "StoreExchange"}[comm]
             exe.run_startup()
             losses = [exe.run(feed, fetch_list=[loss])[0] for feed in steps]
-            prints[backend] = fingerprint(losses, exe.parameters())
+            prints[comm or backend] = fingerprint(losses, exe.parameters())
         sim = autopar.simulate(dist, steps, [loss])
         prints["simulate"] = fingerprint([f[0] for f in sim.fetches], sim.parameters)
         print("RESULT", case, " ".join(f"{k}={v}" for k, v in prints.items()), flush=True)
@@ -49,7 +53,7 @@ def test_simulate_host_and_native_are_bit_equal(tmp_path):
     for line in lines:
         case, *fields = line.split()
         prints = dict(f.split("=") for f in fields)
-        assert prints["host"] == prints["native"] == prints["simulate"], f"{case}: {prints}"
+        assert prints["gloo"] == prints["shm"] == prints["native"] == prints["simulate"], f"{case}: {prints}"
 
 
 ALTERNATING = textwrap.dedent(

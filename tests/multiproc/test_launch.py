@@ -165,13 +165,14 @@ def results(log_dir):
 
 
 def test_example_runs_under_paddles_launcher(tmp_path):
-    """One node, two processes (the native backend: auto picks it for dp)."""
+    """One node, two processes (auto picks the host backend: its collectives go through shared
+    memory on one node)."""
     proc = paddle_launch(tmp_path, "--nproc_per_node", 2, "examples/simple_net.py", "--mode", "dp")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
     lines = results(tmp_path)
     assert sorted(line.split()[1] for line in lines) == ["0", "1"], out[-3000:]
-    assert all("(native backend)" in line for line in lines)
+    assert all("(host backend)" in line for line in lines)
 
 
 def test_example_runs_as_two_nodes_on_one_host(tmp_path):

@@ -101,7 +101,7 @@ def test_fetch_of_an_average_every_step(tmp_path, backend, batch, ran):
 
 UNEVEN_FETCH = textwrap.dedent(
     """
-    import warnings
+    import os, warnings
     warnings.filterwarnings("ignore")
     import numpy as np, paddle
     import autopar
@@ -123,6 +123,7 @@ UNEVEN_FETCH = textwrap.dedent(
     paddle.seed(3)
     serial = run_serial(main, startup, feeds, [loss, logits])
     paddle.seed(3)
+    os.environ["AUTOPAR_HOST_COMM"] = "gloo"  # as CPU ranks on several hosts: auto picks native for dp
     exe = autopar.Executor(dist)
     exe.run_startup()
     for feed, want in zip(feeds, serial.fetches):
@@ -134,7 +135,8 @@ UNEVEN_FETCH = textwrap.dedent(
 
 
 def test_native_exchanges_a_fetch_it_cannot_gather(tmp_path):
-    """Batch 5 on dp=2: the step runs natively (its gradients' all_reduces are even); the
-    fetched logits' pieces (3 and 2 rows) are exchanged and assembled."""
+    """Batch 5 on dp=2, ranks as on several hosts (no shared memory): auto runs the step
+    natively (its gradients' all_reduces are even); the fetched logits' pieces (3 and 2 rows)
+    are exchanged and assembled."""
     results = launch(UNEVEN_FETCH, 2, tmp_path, timeout=300)
     assert sum("RESULT equal native" in line for line in results) == 2, results
