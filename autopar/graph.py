@@ -125,9 +125,9 @@ class ProgramGraph:
             if name == "builtin.combine":
                 self.vectors[(index, 0)] = [keys[s.id] for s in op.operands_source()]
         for index, op in enumerate(raw_ops):
-            if op.name() == "builtin.split":
+            if op.name() == "builtin.split":  # a member nobody needs (a stop-gradient input's grad) is null
                 source = keys[op.operand_source(0).id]
-                self.vectors[source] = [(index, j) for j in range(op.num_results())]
+                self.vectors[source] = [(index, j) if r.initialized() else None for j, r in enumerate(op.results())]
         for index, op in enumerate(raw_ops):
             self._add_op(index, op, keys)
 

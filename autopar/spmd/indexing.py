@@ -47,18 +47,22 @@ def _roll(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
 @dataclass
 class EquationGradRule(SpmdRule):
     """The grad op of an equation-described op: ``letters(inputs, attrs)`` gives each tensor
-    operand's letters (the incoming gradient at ``grad``), the result takes the first's; only
-    the incoming gradient's pending sum passes through, operands read for their shape keep
-    theirs (no reduction for a shape)."""
+    operand's letters (the incoming gradient at ``grad``); the gradients take the letters of
+    the operands at ``results`` (the first by default). Only the incoming gradient's pending
+    sum passes through; operands read for their shape only (``shape_only``; None: all but the
+    incoming gradient) keep theirs (no reduction for a shape), the others are made complete."""
 
     letters: Callable[[Sequence[TensorSpec], Mapping[str, Any]], list[str]]
     grad: int
     tensors: int
+    results: tuple[int, ...] = (0,)
+    shape_only: tuple[int, ...] | None = None
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         names = self.letters(inputs, attrs)
-        result = einsum_grad(equation(names, names[:1]), inputs[: self.tensors], ctx, grad_operands=[self.grad])
-        shape_only = [i for i in range(self.tensors) if i != self.grad]
+        grads = [names[i] for i in self.results]
+        result = einsum_grad(equation(names, grads), inputs[: self.tensors], ctx, grad_operands=[self.grad])
+        shape_only = self.shape_only if self.shape_only is not None else [i for i in range(self.tensors) if i != self.grad]
         return spread(keep_pending(result, inputs, shape_only), range(self.tensors), inputs, ctx)
 
 

@@ -35,13 +35,14 @@ def _to_paddle(arg: Any) -> Any:
     return arg
 
 
-def _flatten(items: Any) -> list[DistAttr]:
-    out: list[DistAttr] = []
+def _flatten(items: Any) -> list[DistAttr | None]:
+    """Paddle's dist attrs in order, vectors flattened; None for an absent operand's (no mesh)."""
+    out: list[DistAttr | None] = []
     for item in items:
         if isinstance(item, (list, tuple)):
             out.extend(_flatten(item))
         else:
-            out.append(DistAttr.from_paddle(item))
+            out.append(DistAttr.from_paddle(item) if item.process_mesh is not None else None)
     return out
 
 
@@ -75,10 +76,10 @@ def differences(
     """Where our required inputs (at ``tensor_inputs``) and outputs differ from Paddle's."""
     diffs = []
     for k, i in enumerate(tensor_inputs):
-        if k < len(inputs) and ours.inputs[i].mapping != inputs[k].mapping:
+        if k < len(inputs) and inputs[k] is not None and ours.inputs[i].mapping != inputs[k].mapping:
             diffs.append(f"input {i}: ours {ours.inputs[i]} paddle {inputs[k]}")
     for j, (mine, theirs) in enumerate(zip(ours.outputs, outputs)):
-        if mine is None:
+        if mine is None or theirs is None:
             continue
         if mine.mapping != theirs.mapping or set(mine.partial_dims) != set(theirs.partial_dims):
             diffs.append(f"output {j}: ours {mine} paddle {theirs}")
@@ -111,7 +112,7 @@ def nontrivial_differences(
     diffs = differences(mine, inputs, outputs, tensor_inputs)
     if input_partials:
         for k, i in enumerate(tensor_inputs):
-            if k < len(inputs) and set(mine.inputs[i].partial_dims) != set(inputs[k].partial_dims):
+            if k < len(inputs) and inputs[k] is not None and set(mine.inputs[i].partial_dims) != set(inputs[k].partial_dims):
                 diffs.append(f"input {i} partial: ours {mine.inputs[i]} paddle {inputs[k]}")
     return diffs
 
