@@ -136,3 +136,33 @@ def test_ranks_on_several_hosts_or_turned_off_use_gloo(monkeypatch):
     monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "10.0.0.1:6170,10.0.0.2:6170")
     with pytest.raises(AutoparError, match="not all on one x86-64 host"):
         shm.available(2)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_reducing_into_the_output_tensor_is_bit_equal_to_the_reference(reduce, members):
+    """The in-place all_reduce of the scope path combines the members one by one in group
+    order: bit-equal to ``perform`` (what the simulator and every other path compute)."""
+    group = tuple(range(members))
+    job = _job(CollectiveKind.ALL_REDUCE, group, (257, 3), reduce=reduce)
+    arrays = {r: _inputs(7, r, (257, 3), "float32") for r in group}
+    out = np.empty((257, 3), "float32")
+    assert shm.reduce_into(out, job, arrays)
+    want = perform(job, arrays)[0]
+    assert out.dtype == want.dtype
+    np.testing.assert_array_equal(out, want)
+    assert not shm.reduce_into(out, _job(CollectiveKind.ALL_GATHER, group, (257, 3)), arrays)
+
+
+def test_a_scope_tensor_is_viewed_in_place():
+    import paddle
+    from paddle.base import core
+
+    tensor = core.DenseTensor()
+    tensor.set(np.arange(6, dtype="float32").reshape(2, 3), paddle.CPUPlace())
+    view = shm.tensor_view(tensor)
+    view[0, 0] = 42.0
+    assert np.array(tensor)[0, 0] == 42.0 and view.shape == (2, 3)
+    scalar = core.DenseTensor()
+    scalar.set(np.array(3.5, "float32"), paddle.CPUPlace())
+    assert shm.tensor_view(scalar).shape == () and shm.tensor_view(core.DenseTensor()) is None
