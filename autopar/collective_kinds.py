@@ -97,6 +97,11 @@ class Kind:
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
 
+    def perform_into(self, job: Collective, out: np.ndarray, inputs: dict[int, np.ndarray]) -> bool:
+        """Write this rank's output straight into ``out`` (an output tensor's memory, shaped as
+        the input) without a fresh array, bit-equal to :meth:`perform`; whether it could."""
+        return False
+
     def axes(self, tensor_dims: Sequence[int]) -> tuple[int, int]:
         """``(axis, split_axis)`` of a Collective for a planner step moving ``tensor_dims``."""
         return (tensor_dims[0] if tensor_dims else 0), 0
@@ -171,6 +176,20 @@ class AllReduce(Kind):
         pdist.all_reduce(tensor, op=op[job.reduce])
         out = tensor.numpy()
         return out / len(job.group) if job.reduce == "avg" else out
+
+    def perform_into(self, job, out, inputs):
+        # the members combined one by one in group order: what _reduce's stacked reduction
+        # computes, bit for bit (tests/unit/test_shared_memory_comm.py)
+        combine = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}.get(job.reduce)
+        if combine is None:
+            return False
+        first, *rest = job.group
+        out[...] = inputs[first]
+        for rank in rest:
+            combine(out, inputs[rank], out=out)
+        if job.reduce == "avg":
+            np.divide(out, len(job.group), out=out)
+        return True
 
     def in_place(self, job):
         from paddle.base import core

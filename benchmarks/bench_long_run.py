@@ -6,6 +6,8 @@ stored per step; before, every step's fetched bytes stayed in the job's TCP stor
 Also printed: the malloc heap in use (glibc's ``mallinfo2``: bytes handed out and not freed).
 Resident memory can grow while the heap in use stays flat — freed memory the allocator keeps —
 so the two together tell a leak (both grow) from a heap that fragments (only the first does).
+The Executor gives the free heap back every 1000 steps (``malloc_trim``; without it a 0.7 ms
+host step grew 1-1.8 MB over 4500 steps with the heap in use flat).
 
     .venv/bin/python benchmarks/bench_long_run.py [--steps 5000] [--backend host]   # starts itself under autopar.launch
 """

@@ -109,6 +109,7 @@ class Executor:
         self._last_fetch: tuple[list, tuple] = ([], ())
         self._runner: Any = None
         self._started = False
+        self._steps = 0
 
     def _runner_for(self, fetch_list: Sequence[Any]) -> Any:
         if isinstance(fetch_list, (str, bytes)) or not isinstance(fetch_list, Sequence):
@@ -174,6 +175,9 @@ class Executor:
         if missing and self.backend == "native":
             raise AutoparError(f"feed has no array for {missing}: every feed of the program is needed each step")
         runner = self._runner_for(fetch_list)
+        self._steps += 1
+        if self._steps % TRIM_EVERY == 0:
+            return_free_heap()
         if self.backend == "native":
             pieces = runner.run(self.plan.local_feeds(feed))
         else:
@@ -272,3 +276,27 @@ def _host_communicator(rank: int, world: int) -> Any:
     from autopar.runtime.gloo import GlooCommunicator
 
     return GlooCommunicator(rank, world)
+
+
+TRIM_EVERY = 1000  # steps between returning the freed heap to the OS
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc
+
+
+def return_free_heap() -> None:
+    """glibc's ``malloc_trim(0)``: give the heap's free pages back to the OS. A fast step loop
+    frees what Paddle's threads allocated later than it allocates, so glibc keeps ever more
+    freed heap above what is in use (measured, host backend, 0.7 ms steps: resident memory
+    +1.0-1.8 MB over 4500 steps with the heap in use flat; -8 KiB with a trim). About a
+    millisecond, every :data:`TRIM_EVERY` steps."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -42,8 +42,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from autopar.collective import Collective, CollectiveKind
-from autopar.collective_kinds import perform, point_to_point
+from autopar.collective import Collective
+from autopar.collective_kinds import KINDS, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.rank_status import WATCHDOG_MARGIN, collective_timeout, waiting
 from autopar.runtime.jobs import ScopeCall
@@ -289,7 +289,7 @@ class SharedMemoryCommunicator:
         def finish(arrays: dict[int, np.ndarray]) -> None:
             target = tensor_view(call.target)
             fits = target is not None and target.shape == source.shape and target.dtype == source.dtype
-            if fits and not np.may_share_memory(target, source) and reduce_into(target, job, arrays):
+            if fits and not np.may_share_memory(target, source) and KINDS[job.kind].perform_into(job, target, arrays):
                 return
             out = perform(job, arrays)[self.rank]
             if target is not None and target.shape == out.shape and target.dtype == out.dtype:
@@ -323,26 +323,6 @@ def _owned(out: np.ndarray, arrays: dict[int, np.ndarray]) -> np.ndarray:
     """``out``, copied if it is a view of a peer's slot (a broadcast's root piece), which the
     peer rewrites once this rank has acknowledged it."""
     return np.array(out) if any(np.may_share_memory(out, a) for a in arrays.values()) else out
-
-
-_IN_PLACE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "avg": np.add}
-
-
-def reduce_into(out: np.ndarray, job: Collective, arrays: dict[int, np.ndarray]) -> bool:
-    """An all_reduce written straight into ``out`` (the output tensor's memory), the members
-    combined one by one in group order — what :func:`autopar.collective_kinds.perform` computes,
-    bit for bit, without a fresh array per step (which fragmented the heap: resident memory grew
-    ~900 B a step). Whether it applied (other kinds: False)."""
-    if job.kind is not CollectiveKind.ALL_REDUCE or job.reduce not in _IN_PLACE:
-        return False
-    combine = _IN_PLACE[job.reduce]
-    first, *rest = job.group
-    out[...] = arrays[first]
-    for rank in rest:
-        combine(out, arrays[rank], out=out)
-    if job.reduce == "avg":
-        np.divide(out, len(job.group), out=out)
-    return True
 
 
 def tensor_view(tensor: Any) -> np.ndarray | None:

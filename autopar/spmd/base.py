@@ -376,6 +376,7 @@ class EinsumRule(SpmdRule):
     reduce_kind: str = "sum"
     op_names: tuple[str, ...] = field(default=())
     tensors: int = 0
+    alike_from: int = 1  # "alike": how many operands must be pending for the whole ones to follow
 
     def _count(self, inputs: Sequence[Any]) -> int:
         return len(inputs) if self.tensors == 0 else self.tensors if self.tensors > 0 else len(inputs) + self.tensors
@@ -385,7 +386,7 @@ class EinsumRule(SpmdRule):
         linearity = "additive" if self.linearity == "alike" else self.linearity
         result = einsum_forward(self.equation(inputs, attrs), inputs[:n], ctx, linearity=linearity, reduce_kind=self.reduce_kind)
         if self.linearity == "alike":
-            result = pending_alike(result, inputs, range(n))
+            result = pending_alike(result, inputs, range(n), self.alike_from)
         return _rest_whole(result, inputs, n, ctx)
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
@@ -393,22 +394,27 @@ class EinsumRule(SpmdRule):
         return _rest_whole(einsum_backward(self.equation(inputs, attrs), inputs[:n], outputs, ctx), inputs, n, ctx)
 
 
-def pending_alike(result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int]) -> RuleResult:
-    """An additive op's operands at ``positions``: where some are pending sums (or averages)
-    over a mesh dim no letter splits and the others are whole there, require all of them
-    pending alike (the whole ones made partial locally) and leave the output pending."""
+def pending_alike(
+    result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int], at_least: int = 1
+) -> RuleResult:
+    """An additive op's operands at ``positions``: where at least ``at_least`` are pending sums
+    (or averages) over a mesh dim no letter splits and the others are whole there, require all
+    of them pending alike (the whole ones made partial locally) and leave the output pending."""
     required, outputs = list(result.inputs), list(result.outputs)
     known = [i for i in positions if specs[i] is not None and specs[i].dist is not None and required[i] is not None]
     if not known:
         return result
     split = {d for i in known for d in required[i].sharded_mesh_dims()}
     kinds: dict[int, set[str]] = {}
+    holders: dict[int, int] = {}
     for i in known:
         for d, kind in specs[i].dist.partial:
             kinds.setdefault(d, set()).add(kind)
+            holders[d] = holders.get(d, 0) + 1
     add = {
-        d: next(iter(k)) for d, k in kinds.items() if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS
-    }
+        d: next(iter(k)) for d, k in kinds.items()
+        if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS and holders[d] >= at_least
+    }  # fmt: skip
     if not add:
         return result
     for i in positions:  # every operand, also those with no placement yet: all pending alike

@@ -151,6 +151,9 @@ register_rule(
 register_rule(SameShapeGradRule(tensors=3), "silu_grad")
 
 
-# add_n: ``ab,ab,... -> ab``; partial operands stay partial, whole ones made partial alike (a
-# gradient summed from three column-parallel inputs and a residual: one all_reduce, not three)
-register_rule(EinsumRule(broadcast_equation, linearity="alike"), "add_n")
+# add_n: ``ab,ab,... -> ab``; partial operands stay partial, and where two or more are partial the
+# whole ones are made partial alike (a gradient summed from three column-parallel inputs and a
+# residual: one all_reduce after, not three before). One partial operand is reduced before: the
+# same count, and its sum does not carry a pending sum into ops that would move more bytes (a
+# weight gradient larger than the activation)
+register_rule(EinsumRule(broadcast_equation, linearity="alike", alike_from=2), "add_n")

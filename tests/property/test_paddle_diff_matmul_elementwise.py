@@ -281,6 +281,7 @@ PARTIAL_CASES = [
     ("matmul", [(4, 6), (6, 8)], [P, R], False),  # ours keeps x pending; Paddle reduces it
     ("matmul", [(4, 6), (6, 8)], [P, P], True),
     ("add_n", [(4, 6)] * 3, [P, P, P], True),
+    ("add_n", [(4, 6)] * 3, [P, R, R], True),  # one pending: reduced before, as Paddle does
     ("add_n", [(4, 6)] * 3, [P, R, P], False),  # ours P,P,P -> P (the whole one made partial locally: one reduction after); Paddle reduces both
 
     ("relu", [(4, 6)], [P], True),
