@@ -74,8 +74,11 @@ class UnaryRule(SpmdRule):
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         names = letters(inputs[0].ndim)
-        result = einsum_forward(f"{names}->{names}", inputs[:1], ctx, linearity=self.linearity)
+        result = einsum_forward(f"{names}->{names}", inputs[:1], ctx, linearity=self.linearity_for(attrs))
         return spread(result, [0], inputs, ctx)
+
+    def linearity_for(self, attrs: Mapping[str, Any]) -> str | None:
+        return self.linearity
 
     def infer_backward(self, inputs, outputs, attrs, ctx):
         names = letters(inputs[0].ndim)
@@ -140,10 +143,22 @@ register_rule(CastRule(), "cast")
 LINEAR_UNARY = ("assign", "share_data", "neg")
 NONLINEAR_UNARY = (
     "relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu",
-    "pow", "scale", "clip", "sin", "cos", "logical_not", "isfinite", "erf", "floor",
+    "pow", "clip", "sin", "cos", "logical_not", "isfinite", "erf", "floor",
 )  # fmt: skip
 register_rule(UnaryRule(linearity="multi"), *LINEAR_UNARY)
 register_rule(UnaryRule(), *NONLINEAR_UNARY)
+
+
+class ScaleRule(UnaryRule):
+    """``scale * x + bias``: linear in x when ``bias`` is 0 (``-x.mean()``, a loss scale: a
+    pending sum stays pending), otherwise a pending sum is reduced first (the bias would be
+    added once per piece)."""
+
+    def linearity_for(self, attrs: Mapping[str, Any]) -> str | None:
+        return "multi" if float(attrs.get("bias", 0.0)) == 0.0 else None
+
+
+register_rule(ScaleRule(), "scale")
 register_rule(
     SameShapeGradRule(),
     *(f"{n}_grad" for n in ("relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "pow", "clip", "sin", "cos", "erf")),

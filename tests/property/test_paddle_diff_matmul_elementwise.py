@@ -285,7 +285,7 @@ PARTIAL_CASES = [
     ("add_n", [(4, 6)] * 3, [P, R, P], False),  # ours P,P,P -> P (the whole one made partial locally: one reduction after); Paddle reduces both
 
     ("relu", [(4, 6)], [P], True),
-    ("scale", [(4, 6)], [P], True),  # nonlinear once bias is set; we never keep it pending
+    ("scale", [(4, 6)], [P], False),  # bias 0: linear, ours keeps x pending (-x.mean() under micro-batching); Paddle reduces
 ]
 
 
@@ -308,3 +308,12 @@ def test_partial_inputs_vs_paddle(op, shapes_, texts, same):
         operands.append(np.array([2.0], "float32"))
     attrs = {"transpose_x": False, "transpose_y": False} if op == "matmul" else attrs
     check_rule(op, fn, operands, dists + [None] * (len(operands) - len(dists)), attrs, MESH)
+
+
+def test_scale_keeps_a_pending_sum_only_without_a_bias():
+    """``scale * x + bias``: with a bias, each piece would add it once: the sum is reduced first."""
+    pending = DistAttr.parse(P, MESH, 2)
+    for bias, kept in ((0.0, True), (1.0, False)):
+        attrs = {"scale": 2.0, "bias": bias, "bias_after_scale": True}
+        ours = _ours("scale", [(4, 6), (1,)], [pending, None], attrs, MESH)
+        assert bool(ours.outputs[0].partial) == kept and bool(ours.inputs[0].partial) == kept, (bias, ours)
