@@ -153,7 +153,7 @@ class PipelineStages(Rewrite):
     def apply(self, work: Analysed) -> Analysed:
         op_meshes = dict(work.op_meshes)
         if self.stages is not None:
-            op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes)
+            op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes, work.cluster)
         elif on_stages(work.mesh, work.user):  # parameters annotated on stage meshes place their ops (Paddle's way)
             op_meshes = infer_stages(work.graph, work.mesh, work.user, op_meshes)
         staged = copy_constants(work.program, work.graph, op_meshes)

@@ -13,18 +13,25 @@ back to an earlier stage than the block's second Linear — one block + a head o
 mesh0 -> mesh1 -> mesh0 (rank 0 had two stages: 1F1B refused it), and two blocks were cut after
 the second's LayerNorm (its backward sent 1 -> 0 -> 1 -> 0).
 
-The runs balance the forward ops' count (a linear partition: the largest run as small as it can
-be, each run at least one unit). An op of no layer goes with the op before it; a unit met again
+The runs balance the ops' predicted time (a linear partition: the largest run as small as it
+can be, each run at least one unit): each forward op weighs its forward and backward on the
+cost model's device (3x the forward's roofline time: matmul FLOPs, memory-bound ops by bytes;
+an op the compute table lacks by its bytes) plus a launch cost per op. Before, each op weighed
+one: a wide first block and three narrow ones were cut two and two, the wide one's stage four
+times slower. An op of no layer goes with the op before it; a unit met again
 after a later one (a layer called twice) stays on the later stage: runs never go back. Run ``i``
 is on ``mesh[i % mesh.shape[0]]``: with ``n`` = the pipeline ranks each rank has one run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from autopar.errors import AnnotationError
+from autopar.cost_model.cluster import DTYPE_BYTES, Cluster
+from autopar.cost_model.compute import OpCost, op_cost
+from autopar.errors import AnnotationError, CostModelError
 from autopar.graph import ProgramGraph, Role
 from autopar.layer_paths import path_of, repeated_depth
 from autopar.mesh import ProcessMesh
@@ -33,24 +40,43 @@ from autopar.op_kinds import SOURCE_OPS
 Unit = tuple[str, ...]  # a layer path cut to the chosen depth: ("Block_1",)
 
 
+LAUNCH_SECONDS = 5e-6  # per op: a kernel launch on a GPU, an interpreter step on CPU
+
+
 def layer_stages(
-    graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh]
+    graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh], cluster: Cluster
 ) -> dict[int, ProcessMesh]:
     """Op index -> the sub-mesh ``PipelineConfig(stages=stages)`` places each forward op on."""
     if placed:
         raise AnnotationError("PipelineConfig(stages=...) places the layers itself: remove the shard_op placements")
     forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
     paths = [_path(op) for op in forward]
-    stage_of = cut_stages(paths, stages)
+    stage_of = cut_stages(paths, stages, [op_seconds(graph, op, cluster) for op in forward])
     return {op.index: mesh[stage % mesh.shape[0]] for op, stage in zip(forward, stage_of)}
 
 
-def cut_stages(paths: Sequence[Unit | None], stages: int) -> list[int]:
-    """The stage of each op, given each op's layer path in forward order (None: no layer);
-    non-decreasing, every stage in ``0..stages-1`` used."""
+def op_seconds(graph: ProgramGraph, op: Any, cluster: Cluster) -> float:
+    """A forward op's predicted forward + backward seconds on ``cluster``'s device (whole shapes:
+    the cut compares runs, not ranks)."""
+    inputs = [graph.values[k].shape for k in op.inputs if k is not None]
+    outputs = [graph.values[k].shape for k in op.outputs if k is not None]
+    dtype = next((graph.values[k].dtype for k in op.outputs if k is not None), "float32")
+    try:
+        cost = op_cost(op.name, inputs, outputs, op.attrs, dtype)
+    except CostModelError:  # not in the compute table (or an odd dtype): memory-bound, its bytes
+        itemsize = DTYPE_BYTES.get(str(dtype).removeprefix("paddle."), 4)
+        cost = OpCost(0.0, float(sum(math.prod(s) for s in [*inputs, *outputs]) * itemsize))
+    return 3.0 * cost.time(cluster, dtype) + LAUNCH_SECONDS
+
+
+def cut_stages(paths: Sequence[Unit | None], stages: int, weights: Sequence[float] | None = None) -> list[int]:
+    """The stage of each op, given each op's layer path in forward order (None: no layer) and
+    its weight (default 1 each); non-decreasing, every stage in ``0..stages-1`` used."""
     units, of_op = _units(paths, stages)
-    weights = [of_op.count(i) for i in range(len(units))]
-    first = _partition(weights, stages)
+    unit_weights = [0.0] * len(units)
+    for i, unit in enumerate(of_op):
+        unit_weights[unit] += 1.0 if weights is None else weights[i]
+    first = _partition(unit_weights, stages)
     out, stage = [], 0
     for unit in of_op:
         stage = max(stage, first[unit])
@@ -84,7 +110,7 @@ def _units(paths: Sequence[Unit | None], stages: int) -> tuple[list[Unit], list[
     return units, of_op
 
 
-def _partition(weights: Sequence[int], parts: int) -> list[int]:
+def _partition(weights: Sequence[float], parts: int) -> list[int]:
     """Unit -> its part: ``parts`` contiguous non-empty runs of ``weights`` whose largest sum is
     the smallest possible (ties: the earliest cuts)."""
     n = len(weights)

@@ -101,3 +101,43 @@ def test_one_residual_block_and_a_head_on_two_stages_run_1f1b():
     serial = run_serial(main, startup, feeds, [loss])
     result = autopar.simulate(dist, feeds, [loss])
     np.testing.assert_allclose([f[0] for f in result.fetches], [f[0] for f in serial.fetches], rtol=1e-5)
+
+
+def test_the_cut_balances_predicted_time_not_op_counts():
+    """Four blocks of the same ops, the first 64x wider (hidden 2048 against 32): by op count the
+    cut fell after two blocks (the wide one's stage many times slower); by the cost model's time
+    the wide block is a stage of its own. Still equal to serial."""
+    import paddle
+    import paddle.nn.functional as F
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 7
+
+    class Block(paddle.nn.Layer):
+        def __init__(self, hidden):
+            super().__init__()
+            self.up, self.down = paddle.nn.Linear(32, hidden), paddle.nn.Linear(hidden, 32)
+
+        def forward(self, x):
+            return x + self.down(F.relu(self.up(x)))
+
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [16, 32], "float32")
+        y = paddle.static.data("y", [16, 1], "int64")
+        blocks = [Block(hidden) for hidden in (2048, 32, 32, 32)]
+        h = x
+        for block in blocks:
+            h = block(h)
+        loss = paddle.mean(F.cross_entropy(paddle.nn.Linear(32, 5)(h), y))
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    mesh = autopar.ProcessMesh([0, 1], ["pp"])
+    config = autopar.PipelineConfig(stages=2, micro_batches=2, schedule="1F1B")
+    dist = autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(pipeline=config))
+    on_first = {p.name for p in main.global_block().all_parameters() if 0 in dist.dist_attr(p.name).mesh.ranks}
+    assert on_first == {p.name for p in blocks[0].parameters()}, sorted(on_first)  # the wide block only
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((16, 32)).astype("float32"), "y": rng.integers(0, 5, (16, 1))} for _ in range(2)]
+    serial = run_serial(main, startup, feeds, [loss])
+    result = autopar.simulate(dist, feeds, [loss])
+    np.testing.assert_allclose([f[0] for f in result.fetches], [f[0] for f in serial.fetches], rtol=1e-5)
