@@ -24,4 +24,8 @@ def test_long_run_does_not_grow(backend):
     assert found, out.stdout[-3000:]
     rss_growth, heap_growth = int(found.group(1)), int(found.group(2))
     assert rss_growth < 512, found.group(0)
-    assert heap_growth < 64, found.group(0)  # nothing kept per step
+    # nothing kept per step beyond Paddle's own: its interpreter keeps ~2.3 B a run (a plain
+    # PreparedProgram loop: +33 KiB of heap in use over 14500 runs, measured 2026-11-26) and a host
+    # step runs 3 programs: ~31 KiB over 4500 steps (observed +36..+65). What this guards against
+    # (the fetches kept per step, 0.7 KiB a step) would be ~3 MB.
+    assert heap_growth < 96, found.group(0)
