@@ -73,18 +73,21 @@ def _replicate(state: CompileState, rp: RankProgram, index: int, key: ValueKey, 
 def _ride_in_buckets(state: CompileState, rp: RankProgram, plans: dict[ValueKey, ReshardPlan]) -> None:
     """Append each fetch that can ride in an emitted gradient bucket to the bucket's buffer
     (the first bucket that fits it); ``rp.fetched`` takes the split-off whole value."""
-    positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
+    buckets = [n for n, (collective, _) in enumerate(rp.collectives) if collective.key.source == "bucket"]
+    if not buckets or not plans:
+        return
+    ops = list(rp.program.global_block().ops)
+    positions = {op.id(): i for i, op in enumerate(ops)}
     riders: dict[int, list[ValueKey]] = {}  # index in rp.collectives -> fetches riding
     for key, plan in plans.items():
-        for number, (collective, op_id) in enumerate(rp.collectives):
-            if collective.key.source == "bucket" and _fits(plan, collective, rp, key, positions[op_id], positions):
+        for number in buckets:
+            collective, op_id = rp.collectives[number]
+            if _fits(plan, collective, rp, key, positions[op_id], positions):
                 riders.setdefault(number, []).append(key)
                 break
-    ops = {op.id(): op for op in rp.program.global_block().ops}
     for number, keys in riders.items():
         collective, op_id = rp.collectives[number]
-        rp.collectives[number] = (_widen(state, rp, collective, ops[op_id], keys), op_id)
-
+        rp.collectives[number] = (_widen(state, rp, collective, ops[positions[op_id]], keys), op_id)
 
 def _fits(plan: ReshardPlan, bucket: Collective, rp: RankProgram, key: ValueKey, at: int, positions: dict[int, int]) -> bool:
     """Whether the fetch's reshard is the bucket's all_reduce (same group, reduction, dtype) and

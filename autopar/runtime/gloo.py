@@ -38,7 +38,7 @@ from autopar.collective_kinds import KINDS, emulated, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.rank_status import collective_timeout, waiting
-from autopar.runtime.jobs import ScopeCall
+from autopar.runtime.jobs import ScopeCall, collective_label
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
 
 
@@ -69,10 +69,6 @@ class GlooCommunicator:
             self._view = paddle.to_tensor(np.zeros((1,), "float32"))  # re-pointed at a scope tensor per collective
         self._world_group = pdist.collective._get_default_group().process_group
 
-    @staticmethod
-    def _label(job: Collective) -> str:
-        return f"{job.kind} over {list(job.group)} of {job.value}"
-
     def run_in_scope(self, call: ScopeCall) -> bool:
         """Perform ``call`` on this rank's scope tensors if it is a world all_reduce (sum, max,
         min) or broadcast; return whether it did (else use :meth:`run`). The input is copied
@@ -90,7 +86,7 @@ class GlooCommunicator:
         run = KINDS[job.kind].in_place(job) if sorted(job.group) == list(range(self.world)) else None
         if run is None:
             return False
-        with waiting(self._label(job), timeout=self.timeout):
+        with waiting(collective_label(job), timeout=self.timeout):
             call.target._copy_from(call.source, call.source._place())
             view = self._view
             view.get_tensor()._share_data_with(call.target)
@@ -98,7 +94,7 @@ class GlooCommunicator:
         return True
 
     def run(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
-        what = self._label(job)
+        what = collective_label(job)
         if point_to_point(job.kind):
             with waiting(what, timeout=self.timeout), dygraph():
                 return self._point_to_point(job, x)

@@ -46,3 +46,8 @@ class ScopeCall:
     collective: Collective
     source: Any
     target: Any
+
+
+def collective_label(job: Collective) -> str:
+    """How a wait on ``job`` is reported to the launcher: ``all_reduce over [0, 1] of %12.0``."""
+    return f"{job.kind} over {list(job.group)} of {job.value}"

@@ -46,17 +46,18 @@ from autopar.collective import Collective
 from autopar.collective_kinds import KINDS, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.rank_status import WATCHDOG_MARGIN, collective_timeout, waiting
-from autopar.runtime.jobs import ScopeCall
+from autopar.runtime.jobs import ScopeCall, collective_label
 
 T = TypeVar("T")
 
 ENV = "AUTOPAR_HOST_COMM"  # "gloo" forces the gloo communicator; "shm" requires this one
 SLOTS = 2
 MAX_DIMS = 8
-# header fields (int64): post, group code, group count, dtype code, ndim, generation, nbytes, dims...
-POST, GROUP, COUNT, DTYPE, NDIM, GEN, NBYTES, DIMS = range(8)
+# header fields (int64): post, group code, group count, dtype code, ndim, generation, dims...
+POST, GROUP, COUNT, DTYPE, NDIM, GEN, DIMS = range(7)
 HEADER = DIMS + MAX_DIMS
 DTYPES = [np.dtype(t) for t in ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "uint16")]
+_BY_NAME = {dtype.name: dtype for dtype in DTYPES if dtype.name != "uint16"}  # (Paddle's uint16 is bfloat16's storage)
 MIN_CAPACITY = 1 << 16
 SLEEP = 20e-6  # seconds between checks once a wait is not over at once (Linux rounds it up to ~60 us)
 
@@ -111,6 +112,7 @@ class NodeMemory:
         self.own: list[shared_memory.SharedMemory | None] = [None] * SLOTS
         self.generation = [0] * SLOTS
         self.attached: dict[tuple[int, int], tuple[int, shared_memory.SharedMemory]] = {}
+        self.closed = False
         atexit.register(self.close)
 
     def collect(self, group: Sequence[int], x: np.ndarray, use: Callable[[dict[int, np.ndarray]], T]) -> T:
@@ -137,7 +139,7 @@ class NodeMemory:
         segment = self._segment(slot, x.nbytes)
         if x.nbytes:
             np.ndarray(x.shape, dtype=x.dtype, buffer=segment.buf)[...] = x
-        fields = {GROUP: code, COUNT: count, DTYPE: DTYPES.index(x.dtype), NDIM: x.ndim, GEN: self.generation[slot], NBYTES: x.nbytes}
+        fields = {GROUP: code, COUNT: count, DTYPE: DTYPES.index(x.dtype), NDIM: x.ndim, GEN: self.generation[slot]}
         for field, value in fields.items():
             self.words[at + field] = value
         for i, dim in enumerate(x.shape):
@@ -156,11 +158,11 @@ class NodeMemory:
             own = self.own[slot] = shared_memory.SharedMemory(create=True, size=max(MIN_CAPACITY, 2 * nbytes), name=name)
         return own
 
-    def _wait_for_acks(self, post: int, readers: tuple[int, ...]) -> None:
+    def _wait_for_acks(self, post: int, readers: tuple[int, ...], timeout: float | None = None) -> None:
         if post <= 0 or not readers:
             return
         acks = [self._ack(self.rank, q) for q in readers]
-        self._spin(lambda: all(self.words[a] >= post for a in acks), f"ranks {list(readers)} to read message {post}")
+        self._spin(lambda: all(self.words[a] >= post for a in acks), f"ranks {list(readers)} to read message {post}", timeout)
 
     def _read(self, rank: int, code: int, count: int) -> tuple[np.ndarray, int]:
         """``rank``'s post of this collective, in place, and its post number."""
@@ -201,7 +203,7 @@ class NodeMemory:
             self.attached[(rank, slot)] = known = (generation, segment)
         return known[1]
 
-    def _spin(self, done: Callable[[], bool], what: str) -> None:
+    def _spin(self, done: Callable[[], bool], what: str, timeout: float | None = None) -> None:
         """Until ``done()``: 100 checks in a row, then a check per short sleep. Sleeping, not
         yielding: a rank that kept its core while waiting starved Paddle's own threads, whose
         frees lagged and grew the heap (+1-1.5 MB over 4000 steps of a small dp model; none
@@ -209,22 +211,21 @@ class NodeMemory:
         for _ in range(100):
             if done():
                 return
+        limit = self.timeout if timeout is None else timeout
         start = time.monotonic()
         while not done():
-            if time.monotonic() - start > self.timeout:
-                raise AutoparError(f"rank {self.rank}: waited {self.timeout:g} s for {what} in shared memory")
+            if time.monotonic() - start > limit:
+                raise AutoparError(f"rank {self.rank}: waited {limit:g} s for {what} in shared memory")
             time.sleep(SLEEP)
 
     def close(self) -> None:
-        """Wait (briefly) until the last posts are read, then remove this rank's segments."""
-        with contextlib.suppress(Exception):
-            for slot in range(SLOTS):
-                post = self.posts - ((self.posts - slot) % SLOTS)
-                deadline = time.monotonic() + 2.0
-                while self.readers[slot] and any(self.words[self._ack(self.rank, q)] < post for q in self.readers[slot]):
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(1e-3)
+        """Wait (briefly) until the last posts are read, then remove this rank's segments (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        for slot in range(SLOTS):
+            with contextlib.suppress(AutoparError):
+                self._wait_for_acks(self.posts - (self.posts - slot) % SLOTS, self.readers[slot], timeout=2.0)
         for segment in self.own:
             if segment is not None:
                 with contextlib.suppress(Exception):
@@ -299,12 +300,12 @@ class SharedMemoryCommunicator:
 
                 call.target.set(np.array(out), paddle.CPUPlace())  # (the source is a CPU tensor)
 
-        with waiting(f"{job.kind} over {list(job.group)} of {job.value}", timeout=self.timeout):
+        with waiting(collective_label(job), timeout=self.timeout):
             self.node.collect(job.group, source, finish)
         return True
 
     def run(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
-        with waiting(f"{job.kind} over {list(job.group)} of {job.value}", timeout=self.timeout):
+        with waiting(collective_label(job), timeout=self.timeout):
             if point_to_point(job.kind):
                 from autopar.runtime.p2p import send_or_recv
 
@@ -333,9 +334,9 @@ def tensor_view(tensor: Any) -> np.ndarray | None:
     if not tensor._is_initialized() or not tensor._place().is_cpu_place():
         return None
     name = str(tensor._dtype()).removeprefix("paddle.")
-    if name not in _NUMPY_DTYPES:
+    if name not in _BY_NAME:
         return None
-    dtype = np.dtype(name)
+    dtype = _BY_NAME[name]
     shape = tuple(tensor.shape())
     count = int(np.prod(shape, dtype=np.int64))
     if count == 0:
@@ -343,5 +344,3 @@ def tensor_view(tensor: Any) -> np.ndarray | None:
     buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(tensor._ptr())
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
 
-
-_NUMPY_DTYPES = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
