@@ -17,7 +17,7 @@ from autopar.dist_attr import DistAttr
 
 
 class CollectiveKind(str, enum.Enum):
-    """Kinds of step a reshard is made of; compares equal to its name (``kind == "all_reduce"``).
+    """Kinds of step a reshard is made of; compares equal to its name (``CollectiveKind.ALL_REDUCE == "all_reduce"``).
 
     ``SEND_RECV`` is the planner's point-to-point move between meshes; each rank program
     carries it as a ``SEND`` (sender) or a ``RECV`` (receiver). ``SLICE`` and ``MAKE_PARTIAL``
@@ -37,7 +37,10 @@ class CollectiveKind(str, enum.Enum):
 
     @property
     def is_local(self) -> bool:
-        return self in (CollectiveKind.SLICE, CollectiveKind.MAKE_PARTIAL)
+        """No data leaves the rank (its entry in autopar.collective_kinds says so)."""
+        from autopar.collective_kinds import local
+
+        return local(self)
 
     def __str__(self) -> str:
         return self.value

@@ -361,12 +361,27 @@ class Local(Kind):
     def coefficients(self, p, nbytes, algorithm="ring"):
         return 0.0, 0.0
 
+    def local_op(self, step: Any, x: Any, shape: tuple[int, ...], rank: int, group: tuple[int, ...]) -> Any:
+        """The op that makes ``rank``'s new piece from ``x`` (``x`` itself: nothing to do)."""
+        raise NotImplementedError
+
 
 class Slice(Local):
     kind = CollectiveKind.SLICE
 
     def local_time(self, nbytes, reduce, cluster):
         return nbytes, 2.0 * nbytes / cluster.device.memory_bandwidth  # read + write of the new piece
+
+    def local_op(self, step, x, shape, rank, group):
+        """This rank's new piece out of the piece it holds (bounds from the global split)."""
+        import paddle
+
+        old = step.src.local_slices(shape, rank)
+        new = step.dst.local_slices(shape, rank)
+        axes = [t for t in range(len(shape)) if old[t] != new[t]]
+        starts = [new[t].start - old[t].start for t in axes]
+        ends = [new[t].stop - old[t].start for t in axes]
+        return paddle._C_ops.slice(x, axes, starts, ends, [1] * len(axes), [])
 
 
 class MakePartial(Local):
@@ -376,6 +391,13 @@ class MakePartial(Local):
         if reduce in ("max", "min", "avg"):  # every rank keeps its copy
             return 0, 0.0
         return nbytes, nbytes / cluster.device.memory_bandwidth  # all copies but one zeroed
+
+    def local_op(self, step, x, shape, rank, group):
+        if step.reduce in ("max", "min", "avg") or rank == group[0]:  # sum: one copy, the others zero
+            return x
+        import paddle
+
+        return paddle._C_ops.scale(x, 0.0, 0.0, True)
 
 
 KINDS: dict[CollectiveKind, Kind] = {cls.kind: cls() for cls in (
@@ -413,6 +435,11 @@ def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:
 
 def point_to_point(kind: str | CollectiveKind) -> bool:
     return isinstance(KINDS[CollectiveKind(kind)], PointToPoint)
+
+
+def local(kind: str | CollectiveKind) -> bool:
+    """Whether ``kind`` moves no data off the rank (slice, make_partial)."""
+    return isinstance(KINDS[CollectiveKind(kind)], Local)
 
 
 def priced_kinds() -> Sequence[str]:

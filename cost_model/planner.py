@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.collective import CollectiveKind
-from autopar.collective_kinds import kind_of
+from autopar.collective_kinds import kind_of, point_to_point
 from autopar.cost_model import comm
 from autopar.cost_model.cluster import Cluster, default_cluster, dtype_bytes
 from autopar.dist_attr import DistAttr
@@ -82,7 +82,7 @@ class ReshardStep:
 
     def group_of(self, rank: int) -> tuple[int, ...] | None:
         """The group ``rank`` takes part in (None: the step does not involve it)."""
-        if self.kind is CollectiveKind.SEND_RECV:
+        if point_to_point(self.kind):
             return next((g for g in self.groups if rank in g), None)
         if not self.groups:
             return None
@@ -116,7 +116,7 @@ class ReshardPlan:
 
     @property
     def bytes(self) -> int:
-        return sum(step.bytes for step in self.steps if step.kind not in ("slice", "make_partial"))
+        return sum(step.bytes for step in self.steps if not step.kind.is_local)
 
     def kinds(self) -> list[str]:
         return [step.kind for step in self.steps]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import KINDS
+from autopar.collective_kinds import KINDS, Local, PointToPoint
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
@@ -108,17 +108,16 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
     group = step.group_of(rank)
     if group is None:
         return x
-    if step.kind is CollectiveKind.SEND_RECV:
+    entry = KINDS[step.kind]
+    if isinstance(entry, PointToPoint):
         return _point_to_point(state, rp, step, x, value, reason, key, group)
     local = step.dst.local_shape(value.shape, rank)
-    if step.kind is CollectiveKind.SLICE:
-        out = _slice(x, step, value.shape, rank)
-    elif step.kind is CollectiveKind.MAKE_PARTIAL:
-        if step.reduce in ("max", "min", "avg") or rank == group[0]:  # sum: one copy, the others zero
+    if isinstance(entry, Local):
+        out = entry.local_op(step, x, tuple(value.shape), rank, group)
+        if out is x:
             return x
-        out = paddle._C_ops.scale(x, 0.0, 0.0, True)
     else:
-        axis, split_axis = KINDS[step.kind].axes(step.tensor_dims)
+        axis, split_axis = entry.axes(step.tensor_dims)
         collective = Collective(
             kind=step.kind, group=group, key=key, value=value.label, src=step.src, dst=step.dst,
             shape=tuple(value.shape), output_shape=tuple(local), bytes=step.bytes, time=step.time, reason=reason,
@@ -162,18 +161,6 @@ def _point_to_point(
 def collective_op(collective: Collective, x: Any, ring: int) -> Any:
     """The Paddle op carrying ``collective`` in the host form of a rank program."""
     return KINDS[collective.kind].host_op(collective, x, ring)
-
-
-def _slice(x: Any, step: Any, shape: tuple[int, ...], rank: int) -> Any:
-    """This rank's new piece out of the piece it holds (bounds from the global split)."""
-    import paddle
-
-    old = step.src.local_slices(shape, rank)
-    new = step.dst.local_slices(shape, rank)
-    axes = [t for t in range(len(shape)) if old[t] != new[t]]
-    starts = [new[t].start - old[t].start for t in axes]
-    ends = [new[t].stop - old[t].start for t in axes]
-    return paddle._C_ops.slice(x, axes, starts, ends, [1] * len(axes), [])
 
 
 def replace_uses(source: Any, new: Any, inserted: set[int] = frozenset()) -> None:
