@@ -8,8 +8,9 @@ gets. ``infer_forward`` goes inputs -> outputs; ``infer_backward`` goes known ou
 Most ops are described by an equation over dim letters, e.g. matmul ``mk,kn->mn``: a letter's
 split is merged from every input that has an opinion; letters missing from an output make the
 output *partial* over their mesh dims (a pending sum, or max for max-reductions). The digit
-``1`` marks a broadcast dim of size one, which is never split. Hand-written rules exist only
-for irregular ops (reshape, conv, cross-entropy, ...).
+``1`` marks a broadcast dim of size one, which is never split. Families are registered as
+data (:mod:`autopar.spmd.equations`); hand-written rules exist only for irregular ops
+(reshape, cross-entropy, ...).
 
 Partial inputs: an op that is linear in its inputs may consume them partial and keep the
 result partial (``linearity="multi"``: matmul, multiply — at most one partial operand per mesh
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.dist_attr import DistAttr
@@ -362,71 +363,3 @@ def replicated_result(ctx: RuleContext, inputs: Sequence[TensorSpec], outputs: S
         tuple(DistAttr.replicated(ctx.mesh, s.ndim) for s in inputs),
         tuple(DistAttr.replicated(ctx.mesh, n) for n in out_ndims),
     )
-
-
-@dataclass
-class EinsumRule(SpmdRule):
-    """A rule fully described by an equation built from the operand shapes and attrs (a family
-    is one registration, not a class). ``tensors``: which operands the equation describes —
-    0 all, ``k > 0`` the first k, ``k < 0`` all but the last ``-k``; the others (an axis, a
-    shape, scalars) are required whole."""
-
-    equation: Callable[[Sequence[TensorSpec], Mapping[str, Any]], str]
-    linearity: str | None = None
-    reduce_kind: str = "sum"
-    op_names: tuple[str, ...] = field(default=())
-    tensors: int = 0
-    alike_from: int = 1  # "alike": how many operands must be pending for the whole ones to follow
-
-    def _count(self, inputs: Sequence[Any]) -> int:
-        return len(inputs) if self.tensors == 0 else self.tensors if self.tensors > 0 else len(inputs) + self.tensors
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        n = self._count(inputs)
-        linearity = "additive" if self.linearity == "alike" else self.linearity
-        result = einsum_forward(self.equation(inputs, attrs), inputs[:n], ctx, linearity=linearity, reduce_kind=self.reduce_kind)
-        if self.linearity == "alike":
-            result = pending_alike(result, inputs, range(n), self.alike_from)
-        return _rest_whole(result, inputs, n, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        n = self._count(inputs)
-        return _rest_whole(einsum_backward(self.equation(inputs, attrs), inputs[:n], outputs, ctx), inputs, n, ctx)
-
-
-def pending_alike(
-    result: RuleResult, specs: Sequence[TensorSpec | None], positions: Sequence[int], at_least: int = 1
-) -> RuleResult:
-    """An additive op's operands at ``positions``: where at least ``at_least`` are pending sums
-    (or averages) over a mesh dim no letter splits and the others are whole there, require all
-    of them pending alike (the whole ones made partial locally) and leave the output pending."""
-    required, outputs = list(result.inputs), list(result.outputs)
-    known = [i for i in positions if specs[i] is not None and specs[i].dist is not None and required[i] is not None]
-    if not known:
-        return result
-    split = {d for i in known for d in required[i].sharded_mesh_dims()}
-    kinds: dict[int, set[str]] = {}
-    holders: dict[int, int] = {}
-    for i in known:
-        for d, kind in specs[i].dist.partial:
-            kinds.setdefault(d, set()).add(kind)
-            holders[d] = holders.get(d, 0) + 1
-    add = {
-        d: next(iter(k)) for d, k in kinds.items()
-        if d not in split and len(k) == 1 and next(iter(k)) in LINEAR_KINDS and holders[d] >= at_least
-    }  # fmt: skip
-    if not add:
-        return result
-    for i in positions:  # every operand, also those with no placement yet: all pending alike
-        if required[i] is not None:
-            required[i] = required[i].with_partial({**required[i].partial_dims, **add})
-    outputs = [None if o is None else o.with_partial({**o.partial_dims, **add}) for o in outputs]
-    return RuleResult(tuple(required), tuple(outputs), result.conflicts)
-
-
-def _rest_whole(result: RuleResult, inputs: Sequence[TensorSpec | None], n: int, ctx: RuleContext) -> RuleResult:
-    """``result`` for the first ``n`` operands, the rest required whole (or None when absent)."""
-    if n == len(inputs):
-        return result
-    rest = tuple(None if s is None else DistAttr.replicated(ctx.mesh, s.ndim) for s in inputs[n:])
-    return RuleResult(tuple(result.inputs) + rest, result.outputs, result.conflicts)

@@ -23,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.spmd.base import (
-    EinsumRule,
     RuleContext,
     RuleResult,
     SpmdRule,
     TensorSpec,
     einsum_grad,
 )
+from autopar.spmd.equations import EinsumRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import axes_attr, axis_attr, letters, spread
 from autopar.spmd.registry import register, register_rule

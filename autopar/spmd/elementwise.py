@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.spmd.base import (
-    EinsumRule,
     RuleContext,
     RuleResult,
     SpmdRule,
@@ -20,6 +19,7 @@ from autopar.spmd.base import (
     einsum_forward,
     einsum_grad,
 )
+from autopar.spmd.equations import EinsumRule
 from autopar.spmd.letters import broadcast_letters, equation
 from autopar.spmd.operands import keep_pending, letters, spread
 from autopar.spmd.registry import register_rule

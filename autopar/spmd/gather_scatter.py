@@ -39,8 +39,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import EinsumRule, TensorSpec
-from autopar.spmd.indexing import EquationGradRule
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import LETTERS, axis_attr
 from autopar.spmd.registry import register_rule

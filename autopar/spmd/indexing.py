@@ -1,5 +1,5 @@
 """Ops that work along one axis: cumsum, flip, roll, index_select / gather, one_hot, and their
-grads (stage: propagate). Each is one equation (:class:`~autopar.spmd.base.EinsumRule`): the
+grads (stage: propagate). Each is one equation (:class:`~autopar.spmd.equations.EinsumRule`): the
 axis they work along is whole (a piece of it cannot be scanned, reversed, rolled or indexed
 alone), every other dim keeps its split. cumsum, flip, roll and the selections are linear in
 their tensor, so a pending sum passes through.
@@ -12,13 +12,13 @@ their tensor, so a pending sum passes through.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
-from autopar.spmd.operands import axes_attr, keep_pending, letters, spread
+from autopar.spmd.operands import axes_attr, letters
 from autopar.spmd.registry import register_rule
 
 
@@ -42,28 +42,6 @@ def _roll(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """roll with no axis rolls the flattened tensor: every dim whole."""
     names = _along(inputs[0].ndim, attrs, everything=not _axes(attrs, inputs[0].ndim))
     return f"{names}->{names}"
-
-
-@dataclass
-class EquationGradRule(SpmdRule):
-    """The grad op of an equation-described op: ``letters(inputs, attrs)`` gives each tensor
-    operand's letters (the incoming gradient at ``grad``); the gradients take the letters of
-    the operands at ``results`` (the first by default). Only the incoming gradient's pending
-    sum passes through; operands read for their shape only (``shape_only``; None: all but the
-    incoming gradient) keep theirs (no reduction for a shape), the others are made complete."""
-
-    letters: Callable[[Sequence[TensorSpec], Mapping[str, Any]], list[str]]
-    grad: int
-    tensors: int
-    results: tuple[int, ...] = (0,)
-    shape_only: tuple[int, ...] | None = None
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        names = self.letters(inputs, attrs)
-        grads = [names[i] for i in self.results]
-        result = einsum_grad(equation(names, grads), inputs[: self.tensors], ctx, grad_operands=[self.grad])
-        shape_only = self.shape_only if self.shape_only is not None else [i for i in range(self.tensors) if i != self.grad]
-        return spread(keep_pending(result, inputs, shape_only), range(self.tensors), inputs, ctx)
 
 
 def _scan_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:

@@ -23,7 +23,6 @@ from typing import Any
 
 from autopar.dist_attr import DistAttr
 from autopar.spmd.base import (
-    EinsumRule,
     RuleContext,
     RuleResult,
     SpmdRule,
@@ -33,6 +32,7 @@ from autopar.spmd.base import (
     einsum_grad,
 )  # fmt: skip
 from autopar.spmd.elementwise import UnaryRule, broadcast_equation
+from autopar.spmd.equations import EinsumRule
 from autopar.spmd.letters import broadcast_letters, equation
 from autopar.spmd.operands import keep_pending, letters, replicated, spread
 from autopar.spmd.registry import register, register_rule

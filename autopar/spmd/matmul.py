@@ -1,4 +1,5 @@
-"""matmul and matmul_grad: ``...mk,...kn->...mn`` with transpose flags and batch broadcasting.
+"""matmul and matmul_grad: ``...mk,...kn->...mn`` with transpose flags and batch broadcasting
+(stage: propagate).
 
 Splitting ``k`` (the contracted dim) leaves the output partial: row-parallel linear.
 """
@@ -8,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_grad
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.registry import register_rule
 
 
 def matmul_letters(x_shape: Sequence[int], y_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -31,10 +33,9 @@ def _matmul_equation(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> s
 register_rule(EinsumRule(_matmul_equation, linearity="multi"), "matmul")
 
 
-@register("matmul_grad")
-class MatmulGradRule(SpmdRule):
+def _matmul_grad_letters(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, y, out_grad) -> (x_grad, y_grad)``: x_grad = out_grad·yᵀ, y_grad = xᵀ·out_grad."""
+    return list(matmul_letters(specs[0].shape, specs[1].shape, attrs))
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, y, out = matmul_letters(inputs[0].shape, inputs[1].shape, attrs)
-        return einsum_grad(equation([x, y, out], [x, y]), inputs, ctx, grad_operands=[2])
+
+register_rule(EquationGradRule(_matmul_grad_letters, grad=2, results=(0, 1), shape_only=()), "matmul_grad")

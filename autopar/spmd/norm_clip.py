@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.spmd.base import (
-    EinsumRule,
     RuleContext,
     RuleResult,
     SpmdRule,
@@ -47,6 +46,7 @@ from autopar.spmd.base import (
     einsum_forward,
     einsum_grad,
 )
+from autopar.spmd.equations import EinsumRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import keep_pending, letters, spread
 from autopar.spmd.registry import register, register_rule

@@ -24,8 +24,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import EinsumRule, RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_backward, einsum_forward
-from autopar.spmd.indexing import EquationGradRule
+from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_backward, einsum_forward
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import axis_attr, letters, spread
 from autopar.spmd.registry import register, register_rule
