@@ -28,41 +28,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import (
-    RuleContext,
-    RuleResult,
-    SpmdRule,
-    TensorSpec,
-    einsum_backward,
-    einsum_forward,
-    einsum_grad,
-)
+from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_backward, einsum_forward
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.operands import axis_attr, letters
 from autopar.spmd.registry import register, register_rule
 
 
-class SoftmaxRule(SpmdRule):
+def _softmax(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``x -> out``: ``abv -> abv``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        return einsum_forward(f"{names}->{names}", inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        return einsum_backward(f"{names}->{names}", inputs, outputs, ctx)
+    names = letters(inputs[0].ndim)
+    return f"{names}->{names}"
 
 
-class SoftmaxGradRule(SpmdRule):
+def _softmax_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(out, out_grad) -> x_grad``: ``abv,abv -> abv``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        return einsum_grad(f"{names},{names}->{names}", inputs, ctx, grad_operands=[1])
+    return [letters(inputs[0].ndim)] * 2
 
 
-register_rule(SoftmaxRule(), "softmax", "log_softmax")
-register_rule(SoftmaxGradRule(), "softmax_grad", "log_softmax_grad")
+register_rule(EinsumRule(_softmax), "softmax", "log_softmax")
+register_rule(EquationGradRule(_softmax_grad_letters, grad=1, shape_only=()), "softmax_grad", "log_softmax_grad")
 
 
 def class_parallel(attrs: Mapping[str, Any]) -> bool:
@@ -88,7 +72,8 @@ def cross_entropy_letters(logits_ndim: int, label_ndim: int, attrs: Mapping[str,
 
 @register("cross_entropy_with_softmax")
 class CrossEntropyWithSoftmaxRule(SpmdRule):
-    """``(logits, label) -> (softmax, loss)``: ``abv,ab1 -> abv,ab1``, the loss whole over v's mesh dims."""
+    """``(logits, label) -> (softmax, loss)``: ``abv,ab1 -> abv,ab1``, the loss whole over v's mesh dims.
+    Not data: the vocabulary-parallel rewrite leaves the loss whole, which no equation states."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         x, label, loss = cross_entropy_letters(inputs[0].ndim, inputs[1].ndim, attrs)
@@ -108,10 +93,10 @@ def _loss_whole(result: RuleResult, attrs: Mapping[str, Any]) -> RuleResult:
     return RuleResult(result.inputs, (softmax, loss.with_partial(kept)), result.conflicts)
 
 
-@register("cross_entropy_with_softmax_grad")
-class CrossEntropyWithSoftmaxGradRule(SpmdRule):
+def _cross_entropy_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(label, softmax, loss_grad) -> logits_grad``: ``ab1,abv,ab1 -> abv``."""
+    x, label, loss = cross_entropy_letters(inputs[1].ndim, inputs[0].ndim, attrs)
+    return [label, x, loss]
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, label, loss = cross_entropy_letters(inputs[1].ndim, inputs[0].ndim, attrs)
-        return einsum_grad(f"{label},{x},{loss}->{x}", inputs, ctx, grad_operands=[2])
+
+register_rule(EquationGradRule(_cross_entropy_grad_letters, grad=2, results=(1,), shape_only=()), "cross_entropy_with_softmax_grad")
