@@ -16,12 +16,15 @@ through), max pooling is not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import SpmdRule, einsum_backward, einsum_forward, einsum_grad
-from autopar.spmd.operands import spread
-from autopar.spmd.registry import register
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.letters import equation
+from autopar.spmd.registry import register_rule
+
+Specs = Sequence[TensorSpec]
 
 
 def _layout(attrs: Mapping[str, Any], batch: str, channel: str) -> str:
@@ -36,55 +39,35 @@ def conv_letters(attrs: Mapping[str, Any]) -> tuple[str, str, str]:
     return _layout(attrs, "n", "1"), "1111", _layout(attrs, "n", "1")
 
 
-@register("conv2d")
-class Conv2dRule(SpmdRule):
-    """``(input, filter) -> out``: ``nc11,oc11 -> no11`` (see the module docstring)."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        x, w, out = conv_letters(attrs)
-        return einsum_forward(f"{x},{w}->{out}", inputs, ctx, linearity="multi")
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        x, w, out = conv_letters(attrs)
-        return einsum_backward(f"{x},{w}->{out}", inputs, outputs, ctx)
+def _conv(inputs: Specs, attrs: Mapping[str, Any]) -> str:
+    """``(input, filter) -> out``: ``nc11,oc11 -> no11``."""
+    x, w, out = conv_letters(attrs)
+    return equation([x, w], [out])
 
 
-@register("conv2d_grad")
-class Conv2dGradRule(SpmdRule):
-    """``(input, filter, out_grad) -> (input_grad, filter_grad)``.
-
-    input_grad = out_grad ⊛ filter (partial over o's mesh dims), filter_grad = input ⊛ out_grad
-    (partial over n's mesh dims: data parallelism's pending gradient sum).
-    """
-
-    def infer_forward(self, inputs, attrs, ctx):
-        x, w, out = conv_letters(attrs)
-        return einsum_grad(f"{x},{w},{out}->{x},{w}", inputs, ctx, grad_operands=[2])
+def _conv_grad_letters(inputs: Specs, attrs: Mapping[str, Any]) -> list[str]:
+    """``(input, filter, out_grad) -> (input_grad, filter_grad)``: input_grad = out_grad ⊛ filter
+    (partial over o's mesh dims), filter_grad = input ⊛ out_grad (partial over n's mesh dims:
+    data parallelism's pending gradient sum)."""
+    return list(conv_letters(attrs))
 
 
-def _pool_letters(attrs: Mapping[str, Any]) -> str:
-    return _layout(attrs, "n", "c")
+def _pool(inputs: Specs, attrs: Mapping[str, Any]) -> str:
+    """``(x, kernel_size) -> out``: ``nc11 -> nc11``."""
+    names = _layout(attrs, "n", "c")
+    return f"{names}->{names}"
 
 
-@register("pool2d")
-class Pool2dRule(SpmdRule):
-    """``(x, kernel_size) -> out``: ``nc11 -> nc11``; avg pooling keeps partials."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names = _pool_letters(attrs)
-        linear = "multi" if attrs.get("pooling_type", "max") == "avg" else None
-        return spread(einsum_forward(f"{names}->{names}", inputs[:1], ctx, linearity=linear), [0], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = _pool_letters(attrs)
-        return spread(einsum_backward(f"{names}->{names}", inputs[:1], outputs, ctx), [0], inputs, ctx)
+def _pool_linearity(inputs: Specs, attrs: Mapping[str, Any]) -> str | None:
+    return "multi" if attrs.get("pooling_type", "max") == "avg" else None
 
 
-@register("pool2d_grad")
-class Pool2dGradRule(SpmdRule):
+def _pool_grad_letters(inputs: Specs, attrs: Mapping[str, Any]) -> list[str]:
     """``(x, out, out_grad, kernel_size) -> x_grad``: ``nc11,nc11,nc11 -> nc11``."""
+    return [_layout(attrs, "n", "c")] * 3
 
-    def infer_forward(self, inputs, attrs, ctx):
-        names = _pool_letters(attrs)
-        result = einsum_grad(f"{names},{names},{names}->{names}", inputs[:3], ctx, grad_operands=[2])
-        return spread(result, [0, 1, 2], inputs, ctx)
+
+register_rule(EinsumRule(_conv, linearity="multi"), "conv2d")
+register_rule(EquationGradRule(_conv_grad_letters, grad=2, results=(0, 1), shape_only=()), "conv2d_grad")
+register_rule(EinsumRule(_pool, linearity=_pool_linearity, tensors=1), "pool2d")
+register_rule(EquationGradRule(_pool_grad_letters, grad=2, tensors=3, shape_only=()), "pool2d_grad")

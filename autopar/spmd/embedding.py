@@ -16,9 +16,14 @@ dims (each rank saw only its ids) and linear in out_grad.
 
 from __future__ import annotations
 
-from autopar.spmd.base import SpmdRule, einsum_backward, einsum_forward, einsum_grad
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.letters import equation
 from autopar.spmd.operands import letters
-from autopar.spmd.registry import register
+from autopar.spmd.registry import register_rule
 
 
 def embedding_letters(ids_ndim: int) -> tuple[str, str, str]:
@@ -28,23 +33,16 @@ def embedding_letters(ids_ndim: int) -> tuple[str, str, str]:
     return ids, vocab + hidden, ids + hidden
 
 
-@register("embedding")
-class EmbeddingRule(SpmdRule):
+def _embedding(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``(ids, weight) -> out``: ``ab,vh -> abh``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        ids, weight, out = embedding_letters(inputs[0].ndim)
-        return einsum_forward(f"{ids},{weight}->{out}", inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        ids, weight, out = embedding_letters(inputs[0].ndim)
-        return einsum_backward(f"{ids},{weight}->{out}", inputs, outputs, ctx)
+    ids, weight, out = embedding_letters(inputs[0].ndim)
+    return equation([ids, weight], [out])
 
 
-@register("embedding_grad")
-class EmbeddingGradRule(SpmdRule):
+def _embedding_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(ids, weight, out_grad) -> weight_grad``: ``ab,vh,abh -> vh``."""
+    return list(embedding_letters(inputs[0].ndim))
 
-    def infer_forward(self, inputs, attrs, ctx):
-        ids, weight, out = embedding_letters(inputs[0].ndim)
-        return einsum_grad(f"{ids},{weight},{out}->{weight}", inputs, ctx, grad_operands=[2])
+
+register_rule(EinsumRule(_embedding), "embedding")
+register_rule(EquationGradRule(_embedding_grad_letters, grad=2, results=(1,), shape_only=()), "embedding_grad")
