@@ -7,7 +7,7 @@ and mean, a pending max / min for max / min. sum and mean are linear, so a parti
 partial (its pending sum commutes with the reduction) instead of being reduced first.
 
 mean over a split dim is the one kernel whose local result is not the right piece: each rank
-divides by its own element count. :meth:`MeanRule.local_scale` gives the factor
+divides by its own element count. :func:`mean_scale` gives the factor
 ``n_local / n_global`` the partition pass multiplies in, which also makes uneven splits exact.
 mean_grad divides by the local count in the same way and gets the same factor.
 
@@ -24,16 +24,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import (
-    RuleContext,
-    RuleResult,
-    SpmdRule,
-    TensorSpec,
-    einsum_backward,
-    einsum_forward,
-    einsum_grad,
-)
-from autopar.spmd.operands import keep_pending, letters, spread
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.operands import letters
 from autopar.spmd.registry import register_rule
 
 
@@ -67,59 +60,33 @@ def mean_scale(x: TensorSpec | None, attrs: Mapping[str, Any], rank: int) -> flo
     return math.prod(local[a] for a in axes) / total
 
 
-class ReductionRule(SpmdRule):
-    """``(x, axis) -> out``: ``abc -> ac``; split reduced dims make ``out`` partial (``kind``)."""
-
-    def __init__(self, kind: str, linear: bool) -> None:
-        self.kind = kind
-        self.linearity = "multi" if linear else None
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, out = reduction_letters(inputs[0].ndim, attrs)
-        result = einsum_forward(f"{x}->{out}", inputs[:1], ctx, linearity=self.linearity, reduce_kind=self.kind)
-        return spread(result, [0], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        x, out = reduction_letters(inputs[0].ndim, attrs)
-        return spread(einsum_backward(f"{x}->{out}", inputs[:1], outputs[:1], ctx), [0], inputs, ctx)
+def _reduction(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """``(x, axis) -> out``: ``abc -> ac``; split reduced dims make ``out`` partial."""
+    x, out = reduction_letters(inputs[0].ndim, attrs)
+    return f"{x}->{out}"
 
 
-class MeanRule(ReductionRule):
-    """sum's rule plus the ``n_local / n_global`` correction of the local mean."""
-
-    def local_scale(self, inputs, attrs, rank):
-        return mean_scale(inputs[0], attrs, rank)
+def _shape_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    """sum / mean grads ``(x, out_grad, axis) -> x_grad``: ``abc,ac -> abc``."""
+    return list(reduction_letters(inputs[0].ndim, attrs))
 
 
-class ReductionGradRule(SpmdRule):
-    """``(x, [out,] out_grad, axis) -> x_grad``: ``abc,ac -> abc`` (``tensors`` operands are tensors)."""
-
-    def __init__(self, tensors: int) -> None:
-        self.tensors = tensors
-        self.x_shape_only = tensors == 2  # sum / mean grads read x for its shape only
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, out = reduction_letters(inputs[0].ndim, attrs)
-        if not self.x_shape_only:
-            # max_grad shares a row's gradient among its tied maxima: it must see the whole row
-            axes = reduced_axes(inputs[0].ndim, attrs)
-            x = "".join("1" if i in axes else c for i, c in enumerate(x))
-        operands = [x] + [out] * (self.tensors - 1)
-        result = einsum_grad(",".join(operands) + f"->{x}", inputs[: self.tensors], ctx, grad_operands=[self.tensors - 1])
-        if self.x_shape_only:
-            result = keep_pending(result, inputs, [0])
-        return spread(result, list(range(self.tensors)), inputs, ctx)
+def _tie_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    """max / min grads ``(x, out, out_grad, axis) -> x_grad``: ``a1c,ac,ac -> a1c``; a row's
+    gradient is shared among its tied maxima, so the kernel must see the whole row."""
+    x, out = reduction_letters(inputs[0].ndim, attrs)
+    axes = reduced_axes(inputs[0].ndim, attrs)
+    return ["".join("1" if i in axes else c for i, c in enumerate(x)), out, out]
 
 
-class MeanGradRule(ReductionGradRule):
-    def local_scale(self, inputs, attrs, rank):
-        return mean_scale(inputs[0], attrs, rank)
+def _mean_scale(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any], rank: int) -> float:
+    return mean_scale(inputs[0], attrs, rank)
 
 
-register_rule(ReductionRule("sum", linear=True), "sum")
-register_rule(MeanRule("sum", linear=True), "mean")
-register_rule(ReductionRule("max", linear=False), "max")
-register_rule(ReductionRule("min", linear=False), "min")
-register_rule(ReductionGradRule(tensors=2), "sum_grad")
-register_rule(MeanGradRule(tensors=2), "mean_grad")
-register_rule(ReductionGradRule(tensors=3), "max_grad", "min_grad")
+register_rule(EinsumRule(_reduction, linearity="multi", tensors=1), "sum")
+register_rule(EinsumRule(_reduction, linearity="multi", tensors=1, scale=_mean_scale), "mean")
+register_rule(EinsumRule(_reduction, reduce_kind="max", tensors=1), "max")
+register_rule(EinsumRule(_reduction, reduce_kind="min", tensors=1), "min")
+register_rule(EquationGradRule(_shape_grad_letters, grad=1, tensors=2, shape_only=(0,)), "sum_grad")
+register_rule(EquationGradRule(_shape_grad_letters, grad=1, tensors=2, shape_only=(0,), scale=_mean_scale), "mean_grad")
+register_rule(EquationGradRule(_tie_grad_letters, grad=2, tensors=3, shape_only=()), "max_grad", "min_grad")
