@@ -16,34 +16,38 @@ dropout_grad multiplies out_grad by the mask: elementwise, linear in out_grad.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from autopar.errors import AutoparError
-from autopar.spmd.base import SpmdRule, einsum_backward, einsum_forward, einsum_grad
-from autopar.spmd.operands import letters, spread
-from autopar.spmd.registry import register
+from autopar.spmd.base import RuleContext, RuleResult, TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.operands import letters
+from autopar.spmd.registry import register_rule
 
 
-@register("dropout")
-class DropoutRule(SpmdRule):
-    """``(x, seed_tensor, p) -> (out, mask)``."""
+def _dropout(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """``(x, seed_tensor, p) -> (out, mask)``: ``abcd -> abcd,abcd``."""
+    names = letters(inputs[0].ndim)
+    return f"{names}->{names},{names}"
 
-    def infer_forward(self, inputs, attrs, ctx):
+
+def _dropout_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    """``(mask, out_grad, p) -> x_grad``: ``abcd,abcd -> abcd``."""
+    return [letters(inputs[0].ndim)] * 2
+
+
+class DropoutRule(EinsumRule):
+    """dropout's equation; a class only to refuse a training dropout without a fixed seed."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         if not attrs.get("is_test", False) and not attrs.get("fix_seed", False) and inputs[1] is None:
             raise AutoparError(
                 f"{ctx.op_name or 'dropout'} draws its mask without a fixed seed, so ranks would drop different "
                 "elements than the serial run: set main_program.random_seed (or pass a seed) before building it"
             )
-        names = letters(inputs[0].ndim)
-        return spread(einsum_forward(f"{names}->{names},{names}", inputs[:1], ctx), [0], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        return spread(einsum_backward(f"{names}->{names},{names}", inputs[:1], outputs, ctx), [0], inputs, ctx)
+        return super().infer_forward(inputs, attrs, ctx)
 
 
-@register("dropout_grad")
-class DropoutGradRule(SpmdRule):
-    """``(mask, out_grad, p) -> x_grad``: ``abcd,abcd -> abcd``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        return spread(einsum_grad(f"{names},{names}->{names}", inputs[:2], ctx, grad_operands=[1]), [0, 1], inputs, ctx)
+register_rule(DropoutRule(_dropout, tensors=1), "dropout")
+register_rule(EquationGradRule(_dropout_grad_letters, grad=1, tensors=2, shape_only=()), "dropout_grad")

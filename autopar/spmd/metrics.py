@@ -16,39 +16,35 @@ The top-k dim stays whole (a row is correct when any of its k indices hits the l
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from autopar.dist_attr import DistAttr
-from autopar.spmd.base import RuleResult, SpmdRule, einsum_backward, einsum_forward, einsum_grad, merge_letters
-from autopar.spmd.operands import axis_whole_letters, spread
-from autopar.spmd.registry import register
+from autopar.spmd.base import RuleResult, SpmdRule, TensorSpec, merge_letters
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.operands import axis_whole_letters
+from autopar.spmd.registry import register, register_rule
 
 
-@register("topk")
-class TopkRule(SpmdRule):
+def _topk(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``(x, k) -> (out, indices)``: ``a1 -> a1,a1``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names = axis_whole_letters(inputs[0].ndim, attrs)
-        return spread(einsum_forward(f"{names}->{names},{names}", inputs[:1], ctx), [0], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = axis_whole_letters(inputs[0].ndim, attrs)
-        return spread(einsum_backward(f"{names}->{names},{names}", inputs[:1], outputs, ctx), [0], inputs, ctx)
+    names = axis_whole_letters(inputs[0].ndim, attrs)
+    return f"{names}->{names},{names}"
 
 
-@register("topk_grad")
-class TopkGradRule(SpmdRule):
+def _topk_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, indices, out_grad, k) -> x_grad``: ``a1,a1,a1 -> a1``; out_grad partials pass."""
+    return [axis_whole_letters(inputs[0].ndim, attrs)] * 3
 
-    def infer_forward(self, inputs, attrs, ctx):
-        names = axis_whole_letters(inputs[0].ndim, attrs)
-        result = einsum_grad(f"{names},{names},{names}->{names}", inputs[:3], ctx, grad_operands=[2])
-        return spread(result, [0, 1, 2], inputs, ctx)
+
+register_rule(EinsumRule(_topk, tensors=1), "topk")
+register_rule(EquationGradRule(_topk_grad_letters, grad=2, tensors=3, shape_only=()), "topk_grad")
 
 
 @register("accuracy")
 class AccuracyRule(SpmdRule):
-    """``(x, indices, label) -> (accuracy, correct, total)``: ``n1,n1,n1 -> ,,`` (even batch splits)."""
+    """``(x, indices, label) -> (accuracy, correct, total)``: ``n1,n1,n1 -> ,,`` (even batch splits).
+    Not data: an uneven batch split is dropped, and accuracy is P(avg) beside P(sum) counts."""
 
     def infer_forward(self, inputs, attrs, ctx):
         mesh = ctx.mesh
