@@ -14,20 +14,13 @@ bias (``weight_attr=False``) are ``None`` operands and give ``None`` gradients.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
-from autopar.spmd.base import (
-    RuleContext,
-    RuleResult,
-    SpmdRule,
-    TensorSpec,
-    einsum_backward,
-    einsum_forward,
-    einsum_grad,
-)
-from autopar.spmd.operands import letters, spread
-from autopar.spmd.registry import register
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.letters import equation
+from autopar.spmd.operands import letters
+from autopar.spmd.registry import register_rule
 
 
 def _x_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
@@ -36,39 +29,19 @@ def _x_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
     return letters(ndim, whole=range(begin, ndim)), letters(begin)
 
 
-def _present(specs: Sequence[TensorSpec | None], names: Sequence[str]) -> tuple[list[int], list[str]]:
-    kept = [i for i, s in enumerate(specs) if s is not None]
-    return kept, [names[i] for i in kept]
+def _layer_norm(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> str:
+    """``(x, scale, bias) -> (out, mean, variance)``: ``ab1,1,1 -> ab1,ab,ab`` (absent scale /
+    bias left out)."""
+    x, lead = _x_letters(inputs[0].ndim, attrs)
+    present = [names for names, spec in zip((x, "1", "1"), inputs) if spec is not None]
+    return equation(present, [x, lead, lead])
 
 
-@register("layer_norm")
-class LayerNormRule(SpmdRule):
-    """``(x, scale, bias) -> (out, mean, variance)``: ``ab1,1,1 -> ab1,ab,ab``."""
-
-    def _equation(self, inputs, attrs) -> tuple[list[int], str]:
-        x, lead = _x_letters(inputs[0].ndim, attrs)
-        kept, names = _present(inputs, [x, "1", "1"])
-        return kept, ",".join(names) + f"->{x},{lead},{lead}"
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        kept, eq = self._equation(inputs, attrs)
-        return spread(einsum_forward(eq, [inputs[i] for i in kept], ctx), kept, inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        kept, eq = self._equation(inputs, attrs)
-        return spread(einsum_backward(eq, [inputs[i] for i in kept], outputs, ctx), kept, inputs, ctx)
-
-
-@register("layer_norm_grad")
-class LayerNormGradRule(SpmdRule):
+def _layer_norm_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, scale, bias, mean, variance, out_grad) -> (x_grad, scale_grad, bias_grad)``."""
+    x, lead = _x_letters(inputs[0].ndim, attrs)
+    return [x, "1", "1", lead, lead, x]
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, lead = _x_letters(inputs[0].ndim, attrs)
-        kept, names = _present(inputs, [x, "1", "1", lead, lead, x])
-        grads = [x] + [n for i, n in zip((1, 2), ("1", "1")) if inputs[i] is not None]
-        eq = ",".join(names) + "->" + ",".join(grads)
-        result = einsum_grad(eq, [inputs[i] for i in kept], ctx, grad_operands=[len(kept) - 1])
-        produced = iter(result.outputs)
-        outputs = [next(produced)] + [next(produced) if inputs[i] is not None else None for i in (1, 2)]
-        return replace(spread(result, kept, inputs, ctx), outputs=tuple(outputs))
+
+register_rule(EinsumRule(_layer_norm), "layer_norm")
+register_rule(EquationGradRule(_layer_norm_grad_letters, grad=5, results=(0, 1, 2), shape_only=()), "layer_norm_grad")
