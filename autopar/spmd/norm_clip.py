@@ -37,42 +37,27 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import (
-    RuleContext,
-    RuleResult,
-    SpmdRule,
-    TensorSpec,
-    einsum_backward,
-    einsum_forward,
-    einsum_grad,
-)
-from autopar.spmd.equations import EinsumRule
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
-from autopar.spmd.operands import keep_pending, letters, spread
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.operands import letters
+from autopar.spmd.registry import register_rule
 
 # ---- squared_l2_norm ----------------------------------------------------------------------
 
 
-@register("squared_l2_norm")
-class SquaredL2NormRule(SpmdRule):
+def _squared_l2_norm(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``x -> out [1]``: ``ab -> 1``; split dims make out a pending sum, x required complete."""
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        return einsum_forward(f"{letters(inputs[0].ndim)}->1", inputs[:1], ctx, reduce_kind="sum")
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return einsum_backward(f"{letters(inputs[0].ndim)}->1", inputs[:1], outputs[:1], ctx)
+    return f"{letters(inputs[0].ndim)}->1"
 
 
-@register("squared_l2_norm_grad")
-class SquaredL2NormGradRule(SpmdRule):
+def _squared_l2_norm_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, out_grad) -> x_grad``: ``ab,1 -> ab``, linear in out_grad."""
+    return [letters(inputs[0].ndim), "1" * inputs[1].ndim]
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x = letters(inputs[0].ndim)
-        out = "1" * inputs[1].ndim
-        return einsum_grad(f"{x},{out}->{x}", inputs[:2], ctx, grad_operands=[1])
+
+register_rule(EinsumRule(_squared_l2_norm, tensors=1), "squared_l2_norm")
+register_rule(EquationGradRule(_squared_l2_norm_grad_letters, grad=1, tensors=2, shape_only=()), "squared_l2_norm_grad")
 
 
 # ---- p_norm -------------------------------------------------------------------------------
@@ -102,30 +87,21 @@ def _p_norm_kind(attrs: Mapping[str, Any]) -> str | None:
     return P_NORM_KINDS.get(float(attrs.get("porder", 2.0)))
 
 
-@register("p_norm")
-class PNormRule(SpmdRule):
+def _p_norm(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``x -> out``: ``abc -> ac`` (porder 0, 1: P(sum), inf: P(max), -inf: P(min) over a
     split reduced dim); ``a1c -> ac`` for any other porder."""
-
-    def _equation(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
-        x, out = p_norm_letters(inputs[0].ndim, attrs, whole_reduced=_p_norm_kind(attrs) is None)
-        return f"{x}->{out}"
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        kind = _p_norm_kind(attrs) or "sum"
-        return einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, reduce_kind=kind)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs[:1], ctx)
+    x, out = p_norm_letters(inputs[0].ndim, attrs, whole_reduced=_p_norm_kind(attrs) is None)
+    return f"{x}->{out}"
 
 
-@register("p_norm_grad")
-class PNormGradRule(SpmdRule):
+def _p_norm_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, out, out_grad) -> x_grad``: ``abc,ac,ac -> abc``; out whole, linear in out_grad."""
+    x, out = p_norm_letters(inputs[0].ndim, attrs, whole_reduced=False)
+    return [x, out, out]
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        x, out = p_norm_letters(inputs[0].ndim, attrs, whole_reduced=False)
-        return einsum_grad(f"{x},{out},{out}->{x}", inputs[:3], ctx, grad_operands=[2])
+
+register_rule(EinsumRule(_p_norm, reduce_kind=lambda inputs, attrs: _p_norm_kind(attrs), tensors=1), "p_norm")
+register_rule(EquationGradRule(_p_norm_grad_letters, grad=2, tensors=3, shape_only=()), "p_norm_grad")
 
 
 # ---- stack / unstack ----------------------------------------------------------------------
@@ -152,33 +128,20 @@ def _unstack_count(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], axis:
     return int(attrs.get("num") or inputs[0].shape[axis])
 
 
-@register("unstack")
-class UnstackRule(SpmdRule):
+def _unstack(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``x -> out[0..n-1]``: ``a1b -> ab,ab,...`` (the unstacked axis whole)."""
-
-    def _equation(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
-        ndim = inputs[0].ndim
-        axis = int(attrs.get("axis", 0)) % ndim
-        names = letters(ndim, whole=[axis])
-        return equation([names], [names[:axis] + names[axis + 1 :]] * _unstack_count(inputs, attrs, axis))
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        return spread(
-            einsum_forward(self._equation(inputs, attrs), inputs[:1], ctx, linearity="multi"), [0], inputs, ctx
-        )
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return spread(einsum_backward(self._equation(inputs, attrs), inputs[:1], outputs, ctx), [0], inputs, ctx)
+    ndim = inputs[0].ndim
+    axis = int(attrs.get("axis", 0)) % ndim
+    names = letters(ndim, whole=[axis])
+    return equation([names], [names[:axis] + names[axis + 1 :]] * _unstack_count(inputs, attrs, axis))
 
 
-@register("stack_grad")
-class StackGradRule(SpmdRule):
+def _stack_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x[0..n-1], out_grad) -> x_grad[0..n-1]``: ``ab,...,ab,a1b -> ab,...``; x read for
     its shape only (its pending sums stay pending), linear in out_grad."""
+    names, stacked = _stacked_letters(inputs[0].ndim, attrs)
+    return [names] * (len(inputs) - 1) + [stacked]
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        count = len(inputs) - 1
-        names, stacked = _stacked_letters(inputs[0].ndim, attrs)
-        eq = equation([names] * count + [stacked], [names] * count)
-        result = einsum_grad(eq, inputs, ctx, grad_operands=[count])
-        return keep_pending(result, inputs, range(count))
+
+register_rule(EinsumRule(_unstack, linearity="multi", tensors=1), "unstack")
+register_rule(EquationGradRule(_stack_grad_letters, grad=-1, results=None), "stack_grad")
