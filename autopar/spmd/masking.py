@@ -29,12 +29,11 @@ from autopar.spmd.base import (
     TensorSpec,
     einsum_backward,
     einsum_forward,
-    einsum_grad,
 )  # fmt: skip
-from autopar.spmd.elementwise import UnaryRule, broadcast_equation
-from autopar.spmd.equations import EinsumRule
+from autopar.spmd.elementwise import broadcast_equation, same_equation
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
-from autopar.spmd.operands import keep_pending, letters, replicated, spread
+from autopar.spmd.operands import letters, replicated, spread
 from autopar.spmd.registry import register, register_rule
 
 
@@ -58,10 +57,10 @@ def _expand_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[s
 
 @register("expand", "broadcast_to")
 class ExpandRule(SpmdRule):
-    """``(x, shape) -> out`` (see the module docstring); the shape operand stays whole. A
-    target computed in the program (from a shape read) is not known to the forward inference,
-    which keeps the output whole; the backward one reads it from the output's static shape (the
-    partition pass writes each rank's own target, whatever computed it)."""
+    """``(x, shape) -> out`` (see the module docstring); the shape operand stays whole. Not
+    data: a target computed in the program (from a shape read) is not known to the forward
+    inference, which keeps the output whole; the backward one reads it from the output's static
+    shape (the partition pass writes each rank's own target, whatever computed it)."""
 
     free_outputs = True
 
@@ -78,15 +77,14 @@ class ExpandRule(SpmdRule):
         return spread(rule.infer_backward(inputs[:1], outputs, attrs, ctx), [0], inputs, ctx)
 
 
-@register("expand_grad", "broadcast_to_grad")
-class ExpandGradRule(SpmdRule):
+def _expand_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, out_grad, shape) -> x_grad``: the sum over the broadcast dims; x is read for its
     shape only."""
+    (x, out), _ = broadcast_letters([inputs[0].shape, inputs[1].shape])
+    return [x, out]
 
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        (x, out), _ = broadcast_letters([inputs[0].shape, inputs[1].shape])
-        result = einsum_grad(equation([x, out], [x]), inputs[:2], ctx, grad_operands=[1])
-        return spread(keep_pending(result, inputs, [0]), [0, 1], inputs, ctx)
+
+register_rule(EquationGradRule(_expand_grad_letters, grad=1, tensors=2, shape_only=(0,)), "expand_grad", "broadcast_to_grad")
 
 
 def _last_two_whole(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -99,25 +97,19 @@ def _last_two_whole(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> st
 register_rule(EinsumRule(_last_two_whole, linearity="multi"), "tril", "triu", "tril_grad", "triu_grad")
 
 
-@register("where_grad")
-class WhereGradRule(SpmdRule):
+def _where_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(condition, x, y, out_grad) -> (x_grad, y_grad)``: out_grad where the condition picks
     the operand, 0 elsewhere: linear in out_grad (its pending sum passes through)."""
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        operands, _ = broadcast_letters([s.shape for s in inputs])
-        return einsum_grad(equation(operands, operands[1:3]), inputs, ctx, grad_operands=[3])
+    return broadcast_letters([s.shape for s in inputs])[0]
 
 
-@register("arange")
-class ArangeRule(SpmdRule):
-    """``(start, end, step) -> out``: whole (see the module docstring), forward and backward."""
+def _arange(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> str:
+    """``(start, end, step) -> out``: ``1,1,1 -> 1``, whole (see the module docstring)."""
+    return equation(["1" * s.ndim for s in inputs if s is not None], ["1"])
 
-    def infer_forward(self, inputs, attrs, ctx):
-        return RuleResult(tuple(replicated(ctx, s) for s in inputs), (DistAttr.replicated(ctx.mesh, 1),))
 
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        return self.infer_forward(inputs, attrs, ctx)
+register_rule(EquationGradRule(_where_grad_letters, grad=3, results=(1, 2), shape_only=()), "where_grad")
+register_rule(EinsumRule(_arange), "arange")
 
 
 def _tile_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -137,7 +129,8 @@ def _tile_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str
 @register("tile")
 class TileRule(SpmdRule):
     """``(x, repeat_times) -> out``: ``ab -> a1`` for ``repeat_times=[1, 2]``; a dim repeated
-    is whole (its copies would not be contiguous pieces), the others keep their split."""
+    is whole (its copies would not be contiguous pieces), the others keep their split. Not data:
+    ``repeat_times`` computed at run time leaves everything whole (output rank unknown)."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         found = _tile_letters(inputs[0].shape, attrs)
@@ -152,17 +145,13 @@ class TileRule(SpmdRule):
         return spread(einsum_backward(equation([found[0]], [found[1]]), inputs[:1], outputs, ctx), [0], inputs, ctx)
 
 
-@register("tile_grad")
-class TileGradRule(SpmdRule):
+def _tile_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x, out_grad, repeat_times) -> x_grad``: the sum of the copies; x gives the shape."""
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        found = _tile_letters(inputs[0].shape, attrs)
-        x, out = found if found is not None else (letters(inputs[0].ndim, whole=range(inputs[0].ndim)),) * 2
-        result = einsum_grad(equation([x, out], [x]), inputs[:2], ctx, grad_operands=[1])
-        return spread(keep_pending(result, inputs, [0]), [0, 1], inputs, ctx)
+    found = _tile_letters(inputs[0].shape, attrs)
+    return list(found) if found is not None else [letters(inputs[0].ndim, whole=range(inputs[0].ndim))] * 2
 
 
+register_rule(EquationGradRule(_tile_grad_letters, grad=1, tensors=2, shape_only=(0,)), "tile_grad")
 register_rule(EinsumRule(broadcast_equation), "where")
 register_rule(EinsumRule(broadcast_equation), "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor")
-register_rule(UnaryRule(), "bitwise_not")
+register_rule(EinsumRule(same_equation, tensors=1), "bitwise_not")
