@@ -22,17 +22,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar.spmd.base import (
-    RuleContext,
-    RuleResult,
-    SpmdRule,
-    TensorSpec,
-    einsum_grad,
-)
-from autopar.spmd.equations import EinsumRule
+from autopar.spmd.base import TensorSpec
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
-from autopar.spmd.operands import axes_attr, axis_attr, letters, spread
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.operands import axes_attr, axis_attr, letters
+from autopar.spmd.registry import register_rule
 
 
 def _concat_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -45,18 +39,13 @@ def _concat_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> 
 register_rule(EinsumRule(_concat_equation, linearity="additive", tensors=-1), "concat", "split_grad")  # (split's grad concatenates)
 
 
-@register("concat_grad")
-class ConcatGradRule(SpmdRule):
+def _concat_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(x[0..n-1], out_grad, axis) -> x_grad[0..n-1]``: ``a1c,...,a1c,a1c -> a1c,...``."""
+    ndim = inputs[0].ndim
+    return [letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])] * (len(inputs) - 1)
 
-    def infer_forward(self, inputs, attrs, ctx):
-        count = len(inputs) - 1  # x[0..n-1], out_grad; the last operand is the axis
-        ndim = inputs[0].ndim
-        names = letters(ndim, whole=[axis_attr(attrs, "axis", ndim)])
-        result = einsum_grad(
-            equation([names] * count, [names] * (count - 1)), inputs[:count], ctx, grad_operands=[count - 1]
-        )
-        return spread(result, range(count), inputs, ctx)
+
+register_rule(EquationGradRule(_concat_grad_letters, grad=-1, tensors=-1, results=None, shape_only=()), "concat_grad")
 
 
 def _split_count(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> int:
@@ -103,11 +92,9 @@ def _slice_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> s
 register_rule(EinsumRule(_slice_equation, linearity="multi", tensors=1), "slice")
 
 
-@register("slice_grad")
-class SliceGradRule(SpmdRule):
+def _slice_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(input, out_grad, starts, ends) -> input_grad``: ``a1c,a1c -> a1c`` (input sizes the grad)."""
+    return list(_slice_letters(inputs[0].ndim, attrs))
 
-    def infer_forward(self, inputs, attrs, ctx: RuleContext) -> RuleResult:
-        src, out = _slice_letters(inputs[0].ndim, attrs)
-        result = einsum_grad(f"{src},{out}->{src}", inputs[:2], ctx, grad_operands=[1])
-        return spread(result, [0, 1], inputs, ctx)
+
+register_rule(EquationGradRule(_slice_grad_letters, grad=1, tensors=2, shape_only=()), "slice_grad")
