@@ -31,13 +31,11 @@ from autopar.spmd.base import (
     RuleResult,
     SpmdRule,
     TensorSpec,
-    einsum_backward,
-    einsum_forward,
-    einsum_grad,
     merge_letters,
 )  # fmt: skip
-from autopar.spmd.operands import letters, partial_outside, replicated, spread
-from autopar.spmd.registry import register
+from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.operands import letters, partial_outside, replicated
+from autopar.spmd.registry import register, register_rule
 
 Mapping_ = tuple[tuple[int, ...], ...]
 Group = tuple[tuple[int, ...], tuple[int, ...]]
@@ -264,27 +262,18 @@ def _perm(attrs: Mapping[str, Any], ndim: int) -> list[int]:
     return [int(p) % ndim for p in attrs.get("perm", list(range(ndim))[::-1])]
 
 
-@register("transpose")
-class TransposeRule(SpmdRule):
+def _transpose(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """``abc -> cab`` for ``perm = [2, 0, 1]``: splits follow their dim; partials pass through."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        out = "".join(names[p] for p in _perm(attrs, inputs[0].ndim))
-        return einsum_forward(f"{names}->{out}", inputs[:1], ctx, linearity="multi")
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        out = "".join(names[p] for p in _perm(attrs, inputs[0].ndim))
-        return einsum_backward(f"{names}->{out}", inputs[:1], outputs[:1], ctx)
+    names = letters(inputs[0].ndim)
+    return f"{names}->{''.join(names[p] for p in _perm(attrs, inputs[0].ndim))}"
 
 
-@register("transpose_grad")
-class TransposeGradRule(SpmdRule):
-    """``out_grad -> x_grad``: the transpose by the inverse permutation (``cab -> abc``)."""
+def _transpose_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
+    """``out_grad -> x_grad``: the transpose by the inverse permutation (``cab -> abc``); x_grad's
+    letters follow out_grad's (no operand has them)."""
+    names = letters(inputs[0].ndim)
+    return ["".join(names[p] for p in _perm(attrs, inputs[0].ndim)), names]
 
-    def infer_forward(self, inputs, attrs, ctx):
-        names = letters(inputs[0].ndim)
-        grad = "".join(names[p] for p in _perm(attrs, inputs[0].ndim))
-        result = einsum_grad(f"{grad}->{names}", inputs[:1], ctx, grad_operands=[0])
-        return spread(result, [0], inputs, ctx)
+
+register_rule(EinsumRule(_transpose, linearity="multi", tensors=1), "transpose")
+register_rule(EquationGradRule(_transpose_grad_letters, grad=0, tensors=1, results=(1,), shape_only=()), "transpose_grad")
