@@ -49,37 +49,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.dist_attr import DistAttr
-from autopar.spmd.base import (
-    RuleContext,
-    RuleResult,
-    SpmdRule,
-    TensorSpec,
-    einsum_backward,
-    einsum_forward,
-    einsum_grad,
-)
+from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_backward, einsum_forward
+from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
 from autopar.spmd.operands import letters, spread
-from autopar.spmd.registry import register
+from autopar.spmd.registry import register, register_rule
 
 Names = Sequence[str | None]
 
 
 def solve(
     names: Names, outs: Names, inputs: Sequence[TensorSpec | None], ctx: RuleContext, *,
-    grads: Sequence[int] = (), outputs: Sequence[TensorSpec | None] | None = None,
+    outputs: Sequence[TensorSpec | None] | None = None,
 ) -> RuleResult:  # fmt: skip
     """The equation over the present operands (absent ones, or ``names[i]`` None, stay None /
-    whole); ``outs[j]`` None: an absent result. With ``grads`` a grad op's inference (those
-    operands are the incoming gradients), with ``outputs`` the backward one."""
+    whole); ``outs[j]`` None: an absent result, which an equation string cannot state (the
+    forward ops below whose results come and go use this instead of an EinsumRule). With
+    ``outputs`` the backward inference."""
     kept = [i for i, s in enumerate(inputs) if s is not None and names[i] is not None]
     made = [j for j, o in enumerate(outs) if o is not None]
     eq = equation([names[i] for i in kept], [outs[j] for j in made])
     specs = [inputs[i] for i in kept]
     if outputs is not None:
         result = einsum_backward(eq, specs, [outputs[j] for j in made], ctx)
-    elif grads:
-        result = einsum_grad(eq, specs, ctx, grad_operands=[kept.index(g) for g in grads if g in kept])
     else:
         result = einsum_forward(eq, specs, ctx)
     produced = dict(zip(made, result.outputs))
@@ -111,26 +103,20 @@ def _swiglu_letters(inputs: Sequence[TensorSpec | None]) -> tuple[list[str | Non
     return [xs, ys], out
 
 
-@register("swiglu")
-class SwigluRule(SpmdRule):
+def _swiglu(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> str:
     """``(x, y) -> out``: ``abc,abc -> abc``; ``(x, None)``: ``ab1 -> ab1``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        names, out = _swiglu_letters(inputs)
-        return solve(names, [out], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        names, out = _swiglu_letters(inputs)
-        return solve(names, [out], inputs, ctx, outputs=outputs)
+    names, out = _swiglu_letters(inputs)
+    return equation([n for n in names if n is not None], [out])
 
 
-@register("swiglu_grad")
-class SwigluGradRule(SpmdRule):
+def _swiglu_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> list[str | None]:
     """``(x, y, out_grad) -> (x_grad, y_grad)``."""
+    names, out = _swiglu_letters(inputs)
+    return [*names, out]
 
-    def infer_forward(self, inputs, attrs, ctx):
-        names, out = _swiglu_letters(inputs)
-        return solve([*names, out], names, inputs, ctx, grads=[2])
+
+register_rule(EinsumRule(_swiglu), "swiglu")
+register_rule(EquationGradRule(_swiglu_grad_letters, grad=2, results=(0, 1), shape_only=()), "swiglu_grad")
 
 
 # ---- rms_norm ---------------------------------------------------------------------------
@@ -152,26 +138,20 @@ def _rms_norm_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, A
     return names, lead, None if scale is None else "1" * scale.ndim
 
 
-@register("rms_norm")
-class RmsNormRule(SpmdRule):
+def _rms_norm(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> str:
     """``(x, scale) -> (out, invvar)``: ``ab1,1 -> ab1,ab``."""
-
-    def infer_forward(self, inputs, attrs, ctx):
-        x, lead, scale = _rms_norm_letters(inputs, attrs)
-        return solve([x, scale], [x, lead], inputs, ctx)
-
-    def infer_backward(self, inputs, outputs, attrs, ctx):
-        x, lead, scale = _rms_norm_letters(inputs, attrs)
-        return solve([x, scale], [x, lead], inputs, ctx, outputs=outputs)
+    x, lead, scale = _rms_norm_letters(inputs, attrs)
+    return equation([x] + ([scale] if scale is not None else []), [x, lead])
 
 
-@register("rms_norm_grad")
-class RmsNormGradRule(SpmdRule):
+def _rms_norm_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> list[str | None]:
     """``(x, scale, invvar, out_grad) -> (x_grad, scale_grad)``."""
+    x, lead, scale = _rms_norm_letters(inputs, attrs)
+    return [x, scale, lead, x]
 
-    def infer_forward(self, inputs, attrs, ctx):
-        x, lead, scale = _rms_norm_letters(inputs, attrs)
-        return solve([x, scale, lead, x], [x, scale], inputs, ctx, grads=[3])
+
+register_rule(EinsumRule(_rms_norm), "rms_norm")
+register_rule(EquationGradRule(_rms_norm_grad_letters, grad=3, results=(0, 1), shape_only=()), "rms_norm_grad")
 
 
 def _fused_rms_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[list[str | None], str, str]:
@@ -186,7 +166,8 @@ def _fused_rms_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, 
 @register("fused_rms_norm_quant")
 class FusedRmsNormQuantRule(SpmdRule):
     """``(x, bias, residual, norm_weight, norm_bias) -> (out, residual_out, inv_var)``
-    (``paddle.incubate.nn.functional.fused_rms_norm``); residual_out only with a residual."""
+    (``paddle.incubate.nn.functional.fused_rms_norm``); residual_out only with a residual
+    (not data: an absent result)."""
 
     def infer_forward(self, inputs, attrs, ctx):
         names, x, lead = _fused_rms_letters(inputs, attrs)
@@ -222,7 +203,8 @@ def _rope_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any],
 
 @register("fused_rotary_position_embedding")
 class FusedRopeRule(SpmdRule):
-    """``(q, k, v, sin, cos, position_ids) -> (out_q, out_k, out_v)``."""
+    """``(q, k, v, sin, cos, position_ids) -> (out_q, out_k, out_v)`` (not data: out_k / out_v
+    are absent without k / v)."""
 
     def infer_forward(self, inputs, attrs, ctx):
         names = _rope_letters(inputs, attrs, 0)
@@ -233,13 +215,14 @@ class FusedRopeRule(SpmdRule):
         return solve(names, names[:3], inputs, ctx, outputs=outputs)
 
 
-@register("fused_rotary_position_embedding_grad")
-class FusedRopeGradRule(SpmdRule):
+def _rope_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> list[str | None]:
     """``(sin, cos, position_ids, out_q_grad, out_k_grad, out_v_grad) -> (q_grad, k_grad, v_grad)``."""
+    return _rope_letters(inputs, attrs, 3)
 
-    def infer_forward(self, inputs, attrs, ctx):
-        names = _rope_letters(inputs, attrs, 3)
-        return solve(names, names[3:], inputs, ctx, grads=[3, 4, 5])
+
+register_rule(
+    EquationGradRule(_rope_grad_letters, grad=(3, 4, 5), results=(3, 4, 5), shape_only=()), "fused_rotary_position_embedding_grad"
+)
 
 
 # ---- flash attention --------------------------------------------------------------------
@@ -261,7 +244,8 @@ def _attention_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, 
 
 @register("flash_attn")
 class FlashAttnRule(SpmdRule):
-    """``(q, k, v, fixed_seed_offset, attn_mask) -> (out, softmax, softmax_lse, seed_offset)``."""
+    """``(q, k, v, fixed_seed_offset, attn_mask) -> (out, softmax, softmax_lse, seed_offset)``
+    (not data: the seed / offset result is whole whatever the batch split)."""
 
     def _names(self, inputs, attrs) -> tuple[list[str | None], list[str]]:
         query, keys, mask, bh = _attention_letters(inputs, attrs, 4)
@@ -282,12 +266,11 @@ def _with_seed(result: RuleResult, ctx: RuleContext) -> RuleResult:
     return dataclasses.replace(result, outputs=(*result.outputs[:3], DistAttr.replicated(ctx.mesh, 1)))
 
 
-@register("flash_attn_grad")
-class FlashAttnGradRule(SpmdRule):
+def _flash_attn_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> list[str | None]:
     """``(q, k, v, out, softmax_lse, seed_offset, attn_mask, out_grad) -> (q_grad, k_grad, v_grad)``."""
+    query, keys, mask, bh = _attention_letters(inputs, attrs, 6)
+    seed = None if inputs[5] is None else "1" * inputs[5].ndim
+    return [query, keys, keys, query, bh + "1", seed, mask or None, query]
 
-    def infer_forward(self, inputs, attrs, ctx):
-        query, keys, mask, bh = _attention_letters(inputs, attrs, 6)
-        seed = None if inputs[5] is None else "1" * inputs[5].ndim
-        names = [query, keys, keys, query, bh + "1", seed, mask or None, query]
-        return solve(names, [query, keys, keys], inputs, ctx, grads=[7])
+
+register_rule(EquationGradRule(_flash_attn_grad_letters, grad=7, results=(0, 1, 2), shape_only=()), "flash_attn_grad")
