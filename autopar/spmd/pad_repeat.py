@@ -67,19 +67,15 @@ def _twice(names: Letters) -> Callable[[Sequence[TensorSpec], Mapping[str, Any]]
     return lambda inputs, attrs: [names(inputs, attrs)] * 2
 
 
-class PadRule(EinsumRule):
-    """pad / pad3d: ``a1c -> a1c``; linear when the padding adds no constant."""
-
-    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
-        mode, value = attrs.get("mode", "constant"), attrs.get("pad_value")
-        zero = isinstance(value, (int, float)) and float(value) == 0.0
-        linear = mode != "constant" or zero
-        rule = EinsumRule(self.equation, linearity="multi" if linear else None, tensors=1)
-        return rule.infer_forward(inputs, attrs, ctx)
+def _pad_linearity(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str | None:
+    """pad / pad3d are linear when the padding adds no constant."""
+    mode, value = attrs.get("mode", "constant"), attrs.get("pad_value")
+    zero = isinstance(value, (int, float)) and float(value) == 0.0
+    return "multi" if mode != "constant" or zero else None
 
 
-register_rule(PadRule(_same(_pad_letters), tensors=1), "pad")
-register_rule(PadRule(_same(_pad3d_letters), tensors=1), "pad3d")
+register_rule(EinsumRule(_same(_pad_letters), linearity=_pad_linearity, tensors=1), "pad")
+register_rule(EinsumRule(_same(_pad3d_letters), linearity=_pad_linearity, tensors=1), "pad3d")
 register_rule(EquationGradRule(_twice(_pad_letters), grad=1, tensors=2), "pad_grad")
 register_rule(EquationGradRule(_twice(_pad3d_letters), grad=1, tensors=2), "pad3d_grad")
 
@@ -105,7 +101,8 @@ def _even_or_whole(solve: Callable[[str], RuleResult], x: TensorSpec, attrs: Map
 
 @register("repeat_interleave")
 class RepeatInterleaveRule(SpmdRule):
-    """``(x) -> out``: ``abc -> abc`` (see the module docstring)."""
+    """``(x) -> out``: ``abc -> abc`` (see the module docstring). Not data: whether the axis
+    keeps its split depends on the split solved (even pieces only)."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         def solve(x: str) -> RuleResult:
@@ -122,7 +119,8 @@ class RepeatInterleaveRule(SpmdRule):
 
 @register("repeat_interleave_grad")
 class RepeatInterleaveGradRule(SpmdRule):
-    """``(x, out_grad) -> x_grad``: the sum of each row's copies, split like the forward op."""
+    """``(x, out_grad) -> x_grad``: the sum of each row's copies, split like the forward op
+    (not data: the same evenness check)."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         def solve(x: str) -> RuleResult:
