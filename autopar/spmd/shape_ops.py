@@ -21,7 +21,8 @@ required split like ``x_grad``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.dist_attr import DistAttr
@@ -160,11 +161,12 @@ def reshape_forward(x: TensorSpec, out_shape: Sequence[int], ctx: RuleContext) -
     return DistAttr.of(ctx.mesh, kept, partial), DistAttr.of(ctx.mesh, out, partial)
 
 
+@dataclass
 class ReshapeLikeRule(SpmdRule):
-    """``x (+ int-array operands) -> out``, a reshape to :meth:`target`; subclasses say the target."""
+    """``x (+ int-array operands) -> out``, a reshape to ``target(inputs, attrs)``. Not an
+    equation: splits are carried through groups of merged / split dims (:func:`carry_splits`)."""
 
-    def target(self, inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[int, ...]:
-        raise NotImplementedError
+    target: Callable[[Sequence[TensorSpec | None], Mapping[str, Any]], tuple[int, ...]]
 
     def infer_forward(self, inputs, attrs, ctx):
         x_attr, out_attr = reshape_forward(inputs[0], self.target(inputs, attrs), ctx)
@@ -180,38 +182,32 @@ class ReshapeLikeRule(SpmdRule):
         return self.infer_forward([x, *inputs[1:]], attrs, ctx)
 
 
-@register("reshape")
-class ReshapeRule(ReshapeLikeRule):
+def _reshape_target(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[int, ...]:
     """``reshape(x, shape)``: the target is ``attrs["shape"]`` (values of the shape operand)."""
-
-    def target(self, inputs, attrs):
-        if "shape" not in attrs:
-            raise ValueError("reshape rule needs the target shape in attrs['shape']")
-        return resolve_shape(inputs[0].shape, attrs["shape"])
+    if "shape" not in attrs:
+        raise ValueError("reshape rule needs the target shape in attrs['shape']")
+    return resolve_shape(inputs[0].shape, attrs["shape"])
 
 
-@register("flatten")
-class FlattenRule(ReshapeLikeRule):
+def _flatten_target(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[int, ...]:
     """``flatten(x)`` over ``start_axis..stop_axis``: ``abcd -> a(bc)d``."""
-
-    def target(self, inputs, attrs):
-        return flatten_shape(inputs[0].shape, int(attrs.get("start_axis", 0)), int(attrs.get("stop_axis", -1)))
+    return flatten_shape(inputs[0].shape, int(attrs.get("start_axis", 0)), int(attrs.get("stop_axis", -1)))
 
 
-@register("squeeze")
-class SqueezeRule(ReshapeLikeRule):
+def _squeeze_target(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[int, ...]:
     """``squeeze(x, axis)``: ``a1c -> ac`` (size-1 dims are never split)."""
-
-    def target(self, inputs, attrs):
-        return squeeze_shape(inputs[0].shape, _raw_axes(attrs))
+    return squeeze_shape(inputs[0].shape, _raw_axes(attrs))
 
 
-@register("unsqueeze")
-class UnsqueezeRule(ReshapeLikeRule):
+def _unsqueeze_target(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[int, ...]:
     """``unsqueeze(x, axis)``: ``ac -> a1c``."""
+    return unsqueeze_shape(inputs[0].shape, _raw_axes(attrs))
 
-    def target(self, inputs, attrs):
-        return unsqueeze_shape(inputs[0].shape, _raw_axes(attrs))
+
+register_rule(ReshapeLikeRule(_reshape_target), "reshape")
+register_rule(ReshapeLikeRule(_flatten_target), "flatten")
+register_rule(ReshapeLikeRule(_squeeze_target), "squeeze")
+register_rule(ReshapeLikeRule(_unsqueeze_target), "unsqueeze")
 
 
 def _raw_axes(attrs: Mapping[str, Any]) -> list[int]:
@@ -225,7 +221,7 @@ class ReshapeGradRule(SpmdRule):
 
     x_grad's splits merge out_grad's (mapped back through the reshape) with x's own (first
     out_grad's); ``x`` (its shape only is read) is required split like x_grad, keeping any
-    partial it has; out_grad's partials pass through to x_grad.
+    partial it has; out_grad's partials pass through to x_grad. Not an equation, as reshape.
     """
 
     def infer_forward(self, inputs, attrs, ctx):
