@@ -103,7 +103,8 @@ def _spread(result: RuleResult, kept: Sequence[int], count: int) -> tuple[DistAt
 
 @register("batch_norm")
 class BatchNormRule(SpmdRule):
-    """``nchw,c,c,c,c -> nchw,c,c,c,c,1`` (see the module docstring); outputs complete."""
+    """``nchw,c,c,c,c -> nchw,c,c,c,c,1`` (see the module docstring); outputs complete. Not
+    data: the statistics' pending sums are the batch-statistics rewrite's, not the reader's."""
 
     def _eq(self, inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[list[int], str, list[str]]:
         x, c = _letters(inputs[0].ndim, attrs)
@@ -130,7 +131,8 @@ class BatchNormRule(SpmdRule):
 @register("batch_norm_grad")
 class BatchNormGradRule(SpmdRule):
     """``nchw,c,c,c,c,c,c,1,nchw -> nchw,c,c``; with batch statistics every input is required
-    complete and scale_grad / bias_grad come out complete (the rewrite all-reduces them)."""
+    complete and scale_grad / bias_grad come out complete (the rewrite all-reduces them). Not
+    data: which partials remain depends on batch vs running vs local statistics."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         x, c = _letters(inputs[0].ndim, attrs)

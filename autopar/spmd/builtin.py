@@ -15,7 +15,8 @@ from autopar.spmd.registry import register
 
 @register("shadow_output", "fetch", "print")
 class ReadAsIsRule(SpmdRule):
-    """``x -> (x)``: reads ``x`` as it is; an output (fetch, print) lies like it."""
+    """``x -> (x)``: reads ``x`` as it is; an output (fetch, print) lies like it. Not an
+    equation: the operand's placement, partials included, is kept whatever it is."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         from autopar.dist_attr import DistAttr

@@ -113,7 +113,8 @@ def _extras(result: RuleResult, inputs: Sequence[TensorSpec], ctx: RuleContext) 
 
 @register("einsum")
 class EinsumOpRule(SpmdRule):
-    """``(x...) -> (out, inner_cache..., xshape...)`` by the ``equation`` attribute."""
+    """``(x...) -> (out, inner_cache..., xshape...)`` by the ``equation`` attribute. A class for
+    the caches and xshapes beside the equation's one result."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         names, out = _letters(inputs, attrs, ctx)
@@ -128,7 +129,8 @@ class EinsumOpRule(SpmdRule):
 
 @register("einsum_grad")
 class EinsumGradRule(SpmdRule):
-    """``(x_shape..., inner_cache..., out_grad) -> (x_grad...)`` (see the module docstring)."""
+    """``(x_shape..., inner_cache..., out_grad) -> (x_grad...)`` (see the module docstring). Not
+    data: splits come from the forward operands only, the caches are taken as they lie."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         count = (len(inputs) - 1) // 2

@@ -35,7 +35,8 @@ def _out_ndim(attrs: Mapping[str, Any], default: int, inputs: Sequence[TensorSpe
 
 @register("full", "full_int_array", "full_with_tensor", "empty", "assign_value")
 class FullRule(SpmdRule):
-    """``(int-array / scalar operands) -> out``: replicated; backward takes the wanted splits."""
+    """``(int-array / scalar operands) -> out``: replicated; backward takes the wanted splits
+    (not an equation: no operand has the output's dims)."""
 
     free_outputs = True
 
@@ -55,7 +56,8 @@ def _as_is(spec: TensorSpec, ctx: RuleContext) -> DistAttr:
 
 @register("full_like", "empty_like", "fill", "full_")
 class FullLikeRule(SpmdRule):
-    """``(x, [value]) -> out``: ``ab -> ab`` without x's partial; x required as it lies."""
+    """``(x, [value]) -> out``: ``ab -> ab`` without x's partial; x required as it lies (not an
+    equation: x's placement is taken, never merged or resharded)."""
 
     def infer_forward(self, inputs, attrs, ctx):
         x = _as_is(inputs[0], ctx)
@@ -76,7 +78,8 @@ class FullLikeRule(SpmdRule):
 
 @register("full_batch_size_like")
 class FullBatchSizeLikeRule(SpmdRule):
-    """``input -> out``: out dim ``output_dim_idx`` (size of input dim ``input_dim_idx``) follows it."""
+    """``input -> out``: out dim ``output_dim_idx`` (size of input dim ``input_dim_idx``) follows it
+    (not an equation: x is taken as it lies)."""
 
     def infer_forward(self, inputs, attrs, ctx):
         x = _as_is(inputs[0], ctx)
@@ -89,7 +92,8 @@ class FullBatchSizeLikeRule(SpmdRule):
 
 @register("assign_value_")
 class AssignValueRule(SpmdRule):
-    """``buffer -> out``: the op writes the global values, so both are replicated."""
+    """``buffer -> out``: the op writes the global values, so both are replicated (the output's
+    rank comes from an attribute, not an operand)."""
 
     def infer_forward(self, inputs: Sequence[TensorSpec | None], attrs, ctx):
         return RuleResult(

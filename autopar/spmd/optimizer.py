@@ -27,7 +27,8 @@ from autopar.spmd.registry import register_rule
 class OptimizerRule(SpmdRule):
     """``like_param``: operand positions lying like the parameter (position 0 first);
     ``outputs``: per result, the operand it updates in place (a parameter-like one follows
-    the parameter; any other is replicated)."""
+    the parameter; any other is replicated). Not an equation: the parameter's whole placement
+    decides, no per-dim merge with the gradient's."""
 
     def __init__(self, like_param: Sequence[int], outputs: Sequence[int]) -> None:
         self.like_param = tuple(like_param)
