@@ -58,7 +58,7 @@ _PARTIAL_FORM = (
 
 
 def _is_index(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _partial_item(item: Any) -> tuple[Any, Any]:

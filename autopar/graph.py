@@ -101,6 +101,8 @@ class ProgramGraph:
         self._by_impl: dict[str, ValueKey] = {}
         self.op_aliases: dict[int, int] = {}  # op id of another program's op -> index (see alias)
         self.vectors: dict[ValueKey, list[ValueKey]] = {}  # vector value -> member tensors
+        self.view_shapes: dict[ValueKey, tuple[int, ...]] = {}  # what derived views replaced (see derived)
+        self.view_attrs: dict[int, dict[str, Any]] = {}
         self._build(list(program.global_block().ops))
         for clone, origin in (recomputes or {}).items():
             self.ops[clone].recomputes = self.ops[clone].forward_op = origin
@@ -238,6 +240,8 @@ class ProgramGraph:
         new.ops = list(self.ops)
         for index, changed in (attrs or {}).items():
             new.ops[index] = dataclasses.replace(self.ops[index], attrs={**self.ops[index].attrs, **changed})
+        new.view_shapes = {**self.view_shapes, **{key: tuple(shape) for key, shape in (shapes or {}).items()}}
+        new.view_attrs = {index: {**self.view_attrs.get(index, {}), **(attrs or {}).get(index, {})} for index in {*self.view_attrs, *(attrs or {})}}
         return new
 
     # ---- queries ---------------------------------------------------------------------

@@ -161,7 +161,7 @@ def _rule_errors(op: OpNode, rule: Any, specs: list[TensorSpec | None]) -> Itera
 
 def transplant(dist: DistAttr, mesh: ProcessMesh) -> DistAttr | None:
     """``dist`` re-expressed on ``mesh`` by mesh dim name (a stage's tensor read on another)."""
-    if dist.mesh == mesh:
+    if dist.mesh is mesh or dist.mesh == mesh:
         return dist
     same = {
         d: mesh.dim_names.index(name)
@@ -268,13 +268,15 @@ class Propagator:
     def _informative(self, op: OpNode) -> list[ValueKey]:
         return [k for k in op.inputs if k is not None and self.graph.values[k].kind != "constant"]
 
-    def propose(self, key: ValueKey, dist: DistAttr | None, priority: Priority, source: str) -> bool:
+    def propose(self, key: ValueKey, dist: DistAttr | None, priority: Priority, source: Any, suffix: str = "") -> bool:
+        """Record ``dist`` for ``key`` if it outranks what is known; ``source`` (an op, named
+        only when it wins) + ``suffix`` says who decided."""
         if dist is None or self.graph.values[key].kind == "vector":
             return False
         state = self.states.get(key)
         if state is not None and (priority <= state.priority or state.dist == dist):
             return False
-        self.states[key] = ValueState(dist, priority, source)
+        self.states[key] = ValueState(dist, priority, f"{source}{suffix}")
         return True
 
     # ---- phase 1: fixed point --------------------------------------------------------
@@ -306,10 +308,10 @@ class Propagator:
             result = self.replicated(op, mesh)
         changed = set()
         for key, dist in zip(op.outputs, result.outputs):
-            if key is not None and self.propose(key, dist, Priority.DERIVED, str(op)):
+            if key is not None and self.propose(key, dist, Priority.DERIVED, op):
                 changed.add(key)
         for key, dist in zip(op.inputs, result.inputs):
-            if key is not None and self.propose(key, _complete(dist), Priority.REQUIRED, str(op)):
+            if key is not None and self.propose(key, _complete(dist), Priority.REQUIRED, op):
                 changed.add(key)
         return changed
 
@@ -337,7 +339,7 @@ class Propagator:
         changed = set()
         for key, dist in zip(op.inputs, result.inputs):
             if key is not None and self.graph.values[key].kind != "constant":
-                if self.propose(key, _complete(dist), level, f"{op} (from its outputs)"):
+                if self.propose(key, _complete(dist), level, op, " (from its outputs)"):
                     changed.add(key)
         return changed
 

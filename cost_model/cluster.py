@@ -153,7 +153,10 @@ class Device:
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """Nodes x devices per node, intra / inter links, the device, optional calibrated fits."""
+    """Nodes x devices per node, intra / inter links, the device, optional calibrated fits.
+
+    The hash is computed once (every cached reshard plan is keyed on the cluster) and never
+    pickled (string hashes differ between processes)."""
 
     name: str
     nodes: int
@@ -166,8 +169,11 @@ class Cluster:
     subgroups: str = "native"  # how a collective over part of the world runs: one of SUBGROUPS
     tree: bool = True  # whether tree algorithms (all_reduce, broadcast) are available
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        fields = (self.name, self.nodes, self.devices_per_node, self.intra, self.inter, self.device, self.collectives)
+        object.__setattr__(self, "_hash", hash((*fields, self.emulated, self.subgroups, self.tree)))
         for key in ("nodes", "devices_per_node"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -179,6 +185,14 @@ class Cluster:
                 )
         if self.subgroups not in SUBGROUPS:
             raise CostModelError(f"cluster profile: field subgroups must be one of {SUBGROUPS}, got {self.subgroups!r}")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Pickle the fields only: the receiving process computes its own hash."""
+        return _cluster, (self.name, self.nodes, self.devices_per_node, self.intra, self.inter, self.device,
+                          self.collectives, self.emulated, self.subgroups, self.tree, self.sources)  # fmt: skip
 
     @property
     def world_size(self) -> int:
@@ -254,6 +268,10 @@ class Cluster:
 
     def __str__(self) -> str:
         return f"cluster {self.name}: {self.nodes} x {self.devices_per_node} devices"
+
+
+def _cluster(*fields: Any) -> Cluster:
+    return Cluster(*fields)
 
 
 def _replace_nodes(cluster: Cluster, nodes: int) -> Cluster:

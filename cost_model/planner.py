@@ -352,6 +352,18 @@ def plan_reshard(
     visible GPU, see :func:`~autopar.cost_model.cluster.hardware_profile`), grown to as many
     nodes as the meshes need. Pure and deterministic; results are cached on the (frozen) inputs.
     """
+    try:
+        return _planned(src, dst, tuple(shape), dtype, cluster)
+    except TypeError:  # an unhashable or non-sequence argument: said by name
+        _check(src, dst, shape, dtype, cluster)
+        raise
+
+
+@lru_cache(maxsize=4096)
+def _planned(src: DistAttr, dst: DistAttr, shape: tuple, dtype: str, cluster: Cluster | None) -> ReshardPlan:
+    """:func:`plan_reshard` once per distinct call: a compile asks for the same few reshards
+    thousands of times (the layers repeat), and the check and the defaults cost as much as
+    the cached plan's lookup."""
     shape_t = _check(src, dst, shape, dtype, cluster)
     if cluster is None:
         cluster = default_cluster().fitted(src.mesh.ranks + dst.mesh.ranks)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 from autopar.causes import in_layer, layers_text, value_layer
@@ -144,7 +145,7 @@ def form_of(plan: ReshardPlan) -> Form | None:
     return Form(plan.src.mesh, tuple(sorted(steps[-1].mesh_dims)), zeroed, steps[-1].reduce or "sum", plan.dtype)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Member:
     """A gradient reshard as a bucket member: ``plan`` (of ``form``) is what the bucket does for it;
     ``rerouted`` when that is not its own cheapest plan (kept only where it pays)."""
@@ -160,6 +161,12 @@ class Member:
     @property
     def bytes(self) -> int:
         return self.plan.steps[-1].bytes
+
+    @cached_property
+    def numel(self) -> int:
+        """Elements of its local piece in the bucket's flat buffer (every rank's alike)."""
+        need = self.planned.need.need
+        return math.prod(need.local_shape(self.plan.shape, need.mesh.ranks[0]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +233,7 @@ def _total(state: CompileState, candidates: list[Candidate], buckets: list[list[
 def _flat_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
     """The bucket's plan, as emitted: its form on the flat buffer of every member's local piece."""
     form = members[0].form
-    numel = sum(math.prod(m.planned.need.need.local_shape(m.plan.shape, m.planned.need.need.mesh.ranks[0])) for m in members)
+    numel = sum(m.numel for m in members)
     pending = tuple((d, form.reduce) for d in form.mesh_dims if d not in form.zeroed)
     src, dst = DistAttr.of(form.mesh, ((),), pending), DistAttr.of(form.mesh, ((),))
     return all_reduce_plan(src, dst, (numel,), form.dtype, state.cluster, zeroed=form.zeroed)

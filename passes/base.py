@@ -42,19 +42,30 @@ if TYPE_CHECKING:  # (the passes that make these values import this module)
     from autopar.strategy import Strategy
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class PlannedReshard:
     """One reshard need and the steps planned for it (every rank emits from this value).
 
     ``shared_with``: the index of an earlier planned reshard moving the same value to the
     same placement before a read; this one reuses that result instead of moving it again.
+    ``explain``: makes the reason, read as :attr:`reason` — written when a rank program or a
+    report asks (a strategy search plans many strategies and reads few reasons).
     """
 
     index: int
     need: ReshardNeed
     plan: ReshardPlan
-    reason: str
+    explain: Callable[[], str] = field(repr=False, compare=False)
     shared_with: int | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why the reshard is there: the feature and layer, then what it moves (see
+        passes/reshard_planning.py)."""
+        text = self.__dict__.get("_reason")
+        if text is None:
+            text = self.__dict__["_reason"] = self.explain()
+        return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,9 @@ these values into ops of a rank's program; nothing is planned again per rank.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from autopar.causes import in_layer, layer_of, parameter_layer, reshard_cause
@@ -18,8 +20,9 @@ from autopar.collective import CollectiveKind
 from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import Role
+from autopar.graph import Role, ValueKey
 from autopar.passes.base import CompileState, Pass, PlannedReshard
+from autopar.passes.zero_sharding import ZeroShard
 from autopar.propagation import ReshardNeed, SiteKind
 from autopar.shared_parameters import replica_refreshes
 
@@ -34,6 +37,7 @@ class ReshardPlanning(Pass):
 
     def plan(self, state: CompileState) -> None:
         first_read: dict[tuple, int] = {}
+        zero = {z.gradient: z for z in state.zero}
         written_back = {(n.op, n.site.slot) for n in state.propagation.reshards if n.site.kind is SiteKind.WRITE_BACK}
         needs = list(state.propagation.reshards)
         if state.strategy.pipeline is not None:  # copies of a parameter on other stages follow its update
@@ -55,15 +59,15 @@ class ReshardPlanning(Pass):
                 phase = state.graph.ops[need.op].role is Role.FORWARD if need.value in state.regather else None
                 shared = first_read.setdefault((need.value, need.need, phase), index)
                 shared = None if shared == index else shared
-            state.reshards.append(PlannedReshard(index, need, plan, _reason(state, need), shared))
+            state.reshards.append(PlannedReshard(index, need, plan, partial(_reason, state, need, zero), shared))
 
 
-def _reason(state: CompileState, need: ReshardNeed) -> str:
+def _reason(state: CompileState, need: ReshardNeed, zero_of: Mapping[ValueKey, ZeroShard]) -> str:
     """``cause: detail``: the feature and layer (:mod:`autopar.causes`), then what the reshard
-    moves from which placement to which."""
+    moves from which placement to which (``zero_of``: ZeRO's shard by the gradient it reduces)."""
     label = state.label(need.value)
     op = state.graph.ops[need.op]
-    zero = next((z for z in state.zero if need.value == z.gradient), None)
+    zero = zero_of.get(need.value)
     if zero is not None and need.site.kind is SiteKind.AFTER_PRODUCER:
         layer = parameter_layer(state.graph, zero.param)
         return (

@@ -86,11 +86,15 @@ class Analysed:
                 )
         return made
 
-    def moved(self, program: Any, positions: Sequence[int | None], recomputes: Mapping[int, int] | None = None) -> dict[str, Any]:
+    def moved(
+        self, program: Any, positions: Sequence[int | None], recomputes: Mapping[int, int] | None = None,
+        copies: Mapping[int, int] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """The fields of this analysis for ``program``, a rewrite of its program whose op ``i``
         is now op ``positions[i]`` (None: erased): the graph of it, through which the user's
-        Values and op ids (and every earlier rewrite's) stand for their new keys, and the
-        annotations and op meshes at their new indices."""
+        Values and op ids (and every earlier rewrite's) stand for their new keys, seen as this
+        analysis sees its own (one micro-batch's shapes, marked ops: ``copies``, new op -> the
+        op it copies, are seen as that op), and the annotations and op meshes at their new indices."""
         graph = ProgramGraph(program, recomputes=recomputes)
         old = self.graph
         ops = {op.op_id: op.index for op in old.ops} | old.op_aliases
@@ -102,6 +106,11 @@ class Analysed:
         def keys(mapping: Mapping[ValueKey, Any]) -> dict[ValueKey, Any]:
             return {(positions[i], j): v for (i, j), v in mapping.items() if positions[i] is not None}
 
+        if old.view_shapes or old.view_attrs:
+            shapes = copied_keys(keys(old.view_shapes), copies or {})
+            attrs = {positions[i]: a for i, a in old.view_attrs.items() if positions[i] is not None}
+            attrs.update({new: attrs[source] for new, source in (copies or {}).items() if source in attrs})
+            graph = graph.derived(shapes, attrs)
         op_meshes = {positions[i]: m for i, m in self.op_meshes.items() if positions[i] is not None}
         return {"program": program, "graph": graph, "user": keys(self.user), "made": keys(self.made), "op_meshes": op_meshes}
 
@@ -179,9 +188,12 @@ class Recompute(Rewrite):
     name: ClassVar[str] = "recompute"
 
     def apply(self, work: Analysed) -> Analysed:
-        rewrite = recompute_program(work.program, self.selection, work.op_meshes)
-        moved = work.moved(rewrite.program, rewrite.positions, recomputes=rewrite.clones)
-        return work.reported(self, str(rewrite).splitlines()[0], recompute=rewrite, **moved)
+        rewrite = recompute_program(work.program, self.selection, work.op_meshes, work.graph)
+        moved = work.moved(rewrite.program, rewrite.positions, recomputes=rewrite.clones, copies=rewrite.copies)
+        micro = work.micro
+        if micro is not None:  # the clones run on the micro-batch the ops they copy run on (and are seen so)
+            micro = micro.moved(rewrite.positions, rewrite.copies, moved["graph"])
+        return work.reported(self, str(rewrite).splitlines()[0], recompute=rewrite, micro=micro, **moved)
 
 
 @dataclass(frozen=True)
@@ -244,12 +256,12 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     pipeline = strategy.pipeline
     if pipeline is not None:
         found.append(PipelineStages(pipeline.stages))
-    if strategy.recompute:
-        found.append(Recompute(strategy.recompute))
     if strategy.local_batch_norm:
         found.append(LocalBatchNorm())
     if pipeline is not None and pipeline.micro_batches > 1:
         found.append(MicroBatch(pipeline.micro_batches))
+    if strategy.recompute:  # after micro-batching: strategies differing in recompute share it (its clones are copies)
+        found.append(Recompute(strategy.recompute))
     if strategy.sequence_parallel:
         found.append(SequenceParallel(strategy.sequence_parallel))
     return tuple(found)
@@ -265,6 +277,18 @@ def applied(rewrites: Sequence[Rewrite], work: Analysed) -> list[Analysed]:
     for rewrite in rewrites:
         steps.append(rewrite.apply(steps[-1]))
     return steps
+
+
+def copied_keys(mapping: Mapping[ValueKey, Any], copies: Mapping[int, int]) -> dict[ValueKey, Any]:
+    """``mapping`` with the results of each copied op (``copies``: new op -> the op it copies)
+    given what the results of the op it copies have."""
+    by_op: dict[int, list[tuple[int, Any]]] = {}
+    for (i, j), v in mapping.items():
+        by_op.setdefault(i, []).append((j, v))
+    out = dict(mapping)
+    for new, source in copies.items():
+        out.update({(new, j): v for j, v in by_op.get(source, ())})
+    return out
 
 
 def _onto_stages(

@@ -22,7 +22,7 @@ by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.dist_attr import DistAttr
@@ -54,6 +54,22 @@ class MicroBatching:
     def pending_sum(self, key: ValueKey) -> bool:
         """Whether ``key`` is a partial sum over the micro-batches (add the pieces)."""
         return self.placements[key].partial_dims.get(0) == "sum"
+
+    def moved(self, positions: Sequence[int | None], copies: Mapping[int, int], graph: ProgramGraph) -> MicroBatching:
+        """This analysis for a rewrite of its program (recompute's clones): op ``i`` is now
+        op ``positions[i]``, a copy (``copies``: new op -> the op it copies) is placed and
+        scaled as that op. Any other new op of ``graph`` is refused by name (a training
+        dropout's recomputed mask ops: micro-batching refuses such a dropout before)."""
+        from autopar.rewrites import copied_keys
+
+        placements = copied_keys({(positions[i], j): d for (i, j), d in self.placements.items() if positions[i] is not None}, copies)
+        scales = {positions[i]: f for i, f in self.scales.items() if positions[i] is not None}
+        scales.update({new: scales[source] for new, source in copies.items() if source in scales})
+        for op in graph.ops:
+            if op.recomputes is not None and op.index not in copies:
+                raise AutoparError(f"micro-batching: {op}, recomputed by Strategy.recompute, copies no op of the program")
+        reads = tuple((positions[i], slot) for i, slot in self.whole_reads if positions[i] is not None)
+        return MicroBatching(self.count, placements, scales, self.feeds, reads)
 
     def split_dim(self, key: ValueKey) -> int | None:
         """The dim of ``key`` split over the micro-batches (None: not split)."""
@@ -204,7 +220,11 @@ def _shrunk(graph: ProgramGraph, placements: Mapping[ValueKey, DistAttr]) -> Pro
     shapes_of: dict[ValueKey, tuple[int, ...]] = {}
     for key, value in graph.values.items():
         dist = placements.get(key)
-        if dist is None or value.kind == "vector":
+        if dist is None or value.kind == "vector" or not dist.sharded_mesh_dims():
+            continue
+        parts = [dist.mesh.size if dims else 1 for dims in dist.mapping]  # (a 1-d micro_batch mesh)
+        if all(size > 0 and size % n == 0 for size, n in zip(value.shape, parts)):
+            shapes_of[key] = tuple(size // n for size, n in zip(value.shape, parts))
             continue
         shapes = {dist.local_shape(value.shape, r) for r in dist.mesh.ranks}
         if len(shapes) > 1:

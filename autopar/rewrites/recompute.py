@@ -95,6 +95,7 @@ class Recomputation:
     source: Any  # the user's program (read only)
     program: Any  # the rewritten clone
     clones: Mapping[int, int]  # op position of each clone -> position of the op it recomputes
+    copies: Mapping[int, int]  # position of each inserted op -> position of the op it copies (dropout's mask ops: none)
     positions: tuple[int, ...]  # the user's op index -> its position in ``program``
     dropped: tuple[RecomputedValue, ...]  # no longer kept for the backward
     checkpoints: tuple[RecomputedValue, ...]  # kept now because a clone reads them
@@ -186,14 +187,16 @@ def clone_outputs(graph: ProgramGraph) -> dict[ValueKey, list[ValueKey]]:
 
 
 def recompute(
-    program: Any, selection: bool | tuple[str, ...], meshes: Mapping[int, Any] | None = None
+    program: Any, selection: bool | tuple[str, ...], meshes: Mapping[int, Any] | None = None, graph: ProgramGraph | None = None
 ) -> Recomputation:
     """Rewrite a clone of ``program`` so the ops ``selection`` names are recomputed in the
     backward (see the module docstring). ``meshes``: the sub-mesh (pipeline stage) of the
     program's ops by index, where placed: a value one stage sends to another stays kept (the
-    receiver keeps its copy for its backward; recomputing it would send it again)."""
+    receiver keeps its copy for its backward; recomputing it would send it again). ``graph``:
+    the graph of ``program`` when known (the clone has the same ops in the same order; the
+    rewrite reads indices, roles, shapes and labels from it)."""
     work = program.clone()
-    graph = ProgramGraph(work)
+    graph = ProgramGraph(work) if graph is None else graph
     first = next((op.index for op in graph.ops if op.role is Role.BACKWARD), None)
     if first is None:
         raise AutoparError("Strategy.recompute: the program has no backward (build it with optimizer.minimize(loss))")
@@ -202,11 +205,12 @@ def recompute(
     plan = _Plan(graph, raw, first, dict(meshes or {}))
     kept = plan.exclude(chosen)
     plan.decide(chosen)
-    clone_ops = _rewrite(work, graph, raw, plan)
+    clone_ops, copied = _rewrite(work, graph, raw, plan)
     where = {op.id(): position for position, op in enumerate(work.global_block().ops)}
     clones = {where[c.id()]: where[raw[origin].id()] for c, origin in clone_ops}
+    copies = {where[c.id()]: where[raw[origin].id()] for c, origin in copied}
     return Recomputation(
-        selection, program, work, clones, tuple(where[op.id()] for op in raw),
+        selection, program, work, clones, copies, tuple(where[op.id()] for op in raw),
         tuple(_value(graph, k) for k in sorted(plan.rewired)),
         tuple(_value(graph, k, kept=True) for k in sorted(plan.checkpoints())), tuple(kept),
         tuple(str(graph.ops[i]) for i in sorted(chosen) if i not in plan.position),
@@ -427,16 +431,19 @@ def _value(graph: ProgramGraph, key: ValueKey, kept: bool = False) -> Recomputed
     from autopar.cost_model import tensor_bytes
 
     value = graph.values[key]
-    size = tensor_bytes([max(s, 1) for s in value.shape], value.dtype, None, 0)
-    return RecomputedValue(value.label, str(graph.ops[key[0]]), tuple(value.shape), value.dtype, size, kept)
+    shape = value.program_shape  # (whole: the graph may be one micro-batch's view)
+    size = tensor_bytes([max(s, 1) for s in shape], value.dtype, None, 0)
+    return RecomputedValue(value.label, str(graph.ops[key[0]]), tuple(shape), value.dtype, size, kept)
 
 
 # ---- rewriting ----------------------------------------------------------------------------------
 
 
-def _rewrite(work: Any, graph: ProgramGraph, raw: list[Any], plan: _Plan) -> list[tuple[Any, int]]:
+def _rewrite(work: Any, graph: ProgramGraph, raw: list[Any], plan: _Plan) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
     """Insert the clones (ascending op index before each insertion point) and move the backward
-    reads; returns (inserted op, index of the op it recomputes) for every inserted op."""
+    reads; returns (inserted op, index of the op it recomputes) for every inserted op, and
+    (inserted op, index of the op it is a copy of) for every copy (a vector's combine or split
+    copies its own op; dropout's mask ops copy none)."""
     import paddle
 
     ids = {
@@ -444,6 +451,7 @@ def _rewrite(work: Any, graph: ProgramGraph, raw: list[Any], plan: _Plan) -> lis
     }
     made: dict[ValueKey, Any] = {}  # recomputed value -> its clone's result
     inserted: list[tuple[Any, int]] = []
+    copied: list[tuple[Any, int]] = []
     with paddle.static.program_guard(work):
         for index in sorted(plan.position, key=lambda i: (plan.position[i], i)):
             paddle.pir.set_insertion_point(raw[plan.position[index]])
@@ -453,13 +461,15 @@ def _rewrite(work: Any, graph: ProgramGraph, raw: list[Any], plan: _Plan) -> lis
                 ops = _dropout_clone(op, raw[index], x)
                 made[op.outputs[0]] = ops[-1].result(0)
             else:
-                ops = _clone_unit(plan, raw, ids, made, index)
+                copies = _clone_unit(plan, raw, ids, made, index)
+                copied += copies
+                ops = [o for o, _ in copies]
             inserted += [(o, index) for o in ops]
         paddle.pir.reset_insertion_point_to_end()
     for key, sites in plan.rewired.items():
         for site_op, slot in sites:
             raw[site_op].operand(slot).set_source(made[key])
-    return inserted
+    return inserted, copied
 
 
 def _source(plan: _Plan, ids: dict[str, ValueKey], made: dict[ValueKey, Any], reader: int, value: Any) -> Any:
@@ -496,12 +506,15 @@ def clone_reading(original: Any, source_of: Callable[[Any], Any]) -> list[Any]:
     return out
 
 
-def _clone_unit(plan: _Plan, raw: list[Any], ids: dict, made: dict, index: int) -> list[Any]:
+def _clone_unit(plan: _Plan, raw: list[Any], ids: dict, made: dict, index: int) -> list[tuple[Any, int]]:
     """Clone op ``index`` with the builtin.combine ops building its vector operands and the
-    builtin.split ops taking its vector results apart; returns the inserted ops."""
+    builtin.split ops taking its vector results apart; returns each inserted op with the index
+    of the op it copies."""
     op = raw[index]
     out = clone_reading(op, lambda value: _source(plan, ids, made, index, value))
     copy = out[-1]
+    sources = [ids[source.id][0] for source in op.operands_source() if _combined(source)]  # (a combine's result is its op's)
+    pairs = list(zip(out, [*sources, index]))
     for j, result in enumerate(op.results()):
         if not result.initialized():
             continue
@@ -509,10 +522,15 @@ def _clone_unit(plan: _Plan, raw: list[Any], ids: dict, made: dict, index: int) 
         for user in result.all_used_ops():
             if user.name() == "builtin.split":
                 split = _clone(user, [copy.result(j)])
-                out.append(split)
-                position = ids[user.result(0).id][0]
-                made.update({(position, m): split.result(m) for m in range(split.num_results())})
-    return out
+                at = ids[user.result(0).id][0]
+                pairs.append((split, at))
+                made.update({(at, m): split.result(m) for m in range(split.num_results())})
+    return pairs
+
+
+def _combined(source: Any) -> bool:
+    producer = source.get_defining_op() if source.initialized() else None
+    return producer is not None and producer.name() == "builtin.combine"
 
 
 def _dropout_clone(op: OpNode, original: Any, x: Any) -> list[Any]:

@@ -3,6 +3,8 @@ strategies that differ in the ZeRO stage, gradient fusion or the schedule plans 
 fresh compile plans (collectives, schedules, the run equal to serial), leaves the analysis as it
 was, and refuses a strategy that needs another analysis, naming the field."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,26 @@ def test_an_analysis_derived_from_another_is_the_analysis_made_afresh(fields):
     assert _collectives(shared) == _collectives(autopar.compile(seed.main, mesh, seed.startup, strategy(**fields)))
     with pytest.raises(AutoparError, match="another program"):
         autopar.analyze(_gpt_pp_mp()[0].main, mesh, seed.startup, strategy(**fields), base=base)
+
+
+def test_recompute_after_micro_batching_places_its_clones_as_propagation_would():
+    """Recompute runs after micro-batching, so strategies differing in recompute share the
+    micro-batch analysis: its clones are placed and scaled as the ops they copy. That is what a
+    micro-batch propagation over the recomputed program itself finds, value by value."""
+    from autopar.graph import ProgramGraph
+    from autopar.rewrites.micro_batching import micro_batching
+
+    seed, mesh = _gpt_pp_mp()
+    base = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    first = autopar.analyze(seed.main, mesh, seed.startup, base)
+    derived = autopar.analyze(seed.main, mesh, seed.startup, dataclasses.replace(base, recompute=True), base=first)
+    assert [type(r).__name__ for r in derived.rewrites][-2:] == ["MicroBatch", "Recompute"]
+    assert derived.steps[-2] is first.steps[-1]  # the micro-batch analysis was not made again
+    rewrite = derived.state.recompute
+    assert rewrite.copies and set(rewrite.copies) <= set(rewrite.clones)
+    graph = ProgramGraph(rewrite.program, recomputes=rewrite.clones)
+    propagated, view = micro_batching(graph, 2)
+    micro = derived.state.micro
+    assert micro.placements == propagated.placements and micro.scales == propagated.scales
+    got = {k: v.shape for k, v in derived.graph.values.items()}
+    assert got == {k: v.shape for k, v in view.values.items()}
