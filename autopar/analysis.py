@@ -18,10 +18,13 @@ is refused, naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.graph import ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState
 from autopar.strategy import Strategy
@@ -90,32 +93,31 @@ class Analysis:
 
 
 def analyze(
-    program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None, base: Analysis | None = None
+    program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None, base: Analysis | None = None,
+    placements: Mapping[ValueKey, DistAttr] | None = None,
 ) -> Analysis:  # fmt: skip
     """The analysis of ``program`` on ``mesh`` for ``strategy`` (and every strategy sharing its
     analysed fields): pass it to ``autopar.compile(..., analysis=...)``.
 
     ``base``: an analysis of the same program for another strategy to derive this one from —
     the rewrites both strategies run first (the shape reads, the pipeline stages) are not run
-    again, and a strategy that only adds sequence parallelism reuses ``base``'s propagation as
-    its first one. The result is the analysis ``analyze`` would make without ``base``."""
+    again, another micro-batch count is derived from ``base``'s split, and a strategy that only
+    adds sequence parallelism reuses ``base``'s propagation as its first one. The result is the
+    analysis ``analyze`` would make without ``base``."""
     from autopar.compile import analysis_start, effective_strategy, state_of
     from autopar.gc_pause import gc_paused
-    from autopar.rewrites import applied, rewrites_for
+    from autopar.rewrites import applied, derived, rewrites_for
 
     with gc_paused():
         strategy = effective_strategy(program, mesh, strategy)
         rewrites = rewrites_for(strategy)
         if base is None:
-            steps = applied(rewrites, analysis_start(program, mesh, startup_program, strategy))
+            steps = applied(rewrites, analysis_start(program, mesh, startup_program, strategy, placements))
         else:
             if not isinstance(base, Analysis):
                 raise AutoparError(f"analyze(base=...) takes what autopar.analyze returned, got {type(base).__name__}")
             _check_base(base, program, mesh, startup_program, strategy)
-            shared = 0
-            while shared < min(len(rewrites), len(base.rewrites)) and rewrites[shared] == base.rewrites[shared]:
-                shared += 1
-            steps = list(base.steps[: shared + 1]) + applied(rewrites[shared:], base.steps[shared])[1:]
+            steps = derived(rewrites, base.rewrites, base.steps)
         state = state_of(steps[-1], strategy, startup_program)
     return Analysis(program, mesh, startup_program, tuple(analysed_fields(strategy).items()), state, rewrites, tuple(steps))
 

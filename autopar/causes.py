@@ -71,6 +71,7 @@ class Gradient:
 
 
 _GRADIENTS: weakref.WeakKeyDictionary[ProgramGraph, dict[ValueKey, Gradient]] = weakref.WeakKeyDictionary()
+_UPDATES: weakref.WeakKeyDictionary[ProgramGraph, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
 
 
 def gradients(graph: ProgramGraph) -> dict[ValueKey, Gradient]:
@@ -83,16 +84,19 @@ def gradients(graph: ProgramGraph) -> dict[ValueKey, Gradient]:
 
 
 def updates(graph: ProgramGraph) -> list[tuple[Any, Any]]:
-    """The parameter updates (optimizer ops with a rule), each with its rule."""
+    """The parameter updates (optimizer ops with a rule), each with its rule (found once per
+    graph: every strategy compiled from one analysis asks)."""
     from autopar.spmd import get_rule
     from autopar.spmd.optimizer import OptimizerRule
 
-    found = []
-    for op in graph.ops:
-        rule = get_rule(op.name)
-        if isinstance(rule, OptimizerRule) and op.inputs and op.inputs[0] is not None:
-            found.append((op, rule))
-    return found
+    found = _UPDATES.get(graph)
+    if found is None:
+        found = _UPDATES[graph] = []
+        for op in graph.ops:
+            rule = get_rule(op.name)
+            if isinstance(rule, OptimizerRule) and op.inputs and op.inputs[0] is not None:
+                found.append((op, rule))
+    return list(found)
 
 
 def _gradients(graph: ProgramGraph) -> dict[ValueKey, Gradient]:

@@ -89,7 +89,7 @@ class DistributedProgram:
         reshard, per strategy feature. The public way to ask; the compile state is internal."""
         from autopar.inspect.query import Decisions
 
-        return Decisions(self)
+        return Decisions(self, self.state)
 
     @property
     def passes(self) -> PassPipeline:

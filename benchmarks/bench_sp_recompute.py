@@ -50,7 +50,7 @@ def run(rank: int) -> None:
         return seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(**options))
 
     # the values sequence parallelism splits (norms, residual adds, dropouts between the regions)
-    region = {v.key for v in compiled(CONFIGS["TP+SP"])[1].state.sequence.values if v.seq_dim is not None}
+    region = {v.key for v in compiled(CONFIGS["TP+SP"])[1].decisions.sequence().values if v.seq_dim is not None}
     rows = []
     for name, options in CONFIGS.items():
         seed, dist = compiled(options)

@@ -26,7 +26,7 @@ import autopar  # noqa: E402
 from autopar.analysis import analysed_fields  # noqa: E402
 from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
 
-RUNS = 3
+RUNS = 5
 
 
 def strategies() -> list[autopar.Strategy]:

@@ -17,6 +17,7 @@ after each, where per-pass dumps hook in (``build_rank(rank, upto=name)``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -113,9 +114,9 @@ class CompileState:
     def label(self, key: ValueKey) -> str:
         """A value as the user knows it: parameters, feeds and states by name, the gradient an
         update reads as ``grad(W) %12.1``, its result as ``updated W`` (for reasons and reports)."""
-        names = self.__dict__.get("_gradient_names")
-        if names is None:
-            names = self.__dict__["_gradient_names"] = _gradient_names(self.graph)
+        names = _GRADIENT_NAMES.get(self.graph)
+        if names is None:  # (once per graph: every strategy compiled from one analysis labels alike)
+            names = _GRADIENT_NAMES[self.graph] = _gradient_names(self.graph)
         return names.get(key, self.graph.values[key].label)
 
     def mesh_dim_sets(self) -> list[tuple[int, ...]]:
@@ -150,6 +151,9 @@ class CompileState:
         # a set no planned collective uses (a fetch's): after the planned ones, by its bitmask
         slot = sets.index(dims) if dims in sets else len(sets) + sum(1 << d for d in dims)
         return slot * self.mesh.size + index
+
+
+_GRADIENT_NAMES: weakref.WeakKeyDictionary[ProgramGraph, dict[ValueKey, str]] = weakref.WeakKeyDictionary()
 
 
 def _gradient_names(graph: ProgramGraph) -> dict[ValueKey, str]:

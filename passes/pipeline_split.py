@@ -23,6 +23,7 @@ planned once at compile for the whole pipeline; ``dist.schedule(rank)`` returns 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -137,7 +138,19 @@ def _split_backward(rp: RankProgram) -> None:
 def find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict[int, int]]:
     """The pipeline ranks' meshes, each stage's mesh index, and each op's stage. A stage is a
     maximal run of forward ops on one sub-mesh; backward ops follow their forward op (or the
-    op whose result they read), updates the first forward reader of their parameter."""
+    op whose result they read), updates the first forward reader of their parameter. (Found
+    once per graph and op meshes: every strategy compiled from one analysis asks.)"""
+    found = _STAGES.get(state.graph)
+    if found is None or found[0] != state.mesh or found[1] != state.propagation.op_meshes:
+        found = _STAGES[state.graph] = (state.mesh, dict(state.propagation.op_meshes), _find_stages(state))
+    meshes, stages, stage_of = found[2]
+    return list(meshes), list(stages), dict(stage_of)
+
+
+_STAGES: weakref.WeakKeyDictionary[Any, tuple[ProcessMesh, dict, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict[int, int]]:
     graph, op_meshes = state.graph, state.propagation.op_meshes
     runs: list[ProcessMesh] = []
     stage_of: dict[int, int] = {}

@@ -88,9 +88,10 @@ class PipelineDecision:
 class Decisions:
     """The query API of one DistributedProgram (``dist.decisions``); see the module docstring."""
 
-    def __init__(self, dist: Any) -> None:
+    def __init__(self, dist: Any, state: Any) -> None:
+        """``state``: what compile decided for ``dist`` (its CompileState; only this API reads it)."""
         self._dist = dist
-        self._state = dist.state
+        self._state = state
 
     # ---- the program as analysed ---------------------------------------------------------
     @property

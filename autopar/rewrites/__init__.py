@@ -27,7 +27,7 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
-from autopar.rewrites.micro_batching import MicroBatching
+from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
 from autopar.rewrites.recompute import Recomputation
@@ -126,6 +126,12 @@ class Rewrite:
 
     def apply(self, work: Analysed) -> Analysed:
         raise NotImplementedError
+
+    def derive(self, work: Analysed, sibling: Analysed) -> Analysed | None:
+        """What ``apply(work)`` returns, made from ``sibling``: what a rewrite of this kind with
+        other parameters made of ``work`` (None: apply it). ``autopar.analyze(..., base=)``
+        asks, where two strategies part at this rewrite."""
+        return None
 
     def __str__(self) -> str:
         fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
@@ -230,6 +236,15 @@ class MicroBatch(Rewrite):
             work = work.reported(self, str(copies), **work.moved(copies.program, copies.positions))
             work = dataclasses.replace(work, op_meshes={**work.op_meshes, **copies.meshes})
             micro, graph = micro_batch_view(work.graph, self.count)
+        return self._reported(work, micro, graph)
+
+    def derive(self, work: Analysed, sibling: Analysed) -> Analysed | None:
+        if sibling.micro is None or sibling.program is not work.program:  # (the sibling copied whole-batch counts)
+            return None
+        made = recounted(sibling.micro, work.graph, self.count)
+        return None if made is None else self._reported(work, *made)
+
+    def _reported(self, work: Analysed, micro: MicroBatching, graph: ProgramGraph) -> Analysed:
         text = f"{len(micro.feeds)} feed(s) split into {self.count} micro-batches; {len(micro.scales)} op(s) rescaled"
         return work.reported(self, text, graph=graph, micro=micro)
 
@@ -269,6 +284,24 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:
     return applied(rewrites, work)[-1]
+
+
+def derived(rewrites: Sequence[Rewrite], base_rewrites: Sequence[Rewrite], base_steps: Sequence[Analysed]) -> list[Analysed]:
+    """The analysis after each of ``rewrites``, from another strategy's (``base_rewrites`` and
+    the values ``base_steps`` before and after each): the rewrites both run first are not run
+    again, and where the two part at rewrites of one kind, that rewrite derives its value from
+    the other's (:meth:`Rewrite.derive`)."""
+    shared = 0
+    while shared < min(len(rewrites), len(base_rewrites)) and rewrites[shared] == base_rewrites[shared]:
+        shared += 1
+    steps = list(base_steps[: shared + 1])
+    rest = list(rewrites[shared:])
+    if rest and shared < len(base_rewrites) and type(rest[0]) is type(base_rewrites[shared]):
+        made = rest[0].derive(steps[-1], base_steps[shared + 1])
+        if made is not None:
+            steps.append(made)
+            rest = rest[1:]
+    return steps + applied(rest, steps[-1])[1:]
 
 
 def applied(rewrites: Sequence[Rewrite], work: Analysed) -> list[Analysed]:

@@ -136,6 +136,32 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
     return analysis, _shrunk(graph, placements)
 
 
+def recounted(micro: MicroBatching, graph: ProgramGraph, count: int) -> tuple[MicroBatching, ProgramGraph] | None:
+    """The analysis of ``graph`` for ``count`` micro-batches from ``micro``, its analysis for
+    another count: the same values split the same way, rescaled (None where a split dim
+    ``count`` does not divide: then it is made afresh). Micro-batch propagation runs without a
+    cost model, and a rule's choice depends on the mesh size only through whether it divides a
+    dim: where every dim split one way splits the other, both propagations take the same steps
+    (tests/unit/test_analysis.py compares them)."""
+    mesh = ProcessMesh(list(range(count)), ["micro_batch"])
+    placements = {}
+    for key, dist in micro.placements.items():
+        moved = DistAttr(mesh, dist.mapping, dist.partial)
+        if dist.sharded_mesh_dims():
+            value = graph.values[key]
+            if any(dims and (size <= 0 or size % count) for size, dims in zip(value.shape, dist.mapping)):
+                return None
+        placements[key] = moved
+    scales = {}
+    for index in micro.scales:  # (only ops that rescale do so for any count)
+        op = graph.ops[index]
+        specs = [None if k is None else TensorSpec(graph.values[k].program_shape, placements[k], graph.values[k].dtype) for k in op.inputs]
+        factor = float(get_rule(op.name).local_scale(specs, op.attrs, 0))
+        if factor != 1.0:
+            scales[index] = factor
+    return MicroBatching(count, placements, scales, micro.feeds, micro.whole_reads), _shrunk(graph, placements)
+
+
 def _cut_whole_batch_values(graph: ProgramGraph, mesh: ProcessMesh, feeds: dict[ValueKey, DistAttr]) -> PropagationResult:
     """Propagate the feeds' split; then every value built whole over the batch without reading
     a feed (``paddle.ones([batch, seq])``, an expand of a position table to the batch) that a

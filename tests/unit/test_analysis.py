@@ -129,3 +129,32 @@ def test_recompute_after_micro_batching_places_its_clones_as_propagation_would()
     assert micro.placements == propagated.placements and micro.scales == propagated.scales
     got = {k: v.shape for k, v in derived.graph.values.items()}
     assert got == {k: v.shape for k, v in view.values.items()}
+
+
+@pytest.mark.parametrize("counts", [(2, 4), (4, 2)])
+def test_another_micro_batch_count_is_derived_from_the_split_of_one(counts, monkeypatch):
+    """Strategies differing in the micro-batch count share the split: the count asked for is
+    derived from the base's (no micro-batch propagation), and equals the analysis made afresh —
+    placements, scales and one micro-batch's shapes."""
+    from autopar.rewrites import micro_batching as module
+    from autopar.rewrites.micro_batching import micro_batching
+
+    seed, mesh = _gpt_pp_mp()
+    first, then = counts
+    base = autopar.analyze(seed.main, mesh, seed.startup, autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=first, stages=2)))
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=then, stages=2))
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_cut_whole_batch_values", lambda *a: pytest.fail("the micro-batch split was propagated again"))
+        derived = autopar.analyze(seed.main, mesh, seed.startup, strategy, base=base)
+    fresh, view = micro_batching(derived.steps[-2].graph, then)
+    assert derived.state.micro.placements == fresh.placements and derived.state.micro.scales == fresh.scales
+    assert {k: v.shape for k, v in derived.graph.values.items()} == {k: v.shape for k, v in view.values.items()}
+
+
+def test_a_count_that_does_not_divide_a_split_is_analysed_afresh():
+    """A split the new count does not divide (a batch of 4 rows in 8 micro-batches) is not
+    derived: micro-batching itself says why."""
+    seed, mesh = _gpt_pp_mp()
+    base = autopar.analyze(seed.main, mesh, seed.startup, autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2)))
+    with pytest.raises(AutoparError, match="micro-batches do not divide evenly"):
+        autopar.analyze(seed.main, mesh, seed.startup, autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=8, stages=2)), base=base)
