@@ -10,6 +10,7 @@ program is a clone.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
@@ -151,9 +152,12 @@ def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, 
     return state_of(work, strategy, startup_program)
 
 
-def analysis_start(program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> Analysed:
+def analysis_start(
+    program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy, placements: Mapping[ValueKey, DistAttr] | None = None
+) -> Analysed:  # fmt: skip
     """The analysis before any rewrite: the program checked, its graph view, the user's
-    annotations and op placements."""
+    annotations and op placements (``placements``: a plan's annotations by value key, used
+    instead of the program's — strategy search tries plans without annotating the program)."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     _check_program(program, "program")
@@ -164,10 +168,13 @@ def analysis_start(program: Any, mesh: ProcessMesh, startup_program: Any, strate
     graph = ProgramGraph(program)
     _check_static_shapes(graph)
     _check_startup(graph, startup_program)
-    warn_foreign_annotations(program, graph)
-    user = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None)
+    if placements is not None:
+        user, op_meshes = dict(placements), {}
+    else:
+        warn_foreign_annotations(program, graph)
+        user, op_meshes = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None), _op_meshes(program, graph, mesh)
     _refuse_meaningless_partials(graph, user)
-    return Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, _op_meshes(program, graph, mesh))
+    return Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, op_meshes)
 
 
 def state_of(work: Analysed, strategy: Strategy, startup_program: Any) -> CompileState:

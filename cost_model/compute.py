@@ -150,3 +150,19 @@ def einsum_cost(
         flops = float(sum(elems(o) for o in outs))
     traffic = sum(elems(t) for t in [*lhs.split(","), *outs]) * dtype_bytes(dtype)
     return OpCost(flops, float(traffic))
+
+
+def op_cost_or_traffic(
+    op_name: str, inputs: Sequence[Shape], outputs: Sequence[Shape], attrs: Mapping[str, Any] | None = None, dtype: str = "float32",
+) -> tuple[OpCost, bool]:  # fmt: skip
+    """:func:`op_cost`, and True; for an op the table lacks (or an odd dtype or shape), its
+    memory traffic alone — every operand read and result written once — and False: a shape,
+    index or copy op is memory-bound, and pricing it so beats leaving it free."""
+    try:
+        return op_cost(op_name, inputs, outputs, attrs, dtype), True
+    except (CostModelError, IndexError, KeyError, ValueError):
+        try:
+            itemsize = dtype_bytes(dtype)
+        except CostModelError:
+            itemsize = 4
+        return OpCost(0.0, _traffic(inputs, outputs, itemsize)), False

@@ -20,9 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cost_model import MemoryEstimate, OpCost, TensorInfo, memory_per_rank, op_cost, tensor_bytes
+from autopar.cost_model import MemoryEstimate, TensorInfo, memory_per_rank, op_cost_or_traffic, tensor_bytes
 from autopar.cost_model.cluster import profile_origin
-from autopar.errors import CostModelError
 from autopar.graph import Role
 from autopar.units import format_bytes, format_time
 
@@ -116,20 +115,11 @@ def _compute(program: Any, cluster: Any, unpriced: set[str]) -> float:
         outs = [s for s in map(_shape, op.results()) if s is not None]
         dtype = _dtype(list(op.results()) + list(op.operands_source()))
         attrs = {k: v for k, v in op.attrs().items() if k in ("transpose_x", "transpose_y")}
-        try:
-            cost = op_cost(name, ins, outs, attrs, dtype=dtype if dtype.startswith(("float", "bfloat")) else "float32")
-        except (CostModelError, IndexError, KeyError, ValueError):
+        cost, priced = op_cost_or_traffic(name, ins, outs, attrs, dtype=dtype if dtype.startswith(("float", "bfloat")) else "float32")
+        if not priced:
             unpriced.add(name.removeprefix("pd_op."))
-            cost = OpCost(0.0, float(sum(_numel(s) for s in ins + outs) * 4))
         total += cost.time(cluster)
     return total
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def saved_activations(graph: Any, resharded: frozenset[tuple[int, Any]] = frozenset()) -> list[Any]:

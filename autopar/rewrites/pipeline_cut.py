@@ -25,13 +25,12 @@ is on ``mesh[i % mesh.shape[0]]``: with ``n`` = the pipeline ranks each rank has
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-from autopar.cost_model.cluster import DTYPE_BYTES, Cluster
-from autopar.cost_model.compute import OpCost, op_cost
-from autopar.errors import AnnotationError, CostModelError
+from autopar.cost_model import op_cost_or_traffic
+from autopar.cost_model.cluster import Cluster
+from autopar.errors import AnnotationError
 from autopar.graph import ProgramGraph, Role
 from autopar.layer_paths import path_of, repeated_depth
 from autopar.mesh import ProcessMesh
@@ -61,11 +60,7 @@ def op_seconds(graph: ProgramGraph, op: Any, cluster: Cluster) -> float:
     inputs = [graph.values[k].shape for k in op.inputs if k is not None]
     outputs = [graph.values[k].shape for k in op.outputs if k is not None]
     dtype = next((graph.values[k].dtype for k in op.outputs if k is not None), "float32")
-    try:
-        cost = op_cost(op.name, inputs, outputs, op.attrs, dtype)
-    except CostModelError:  # not in the compute table (or an odd dtype): memory-bound, its bytes
-        itemsize = DTYPE_BYTES.get(str(dtype).removeprefix("paddle."), 4)
-        cost = OpCost(0.0, float(sum(math.prod(s) for s in [*inputs, *outputs]) * itemsize))
+    cost, _ = op_cost_or_traffic(op.name, inputs, outputs, op.attrs, dtype)
     return 3.0 * cost.time(cluster, dtype) + LAUNCH_SECONDS
 
 
