@@ -76,7 +76,7 @@ ID_OPS = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorParallel:
     """The tensor-parallel split of a program's parameters (Megatron's), and what was left whole."""
 
@@ -97,7 +97,7 @@ class TensorParallel:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Linear:
     """A forward parameter matmul ``x @ W`` (W [in, out] not transposed) and its bias add."""
 
@@ -107,7 +107,7 @@ class _Linear:
     bias_op: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Pair:
     """Column linears ``feeders`` and the row linear ``row`` they feed; ``region``: the ops between."""
 
@@ -116,7 +116,7 @@ class _Pair:
     region: frozenset[int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Vocab:
     """An embedding table split by rows, the ops reading it and the ops after its tied heads."""
 
