@@ -267,7 +267,43 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
     check.add_argument("--int-high", type=int, default=2,
                        help="integer feeds (token ids, labels) are drawn below this (default 2: valid for any model)")  # fmt: skip
+    suggest = sub.add_parser("suggest", help="the best plans for a program on N devices, ranked and explained",
+                             epilog=HANDOVER, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    suggest.add_argument("target", help="file.py, file.py:function or module:function giving (main, startup) (a mesh is ignored)")
+    suggest.add_argument("--world", type=int, required=True, help="number of devices")
+    suggest.add_argument("--memory", help="memory per device, e.g. 80GB or 512MiB (default: the profile's device memory)")
+    suggest.add_argument("--profile", help="cost profile name or JSON path (default: the hardware in use)")
+    suggest.add_argument("--top", type=int, default=5, help="plans shown (default 5)")
     return parser
+
+
+def suggest_text(target: str, world: int, memory: str | None, profile: str | None, top: int) -> str:
+    """``autopar suggest``: the ranked table and the best plan's why."""
+    import autopar
+
+    with contextlib.redirect_stdout(sys.stderr):
+        obj = _load(target)
+    if isinstance(obj, autopar.DistributedProgram):
+        main, startup = obj.serial_program, obj.serial_startup_program
+    elif isinstance(obj, tuple) and 1 <= len(obj) <= 4:
+        rest = [x for x in obj[1:] if not isinstance(x, (autopar.ProcessMesh, autopar.Strategy))]
+        main, startup = obj[0], rest[0] if rest else None
+    else:
+        raise AutoparError(f"{target} gave a {type(obj).__name__}; expected a DistributedProgram or (main[, mesh], startup)")
+    budget = parse_bytes(memory) if memory is not None else None
+    return str(autopar.suggest(main, world, startup, memory_per_rank=budget, cluster=profile, top=top)) + "\n"
+
+
+def parse_bytes(text: str) -> int:
+    """``80GB``, ``80 GiB``, ``512MiB``, ``1e9`` -> bytes (GB: 10^9, GiB: 2^30)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", text)
+    if match is None:
+        raise AutoparError(f"--memory {text!r}: expected a size such as 80GB, 80GiB or 512MiB")
+    number, prefix, binary = match.groups()
+    power = " KMGT".index(prefix or " ")
+    return int(float(number) * (1024 if binary else 1000) ** power)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "suggest":
+            sys.stdout.write(suggest_text(args.target, args.world, args.memory, args.profile, args.top))
+            return 0
         dist = load_target(args.target)
         if args.command == "explain":
             sys.stdout.write(explain_text(dist, args.target))

@@ -1,0 +1,228 @@
+"""``autopar.suggest``: the best plans for a program on ``world`` devices, ranked and explained
+(stage: strategy search, before compile).
+
+For each mesh shape (:mod:`.search`) the annotations are found from the program
+(:mod:`.annotations`: the feeds' batch dim, Megatron's column / row pairs of linears, a
+vocabulary-parallel embedding), analysed once (``autopar.analyze(..., placements=...)``, the
+program itself is not annotated), and every strategy of that shape is compiled from the
+analysis (or one derived from it) and priced from what compile planned (:mod:`.pricing`: no
+rank program is built). Plans whose parameter and optimizer memory alone cannot fit the budget
+are dropped before any compile. The result is ranked by predicted step time among the plans
+that fit, then by memory; each :class:`Plan` says why in the user's terms, and
+``plan.compile()`` gives its DistributedProgram.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.analysis import analysed_fields, analyze
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.graph import ProgramGraph, ValueKey
+from autopar.mesh import ProcessMesh
+from autopar.strategy import Strategy
+from autopar.suggest.pricing import Price, price
+from autopar.suggest.search import Shape, shapes, strategies
+from autopar.units import format_bytes, format_time
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate: a mesh, the annotations applied, a Strategy, and its predicted price."""
+
+    shape: Shape
+    mesh: ProcessMesh
+    strategy: Strategy
+    placements: Mapping[ValueKey, DistAttr] = field(repr=False)
+    price: Price
+    budget: int  # bytes per rank
+    split: str  # what the annotations split, in words
+    program: Any = field(repr=False, compare=False)
+    startup_program: Any = field(repr=False, compare=False)
+    analysis: Any = field(repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.price.memory <= self.budget
+
+    def compile(self) -> Any:
+        """The DistributedProgram of this plan (the program is compiled with the plan's
+        annotations; it is not annotated)."""
+        import autopar
+
+        return autopar.compile(self.program, self.mesh, self.startup_program, self.strategy, analysis=self.analysis)
+
+    @property
+    def features(self) -> str:
+        s, out = self.strategy, []
+        if s.zero_stage:
+            out.append(f"ZeRO-{s.zero_stage}")
+        if s.sequence_parallel:
+            out.append("SP")
+        if s.recompute:
+            out.append("recompute")
+        if s.pipeline is not None:
+            out.append(f"{s.pipeline.schedule} m={s.pipeline.micro_batches}")
+        return ", ".join(out) or "-"
+
+    @property
+    def why(self) -> str:
+        """One paragraph: what each rank holds and runs, where the time goes, the memory."""
+        p, s = self.price, self.shape
+        parts = []
+        if s.dp > 1:
+            parts.append(f"the batch is split over {s.dp} data-parallel ranks (one gradient sync per step)")
+        if s.mp > 1:
+            parts.append(f"{self.split} over {s.mp} tensor-parallel ranks of one node")
+        if s.pp > 1:
+            parts.append(f"the layers are cut into {s.pp} pipeline stages balanced by predicted time")
+        if self.strategy.zero_stage:
+            what = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}
+            parts.append(f"ZeRO-{self.strategy.zero_stage} shards the {what[self.strategy.zero_stage]} over the data ranks")
+        if self.strategy.sequence_parallel:
+            parts.append("sequence parallelism splits the activations between tensor-parallel regions")
+        if self.strategy.recompute:
+            parts.append("each layer's activations are recomputed in the backward instead of kept")
+        head = "; ".join(parts) or "one device runs the whole program"
+        room = "fits" if self.fits else "does NOT fit"
+        return (
+            f"{head[0].upper()}{head[1:]}. Step {format_time(p.step)} = compute {format_time(p.compute)} + "
+            f"communication {format_time(p.communication)} + bubble {format_time(p.bubble)}; "
+            f"{format_bytes(p.sent)} sent per step; peak {format_bytes(p.memory)} per rank "
+            f"({format_bytes(p.parameter_memory)} parameters, gradients and optimizer states), which {room} "
+            f"in {format_bytes(self.budget)}."
+        )
+
+    def row(self) -> tuple[str, ...]:
+        p = self.price
+        return (str(self.shape), self.features, format_time(p.step), format_time(p.compute), format_time(p.communication),
+                format_time(p.bubble), format_bytes(p.memory), "yes" if self.fits else "no")  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"{self.shape} [{self.features}]: {self.why}"
+
+
+class Suggestions(list):
+    """The ranked plans (a list of :class:`Plan`), with what the search did: ``searched``
+    candidates priced, ``pruned`` by memory before compiling, ``skipped`` shapes and why,
+    ``seconds`` it took. ``str()`` is a table."""
+
+    searched: int = 0
+    pruned: int = 0
+    seconds: float = 0.0
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        head = ("mesh", "strategy", "step", "compute", "comm", "bubble", "peak mem", "fits")
+        rows = [head] + [plan.row() for plan in self]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.append(f"{self.searched} candidates priced, {self.pruned} pruned by memory, in {self.seconds:.1f} s")
+        lines += [f"skipped {shape}: {why}" for shape, why in self.skipped]
+        if self:
+            lines += ["", f"best: {self[0]}"]
+        return "\n".join(lines)
+
+
+def suggest(
+    program: Any, world: int, startup_program: Any = None, memory_per_rank: int | None = None,
+    cluster: str | None = None, top: int = 5,
+) -> Suggestions:  # fmt: skip
+    """The ``top`` plans for ``program`` on ``world`` devices (see the module docstring).
+    ``memory_per_rank``: bytes (default: the profile's device memory); ``cluster``: a cost
+    profile name or path (default: the hardware in use)."""
+    from autopar.cost_model.cluster import default_cluster, load_cluster
+    from autopar.suggest.annotations import batch_feeds, placements, tensor_parallel
+
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise AutoparError(f"suggest: world must be a positive number of devices, got {world!r}")
+    if not isinstance(top, int) or top < 1:
+        raise AutoparError(f"suggest: top must be a positive int, got {top!r}")
+    started = time.perf_counter()
+    graph = ProgramGraph(program)
+    feeds = batch_feeds(graph)
+    batch = graph.values[feeds[0]].shape[0] if feeds else 1
+    profile = load_cluster(cluster) if cluster else default_cluster()
+    budget = int(memory_per_rank if memory_per_rank is not None else profile.device.memory_bytes)
+    out, skipped = Suggestions(), []
+    weights = _parameter_bytes(graph)
+    for shape in shapes(world):
+        if batch % shape.dp:
+            skipped.append((str(shape), f"the batch of {batch} rows does not split over {shape.dp} data ranks"))
+            continue
+        if shape.mp > profile.devices_per_node:
+            skipped.append((str(shape), f"tensor parallelism over {shape.mp} ranks would cross nodes of {profile.devices_per_node}"))
+            continue
+        tp = tensor_parallel(graph, shape.mp) if shape.mp > 1 else None
+        if shape.mp > 1 and not tp:
+            skipped.append((str(shape), f"nothing found to split over {shape.mp} tensor ranks"))
+            continue
+        mesh = shape.mesh()
+        annotated = placements(graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
+        split = _split_words(tp)
+        analyses: dict[tuple, Any] = {}
+        for strategy in strategies(shape, batch, cluster):
+            if _memory_floor(weights, shape, strategy) > budget:
+                out.pruned += 1
+                continue
+            key = tuple(analysed_fields(strategy).items())
+            try:
+                if key not in analyses:
+                    first = next(iter(analyses.values()), None)
+                    analyses[key] = analyze(program, mesh, startup_program, strategy, base=first, placements=annotated)
+                dist = _compiled(program, mesh, startup_program, strategy, analyses[key])
+            except AutoparError as error:
+                skipped.append((f"{shape} [{strategy}]", str(error).splitlines()[0]))
+                analyses.pop(key, None)
+                continue
+            out.searched += 1
+            out.append(Plan(shape, mesh, strategy, annotated, price(dist.state), budget, split, program, startup_program, analyses[key]))
+    out.sort(key=lambda plan: (not plan.fits, plan.price.step if plan.fits else plan.price.memory, plan.price.memory))
+    del out[top:]
+    out.skipped = tuple(skipped)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def _compiled(program: Any, mesh: ProcessMesh, startup: Any, strategy: Strategy, analysis: Any) -> Any:
+    import warnings
+
+    import autopar
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.compile(program, mesh, startup, strategy, analysis=analysis)
+
+
+def _parameter_bytes(graph: ProgramGraph) -> tuple[int, int]:
+    """Bytes of the parameters and of the optimizer states (the program's state tensors)."""
+    from autopar.cost_model import tensor_bytes
+
+    params = sum(tensor_bytes(v.shape, v.dtype, None, 0) for v in graph.values.values() if v.kind == "parameter")
+    states = sum(tensor_bytes(v.shape, v.dtype, None, 0) for v in graph.values.values() if v.kind == "state")
+    return params, states
+
+
+def _memory_floor(weights: tuple[int, int], shape: Shape, strategy: Strategy) -> float:
+    """Parameters, gradients and optimizer states per rank at best (every weight split over the
+    tensor and pipeline ranks; ZeRO's shards over the data ranks): a plan above the budget by
+    these alone cannot fit whatever its activations."""
+    params, states = weights
+    model = shape.mp * shape.pp
+    zero = strategy.zero_stage
+    return params / model / (shape.dp if zero >= 3 else 1) + params / model / (shape.dp if zero >= 2 else 1) + states / model / (
+        shape.dp if zero >= 1 else 1
+    )
+
+
+def _split_words(tp: Any) -> str:
+    if not tp:
+        return "nothing"
+    parts = [f"{len(tp.column)} column-parallel and {len(tp.row)} row-parallel weights"]
+    if tp.vocab:
+        parts.append(f"{len(tp.vocab)} vocabulary-parallel embedding(s)")
+    return " and ".join(parts) + " are split"

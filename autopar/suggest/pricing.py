@@ -1,0 +1,197 @@
+"""A strategy's price from what compile planned, before any rank program exists (stage:
+strategy search).
+
+A search prices hundreds of candidates; building their rank programs (what
+``DistributedProgram.cost`` reads) would cost more than the compiles. Everything needed is in
+the compile state: each op's placement gives its local shapes on a rank, the cost model's
+roofline prices them on the profile's device (:func:`autopar.cost_model.op_cost`), every
+planned reshard and fused bucket carries its predicted time, and the memory model takes the
+placements of parameters, gradients, optimizer states and the activations kept for backward.
+
+The step, on the busiest rank of each pipeline rank (ranks that differ only in their dp / mp
+coordinates hold pieces of one size, so the first rank of each stage mesh stands for it):
+- **compute**: forward + backward of every micro-batch, then the update;
+- **communication**: every collective the rank takes part in, none assumed overlapped
+  (a per-micro-batch reshard ``m`` times, a gradient sync once);
+- **bubble**: pipeline ranks idle while the pipeline fills and drains — ``(p - 1)`` times the
+  slowest stage's forward + backward of one micro-batch for FThenB and 1F1B, half of the
+  backward less for ZB-H1 (its weight gradients fill the drain), divided by the virtual stages
+  for the interleaved schedule.
+Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states, and the kept
+activations times the micro-batches in flight (1F1B and ZB-H1: ``p - s`` on stage ``s``; FThenB:
+all ``m``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cost_model import op_cost_or_traffic, tensor_bytes
+from autopar.graph import Role, ValueKey
+from autopar.inspect.cost_report import FREE_OPS, saved_activations
+from autopar.passes.base import CompileState
+from autopar.passes.pipeline_split import find_stages
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """Predicted seconds of one training step and bytes per rank (see the module docstring)."""
+
+    compute: float
+    communication: float
+    bubble: float
+    memory: int  # peak bytes on the fullest rank
+    parameter_memory: int  # of which parameters, gradients and optimizer states
+    sent: int  # bytes the busiest rank moves per step
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.communication + self.bubble
+
+
+@dataclass(frozen=True, slots=True)
+class _StageTimes:
+    forward: float = 0.0
+    backward: float = 0.0
+    update: float = 0.0
+    per_micro_comm: float = 0.0
+    once_comm: float = 0.0
+    per_micro_sent: int = 0
+    once_sent: int = 0
+
+
+def price(state: CompileState) -> Price:
+    """The :class:`Price` of a planned compile state (no rank program is built)."""
+    pipeline = state.strategy.pipeline
+    meshes, stage_of = _stage_meshes(state)
+    micro = pipeline.micro_batches if pipeline is not None else 1
+    times = []
+    for mesh in meshes:  # compute on the stage's first rank, communication on its busiest
+        forward, backward, update = _compute(state, mesh.ranks[0])
+        comm = max((_communication(state, rank) for rank in mesh.ranks), key=lambda c: micro * c[0] + c[1])
+        times.append(_StageTimes(forward, backward, update, *comm))
+    slowest = max(times, key=lambda t: t.forward + t.backward + t.per_micro_comm)
+    per_micro = max(t.forward + t.backward for t in times)
+    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times)
+    communication = max(micro * t.per_micro_comm + t.once_comm for t in times)
+    bubble = 0.0
+    if pipeline is not None and len(meshes) > 1:
+        fill = per_micro if pipeline.schedule != "ZBH1" else max(t.forward + t.backward / 2 for t in times)
+        virtual = max(len(state.pipeline.stages) // len(state.pipeline.meshes), 1) if state.pipeline is not None else 1
+        bubble = (len(meshes) - 1) * fill / virtual
+    memory, held = _memory(state, [mesh.ranks[0] for mesh in meshes], micro)
+    sent = max(micro * t.per_micro_sent + t.once_sent for t in times)
+    return Price(compute, communication, bubble, memory, held, sent)
+
+
+def _stage_meshes(state: CompileState) -> tuple[list[Any], dict[int, int]]:
+    """Each pipeline rank's mesh (the whole mesh without a pipeline), and each op's stage."""
+    if state.strategy.pipeline is None:
+        return [state.mesh], {}
+    meshes, _, stage_of = find_stages(state)
+    return meshes, stage_of
+
+
+def _compute(state: CompileState, rank: int) -> tuple[float, float, float]:
+    """Forward, backward (of one micro-batch) and update seconds of ``rank``'s ops."""
+    graph, propagation, cluster = state.graph, state.propagation, state.cluster
+    forward = backward = update = 0.0
+    for op in graph.ops:
+        if op.name in FREE_OPS or op.index not in propagation.op_results:
+            continue
+        if rank not in propagation.op_meshes.get(op.index, state.mesh).ranks:
+            continue
+        seconds = _op_seconds(state, op, rank, cluster)
+        if op.role is Role.FORWARD:
+            forward += seconds
+        elif op.role is Role.OPTIMIZER:
+            update += seconds
+        else:
+            backward += seconds
+    return forward, backward, update
+
+
+def _communication(state: CompileState, rank: int) -> tuple[float, float, int, int]:
+    """Seconds of the collectives ``rank`` takes part in per micro-batch and once a step (a
+    gradient sync, a fused bucket), and the bytes it sends in each."""
+    per_micro = once = 0.0
+    sent = {True: 0, False: 0}
+    fused = {member for bucket in state.buckets for member in bucket.members}
+    fused |= {member for bucket in state.zero_buckets for member in bucket.members}
+    for planned in state.reshards:
+        if planned.shared_with is not None or planned.index in fused:
+            continue
+        mine = [step for step in planned.plan.steps if not step.kind.is_local and step.group_of(rank) is not None]
+        if not mine:  # (a local slice is a copy the compute side does not see: a few bytes)
+            continue
+        seconds = sum(step.time for step in mine)
+        once_a_step = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
+        sent[once_a_step] += sum(step.bytes for step in mine)
+        if once_a_step:
+            once += seconds
+        else:
+            per_micro += seconds
+    for bucket in (*state.buckets, *state.zero_buckets):
+        if rank in _bucket_ranks(state, bucket):
+            once += bucket.time
+            sent[True] += bucket.bytes
+    return per_micro, once, sent[False], sent[True]
+
+
+def _bucket_ranks(state: CompileState, bucket: Any) -> Iterable[int]:
+    src = getattr(bucket, "src", None)
+    return src.mesh.ranks if src is not None else state.mesh.ranks
+
+
+def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any) -> float:
+    """Roofline seconds of ``op``'s local piece on ``rank`` (the shapes its rule reads and makes)."""
+    inferred = state.propagation.op_results[op.index]
+    ins = [_local(state, key, dist, rank) for key, dist in zip(op.inputs, inferred.inputs) if key is not None]
+    outs = [_local(state, key, dist, rank) for key, dist in zip(op.outputs, inferred.outputs) if key is not None]
+    dtype = state.graph.values[op.outputs[0]].dtype if op.outputs and op.outputs[0] is not None else "float32"
+    key = (op.name, tuple(ins), tuple(outs), dtype)
+    cache = state.__dict__.setdefault("_op_seconds", {})
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = op_cost_or_traffic(op.name, ins, outs, op.attrs, dtype)[0].time(cluster, dtype)
+    return found
+
+
+def _local(state: CompileState, key: ValueKey, dist: Any, rank: int) -> tuple[int, ...]:
+    shape = state.graph.values[key].shape
+    if dist is None or rank not in dist.mesh.ranks:
+        return tuple(shape)
+    return tuple(dist.local_shape(shape, rank))
+
+
+def _memory(state: CompileState, ranks: list[int], micro: int) -> tuple[int, int]:
+    """Peak bytes on the fullest of ``ranks`` and, of it, parameters + gradients + states."""
+    graph, propagation = state.graph, state.propagation
+    grads = {z.param: z.sharded for z in state.zero if z.sharded is not None} if state.strategy.zero_stage >= 2 else {}
+    kept = saved_activations(graph)
+    pipeline = state.strategy.pipeline
+    peak, held_at_peak = 0, 0
+    for position, rank in enumerate(ranks):
+        held = 0
+        for key, value in graph.values.items():
+            if value.kind not in ("parameter", "state"):
+                continue
+            dist = propagation.dist(key)
+            if rank not in dist.mesh.ranks:
+                continue
+            held += tensor_bytes(value.shape, value.dtype, dist, rank)
+            if value.kind == "parameter":
+                held += tensor_bytes(value.shape, value.dtype, grads.get(key, dist), rank)
+        activations = sum(
+            tensor_bytes(graph.values[k].shape, graph.values[k].dtype, propagation.dist(k), rank)
+            for k in kept if rank in propagation.dist(k).mesh.ranks
+        )  # fmt: skip
+        in_flight = 1
+        if pipeline is not None:
+            in_flight = micro if pipeline.schedule == "FThenB" else min(micro, len(ranks) - position)
+        total = held + activations * in_flight
+        if total > peak:
+            peak, held_at_peak = total, held
+    return peak, held_at_peak

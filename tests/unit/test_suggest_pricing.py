@@ -1,0 +1,44 @@
+"""A candidate's price from the compile state alone (autopar/suggest/pricing.py) agrees with the
+cost report built from the rank programs: communication and memory exactly where no pipeline
+runs, compute within the rank programs' own extra ops; a pipeline pays its bubble and its
+per-micro-batch collectives once per micro-batch."""
+
+import warnings
+
+import pytest
+
+import autopar
+from autopar.suggest.pricing import price
+from autopar.testing.models import annotate_megatron, gpt_block_program
+
+
+def _gpt(names, strategy):
+    seed = gpt_block_program(batch=8, seq=16, hidden=64, heads=4, vocab=128, layers=4, optimizer="adamw", seed=1, layer_calls=True)
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], names)
+    annotate_megatron(seed, mesh)
+    if "dp" in names:
+        autopar.shard_tensor(next(iter(seed.feeds.values())), mesh, ["dp", None])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.compile(seed.main, mesh, seed.startup, strategy)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_price_agrees_with_the_cost_report_of_the_rank_programs(zero):
+    dist = _gpt(["dp", "mp"], autopar.Strategy(zero_stage=zero))
+    priced, report = price(dist.state), dist.cost
+    assert priced.communication == pytest.approx(max(r.comm_time for r in report.ranks), rel=1e-9)
+    assert priced.memory == max(report.peak_memory.values())
+    assert priced.sent == max(report.comm_bytes.values())
+    compute = max(r.compute_time for r in report.ranks)
+    assert 0.5 * compute < priced.compute <= compute  # (rank programs add local slices, concats and copies)
+    assert priced.bubble == 0.0 and priced.step == priced.compute + priced.communication
+
+
+def test_a_pipeline_pays_its_bubble_and_each_micro_batch():
+    one = price(_gpt(["pp", "mp"], autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))).state)
+    four = price(_gpt(["pp", "mp"], autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=4, stages=2))).state)
+    assert one.bubble > 0 and four.bubble < one.bubble  # smaller micro-batches, shorter fill and drain
+    assert four.communication > one.communication  # the same bytes in more, smaller collectives (latency)
+    zero_bubble = price(_gpt(["pp", "mp"], autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2, schedule="ZBH1"))).state)
+    assert zero_bubble.bubble < one.bubble and zero_bubble.compute == pytest.approx(one.compute)
