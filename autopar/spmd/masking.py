@@ -9,7 +9,10 @@ bitwise ops, arange, and their grads (stage: propagate).
     logical_* / bitwise_*      broadcasting elementwise, as compare ops
     tile          ab -> a1     (repeat_times [1, 2]): a repeated dim whole, the rest keeps its split
     arange        -> a         whole: each element is its own index, so no rank can make a piece
-                               of it without knowing its offset
+                               of it without knowing its offset (linspace alike)
+    expand_as     1b,ab -> ab  expand to the static target_shape; the second operand is read for
+                               its shape only, so it keeps whatever split the output takes
+    label_smooth  ab1 -> ab1   the class dim whole (the kernel divides by its size)
 
 A mask built from a batch-sized constant (``paddle.ones([B, S])``) or an expand to the batch is
 then split like the batch it is added to (data parallelism, micro-batches) instead of being
@@ -109,7 +112,28 @@ def _arange(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> st
 
 
 register_rule(EquationGradRule(_where_grad_letters, grad=3, results=(1, 2), shape_only=()), "where_grad")
-register_rule(EinsumRule(_arange), "arange")
+register_rule(EinsumRule(_arange), "arange", "linspace")
+
+
+def _expand_as(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> str:
+    """``(x, y) -> out``: x broadcast to ``target_shape`` as an expand; y has out's letters
+    (its shape is out's; it is read for nothing else)."""
+    (x, out), _ = broadcast_letters([inputs[0].shape, list(attrs["target_shape"])])
+    return equation([x] + ([out] if len(inputs) > 1 and inputs[1] is not None else []), [out])
+
+
+register_rule(EinsumRule(_expand_as, linearity="first"), "expand_as")
+register_rule(EquationGradRule(_expand_grad_letters, grad=1, tensors=2, shape_only=(0,)), "expand_as_grad")
+
+
+def _label_smooth(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> str:
+    """``(label, prior_dist?) -> out``: ``(1 - eps) * label + eps / classes`` (or ``eps * prior``)."""
+    names = letters(inputs[0].ndim)[:-1] + "1"
+    return equation([names], [names])
+
+
+register_rule(EinsumRule(_label_smooth, tensors=1), "label_smooth")
+register_rule(EinsumRule(same_equation, linearity="multi"), "label_smooth_grad")
 
 
 def _tile_letters(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str, str] | None:

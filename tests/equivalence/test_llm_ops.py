@@ -129,3 +129,28 @@ def test_llm_ops_run_per_micro_batch_and_recomputed(mesh, strategy):
         assert str(dist.dist_attr(seed.feeds["x"])) == "[S(0)]"
         assert {c.kind.value for c in dist.comm_ops(0)} == {"all_reduce"}
     assert_simulation_equals_serial(seed, dist, classes=VOCAB)
+
+
+def test_expand_as_linspace_and_label_smooth_keep_data_parallelism():
+    """A class token broadcast with ``expand_as`` to the split batch, a ``linspace`` table and a
+    ``label_smooth``ed target: no op warns, the only collective is the gradient bucket, and the
+    run equals serial."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = 3
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [BATCH, SEQ, DIM], "float32")
+        label = paddle.static.data("label", [BATCH, SEQ, DIM], "float32")
+        linear = paddle.nn.Linear(DIM, DIM)
+        cls = paddle.create_parameter([1, 1, DIM], "float32")
+        h = linear(x) + paddle.expand_as(cls, x) * paddle.linspace(0.0, 1.0, DIM)
+        target = paddle.nn.functional.label_smooth(paddle.nn.functional.softmax(label), epsilon=0.1)
+        loss = paddle.mean((h - target) ** 2)
+        make_optimizer("sgd").minimize(loss)
+    seed = SeedProgram(main, startup, {"x": x, "label": label}, loss, {"linear": linear})
+    autopar.shard_tensor(x, DP, ["dp", None, None])
+    autopar.shard_tensor(label, DP, ["dp", None, None])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParallelismWarning)
+        dist = autopar.compile(main, DP, startup)
+    assert [c.kind.value for c, _ in dist.rank_plan(0).collectives] == ["all_reduce"]
+    assert_simulation_equals_serial(seed, dist)

@@ -158,3 +158,42 @@ def test_tile_and_grad(mesh, shape, data):
 
     dists = [data.draw(maybe_dist_attrs(mesh, len(shape))), data.draw(maybe_dist_attrs(mesh, out.ndim, partial=True)), None]
     check_rule("tile_grad", grad, [x, g, operand], dists, attrs, mesh)
+
+
+def test_linspace_is_whole_both_ways():
+    mesh = ProcessMesh([0, 1], ["dp"])
+    scalars = [TensorSpec((1,), None, "float32")] * 2 + [TensorSpec((1,), None, "int32")]
+    rule = get_rule("pd_op.linspace")
+    assert rule.infer_forward(scalars, {}, RuleContext(mesh)).outputs[0].is_replicated
+    wanted = TensorSpec((8,), DistAttr.parse("[S(0)]", mesh, 1))
+    assert rule.infer_backward(scalars, [wanted], {}, RuleContext(mesh)).outputs[0].is_replicated
+
+
+@given(meshes(), shapes(1, 3, max_side=4), st.integers(1, 3), st.data())
+def test_expand_as_and_grad(mesh, shape, lead, data):
+    """``expand_as(x, y)``: x broadcast to y's shape (ViT's class token to the batch); y is read
+    for its shape only, so it may lie split as the output does."""
+    x_shape = [1 if data.draw(st.booleans()) else s for s in shape]
+    target = [lead, *shape]
+    x, y = _rand(x_shape), _rand(target, 1)
+    attrs = {"target_shape": target}
+    dists = [data.draw(maybe_dist_attrs(mesh, len(x_shape), partial=True)), data.draw(maybe_dist_attrs(mesh, len(target)))]
+
+    def local(inputs, attrs):  # each rank broadcasts to its piece of y
+        return [np.broadcast_to(inputs[0], inputs[1].shape).copy()]
+
+    check_rule("expand_as", local, [x, y], dists, attrs, mesh)
+    g = _rand(target, 2)
+    dists = [data.draw(maybe_dist_attrs(mesh, len(x_shape))), data.draw(maybe_dist_attrs(mesh, len(target), partial=True))]
+    check_rule("expand_as_grad", lambda ins, a: [_sum_to(ins[1], ins[0].shape)], [x, g], dists, attrs, mesh)
+
+
+@given(meshes(), shapes(1, 3, max_side=5), st.data())
+def test_label_smooth_and_grad(mesh, shape, data):
+    label = np.random.default_rng(5).random(shape).astype("float32")
+    attrs = {"epsilon": 0.1}
+    dist = data.draw(maybe_dist_attrs(mesh, len(shape)))
+    result = check_rule("label_smooth", lambda ins, a: [(1 - 0.1) * ins[0] + 0.1 / ins[0].shape[-1]], [label, None], [dist, None], attrs, mesh).result
+    assert not result.inputs[0].mapping[-1]  # the class count the kernel divides by is whole
+    g = _rand(shape, 1)
+    check_rule("label_smooth_grad", lambda ins, a: [(1 - 0.1) * ins[0]], [g], [data.draw(maybe_dist_attrs(mesh, len(shape), partial=True))], attrs, mesh)
