@@ -7,9 +7,11 @@ vocabulary-parallel embedding), analysed once (``autopar.analyze(..., placements
 program itself is not annotated), and every strategy of that shape is compiled from the
 analysis (or one derived from it) and priced from what compile planned (:mod:`.pricing`: no
 rank program is built). Plans whose parameter and optimizer memory alone cannot fit the budget
-are dropped before any compile. The result is ranked by predicted step time among the plans
-that fit, then by memory; each :class:`Plan` says why in the user's terms, and
-``plan.compile()`` gives its DistributedProgram.
+are dropped before any compile. Every shape's plain strategies are priced first (each ZeRO
+stage, schedule and micro-batch count); sequence parallelism and recompute — which trade time
+for memory — only for the :data:`FURTHER` fastest shapes and for shapes where nothing fits yet.
+The result is ranked by predicted step time among the plans that fit, then by memory; each
+:class:`Plan` says why in the user's terms, and ``plan.compile()`` gives its DistributedProgram.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def suggest(
     budget = int(memory_per_rank if memory_per_rank is not None else profile.device.memory_bytes)
     out, skipped = Suggestions(), []
     weights = _parameter_bytes(graph)
+    tried: dict[Shape, _Shape] = {}
     for shape in shapes(world):
         if batch % shape.dp:
             skipped.append((str(shape), f"the batch of {batch} rows does not split over {shape.dp} data ranks"))
@@ -163,29 +166,70 @@ def suggest(
             continue
         mesh = shape.mesh()
         annotated = placements(graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
-        split = _split_words(tp)
-        analyses: dict[tuple, Any] = {}
-        for strategy in strategies(shape, batch, cluster):
-            if _memory_floor(weights, shape, strategy) > budget:
+        tried[shape] = _Shape(shape, mesh, annotated, _split_words(tp), [s for s in strategies(shape, batch, cluster)])
+
+    def run(entry: _Shape, chosen: list[Strategy]) -> None:
+        for strategy in chosen:
+            if _memory_floor(weights, entry.shape, strategy) > budget:
                 out.pruned += 1
                 continue
-            key = tuple(analysed_fields(strategy).items())
             try:
-                if key not in analyses:
-                    first = next(iter(analyses.values()), None)
-                    analyses[key] = analyze(program, mesh, startup_program, strategy, base=first, placements=annotated)
-                dist = _compiled(program, mesh, startup_program, strategy, analyses[key])
+                analysis = entry.analysis(program, startup_program, strategy)
+                dist = _compiled(program, entry.mesh, startup_program, strategy, analysis)
             except AutoparError as error:
-                skipped.append((f"{shape} [{strategy}]", str(error).splitlines()[0]))
-                analyses.pop(key, None)
+                skipped.append((f"{entry.shape} [{strategy}]", str(error).splitlines()[0]))
                 continue
             out.searched += 1
-            out.append(Plan(shape, mesh, strategy, annotated, price(dist.state), budget, split, program, startup_program, analyses[key]))
+            plan = Plan(entry.shape, entry.mesh, strategy, entry.placements, price(dist.state), budget, entry.split, program,
+                        startup_program, analysis)  # fmt: skip
+            out.append(plan)
+            entry.plans.append(plan)
+
+    for entry in tried.values():  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
+        run(entry, [s for s in entry.strategies if not s.sequence_parallel and not s.recompute])
+    best = sorted(tried.values(), key=_Shape.best_step)
+    for entry in tried.values():  # SP and recompute where they may change the answer: the best shapes, or none fits
+        if entry in best[:FURTHER] or not any(plan.fits for plan in entry.plans):
+            run(entry, [s for s in entry.strategies if s.sequence_parallel or s.recompute])
     out.sort(key=lambda plan: (not plan.fits, plan.price.step if plan.fits else plan.price.memory, plan.price.memory))
     del out[top:]
     out.skipped = tuple(skipped)
     out.seconds = time.perf_counter() - started
     return out
+
+
+FURTHER = 3  # shapes whose sequence-parallel and recompute variants are priced (besides those where nothing fits)
+
+
+@dataclass(eq=False)
+class _Shape:
+    """One mesh shape of a search: its annotations, strategies, analyses and priced plans."""
+
+    shape: Shape
+    mesh: ProcessMesh
+    placements: Mapping[ValueKey, DistAttr]
+    split: str
+    strategies: list[Strategy]
+    analyses: dict[tuple, Any] = field(default_factory=dict)
+    plans: list[Plan] = field(default_factory=list)
+
+    def analysis(self, program: Any, startup: Any, strategy: Strategy) -> Any:
+        """The analysis ``strategy`` compiles from: made once, from the shape's first (derived)."""
+        key = tuple(analysed_fields(strategy).items())
+        if key not in self.analyses:
+            first = next((a for a in self.analyses.values() if not isinstance(a, AutoparError)), None)
+            try:
+                self.analyses[key] = analyze(program, self.mesh, startup, strategy, base=first, placements=self.placements)
+            except AutoparError as error:  # (once: the strategies sharing the analysis fail alike)
+                self.analyses[key] = error
+        found = self.analyses[key]
+        if isinstance(found, AutoparError):
+            raise found
+        return found
+
+    def best_step(self) -> float:
+        fitting = [plan.price.step for plan in self.plans if plan.fits]
+        return min(fitting, default=float("inf"))
 
 
 def _compiled(program: Any, mesh: ProcessMesh, startup: Any, strategy: Strategy, analysis: Any) -> Any:

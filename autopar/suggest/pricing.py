@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
-from autopar.graph import Role, ValueKey
+from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
 from autopar.passes.pipeline_split import find_stages
@@ -68,9 +69,10 @@ def price(state: CompileState) -> Price:
     meshes, stage_of = _stage_meshes(state)
     micro = pipeline.micro_batches if pipeline is not None else 1
     times = []
-    for mesh in meshes:  # compute on the stage's first rank, communication on its busiest
+    for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
         forward, backward, update = _compute(state, mesh.ranks[0])
-        comm = max((_communication(state, rank) for rank in mesh.ranks), key=lambda c: micro * c[0] + c[1])
+        ends = dict.fromkeys((mesh.ranks[0], mesh.ranks[-1]))
+        comm = max((_communication(state, rank) for rank in ends), key=lambda c: micro * c[0] + c[1])
         times.append(_StageTimes(forward, backward, update, *comm))
     slowest = max(times, key=lambda t: t.forward + t.backward + t.per_micro_comm)
     per_micro = max(t.forward + t.backward for t in times)
@@ -148,20 +150,24 @@ def _bucket_ranks(state: CompileState, bucket: Any) -> Iterable[int]:
 def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any) -> float:
     """Roofline seconds of ``op``'s local piece on ``rank`` (the shapes its rule reads and makes)."""
     inferred = state.propagation.op_results[op.index]
-    ins = [_local(state, key, dist, rank) for key, dist in zip(op.inputs, inferred.inputs) if key is not None]
-    outs = [_local(state, key, dist, rank) for key, dist in zip(op.outputs, inferred.outputs) if key is not None]
-    dtype = state.graph.values[op.outputs[0]].dtype if op.outputs and op.outputs[0] is not None else "float32"
-    key = (op.name, tuple(ins), tuple(outs), dtype)
-    cache = state.__dict__.setdefault("_op_seconds", {})
-    found = cache.get(key)
-    if found is None:
-        found = cache[key] = op_cost_or_traffic(op.name, ins, outs, op.attrs, dtype)[0].time(cluster, dtype)
-    return found
+    values = state.graph.values
+    ins = tuple(_local(values[key].shape, dist, rank) for key, dist in zip(op.inputs, inferred.inputs) if key is not None)
+    outs = tuple(_local(values[key].shape, dist, rank) for key, dist in zip(op.outputs, inferred.outputs) if key is not None)
+    dtype = values[op.outputs[0]].dtype if op.outputs and op.outputs[0] is not None else "float32"
+    transposes = (bool(op.attrs.get("transpose_x")), bool(op.attrs.get("transpose_y")))
+    return _seconds(op.name, ins, outs, transposes, dtype, cluster)
 
 
-def _local(state: CompileState, key: ValueKey, dist: Any, rank: int) -> tuple[int, ...]:
-    shape = state.graph.values[key].shape
-    if dist is None or rank not in dist.mesh.ranks:
+@lru_cache(maxsize=1 << 16)
+def _seconds(name: str, ins: tuple, outs: tuple, transposes: tuple[bool, bool], dtype: str, cluster: Any) -> float:
+    """(Cached across candidates: a search prices the same layer's ops on the same pieces often.)"""
+    attrs = {"transpose_x": transposes[0], "transpose_y": transposes[1]}
+    return op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype)[0].time(cluster, dtype)
+
+
+@lru_cache(maxsize=1 << 16)
+def _local(shape: tuple[int, ...], dist: Any, rank: int) -> tuple[int, ...]:
+    if dist is None or not any(dist.mapping) or rank not in dist.mesh.ranks:
         return tuple(shape)
     return tuple(dist.local_shape(shape, rank))
 

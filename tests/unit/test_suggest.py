@@ -33,7 +33,7 @@ def test_a_model_with_room_to_spare_gets_pure_data_parallelism():
     assert (best.shape.dp, best.shape.mp, best.shape.pp) == (8, 1, 1) and best.fits
     assert best.strategy.zero_stage in (0, 1) and not best.strategy.recompute
     assert "8 data-parallel ranks" in best.why and "fits" in best.why
-    assert plans.searched >= 100 and plans.pruned == 0 and len(plans) == 5
+    assert plans.searched >= 50 and plans.pruned == 0 and len(plans) == 5
     assert [p.price.step for p in plans if p.fits] == sorted(p.price.step for p in plans if p.fits)
 
 
