@@ -47,6 +47,9 @@ class OpCost:
         return OpCost(self.flops + other.flops, self.bytes + other.bytes)
 
 
+LAUNCH_SECONDS = 5e-6  # per op run: a kernel launch on a GPU, an interpreter step on CPU
+
+
 def _numel(shape: Shape) -> int:
     return math.prod(int(s) for s in shape)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from autopar.cost_model import op_cost_or_traffic
 from autopar.cost_model.cluster import Cluster
+from autopar.cost_model.compute import LAUNCH_SECONDS
 from autopar.errors import AnnotationError
 from autopar.graph import ProgramGraph, Role
 from autopar.layer_paths import path_of, repeated_depth
@@ -39,7 +40,6 @@ from autopar.op_kinds import SOURCE_OPS
 Unit = tuple[str, ...]  # a layer path cut to the chosen depth: ("Block_1",)
 
 
-LAUNCH_SECONDS = 5e-6  # per op: a kernel launch on a GPU, an interpreter step on CPU
 
 
 def layer_stages(

@@ -10,7 +10,8 @@ placements of parameters, gradients, optimizer states and the activations kept f
 
 The step, on the busiest rank of each pipeline rank (ranks that differ only in their dp / mp
 coordinates hold pieces of one size, so the first rank of each stage mesh stands for it):
-- **compute**: forward + backward of every micro-batch, then the update;
+- **compute**: forward + backward of every micro-batch, then the update (each op's roofline
+  time plus a launch cost: many small ops, as recompute and more micro-batches make, cost time);
 - **communication**: every collective the rank takes part in, none assumed overlapped
   (a per-micro-batch reshard ``m`` times, a gradient sync once);
 - **bubble**: pipeline ranks idle while the pipeline fills and drains — ``(p - 1)`` times the
@@ -30,6 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
+from autopar.cost_model.compute import LAUNCH_SECONDS
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
@@ -162,7 +164,7 @@ def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any) -> float:
 def _seconds(name: str, ins: tuple, outs: tuple, transposes: tuple[bool, bool], dtype: str, cluster: Any) -> float:
     """(Cached across candidates: a search prices the same layer's ops on the same pieces often.)"""
     attrs = {"transpose_x": transposes[0], "transpose_y": transposes[1]}
-    return op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype)[0].time(cluster, dtype)
+    return op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype)[0].time(cluster, dtype) + LAUNCH_SECONDS
 
 
 @lru_cache(maxsize=1 << 16)
