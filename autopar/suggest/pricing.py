@@ -68,7 +68,7 @@ class _StageTimes:
 def price(state: CompileState) -> Price:
     """The :class:`Price` of a planned compile state (no rank program is built)."""
     pipeline = state.strategy.pipeline
-    meshes, stage_of = _stage_meshes(state)
+    meshes = _stage_meshes(state)
     micro = pipeline.micro_batches if pipeline is not None else 1
     times = []
     for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
@@ -90,12 +90,9 @@ def price(state: CompileState) -> Price:
     return Price(compute, communication, bubble, memory, held, sent)
 
 
-def _stage_meshes(state: CompileState) -> tuple[list[Any], dict[int, int]]:
-    """Each pipeline rank's mesh (the whole mesh without a pipeline), and each op's stage."""
-    if state.strategy.pipeline is None:
-        return [state.mesh], {}
-    meshes, _, stage_of = find_stages(state)
-    return meshes, stage_of
+def _stage_meshes(state: CompileState) -> list[Any]:
+    """Each pipeline rank's mesh (the whole mesh without a pipeline)."""
+    return [state.mesh] if state.strategy.pipeline is None else find_stages(state)[0]
 
 
 def _compute(state: CompileState, rank: int) -> tuple[float, float, float]:
