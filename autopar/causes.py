@@ -17,12 +17,11 @@ parameter (its first forward reader's).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.graph import ProgramGraph, Role, ValueKey
+from autopar.graph import ProgramGraph, Role, ValueKey, once_per_graph
 
 NORM_OPS = frozenset({"squared_l2_norm", "p_norm"})
 # what global-norm clipping does between the per-gradient norms and the scale it applies
@@ -70,36 +69,20 @@ class Gradient:
     clipped: bool
 
 
-_GRADIENTS: weakref.WeakKeyDictionary[ProgramGraph, dict[ValueKey, Gradient]] = weakref.WeakKeyDictionary()
-_UPDATES: weakref.WeakKeyDictionary[ProgramGraph, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
-
-
-def gradients(graph: ProgramGraph) -> dict[ValueKey, Gradient]:
-    """Each update's gradient operand, and behind it (through ``multiply`` / ``scale`` / ``cast``
-    by something smaller: global-norm clipping's factor) the raw gradient backward made."""
-    found = _GRADIENTS.get(graph)
-    if found is None:
-        found = _GRADIENTS[graph] = _gradients(graph)
-    return found
-
-
-def updates(graph: ProgramGraph) -> list[tuple[Any, Any]]:
-    """The parameter updates (optimizer ops with a rule), each with its rule (found once per
-    graph: every strategy compiled from one analysis asks)."""
+@once_per_graph
+def updates(graph: ProgramGraph) -> tuple[tuple[Any, Any], ...]:
+    """The parameter updates (optimizer ops with a rule), each with its rule."""
     from autopar.spmd import get_rule
     from autopar.spmd.optimizer import OptimizerRule
 
-    found = _UPDATES.get(graph)
-    if found is None:
-        found = _UPDATES[graph] = []
-        for op in graph.ops:
-            rule = get_rule(op.name)
-            if isinstance(rule, OptimizerRule) and op.inputs and op.inputs[0] is not None:
-                found.append((op, rule))
-    return list(found)
+    found = ((op, get_rule(op.name)) for op in graph.ops)
+    return tuple((op, rule) for op, rule in found if isinstance(rule, OptimizerRule) and op.inputs and op.inputs[0] is not None)
 
 
-def _gradients(graph: ProgramGraph) -> dict[ValueKey, Gradient]:
+@once_per_graph
+def gradients(graph: ProgramGraph) -> dict[ValueKey, Gradient]:
+    """Each update's gradient operand, and behind it (through ``multiply`` / ``scale`` / ``cast``
+    by something smaller: global-norm clipping's factor) the raw gradient backward made."""
     out: dict[ValueKey, Gradient] = {}
     for op, rule in updates(graph):
         param = op.inputs[0]

@@ -41,9 +41,13 @@ HANDOVER = """TARGET hands over its program:
 
 def load_target(target: str) -> Any:
     """The DistributedProgram ``target`` builds (compiling a returned program tuple)."""
+    return _as_distributed(_handed_over(target), target)
+
+
+def _handed_over(target: str) -> Any:
+    """What ``target`` hands over, its prints sent to stderr (stdout carries the report)."""
     with contextlib.redirect_stdout(sys.stderr):
-        obj = _load(target)
-    return _as_distributed(obj, target)
+        return _load(target)
 
 
 def _load(target: str) -> Any:
@@ -281,8 +285,7 @@ def suggest_text(target: str, world: int, memory: str | None, profile: str | Non
     """``autopar suggest``: the ranked table and the best plan's why."""
     import autopar
 
-    with contextlib.redirect_stdout(sys.stderr):
-        obj = _load(target)
+    obj = _handed_over(target)
     if isinstance(obj, autopar.DistributedProgram):
         main, startup = obj.serial_program, obj.serial_startup_program
     elif isinstance(obj, tuple) and 1 <= len(obj) <= 4:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,3 +352,20 @@ def _link_forward_ops(graph: ProgramGraph) -> None:
             if key > best_key:
                 best, best_key = origin, key
         op.forward_op = best.index if best is not None else None
+
+
+def once_per_graph(find: Callable[[ProgramGraph], Any]) -> Callable[[ProgramGraph], Any]:
+    """``find(graph)`` computed once per graph object and kept while the graph lives (every
+    strategy compiled from one analysis asks the same questions of its graph). Keyed on the
+    object, not its contents: a derived view (``ProgramGraph.derived``) is asked afresh. The
+    result is shared: callers read it, never edit it."""
+    found: weakref.WeakKeyDictionary[ProgramGraph, Any] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(find)
+    def cached(graph: ProgramGraph) -> Any:
+        result = found.get(graph)
+        if result is None:
+            result = found[graph] = find(graph)
+        return result
+
+    return cached

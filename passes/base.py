@@ -17,7 +17,6 @@ after each, where per-pass dumps hook in (``build_rank(rank, upto=name)``).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,7 +25,7 @@ from autopar.collective import Collective
 from autopar.cost_model.planner import ReshardPlan
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import ProgramGraph, ValueKey
+from autopar.graph import ProgramGraph, ValueKey, once_per_graph
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed
 
@@ -114,10 +113,7 @@ class CompileState:
     def label(self, key: ValueKey) -> str:
         """A value as the user knows it: parameters, feeds and states by name, the gradient an
         update reads as ``grad(W) %12.1``, its result as ``updated W`` (for reasons and reports)."""
-        names = _GRADIENT_NAMES.get(self.graph)
-        if names is None:  # (once per graph: every strategy compiled from one analysis labels alike)
-            names = _GRADIENT_NAMES[self.graph] = _gradient_names(self.graph)
-        return names.get(key, self.graph.values[key].label)
+        return _gradient_names(self.graph).get(key, self.graph.values[key].label)
 
     def mesh_dim_sets(self) -> list[tuple[int, ...]]:
         """Mesh-dim sets some collective runs along, in plan order (the basis of ring ids)."""
@@ -153,9 +149,7 @@ class CompileState:
         return slot * self.mesh.size + index
 
 
-_GRADIENT_NAMES: weakref.WeakKeyDictionary[ProgramGraph, dict[ValueKey, str]] = weakref.WeakKeyDictionary()
-
-
+@once_per_graph
 def _gradient_names(graph: ProgramGraph) -> dict[ValueKey, str]:
     """User-facing labels of the values each optimizer update reads as its gradient
     (``grad(W) %12.1``; ``clipped grad(W) %20.0`` when clipping rescaled it, the raw one still

@@ -40,8 +40,6 @@ from autopar.op_kinds import SOURCE_OPS
 Unit = tuple[str, ...]  # a layer path cut to the chosen depth: ("Block_1",)
 
 
-
-
 def layer_stages(
     graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh], cluster: Cluster
 ) -> dict[int, ProcessMesh]:
