@@ -1,16 +1,17 @@
 """Strategy search checked by real runs: ``autopar.suggest``'s predicted step times against the
-step times measured on this machine, for a spread of candidate plans of a GPT block on 2 and 4
-processes (the hardware's profile: ``cpu-gloo`` here).
+step times measured on this machine, for a spread of candidate plans of a GPT block and of the
+zoo's Llama on 2 and 4 processes (the hardware's profile: ``cpu-shm`` here, the shared-memory
+communicator one-machine jobs use).
 
-For each world size the parent prices every candidate (``suggest(..., top=1000)``), takes up to
-``--plans`` of them spread over the ranking, and starts one ``autopar.launch`` job; each rank
-rebuilds the same program, searches again (deterministic) and runs each chosen plan with the
-Executor (the loop users run: a step fetching the loss), ``--steps`` timed steps after a warm-up.
-Printed per world: each plan's predicted and measured step, and the Spearman rank correlation
-between the two columns; whether the predicted best is within 15 % of the measured best.
-Issue 25's target: Spearman >= 0.8, top-1 within 15 %.
+For each model and world size the parent prices every candidate (``suggest(..., top=1000)``),
+takes up to ``--plans`` of them spread over the ranking, and starts one ``autopar.launch`` job;
+each rank rebuilds the same program, searches again (deterministic) and runs each chosen plan
+with the Executor (the loop users run: a step fetching the loss), ``--steps`` timed steps after
+a warm-up. Printed per model and world: each plan's predicted and measured step, and the
+Spearman rank correlation between the two columns; whether the predicted best is within 15 %
+of the measured best. Issue 25's target: Spearman >= 0.8, top-1 within 15 %.
 
-    .venv/bin/python benchmarks/bench_suggest_measured.py [--worlds 2 4] [--plans 12] [--steps 20]
+    .venv/bin/python benchmarks/bench_suggest_measured.py [--models gpt llama] [--worlds 2 4] [--plans 12] [--steps 20]
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ CHOSEN_ENV = "AUTOPAR_BENCH_CHOSEN"
 WARMUP = 3
 
 
-def seed_program():
+MODEL_ENV = "AUTOPAR_BENCH_MODEL"
+MODELS = ("gpt", "llama")  # the benchmarks' GPT block; the zoo's Llama (autopar.testing.zoo.llama)
+
+
+def seed_program(model: str):
+    if model == "llama":
+        from autopar.testing.zoo import llama
+
+        return llama.build(llama.Config(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2), batch=8, seq=32, seed=1)
     from autopar.testing.models import gpt_block_program
 
     return gpt_block_program(batch=8, seq=32, hidden=64, heads=4, vocab=128, layers=4, optimizer="sgd", seed=1, layer_calls=True)
@@ -43,10 +52,10 @@ def label(plan) -> str:
     return f"{plan.shape} [{plan.features}]"
 
 
-def priced(world: int) -> list:
+def priced(world: int, model: str) -> list:
     import autopar
 
-    seed = seed_program()
+    seed = seed_program(model)
     return list(autopar.suggest(seed.main, world, seed.startup, top=1000)), seed
 
 
@@ -86,7 +95,7 @@ def child(steps: int) -> None:
 
     rank, world = int(os.environ["PADDLE_TRAINER_ID"]), int(os.environ["PADDLE_TRAINERS_NUM"])
     chosen = json.loads(os.environ[CHOSEN_ENV])
-    plans, seed = priced(world)
+    plans, seed = priced(world, os.environ[MODEL_ENV])
     by_label = {label(p): p for p in plans}
     feed = random_feeds(seed.feeds, 1, classes=128)[0]
     times = {}
@@ -108,31 +117,38 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--plans", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     args = parser.parse_args()
     if "PADDLE_TRAINER_ID" in os.environ:
         child(args.steps)
         return
+    for model in args.models:
+        for world in args.worlds:
+            measure(model, world, args.plans, args.steps)
+
+
+def measure(model: str, world: int, count: int, steps: int) -> None:
+    """Price ``model`` on ``world`` processes, run ``count`` of its plans for real, print both columns."""
     root = Path(__file__).resolve().parents[1]
-    for world in args.worlds:
-        plans = spread(priced(world)[0], args.plans)
-        names = [label(p) for p in plans]
-        with tempfile.TemporaryDirectory() as out:
-            path = os.path.join(out, "times.json")
-            env = {**os.environ, RESULTS_ENV: path, CHOSEN_ENV: json.dumps(names)}
-            cmd = [sys.executable, "-m", "autopar.launch", "--nproc", str(world), __file__, "--steps", str(args.steps)]
-            if subprocess.call(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL):
-                sys.exit(f"the {world}-process job failed")
-            measured = json.loads(Path(path).read_text())
-        predicted = [p.price.step for p in plans]
-        got = [measured[n] for n in names]
-        print(f"\n{world} processes, {len(plans)} plans (of the ranking, spread), profile {plans[0].analysis.state.cluster.name}")
-        print(f"  {'plan':44} {'predicted':>10} {'measured':>10}")
-        for name, p, m in zip(names, predicted, got):
-            print(f"  {name:44} {p * 1e3:8.2f}ms {m * 1e3:8.2f}ms")
-        rho = spearman(predicted, got)
-        best = min(got)
-        top1 = got[0] / best - 1
-        print(f"  Spearman {rho:.2f} (target >= 0.8); predicted best measured {top1 * 100:.0f}% above the measured best (target <= 15%)")
+    plans = spread(priced(world, model)[0], count)
+    names = [label(p) for p in plans]
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "times.json")
+        env = {**os.environ, RESULTS_ENV: path, CHOSEN_ENV: json.dumps(names), MODEL_ENV: model}
+        cmd = [sys.executable, "-m", "autopar.launch", "--nproc", str(world), __file__, "--steps", str(steps)]
+        if subprocess.call(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL):
+            sys.exit(f"the {world}-process job failed")
+        measured = json.loads(Path(path).read_text())
+    predicted = [p.price.step for p in plans]
+    got = [measured[n] for n in names]
+    print(f"\n{model}, {world} processes, {len(plans)} plans (of the ranking, spread), profile {plans[0].analysis.state.cluster.name}")
+    print(f"  {'plan':44} {'predicted':>10} {'measured':>10}")
+    for name, p, m in zip(names, predicted, got):
+        print(f"  {name:44} {p * 1e3:8.2f}ms {m * 1e3:8.2f}ms")
+    rho = spearman(predicted, got)
+    best = min(got)
+    top1 = got[0] / best - 1
+    print(f"  Spearman {rho:.2f} (target >= 0.8); predicted best measured {top1 * 100:.0f}% above the measured best (target <= 15%)")
 
 
 if __name__ == "__main__":

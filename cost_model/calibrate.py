@@ -1,4 +1,5 @@
-"""Calibrate the ``cpu-gloo`` profile on this machine: ``python -m autopar.cost_model.calibrate``.
+"""Calibrate the CPU profiles on this machine: ``python -m autopar.cost_model.calibrate
+[--communicator gloo|shm]`` (``cpu-gloo`` / ``cpu-shm``).
 
 Spawns 2 and 4 local processes (the ``PADDLE_*`` variables set, dynamic-mode
 ``paddle.distributed`` on gloo), times all_reduce, all_gather, broadcast, send/recv and the
@@ -16,11 +17,18 @@ reduce_scatter and no all_to_all (``ProcessGroupGloo does not support ...``): th
 marks them *emulated*, priced as the all_reduce / all_gather plus slice that runs instead; the
 benchmark times those emulations and the host backend's sub-group collectives too.
 
-Also measured: float32 matmul FLOP/s and copy bandwidth of one process (numpy, the best of 7
-trials), and the machine's memory; ``--device-from PROFILE`` keeps an earlier profile's device
-figures instead (a busy machine measures them low), ``--samples-from`` refits saved samples.
-The profile is written to ``cost_model/profiles/cpu_gloo.json`` (an input profile, committed),
-or ``--out``. About four minutes on 2 cores.
+``--communicator shm`` times the host backend's shared-memory communicator instead
+(:mod:`autopar.runtime.shm`, what one-machine jobs run): every kind native, sub-groups among
+their members only; fitted the same way into ``cpu-shm``.
+
+Also measured: the device (:class:`~autopar.cost_model.cluster.Device`): peak float32 matmul
+FLOP/s and copy bandwidth of one process (numpy, the best of 7 trials), the machine's memory,
+and what Paddle's CPU kernels achieve (:func:`measure_paddle_device`: matmul rate, streamed
+bandwidth, the fixed cost of an op and of a program run); ``--device-from PROFILE`` keeps an
+earlier profile's device figures instead (a busy machine measures them low), ``--device-only``
+re-measures the device alone, ``--samples-from`` refits saved samples. The profile is written
+to ``cost_model/profiles/cpu_gloo.json`` / ``cpu_shm.json`` (input profiles, committed), or
+``--out``. About four minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from autopar.cost_model.cluster import EMULATIONS, Cluster, Device, Link, load_c
 from autopar.cost_model.comm import coefficients
 
 MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv", "exchange")
+SHM_MEASURED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 EMULATED = tuple(EMULATIONS)  # reduce_scatter, all_to_all: gloo has neither
 CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 40 << 20, 96 << 20)
 ROUNDS = 6  # each size is timed in 6 rounds spread over the run (a burst of load hits one round)
@@ -53,6 +62,8 @@ KNEE = 32 << 20  # glibc's largest dynamic mmap threshold: every allocation this
 EXTRA_SIZES = {"all_gather": (192 << 20,)}  # what an emulated all_to_all of 48 MiB over 4 ranks gathers
 SUBGROUP = {"sub_all_reduce": "all_reduce", "sub_all_gather": "all_gather"}  # over ranks (0, 1), host backend
 PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_gloo.json"
+SHM_PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_shm.json"
+COMMUNICATORS = ("gloo", "shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +96,18 @@ def measure(
     kinds: Sequence[str] = MEASURED,
     timeout: float = 600.0,
     sizes_of: Mapping[str, Sequence[int]] | None = None,
+    communicator: str = "gloo",
 ) -> list[Sample]:
-    """Run ``world`` gloo processes here and time each collective at each size (``sizes_of``:
-    other sizes for some kinds). All kinds and sizes are timed in the same rounds, so a burst
+    """Run ``world`` processes here and time each collective at each size (``sizes_of``: other
+    sizes for some kinds) through ``communicator``: ``"gloo"`` (dynamic-mode
+    ``paddle.distributed``) or ``"shm"`` (the host backend's shared-memory communicator,
+    :mod:`autopar.runtime.shm`). All kinds and sizes are timed in the same rounds, so a burst
     of load from elsewhere hits all of them alike."""
     plan = {kind: [int(n) for n in (sizes_of or {}).get(kind, sizes)] for kind in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "samples.json"
-        argv = ["-m", "autopar.cost_model.calibrate", "--worker", "--out", str(out), "--plan", json.dumps(plan)]
+        argv = ["-m", "autopar.cost_model.calibrate", "--worker", "--communicator", communicator, "--out", str(out),
+                "--plan", json.dumps(plan)]  # fmt: skip
         run_processes(world, argv, timeout)
         return [
             Sample(i["kind"], i["world"], i["nbytes"], i["seconds"], tuple(i["reps"]))
@@ -216,16 +231,158 @@ def measure_device(trials: int = 7) -> Device:
     return Device((("float32", float(flops)),), float(bandwidth), float(memory))
 
 
+MATMUL_SIDES = (256, 512, 1024)
+STREAM_SIZES = tuple(1 << k for k in range(11, 25))  # float32 elements: 8 KiB .. 64 MiB per operand
+DEVICE_SOURCE = (
+    "peaks: numpy float32 512x512 matmul and a 32 MiB copy in one process, best of 7; memory = physical RAM; "
+    "achieved: Paddle's static Executor on CPU in one process (measure_paddle_device): chains of 10 square float32 "
+    f"matmuls (sides {list(MATMUL_SIDES)}, the best), of 10 adds (the median bandwidth over 16 .. 64 MiB operands; "
+    "cache_bandwidth: over those whose traffic fits the level-2 cache, cache_bytes), "
+    "an add of 8 KiB and a tiny GPT block's training step per op (op_seconds: the larger), a one-op program's run "
+    "(segment_seconds), each a difference of two programs, best of 5"
+)
+
+
+def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
+    """``peak`` with what Paddle's CPU kernels achieve in one process (the compute side prices
+    with these). From chains of float32 adds over operands of 8 KiB .. 64 MiB: the fixed cost
+    of one op (``op_seconds``: an add of the smallest size, its work negligible), the bandwidth
+    adds stream out of cache (the median over operands of 16 .. 64 MiB) and in the cache
+    (``cache_bytes``: the level-2 cache's size; the median over adds whose traffic is an eighth
+    of it or more and fits). From chains of 10 square matmuls: the matmul rate (the best side).
+    The fixed cost of one program run (``segment_seconds``: a run of a program of one op, less
+    it); ``op_seconds`` is raised to a training step's cost per op where that is more
+    (:func:`_training_op_seconds`). Each op's time is a difference of two programs that make their inputs in the program
+    (random: no feed copies, nothing folded at compile time) and fetch one float, each timing
+    the best of ``trials`` (other work only ever slows a trial down)."""
+    import paddle
+
+    paddle.enable_static()
+
+    def extra_seconds(build, ops: int) -> float:  # seconds of each of ``ops`` more ops
+        return (_program_seconds(paddle, build(ops), trials) - _program_seconds(paddle, build(0), trials)) / ops
+
+    adds = {}
+    for count in STREAM_SIZES:
+        chain = max(10, min(1000, (1 << 25) // count))  # enough that their time stands out of the run's noise
+        adds[count] = extra_seconds(lambda n, count=count: _add_chain(count, n), chain)
+    op_seconds = max(adds[min(adds)], 0.0)
+    cache_bytes = _cache_bytes()
+    in_cache = [12 * n / (t - op_seconds) for n, t in adds.items() if cache_bytes / 8 <= 12 * n <= cache_bytes and t > op_seconds]
+    streamed = [12 * n / (t - op_seconds) for n, t in adds.items() if 4 * n >= 16 << 20]
+    rates = [2 * side**3 / max(extra_seconds(lambda n, side=side: _matmul_chain(side, n), 10) - op_seconds, 1e-12)
+             for side in MATMUL_SIDES]  # fmt: skip
+    segment_seconds = max(_program_seconds(paddle, _add_chain(1 << 11, 1), trials) - op_seconds, 0.0)
+    op_seconds = max(op_seconds, _training_op_seconds(paddle, segment_seconds, trials))
+    return dataclasses.replace(
+        peak, achieved_flops=(("float32", float(max(rates))),), achieved_bandwidth=float(np.median(streamed)),
+        cache_bytes=float(cache_bytes), cache_bandwidth=float(np.median(in_cache)) if in_cache else 0.0,
+        op_seconds=float(op_seconds), segment_seconds=float(segment_seconds),
+    )  # fmt: skip
+
+
+def _training_op_seconds(paddle, segment_seconds: float, trials: int) -> float:
+    """The fixed cost per op of a training step: a tiny GPT block's step (forward, backward and
+    update of tensors of a few floats: no op's work counts), less one program run, over its op
+    count. A training program's ops (grads with several outputs, layer norms, softmaxes) cost
+    more than an add (here about 8 us against 2-4 us)."""
+    from autopar.testing.models import gpt_block_program
+    from autopar.testing.serial import random_feeds
+
+    with paddle.utils.unique_name.guard():
+        seed = gpt_block_program(batch=2, seq=4, hidden=8, heads=2, vocab=16, layers=2, optimizer="sgd", seed=1)
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    exe.run(seed.startup)
+    feed = random_feeds(seed.feeds, 1, classes=16)[0]
+    reps = 5
+    for _ in range(reps):
+        exe.run(seed.main, feed=feed, fetch_list=[seed.loss])
+    best = math.inf
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(reps):
+            exe.run(seed.main, feed=feed, fetch_list=[seed.loss])
+        best = min(best, (time.perf_counter() - start) / reps)
+    return max(best - segment_seconds, 0.0) / len(seed.main.global_block().ops)
+
+
+def _cache_bytes() -> int:
+    """The level-2 data cache of CPU 0 (Linux sysfs), else 1 MiB."""
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "level").read_text().strip() == "2":
+                text = (index / "size").read_text().strip().upper()
+                return int(text.rstrip("KMB")) << {"K": 10, "M": 20}.get(text.rstrip("B")[-1:], 0)
+        except (OSError, ValueError):
+            continue
+    return 1 << 20
+
+
+def _program_seconds(paddle, build, trials: int) -> float:
+    """Seconds of one ``Executor.run`` of the program ``build`` makes (fetching its one-float
+    output), best of ``trials``."""
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        out = build()
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    reps = 3
+    for _ in range(reps):
+        exe.run(main, fetch_list=[out])
+    best = math.inf
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(reps):
+            exe.run(main, fetch_list=[out])
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+def _matmul_chain(side: int, count: int):
+    def build():
+        import paddle
+
+        a, b = (paddle.uniform([side, side], "float32", 0.0, 1.0 / side) for _ in range(2))
+        y = a
+        for _ in range(count):
+            y = paddle.matmul(y, b)
+        return y[:1, :1]
+
+    return build
+
+
+def _add_chain(count: int, adds: int):
+    def build():
+        import paddle
+
+        a, b = (paddle.uniform([count], "float32", 0.0, 1.0) for _ in range(2))
+        y = a
+        for _ in range(adds):
+            y = paddle.add(y, b)
+        return y[:1]
+
+    return build
+
+
 def calibrate(
-    worlds: Sequence[int] = (2, 4), sizes: Sequence[int] = CALIBRATION_SIZES, device: Device | None = None
+    worlds: Sequence[int] = (2, 4),
+    sizes: Sequence[int] = CALIBRATION_SIZES,
+    device: Device | None = None,
+    communicator: str = "gloo",
 ) -> tuple[Cluster, list[Sample]]:
-    """Measure here and build the ``cpu-gloo`` profile (send/recv is timed on 2 processes only)."""
+    """Measure here and build the ``cpu-gloo`` or ``cpu-shm`` profile (send/recv is timed on
+    2 processes only)."""
     samples = []
     for world in worlds:
-        kinds = [k for k in MEASURED if k != "send_recv" or world == 2]
+        measured = SHM_MEASURED if communicator == "shm" else MEASURED
+        kinds = [k for k in measured if k != "send_recv" or world == 2]
+        extra = {} if communicator == "shm" else EXTRA_SIZES
         samples += measure(
-            world, sizes, kinds, sizes_of={k: sorted({*sizes, *more}) for k, more in EXTRA_SIZES.items()}
-        )
+            world, sizes, kinds, sizes_of={k: sorted({*sizes, *more}) for k, more in extra.items()},
+            communicator=communicator,
+        )  # fmt: skip
+    if communicator == "shm":
+        return build_shm_profile(samples, worlds, sizes, device), samples
     return build_profile(samples, worlds, sizes, device), samples
 
 
@@ -237,7 +394,7 @@ def build_profile(
     fits = fit_links([s for s in samples if s.kind in MEASURED])
     return Cluster(
         name="cpu-gloo", nodes=1, devices_per_node=8, intra=fits["all_reduce"], inter=fits["all_reduce"],
-        device=device or measure_device(), collectives=tuple(sorted(fits.items())), emulated=EMULATED, tree=False,
+        device=device or measure_paddle_device(measure_device()), collectives=tuple(sorted(fits.items())), emulated=EMULATED, tree=False,
         subgroups="world_exchange",
         sources=(
             ("collectives", f"fitted by python -m autopar.cost_model.calibrate: gloo over loopback, {list(worlds)} processes, "
@@ -253,7 +410,36 @@ def build_profile(
                           "runs every sub-group collective as a world exchange"),
             ("intra", "the all_reduce fit; inter = intra (one host)"),
             ("emulated", "gloo has no reduce_scatter / all_to_all: all_reduce + slice, all_gather + slice"),
-            ("device", "numpy float32 512x512 matmul and a 32 MiB copy in one process, best of 7; memory = physical RAM"),
+            ("device", DEVICE_SOURCE),
+            ("devices_per_node", f"processes, not cores: the machine has {os.cpu_count() or 0} cores"),
+        ),
+    )  # fmt: skip
+
+
+def build_shm_profile(
+    samples: Sequence[Sample], worlds: Sequence[int], sizes: Sequence[int], device: Device | None = None
+) -> Cluster:
+    """The ``cpu-shm`` cluster: the host backend's shared-memory communicator, every kind
+    native (reduce_scatter and all_to_all too) and any sub-group among its members only. A
+    collective there is no ring: each member copies its input into its slot and reads every
+    member's (``p`` inputs per rank); per world size (``kind@p``) that is still latency plus
+    bytes over a bandwidth, which the ring formula's fit absorbs for that ``p``."""
+    fits = fit_links([s for s in samples if s.kind in SHM_MEASURED])
+    return Cluster(
+        name="cpu-shm", nodes=1, devices_per_node=8, intra=fits["all_reduce"], inter=fits["all_reduce"],
+        device=device or measure_paddle_device(measure_device()), collectives=tuple(sorted(fits.items())), emulated=(), tree=False,
+        subgroups="native",
+        sources=(
+            ("collectives", f"fitted by python -m autopar.cost_model.calibrate --communicator shm: the host backend's "
+                            f"shared-memory communicator (autopar.runtime.shm, SharedMemoryCommunicator.run), {list(worlds)} "
+                            f"processes, sizes {list(sizes)} bytes, each timed in {ROUNDS} rounds (lower quartile over reps "
+                            "of the slowest rank), ring formulas as the fitted form, least absolute relative error; "
+                            "kind@p: fitted on p processes only (the copy-in / read-all algorithm's cost per byte grows "
+                            "with p; 4 processes on 2 cores contend)"),
+            ("knee", f"{KNEE} bytes: fresh memory for outputs this big (see cpu-gloo); fitted where it lowers the error"),
+            ("subgroups", "native: a sub-group's members talk among themselves (shared-memory slots)"),
+            ("intra", "the all_reduce fit; inter = intra (one host)"),
+            ("device", DEVICE_SOURCE),
             ("devices_per_node", f"processes, not cores: the machine has {os.cpu_count() or 0} cores"),
         ),
     )  # fmt: skip
@@ -288,15 +474,84 @@ def _worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
     gathered: list = []
     dist.all_gather(gathered, paddle.to_tensor(np.array([t for ts in local.values() for t in ts], np.float64)))
     per_rep = np.max(np.stack([g.numpy() for g in gathered]), axis=0)  # a rep ends when its slowest rank does
+    _write_results(local, per_rep, world, out if rank == 0 else None)
+    dist.barrier()
+
+
+def _shm_worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
+    """The shm variant of :func:`_worker`: each collective through
+    :meth:`~autopar.runtime.shm.SharedMemoryCommunicator.run` (what a rank program's collective
+    runs), timed from a barrier."""
+    from autopar.runtime.shm import SharedMemoryCommunicator
+
+    rank, world = int(os.environ["PADDLE_TRAINER_ID"]), int(os.environ["PADDLE_TRAINERS_NUM"])
+    comm = SharedMemoryCommunicator(rank, world)
+    everyone = tuple(range(world))
+    token = np.zeros(1, np.float32)
+    tick = _shm_job("all_reduce", everyone, (1,))
+
+    def barrier() -> None:
+        comm.run(tick, token)
+
+    def operation(kind: str, nbytes: int):
+        count = max(nbytes // 4, world)
+        count -= count % world
+        if kind == "send_recv":  # pairs 0 -> 1, 2 -> 3, ... at once
+            x = np.ones(count, np.float32)
+            pair = (rank - rank % 2, rank - rank % 2 + 1)
+            if pair[1] >= world:
+                return lambda: None
+            job = _shm_job("send" if rank == pair[0] else "recv", pair, (count,))
+            return lambda: comm.run(job, x)
+        shape = (count // world,) if kind == "all_gather" else (count,)  # all_gather: nbytes = output
+        job = _shm_job(kind, everyone, shape)
+        x = np.ones(shape, np.float32)
+        return lambda: comm.run(job, x)
+
+    for kind in plan:
+        warm = operation(kind, 64 << 10)
+        for _ in range(5):
+            warm()
+    local: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind, sizes in plan.items() for n in sizes}
+    for _ in range(ROUNDS):
+        for kind, sizes in plan.items():
+            for nbytes in sizes:
+                run = operation(kind, nbytes)
+                run()
+                reps = 1 if nbytes >= 8 << 20 else (3 if nbytes >= 1 << 20 else 6)
+                for _ in range(reps):
+                    barrier()
+                    start = time.perf_counter()
+                    run()
+                    local[kind, nbytes].append(time.perf_counter() - start)
+                del run
+    gathered = comm.all_gather_object(np.array([t for ts in local.values() for t in ts], np.float64))
+    _write_results(local, np.max(np.stack(gathered), axis=0), world, out if rank == 0 else None)
+    barrier()
+
+
+def _shm_job(kind: str, group: tuple[int, ...], shape: tuple[int, ...]):
+    from autopar.collective import Collective, CollectiveKey
+    from autopar.dist_attr import DistAttr
+    from autopar.mesh import ProcessMesh
+
+    attr = DistAttr.replicated(ProcessMesh(list(group)), len(shape))
+    return Collective(
+        kind=kind, group=group, key=CollectiveKey("calibrate", 0), value="x", src=attr, dst=attr, shape=shape,
+        output_shape=shape, bytes=0, time=0.0, reason="calibration",
+    )  # fmt: skip
+
+
+def _write_results(local: Mapping[tuple[str, int], list[float]], per_rep: np.ndarray, world: int, out: str | None) -> None:
+    """Each (kind, size)'s reps (a rep ends when its slowest rank does: ``per_rep``) to ``out``."""
     results, at = [], 0
     for (kind, nbytes), times in local.items():
         reps = per_rep[at : at + len(times)]
         results.append({"kind": kind, "world": world, "nbytes": int(nbytes), "seconds": summary(reps),
                         "reps": reps.tolist()})  # fmt: skip
         at += len(times)
-    if rank == 0:
+    if out is not None:
         Path(out).write_text(json.dumps(results))
-    dist.barrier()
 
 
 def _operation(paddle, dist, kind: str, nbytes: int, rank: int, world: int):
@@ -361,10 +616,12 @@ def vars_of(sample: Sample) -> dict:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--out", default=str(PROFILE_PATH), help="profile to write (default: the shipped cpu_gloo.json)"
-    )
+    parser.add_argument("--out", help="profile to write (default: the shipped cpu_gloo.json / cpu_shm.json)")
     parser.add_argument("--plan", help=argparse.SUPPRESS)  # worker: JSON {kind: [sizes]}
+    parser.add_argument(
+        "--communicator", choices=COMMUNICATORS, default="gloo",
+        help="gloo: the cpu-gloo profile; shm: the host backend's shared-memory communicator (cpu-shm)",
+    )  # fmt: skip
     parser.add_argument("--sizes", type=int, nargs="+", default=list(CALIBRATION_SIZES))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--samples", help="also write the measured samples (JSON) here")
@@ -372,26 +629,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--device-from", metavar="PROFILE", help="keep this profile's device figures (a busy machine measures them low)"
     )
+    parser.add_argument("--device-only", action="store_true", help="measure the device figures only, into the profile --out names")
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(json.loads(args.plan), args.out)
+        (_shm_worker if args.communicator == "shm" else _worker)(json.loads(args.plan), args.out)
         return
+    out = args.out or str(SHM_PROFILE_PATH if args.communicator == "shm" else PROFILE_PATH)
     start = time.perf_counter()
+    if args.device_only:
+        cluster = load_cluster(out)
+        device = measure_paddle_device(measure_device())
+        sources = tuple((k, DEVICE_SOURCE if k == "device" else v) for k, v in cluster.sources)
+        dataclasses.replace(cluster, device=device, sources=sources).save(out)
+        print(f"{out}: device {device}")
+        return
     kept = load_cluster(args.device_from) if args.device_from else None
     device = kept.device if kept else None
     if args.samples_from:
         samples = [
             Sample(**{**item, "reps": tuple(item["reps"])}) for item in json.loads(Path(args.samples_from).read_text())
         ]
-        cluster = build_profile(samples, args.worlds, args.sizes, device)
+        build = build_shm_profile if args.communicator == "shm" else build_profile
+        cluster = build(samples, args.worlds, args.sizes, device)
     else:
-        cluster, samples = calibrate(args.worlds, args.sizes, device)
+        cluster, samples = calibrate(args.worlds, args.sizes, device, args.communicator)
     if kept:
         note = f"kept from an earlier calibration ({dict(kept.sources).get('device', 'no source given')})"
         cluster = dataclasses.replace(
             cluster, sources=tuple((k, note if k == "device" else v) for k, v in cluster.sources)
         )
-    cluster.save(args.out)
+    cluster.save(out)
     if args.samples:
         Path(args.samples).write_text(json.dumps([vars_of(s) for s in samples], indent=1))
     for kind, link in cluster.collectives:
@@ -402,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"device: {cluster.device.flops_for('float32') / 1e9:.1f} GFLOP/s, copy {cluster.device.memory_bandwidth / 1e9:.1f} GB/s"
     )
-    print(f"wrote {args.out} ({len(samples)} samples, {time.perf_counter() - start:.0f} s)")
+    print(f"wrote {out} ({len(samples)} samples, {time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":

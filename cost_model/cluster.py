@@ -5,10 +5,11 @@ inter-node :class:`Link` (alpha = latency per message step in seconds, bandwidth
 per direction per device) and a :class:`Device` (peak FLOP/s per dtype, memory bandwidth,
 memory size). Profiles are JSON files (:func:`load_cluster` / :meth:`Cluster.save`); the
 shipped ones are ``h100-node`` (8 x H100 SXM per node, NVLink + 400 Gb/s InfiniBand, figures
-cited in the file) and ``cpu-gloo`` (this machine, written by ``python -m
-autopar.cost_model.calibrate``). Without a profile named, :func:`default_cluster` takes the one
-for the hardware in use (:func:`hardware_profile`: a GPU profile with a CUDA build and a visible
-GPU, ``cpu-gloo`` otherwise).
+cited in the file), ``cpu-shm`` and ``cpu-gloo`` (this machine's CPU runtime over shared memory
+and over gloo, written by ``python -m autopar.cost_model.calibrate [--communicator shm]``).
+Without a profile named, :func:`default_cluster` takes the one for the hardware in use
+(:func:`hardware_profile`: a GPU profile with a CUDA build and a visible GPU, else the CPU
+profile of the communicator a one-machine job uses).
 
 Placement: rank ``r`` lives on node ``r // devices_per_node`` (launcher order). A mesh whose
 ranks are numbered row-major (``ProcessMesh([[0,1,2,3],[4,5,6,7]])``) therefore keeps its
@@ -50,7 +51,7 @@ DTYPE_BYTES = {
 }  # fmt: skip
 EMULATIONS = {k.value: e.emulated_by.value for k, e in KINDS.items() if e.emulated_by is not None}  # reduce_scatter, all_to_all
 SUBGROUPS = ("native", "world_exchange")
-PROFILES = {"h100-node": "h100_node.json", "cpu-gloo": "cpu_gloo.json"}
+PROFILES = {"h100-node": "h100_node.json", "cpu-gloo": "cpu_gloo.json", "cpu-shm": "cpu_shm.json"}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -126,15 +127,64 @@ class Link:
 
 @dataclass(frozen=True, slots=True)
 class Device:
-    """One accelerator (or one CPU process): peak FLOP/s per dtype, memory bandwidth and size."""
+    """One accelerator (or one CPU process): peak FLOP/s per dtype, memory bandwidth and size,
+    and what its ops *achieve* (the compute side prices with these: :meth:`OpCost.time
+    <autopar.cost_model.compute.OpCost.time>`).
+
+    ``achieved_flops``: the matmul rate per dtype as measured (h100-node: cuBLAS GEMMs of GPT
+    shapes, ``measured/H100.md``; cpu profiles: Paddle's CPU matmul kernel, calibrated); a dtype
+    not measured runs at its peak. ``achieved_bandwidth``: what elementwise ops stream (0: the
+    peak ``memory_bandwidth``); ``cache_bandwidth``: what they stream when their bytes fit in
+    ``cache_bytes`` (a CPU's level-2 cache; 0: no such tier). ``op_seconds``: the fixed cost of running one op (a kernel
+    launch on a GPU; Paddle's interpreter step on CPU). ``segment_seconds``: the fixed cost of
+    one program run on the host (the host backend ends a program segment at every collective
+    and a pipeline runs one per phase; 0 where collectives run inside the program).
+    """
 
     peak_flops: tuple[tuple[str, float], ...]  # (dtype, FLOP/s); "float32" is the fallback
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
+    achieved_flops: tuple[tuple[str, float], ...] = ()  # (dtype, FLOP/s) measured; absent: the peak
+    achieved_bandwidth: float = 0.0  # bytes/s measured; 0: memory_bandwidth
+    op_seconds: float = 5e-6
+    segment_seconds: float = 0.0
+    cache_bytes: float = 0.0  # an op moving at most this many bytes streams at cache_bandwidth
+    cache_bandwidth: float = 0.0
 
     def flops_for(self, dtype: str) -> float:
         table = dict(self.peak_flops)
         return table.get(str(dtype).removeprefix("paddle."), table["float32"])
+
+    def matmul_rate(self, dtype: str) -> float:
+        """FLOP/s a matmul of ``dtype`` achieves (the peak where none was measured)."""
+        name = str(dtype).removeprefix("paddle.")
+        achieved = dict(self.achieved_flops)
+        if name in achieved:
+            return achieved[name]
+        if name not in dict(self.peak_flops) and "float32" in achieved:
+            return achieved["float32"]
+        return self.flops_for(name)
+
+    def stream_bandwidth(self, nbytes: float) -> float:
+        """Bytes/s an elementwise op moving ``nbytes`` achieves (in the cache when they fit)."""
+        if nbytes <= self.cache_bytes and self.cache_bandwidth:
+            return self.cache_bandwidth
+        return self.achieved_bandwidth or self.memory_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "memory_bytes": self.memory_bytes,
+        }
+        achieved: dict[str, Any] = {"flops": dict(self.achieved_flops)} if self.achieved_flops else {}
+        if self.achieved_bandwidth:
+            achieved["memory_bandwidth"] = self.achieved_bandwidth
+        if self.cache_bandwidth:
+            achieved.update(cache_bytes=self.cache_bytes, cache_bandwidth=self.cache_bandwidth)
+        achieved.update(op_seconds=self.op_seconds, segment_seconds=self.segment_seconds)
+        out["achieved"] = achieved
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "device") -> Device:
@@ -144,10 +194,22 @@ class Device:
         if not isinstance(flops, Mapping) or "float32" not in flops:
             raise CostModelError(f"cluster profile: missing field {where}.peak_flops.float32")
         peak = tuple(sorted((k, _figure(flops, k, f"{where}.peak_flops", allow_zero=False)) for k in flops))
+        achieved = data.get("achieved", {})
+        if not isinstance(achieved, Mapping):
+            raise CostModelError(f"cluster profile: field {where}.achieved must be an object")
+        rates = achieved.get("flops", {})
+        if not isinstance(rates, Mapping):
+            raise CostModelError(f"cluster profile: field {where}.achieved.flops must be an object")
+        at = f"{where}.achieved"
         return cls(
             peak,
             _figure(data, "memory_bandwidth", where, allow_zero=False),
             _figure(data, "memory_bytes", where, allow_zero=False),
+            tuple(sorted((k, _figure(rates, k, f"{at}.flops", allow_zero=False)) for k in rates)),
+            _figure(achieved, "memory_bandwidth", at) if "memory_bandwidth" in achieved else 0.0,
+            _figure(achieved, "op_seconds", at) if "op_seconds" in achieved else 5e-6,
+            _figure(achieved, "segment_seconds", at) if "segment_seconds" in achieved else 0.0,
+            *(_figure(achieved, k, at) if k in achieved else 0.0 for k in ("cache_bytes", "cache_bandwidth")),
         )
 
 
@@ -229,11 +291,7 @@ class Cluster:
             "devices_per_node": self.devices_per_node,
             "intra": self.intra.to_dict(),
             "inter": self.inter.to_dict(),
-            "device": {
-                "peak_flops": dict(self.device.peak_flops),
-                "memory_bandwidth": self.device.memory_bandwidth,
-                "memory_bytes": self.device.memory_bytes,
-            },
+            "device": self.device.to_dict(),
             "collectives": {k: v.to_dict() for k, v in self.collectives},
             "emulated": list(self.emulated),
             "subgroups": self.subgroups,
@@ -302,7 +360,7 @@ def shipped_profile(name: str) -> Cluster:
     return Cluster.from_dict(json.loads(text))
 
 
-GPU_PROFILE, CPU_PROFILE = "h100-node", "cpu-gloo"
+GPU_PROFILE, CPU_PROFILE, SHM_PROFILE = "h100-node", "cpu-gloo", "cpu-shm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,13 +385,21 @@ def _hardware_has_gpu() -> bool:
     return _cuda_visible()
 
 
-def hardware_profile(cuda: bool | None = None) -> ProfileChoice:
+def hardware_profile(cuda: bool | None = None, shared_memory: bool | None = None) -> ProfileChoice:
     """The shipped profile for this machine: ``h100-node`` (the only shipped GPU profile) with a
-    CUDA build of Paddle and a visible GPU, else ``cpu-gloo`` (the CPU runtime's gloo
-    collectives, calibrated). ``cuda`` overrides the detection (tests)."""
+    CUDA build of Paddle and a visible GPU; else the CPU runtime's collectives, calibrated:
+    ``cpu-shm`` where a one-machine job talks through shared memory
+    (:func:`autopar.runtime.shm.one_host_default`), ``cpu-gloo`` where it uses gloo.
+    ``cuda`` / ``shared_memory`` override the detection (tests)."""
     gpu = _hardware_has_gpu() if cuda is None else cuda
     if gpu:
         return ProfileChoice(GPU_PROFILE, "a CUDA build of Paddle sees a GPU; the only shipped GPU profile")
+    if shared_memory is None:
+        from autopar.runtime.shm import one_host_default
+
+        shared_memory = one_host_default()
+    if shared_memory:
+        return ProfileChoice(SHM_PROFILE, "no GPU visible to Paddle: the ranks run on the CPU, one machine's through shared memory")
     return ProfileChoice(CPU_PROFILE, "no GPU visible to Paddle: the ranks run on the CPU with gloo")
 
 
@@ -345,7 +411,7 @@ def profile_origin(given: str | None, cuda: bool | None = None) -> str:
     return str(hardware_profile(cuda))
 
 
-def default_cluster(cuda: bool | None = None) -> Cluster:
+def default_cluster(cuda: bool | None = None, shared_memory: bool | None = None) -> Cluster:
     """The profile used when none is given: the one for the hardware in use
     (:func:`hardware_profile`), one node of it (``fitted`` grows it to as many nodes as needed)."""
-    return shipped_profile(hardware_profile(cuda).name)
+    return shipped_profile(hardware_profile(cuda, shared_memory).name)

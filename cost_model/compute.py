@@ -2,9 +2,9 @@
 
 :func:`op_cost` prices one op on given (local) shapes: ``flops`` counts multiply and add as
 two, ``bytes`` is every input read once plus every output written once. :meth:`OpCost.time`
-is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)`` on a cluster's
-device. Covered: the ops with SPMD rules — matmul, conv2d, elementwise and activations,
-reductions, softmax, layer_norm, embedding, optimizer updates (sgd, momentum, adam, adamw) —
+is the roofline ``max(flops / matmul rate[dtype], bytes / streamed bandwidth)`` on a cluster's
+device, at the rates it achieves (measured; the peaks where none was). Covered: the ops with
+SPMD rules — matmul, conv2d, elementwise and activations, reductions, softmax, layer_norm, embedding, optimizer updates (sgd, momentum, adam, adamw) —
 and their grad ops (matmul / conv grads cost twice the forward FLOPs: one product per input
 gradient; other grads once). Shapes are per rank: pass ``DistAttr.local_shape(...)`` to
 price a shard. An op outside the table raises :class:`CostModelError` naming it.
@@ -39,15 +39,14 @@ class OpCost:
     bytes: float
 
     def time(self, cluster: Cluster, dtype: str = "float32") -> float:
-        """Roofline seconds on ``cluster``'s device."""
+        """Roofline seconds on ``cluster``'s device, at the rates its ops achieve
+        (:class:`~autopar.cost_model.cluster.Device`: measured matmul FLOP/s, streamed bytes/s),
+        without the fixed cost per op (``device.op_seconds``)."""
         device = cluster.device
-        return max(self.flops / device.flops_for(dtype), self.bytes / device.memory_bandwidth)
+        return max(self.flops / device.matmul_rate(dtype), self.bytes / device.stream_bandwidth(self.bytes))
 
     def __add__(self, other: OpCost) -> OpCost:
         return OpCost(self.flops + other.flops, self.bytes + other.bytes)
-
-
-LAUNCH_SECONDS = 5e-6  # per op run: a kernel launch on a GPU, an interpreter step on CPU
 
 
 def _numel(shape: Shape) -> int:

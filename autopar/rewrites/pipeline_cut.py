@@ -30,7 +30,6 @@ from typing import Any
 
 from autopar.cost_model import op_cost_or_traffic
 from autopar.cost_model.cluster import Cluster
-from autopar.cost_model.compute import LAUNCH_SECONDS
 from autopar.errors import AnnotationError
 from autopar.graph import ProgramGraph, Role
 from autopar.layer_paths import path_of, repeated_depth
@@ -59,7 +58,7 @@ def op_seconds(graph: ProgramGraph, op: Any, cluster: Cluster) -> float:
     outputs = [graph.values[k].shape for k in op.outputs if k is not None]
     dtype = next((graph.values[k].dtype for k in op.outputs if k is not None), "float32")
     cost, _ = op_cost_or_traffic(op.name, inputs, outputs, op.attrs, dtype)
-    return 3.0 * cost.time(cluster, dtype) + LAUNCH_SECONDS
+    return 3.0 * cost.time(cluster, dtype) + cluster.device.op_seconds
 
 
 def cut_stages(paths: Sequence[Unit | None], stages: int, weights: Sequence[float] | None = None) -> list[int]:

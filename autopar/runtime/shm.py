@@ -62,12 +62,24 @@ MIN_CAPACITY = 1 << 16
 SLEEP = 20e-6  # seconds between checks once a wait is not over at once (Linux rounds it up to ~60 us)
 
 
-def available(world: int) -> bool:
-    """Whether the ranks of this job can use shared memory: all on this host (the launcher's
-    endpoints name one host), an x86-64 CPU, and not turned off (``AUTOPAR_HOST_COMM=gloo``)."""
+def _choice() -> str:
     choice = os.environ.get(ENV, "").strip().lower()
     if choice not in ("", "gloo", "shm"):
         raise AutoparError(f"{ENV} must be 'gloo' or 'shm', got {choice!r}")
+    return choice
+
+
+def one_host_default() -> bool:
+    """Whether a job whose ranks all run on this host talks through shared memory: an x86-64
+    CPU and not turned off (``AUTOPAR_HOST_COMM=gloo``). (The cost profile for CPU jobs follows
+    it: ``cpu-shm`` or ``cpu-gloo``.)"""
+    return platform.machine().lower() in ("x86_64", "amd64") and _choice() != "gloo"
+
+
+def available(world: int) -> bool:
+    """Whether the ranks of this job can use shared memory: all on this host (the launcher's
+    endpoints name one host), an x86-64 CPU, and not turned off (``AUTOPAR_HOST_COMM=gloo``)."""
+    choice = _choice()
     endpoints = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
     hosts = {e.rsplit(":", 1)[0] for e in endpoints}
     fits = len(hosts) == 1 and len(endpoints) == world and platform.machine().lower() in ("x86_64", "amd64")

@@ -11,9 +11,13 @@ placements of parameters, gradients, optimizer states and the activations kept f
 The step, on the busiest rank of each pipeline rank (ranks that differ only in their dp / mp
 coordinates hold pieces of one size, so the first rank of each stage mesh stands for it):
 - **compute**: forward + backward of every micro-batch, then the update (each op's roofline
-  time plus a launch cost: many small ops, as recompute and more micro-batches make, cost time);
+  time at the rates the device achieves plus its fixed cost, ``device.op_seconds``: many small
+  ops, as recompute and more micro-batches make, cost time), and the fixed cost of each program
+  run (``device.segment_seconds``: one a step, or one per pipeline phase);
 - **communication**: every collective the rank takes part in, none assumed overlapped
-  (a per-micro-batch reshard ``m`` times, a gradient sync once);
+  (a per-micro-batch reshard ``m`` times, a gradient sync once), each also ending a program
+  segment on a host backend (``device.segment_seconds``; 0 where collectives run inside the
+  program);
 - **bubble**: pipeline ranks idle while the pipeline fills and drains — ``(p - 1)`` times the
   slowest stage's forward + backward of one micro-batch for FThenB and 1F1B, half of the
   backward less for ZB-H1 (its weight gradients fill the drain), divided by the virtual stages
@@ -31,7 +35,6 @@ from functools import lru_cache
 from typing import Any
 
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
-from autopar.cost_model.compute import LAUNCH_SECONDS
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
@@ -78,7 +81,8 @@ def price(state: CompileState) -> Price:
         times.append(_StageTimes(forward, backward, update, *comm))
     slowest = max(times, key=lambda t: t.forward + t.backward + t.per_micro_comm)
     per_micro = max(t.forward + t.backward for t in times)
-    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times)
+    runs = 1 if pipeline is None else (3 if pipeline.schedule == "ZBH1" else 2) * micro + 1  # program runs per step
+    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times) + runs * state.cluster.device.segment_seconds
     communication = max(micro * t.per_micro_comm + t.once_comm for t in times)
     bubble = 0.0
     if pipeline is not None and len(meshes) > 1:
@@ -118,6 +122,7 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
     """Seconds of the collectives ``rank`` takes part in per micro-batch and once a step (a
     gradient sync, a fused bucket), and the bytes it sends in each."""
     per_micro = once = 0.0
+    segment = state.cluster.device.segment_seconds  # each collective ends a program segment on a host backend
     sent = {True: 0, False: 0}
     fused = {member for bucket in state.buckets for member in bucket.members}
     fused |= {member for bucket in state.zero_buckets for member in bucket.members}
@@ -127,7 +132,7 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
         mine = [step for step in planned.plan.steps if not step.kind.is_local and step.group_of(rank) is not None]
         if not mine:  # (a local slice is a copy the compute side does not see: a few bytes)
             continue
-        seconds = sum(step.time for step in mine)
+        seconds = sum(step.time for step in mine) + len(mine) * segment
         once_a_step = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
         sent[once_a_step] += sum(step.bytes for step in mine)
         if once_a_step:
@@ -136,7 +141,7 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
             per_micro += seconds
     for bucket in (*state.buckets, *state.zero_buckets):
         if rank in _bucket_ranks(state, bucket):
-            once += bucket.time
+            once += bucket.time + segment
             sent[True] += bucket.bytes
     return per_micro, once, sent[False], sent[True]
 
@@ -161,7 +166,7 @@ def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any) -> float:
 def _seconds(name: str, ins: tuple, outs: tuple, transposes: tuple[bool, bool], dtype: str, cluster: Any) -> float:
     """(Cached across candidates: a search prices the same layer's ops on the same pieces often.)"""
     attrs = {"transpose_x": transposes[0], "transpose_y": transposes[1]}
-    return op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype)[0].time(cluster, dtype) + LAUNCH_SECONDS
+    return op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype)[0].time(cluster, dtype) + cluster.device.op_seconds
 
 
 @lru_cache(maxsize=1 << 16)

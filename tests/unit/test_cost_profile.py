@@ -10,6 +10,8 @@ gradient on its own plan's form, or on the direct all_reduce over dp) and keeps 
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import paddle
 import pytest
@@ -23,12 +25,16 @@ from autopar.testing.serial import random_feeds, run_serial
 ON_GPU = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 
 
-def test_profile_from_the_device():
-    assert hardware_profile(cuda=False).name == "cpu-gloo"
+def test_profile_from_the_device(monkeypatch):
+    assert hardware_profile(cuda=False, shared_memory=False).name == "cpu-gloo"
+    assert hardware_profile(cuda=False, shared_memory=True).name == "cpu-shm"
     assert hardware_profile(cuda=True).name == "h100-node"
-    assert default_cluster(cuda=False).name == "cpu-gloo" and default_cluster(cuda=True).name == "h100-node"
-    assert default_cluster().name == hardware_profile().name == ("h100-node" if ON_GPU else "cpu-gloo")
+    assert default_cluster(cuda=False, shared_memory=True).name == "cpu-shm" and default_cluster(cuda=True).name == "h100-node"
+    cpu = "cpu-shm" if platform.machine().lower() in ("x86_64", "amd64") else "cpu-gloo"
+    assert default_cluster().name == hardware_profile().name == ("h100-node" if ON_GPU else cpu)
     assert "chosen from the hardware" in str(hardware_profile(cuda=False))
+    monkeypatch.setenv("AUTOPAR_HOST_COMM", "gloo")  # the CPU runtime's gloo collectives: their profile
+    assert hardware_profile(cuda=False).name == "cpu-gloo"
 
 
 def dp_mp(sizes=(8, 16, 8, 4), cluster: str | None = None):

@@ -1,14 +1,14 @@
 """A candidate's price from the compile state alone (autopar/suggest/pricing.py) agrees with the
 cost report built from the rank programs: communication and memory exactly where no pipeline
-runs, compute within the rank programs' own extra ops and a launch cost per op; a pipeline pays its bubble and its
-per-micro-batch collectives once per micro-batch."""
+runs (each collective also paying the host's program segment), compute within the rank programs' own extra ops,
+a fixed cost per op and one program run; a pipeline pays its bubble and its per-micro-batch collectives once per
+micro-batch."""
 
 import warnings
 
 import pytest
 
 import autopar
-from autopar.cost_model.compute import LAUNCH_SECONDS
 from autopar.suggest.pricing import price
 from autopar.testing.models import annotate_megatron, gpt_block_program
 
@@ -28,11 +28,13 @@ def _gpt(names, strategy):
 def test_price_agrees_with_the_cost_report_of_the_rank_programs(zero):
     dist = _gpt(["dp", "mp"], autopar.Strategy(zero_stage=zero))
     priced, report = price(dist.state), dist.cost
-    assert priced.communication == pytest.approx(max(r.comm_time for r in report.ranks), rel=1e-9)
+    device = dist.state.cluster.device
+    ends = [device.segment_seconds * len(dist.comm_ops(r.rank)) + r.comm_time for r in report.ranks]  # a host segment each
+    assert priced.communication == pytest.approx(max(ends), rel=1e-9)
     assert priced.memory == max(report.peak_memory.values())
     assert priced.sent == max(report.comm_bytes.values())
     compute = max(r.compute_time for r in report.ranks)  # (rooflines only: no launch cost per op)
-    launches = len(dist.rank_plan(0).program.global_block().ops) * LAUNCH_SECONDS
+    launches = len(dist.rank_plan(0).program.global_block().ops) * device.op_seconds + device.segment_seconds
     assert 0.5 * compute < priced.compute <= compute + launches  # (rank programs add local slices, concats and copies)
     assert priced.bubble == 0.0 and priced.step == priced.compute + priced.communication
 
@@ -42,5 +44,7 @@ def test_a_pipeline_pays_its_bubble_and_each_micro_batch():
     four = price(_gpt(["pp", "mp"], autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=4, stages=2))).state)
     assert one.bubble > 0 and four.bubble < one.bubble  # smaller micro-batches, shorter fill and drain
     assert four.communication > one.communication  # the same bytes in more, smaller collectives (latency)
-    zero_bubble = price(_gpt(["pp", "mp"], autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2, schedule="ZBH1"))).state)
-    assert zero_bubble.bubble < one.bubble and zero_bubble.compute == pytest.approx(one.compute)
+    zb = _gpt(["pp", "mp"], autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2, schedule="ZBH1")))
+    zero_bubble, segment = price(zb.state), zb.state.cluster.device.segment_seconds
+    assert zero_bubble.bubble < one.bubble
+    assert zero_bubble.compute == pytest.approx(one.compute + 2 * segment)  # the same ops; a weight-gradient phase per micro-batch

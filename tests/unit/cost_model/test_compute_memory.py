@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
 
 from autopar import DistAttr, ProcessMesh
 from autopar.cost_model import shipped_profile
+from autopar.cost_model.cluster import Cluster, Device
 from autopar.cost_model.compute import OpCost, einsum_cost, op_cost
 from autopar.cost_model.memory import TensorInfo, memory_per_rank, tensor_bytes
 from autopar.errors import CostModelError
@@ -18,8 +21,20 @@ def test_matmul_flops_bytes_and_roofline():
     )
     h100 = shipped_profile("h100-node")
     big = OpCost(2e12, 1e6)
-    assert big.time(h100, "bfloat16") == pytest.approx(2e12 / 9.894e14)  # compute bound
-    assert OpCost(1e3, 3.35e9).time(h100) == pytest.approx(1e-3)  # memory bound
+    assert big.time(h100, "bfloat16") == pytest.approx(2e12 / 7.1e14)  # compute bound, at the measured GEMM rate
+    assert OpCost(1e3, 2.95e9).time(h100) == pytest.approx(1e-3)  # memory bound, at the measured streaming rate
+    assert OpCost(2e12, 0).time(h100, "float8_e4m3fn") == pytest.approx(2e12 / 1.979e15)  # not measured: the peak
+
+
+def test_a_device_prices_at_what_it_achieves_and_round_trips():
+    device = Device((("float32", 1e12),), 1e11, 1e9, achieved_flops=(("float32", 5e11),), achieved_bandwidth=5e10,
+                    cache_bytes=1e6, cache_bandwidth=2e11, op_seconds=3e-6, segment_seconds=1e-4)  # fmt: skip
+    cluster = dataclasses.replace(shipped_profile("cpu-shm"), device=device)
+    assert OpCost(1e12, 0).time(cluster) == pytest.approx(2.0)
+    assert OpCost(0, 1e6).time(cluster) == pytest.approx(1e6 / 2e11)  # fits the cache
+    assert OpCost(0, 2e6).time(cluster) == pytest.approx(2e6 / 5e10)
+    assert Cluster.from_dict(cluster.to_dict()).device == device
+    assert Device.from_dict({"peak_flops": {"float32": 1.0}, "memory_bandwidth": 1.0, "memory_bytes": 1.0}).op_seconds == 5e-6
 
 
 def test_other_ops():
