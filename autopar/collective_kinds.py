@@ -31,9 +31,13 @@ REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3, "avg": 4}  # Paddle's r
 
 
 def own_piece(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
-    """Piece ``index`` of ``parts`` along ``axis`` (the bounds every pass and backend use)."""
+    """Piece ``index`` of ``parts`` along ``axis`` (the bounds every pass and backend use), a copy."""
+    return np.array(_piece_view(x, axis, parts, index))
+
+
+def _piece_view(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
     lo, hi = shard_bounds(x.shape[axis], parts, index)
-    return np.take(x, np.arange(lo, hi), axis=axis)
+    return x[(slice(None),) * (axis % max(x.ndim, 1)) + (slice(lo, hi),)]
 
 
 def _reduce(arrays: list[np.ndarray], reduce: str) -> np.ndarray:
@@ -96,6 +100,11 @@ class Kind:
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
+
+    def perform_for(self, job: Collective, pieces: list[np.ndarray], index: int) -> np.ndarray | None:
+        """Member ``index``'s output alone (bit-equal to :meth:`perform`'s): what a rank that
+        sees every input computes for itself."""
+        return self.perform(job, pieces)[index]
 
     def perform_into(self, job: Collective, out: np.ndarray, inputs: dict[int, np.ndarray]) -> bool:
         """Write this rank's output straight into ``out`` (an output tensor's memory, shaped as
@@ -240,6 +249,9 @@ class ReduceScatter(Kind):
         total = _reduce(pieces, job.reduce)
         return [own_piece(total, job.axis, len(pieces), i) for i in range(len(pieces))]
 
+    def perform_for(self, job, pieces, index):  # the own piece of each input, reduced: 1/p of the work
+        return _reduce([_piece_view(p, job.axis, len(pieces), index) for p in pieces], job.reduce)
+
     def coefficients(self, p, nbytes, algorithm="ring"):
         return float(p - 1), (p - 1) / p * nbytes
 
@@ -270,8 +282,10 @@ class AllToAll(Kind):
         return nbytes, nbytes
 
     def perform(self, job, pieces):
-        parts = len(pieces)
-        return [np.concatenate([own_piece(p, job.split_axis, parts, i) for p in pieces], axis=job.axis) for i in range(parts)]
+        return [self.perform_for(job, pieces, i) for i in range(len(pieces))]
+
+    def perform_for(self, job, pieces, index):
+        return np.concatenate([_piece_view(p, job.split_axis, len(pieces), index) for p in pieces], axis=job.axis)
 
     def axes(self, tensor_dims):
         return tensor_dims[0], tensor_dims[-1]  # gathered along the first, split along the last
@@ -421,6 +435,15 @@ def perform(job: Collective, inputs: dict[int, np.ndarray]) -> dict[int, np.ndar
         raise AutoparError(f"{job.kind} over {group}: no input from ranks {missing}")
     outputs = KINDS[job.kind].perform(job, [np.asarray(inputs[r]) for r in group])
     return {r: out for r, out in zip(group, outputs) if out is not None}
+
+
+def perform_for(job: Collective, inputs: dict[int, np.ndarray], rank: int) -> np.ndarray | None:
+    """``rank``'s output of ``job`` given every member's input (only its own is computed)."""
+    group = list(job.group)
+    missing = [r for r in group if r not in inputs]
+    if missing:
+        raise AutoparError(f"{job.kind} over {group}: no input from ranks {missing}")
+    return KINDS[job.kind].perform_for(job, [np.asarray(inputs[r]) for r in group], group.index(rank))
 
 
 def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:

@@ -18,7 +18,8 @@ send_recv          the message              ``a + n b``
 =================  =======================  =========================================
 
 The cheaper of ring and tree is taken (NCCL's tuner does the same). A group of one rank costs
-nothing. A fitted link may carry a knee (:class:`Link`): a buffer of at least ``knee`` bytes
+nothing. On a profile whose device has a ``segment_seconds`` (the CPU runtime's host backend
+ends a program segment at each collective) every collective also pays it. A fitted link may carry a knee (:class:`Link`): a buffer of at least ``knee`` bytes
 also pays ``nbytes / knee_bandwidth`` (fresh memory faulting in, on ``cpu-gloo``).
 
 What runs on the profile is what is priced:
@@ -87,7 +88,13 @@ def collective_time(
     ``world_exchange``: :func:`exchange_time`); not given, every group is priced as native.
     """
     world = None if world_size is None else frozenset(range(world_size))
-    return _time(str(kind), tuple(group), nbytes, cluster, world)
+    return _with_segment(_time(str(kind), tuple(group), nbytes, cluster, world), cluster)
+
+
+def _with_segment(seconds: float, cluster: Cluster) -> float:
+    """A collective that moves anything also ends a program segment on a host backend
+    (``device.segment_seconds``: 0 where collectives run inside the program)."""
+    return seconds + cluster.device.segment_seconds if seconds > 0 else 0.0
 
 
 def _time(kind: str, group: tuple[int, ...], nbytes: float, cluster: Cluster, world: frozenset[int] | None) -> float:
@@ -142,4 +149,4 @@ def groups_time(
         world: frozenset[int] | None = frozenset(range(world_size))
     else:
         world = frozenset(r for g in groups for r in g) if len(groups) > 1 else None
-    return max((_time(str(kind), g, nbytes, cluster, world) for g in groups), default=0.0)
+    return _with_segment(max((_time(str(kind), g, nbytes, cluster, world) for g in groups), default=0.0), cluster)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from autopar.collective import Collective
-from autopar.collective_kinds import KINDS, emulated, perform, point_to_point
+from autopar.collective_kinds import KINDS, emulated, perform_for, point_to_point
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.rank_status import collective_timeout, waiting
@@ -113,7 +113,7 @@ class GlooCommunicator:
             pdist.all_gather_object(everyone, np.require(x, requirements="C"))
             if self.rank not in job.group:
                 return None
-            return perform(job, {r: everyone[r] for r in job.group})[self.rank]
+            return perform_for(job, {r: everyone[r] for r in job.group}, self.rank)
 
     def _in_group(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
         """A sub-group collective among its members only, over the p2p links: each member sends
@@ -124,7 +124,7 @@ class GlooCommunicator:
             if member != self.rank:
                 links.send(member, x, job.key)
         inputs = {member: x if member == self.rank else links.recv(member, job.key, self.timeout) for member in job.group}
-        return perform(job, inputs)[self.rank]
+        return perform_for(job, inputs, self.rank)
 
     def _links(self) -> Any:
         from paddle.base import core

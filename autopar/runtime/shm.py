@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from autopar.collective import Collective
-from autopar.collective_kinds import KINDS, perform, point_to_point
+from autopar.collective_kinds import KINDS, perform_for, point_to_point
 from autopar.errors import AutoparError
 from autopar.rank_status import WATCHDOG_MARGIN, collective_timeout, waiting
 from autopar.runtime.jobs import ScopeCall, collective_label
@@ -304,7 +304,7 @@ class SharedMemoryCommunicator:
             fits = target is not None and target.shape == source.shape and target.dtype == source.dtype
             if fits and not np.may_share_memory(target, source) and KINDS[job.kind].perform_into(job, target, arrays):
                 return
-            out = perform(job, arrays)[self.rank]
+            out = perform_for(job, arrays, self.rank)
             if target is not None and target.shape == out.shape and target.dtype == out.dtype:
                 target[...] = out
             else:
@@ -322,7 +322,7 @@ class SharedMemoryCommunicator:
                 from autopar.runtime.p2p import send_or_recv
 
                 return send_or_recv(self.rank, self.store, job, x, self.timeout)
-            return self.node.collect(job.group, x, lambda arrays: _owned(perform(job, arrays)[self.rank], arrays))
+            return self.node.collect(job.group, x, lambda arrays: _owned(perform_for(job, arrays, self.rank), arrays))
 
     def all_gather_object(self, obj: Any, what: str | None = None) -> list[Any]:
         from autopar.runtime.native import exchange_label

@@ -16,8 +16,9 @@ The result is ranked by predicted step time among the plans that fit, then by me
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest.pricing import Price, price
-from autopar.suggest.search import Shape, shapes, strategies
+from autopar.suggest.search import Shape, strategies
+from autopar.suggest.search import shapes as factorisations
 from autopar.units import format_bytes, format_time
 
 
@@ -132,41 +134,27 @@ class Suggestions(list):
 
 def suggest(
     program: Any, world: int, startup_program: Any = None, memory_per_rank: int | None = None,
-    cluster: str | None = None, top: int = 5,
+    cluster: str | None = None, top: int = 5, shapes: Iterable[Shape | tuple[int, int, int]] | None = None,
 ) -> Suggestions:  # fmt: skip
     """The ``top`` plans for ``program`` on ``world`` devices (see the module docstring).
     ``memory_per_rank``: bytes (default: the profile's device memory); ``cluster``: a cost
-    profile name or path (default: the hardware in use)."""
-    from autopar.cost_model.cluster import default_cluster, load_cluster
-    from autopar.suggest.annotations import batch_feeds, placements, tensor_parallel
-
+    profile name or path (default: the hardware in use); ``shapes``: only these mesh shapes
+    (``Shape`` or ``(dp, mp, pp)``; default: every factorisation of ``world``)."""
+    only = shapes
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise AutoparError(f"suggest: world must be a positive number of devices, got {world!r}")
     if not isinstance(top, int) or top < 1:
         raise AutoparError(f"suggest: top must be a positive int, got {top!r}")
     started = time.perf_counter()
-    graph = ProgramGraph(program)
-    feeds = batch_feeds(graph)
-    batch = graph.values[feeds[0]].shape[0] if feeds else 1
-    profile = load_cluster(cluster) if cluster else default_cluster()
-    budget = int(memory_per_rank if memory_per_rank is not None else profile.device.memory_bytes)
+    graph, batch, profile, budget = _setting(program, cluster, memory_per_rank)
     out, skipped = Suggestions(), []
     weights = _parameter_bytes(graph)
     tried: dict[Shape, _Shape] = {}
-    for shape in shapes(world):
-        if batch % shape.dp:
-            skipped.append((str(shape), f"the batch of {batch} rows does not split over {shape.dp} data ranks"))
-            continue
-        if shape.mp > profile.devices_per_node:
-            skipped.append((str(shape), f"tensor parallelism over {shape.mp} ranks would cross nodes of {profile.devices_per_node}"))
-            continue
-        tp = tensor_parallel(graph, shape.mp) if shape.mp > 1 else None
-        if shape.mp > 1 and not tp:
-            skipped.append((str(shape), f"nothing found to split over {shape.mp} tensor ranks"))
-            continue
-        mesh = shape.mesh()
-        annotated = placements(graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
-        tried[shape] = _Shape(shape, mesh, annotated, _split_words(tp), [s for s in strategies(shape, batch, cluster)])
+    for shape in factorisations(world) if only is None else _given_shapes(only, world):
+        try:
+            tried[shape] = _shape_entry(graph, shape, batch, profile, cluster)
+        except _Unfit as why:
+            skipped.append((str(shape), str(why)))
 
     def run(entry: _Shape, chosen: list[Strategy]) -> None:
         for strategy in chosen:
@@ -174,16 +162,12 @@ def suggest(
                 out.pruned += 1
                 continue
             try:
-                analysis = entry.analysis(program, startup_program, strategy)
-                dist = _compiled(program, entry.mesh, startup_program, strategy, analysis)
+                plan = entry.priced(program, startup_program, strategy, budget)
             except AutoparError as error:
                 skipped.append((f"{entry.shape} [{strategy}]", str(error).splitlines()[0]))
                 continue
             out.searched += 1
-            plan = Plan(entry.shape, entry.mesh, strategy, entry.placements, price(dist.state), budget, entry.split, program,
-                        startup_program, analysis)  # fmt: skip
             out.append(plan)
-            entry.plans.append(plan)
 
     for entry in tried.values():  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
         run(entry, [s for s in entry.strategies if not s.sequence_parallel and not s.recompute])
@@ -199,6 +183,69 @@ def suggest(
 
 
 FURTHER = 3  # shapes whose sequence-parallel and recompute variants are priced (besides those where nothing fits)
+
+
+def price_plan(
+    program: Any, shape: Shape | tuple[int, int, int], strategy: Strategy | None = None, startup_program: Any = None,
+    memory_per_rank: int | None = None, cluster: str | None = None,
+) -> Plan:  # fmt: skip
+    """One given plan priced as :func:`suggest` prices its candidates: ``shape`` (``Shape`` or
+    ``(dp, mp, pp)``) with the annotations the search would find for it, and ``strategy``
+    (default: none of the features) — a published recipe beside the search's choice, say."""
+    graph, batch, profile, budget = _setting(program, cluster, memory_per_rank)
+    (shape,) = _given_shapes([shape], None)
+    strategy = dataclasses.replace(strategy or Strategy(), cluster=cluster)
+    try:
+        entry = _shape_entry(graph, shape, batch, profile, cluster)
+    except _Unfit as why:
+        raise AutoparError(f"price_plan: {shape}: {why}") from None
+    return entry.priced(program, startup_program, strategy, budget)
+
+
+class _Unfit(Exception):
+    """Why a mesh shape cannot take the program."""
+
+
+def _setting(program: Any, cluster: str | None, memory_per_rank: int | None) -> tuple[ProgramGraph, int, Any, int]:
+    """The program's graph, its global batch, the cost profile and the memory budget per rank."""
+    from autopar.cost_model.cluster import default_cluster, load_cluster
+    from autopar.suggest.annotations import batch_feeds
+
+    graph = ProgramGraph(program)
+    feeds = batch_feeds(graph)
+    batch = graph.values[feeds[0]].shape[0] if feeds else 1
+    profile = load_cluster(cluster) if cluster else default_cluster()
+    return graph, batch, profile, int(memory_per_rank if memory_per_rank is not None else profile.device.memory_bytes)
+
+
+def _given_shapes(given: Iterable[Any], world: int | None) -> list[Shape]:
+    out = []
+    for item in given:
+        shape = item if isinstance(item, Shape) else None
+        if shape is None and isinstance(item, tuple) and len(item) == 3 and all(isinstance(n, int) and n >= 1 for n in item):
+            shape = Shape(*item)
+        if shape is None:
+            raise AutoparError(f"a mesh shape is a Shape or (dp, mp, pp) of positive ints, got {item!r}")
+        if world is not None and shape.world != world:
+            raise AutoparError(f"mesh shape {shape} has {shape.world} devices, not the world's {world}")
+        out.append(shape)
+    return out
+
+
+def _shape_entry(graph: ProgramGraph, shape: Shape, batch: int, profile: Any, cluster: str | None) -> _Shape:
+    """``shape``'s annotations and strategies; raises :class:`_Unfit` saying why it cannot take the program."""
+    from autopar.suggest.annotations import placements, tensor_parallel
+
+    if batch % shape.dp:
+        raise _Unfit(f"the batch of {batch} rows does not split over {shape.dp} data ranks")
+    if shape.mp > profile.devices_per_node:
+        raise _Unfit(f"tensor parallelism over {shape.mp} ranks would cross nodes of {profile.devices_per_node}")
+    tp = tensor_parallel(graph, shape.mp) if shape.mp > 1 else None
+    if shape.mp > 1 and not tp:
+        raise _Unfit(f"nothing found to split over {shape.mp} tensor ranks")
+    mesh = shape.mesh()
+    annotated = placements(graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
+    return _Shape(shape, mesh, annotated, _split_words(tp), list(strategies(shape, batch, cluster)))
 
 
 @dataclass(eq=False)
@@ -226,6 +273,15 @@ class _Shape:
         if isinstance(found, AutoparError):
             raise found
         return found
+
+    def priced(self, program: Any, startup: Any, strategy: Strategy, budget: int) -> Plan:
+        """``strategy`` on this shape compiled from its analysis and priced (kept in ``plans``)."""
+        analysis = self.analysis(program, startup, strategy)
+        dist = _compiled(program, self.mesh, startup, strategy, analysis)
+        plan = Plan(self.shape, self.mesh, strategy, self.placements, price(dist.state), budget, self.split, program,
+                    startup, analysis)  # fmt: skip
+        self.plans.append(plan)
+        return plan
 
     def best_step(self) -> float:
         fitting = [plan.price.step for plan in self.plans if plan.fits]

@@ -15,9 +15,8 @@ coordinates hold pieces of one size, so the first rank of each stage mesh stands
   ops, as recompute and more micro-batches make, cost time), and the fixed cost of each program
   run (``device.segment_seconds``: one a step, or one per pipeline phase);
 - **communication**: every collective the rank takes part in, none assumed overlapped
-  (a per-micro-batch reshard ``m`` times, a gradient sync once), each also ending a program
-  segment on a host backend (``device.segment_seconds``; 0 where collectives run inside the
-  program);
+  (a per-micro-batch reshard ``m`` times, a gradient sync once; on a host backend each also
+  ends a program segment, which the cost model's collective times include);
 - **bubble**: pipeline ranks idle while the pipeline fills and drains — ``(p - 1)`` times the
   slowest stage's forward + backward of one micro-batch for FThenB and 1F1B, half of the
   backward less for ZB-H1 (its weight gradients fill the drain), divided by the virtual stages
@@ -122,7 +121,6 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
     """Seconds of the collectives ``rank`` takes part in per micro-batch and once a step (a
     gradient sync, a fused bucket), and the bytes it sends in each."""
     per_micro = once = 0.0
-    segment = state.cluster.device.segment_seconds  # each collective ends a program segment on a host backend
     sent = {True: 0, False: 0}
     fused = {member for bucket in state.buckets for member in bucket.members}
     fused |= {member for bucket in state.zero_buckets for member in bucket.members}
@@ -132,7 +130,7 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
         mine = [step for step in planned.plan.steps if not step.kind.is_local and step.group_of(rank) is not None]
         if not mine:  # (a local slice is a copy the compute side does not see: a few bytes)
             continue
-        seconds = sum(step.time for step in mine) + len(mine) * segment
+        seconds = sum(step.time for step in mine)
         once_a_step = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
         sent[once_a_step] += sum(step.bytes for step in mine)
         if once_a_step:
@@ -141,7 +139,7 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
             per_micro += seconds
     for bucket in (*state.buckets, *state.zero_buckets):
         if rank in _bucket_ranks(state, bucket):
-            once += bucket.time + segment
+            once += bucket.time
             sent[True] += bucket.bytes
     return per_micro, once, sent[False], sent[True]
 

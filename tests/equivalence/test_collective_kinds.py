@@ -9,6 +9,7 @@ from autopar.testing.models import reshard_chain
 from autopar.testing.serial import random_feeds, run_serial
 
 
+@pytest.mark.usefixtures("gloo_profile")  # (the chain is designed for cpu-gloo's choices)
 @pytest.mark.parametrize("world", [2, 4])
 def test_reduce_scatter_all_to_all_all_reduce_all_gather_equal_serial(world):
     net, dist = reshard_chain(world)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import KINDS, kind_of, perform
+from autopar.collective_kinds import KINDS, kind_of, perform, perform_for
 from autopar.cost_model.comm import COLLECTIVES, coefficients
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
@@ -30,6 +30,20 @@ def test_every_kind_has_one_entry():
     assert COLLECTIVES == ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
     with pytest.raises(AutoparError, match="unknown collective kind 'gather'"):
         kind_of("gather")
+
+
+@pytest.mark.parametrize("kind, fields", [("all_reduce", {}), ("all_reduce", {"reduce": "avg"}), ("all_gather", {"axis": 1}),
+                                          ("reduce_scatter", {"axis": 1}), ("reduce_scatter", {"reduce": "max"}),
+                                          ("all_to_all", {"axis": 0, "split_axis": 1}), ("broadcast", {"root": 1})])  # fmt: skip
+def test_one_members_output_alone_is_bit_equal_to_the_whole_collectives(kind, fields):
+    """What the host communicators compute for their own rank (a reduce_scatter reduces its own
+    piece of each input only) is exactly that rank's output of the whole collective."""
+    rng = np.random.default_rng(0)
+    inputs = {r: rng.standard_normal((6, 10)).astype(np.float32) * 100 for r in (0, 1)}
+    collective = job(kind, **fields)
+    whole = perform(collective, inputs)
+    for rank in (0, 1):
+        assert np.array_equal(perform_for(collective, inputs, rank), whole[rank])
 
 
 def test_numpy_meanings():

@@ -39,6 +39,7 @@ def test_shard_to_shard_on_the_same_mesh_dim_is_one_all_to_all():
     assert plan.steps[0].bytes == 2 << 20  # the send buffer: one rank's half
 
 
+@pytest.mark.usefixtures("gloo_profile")
 def test_partial_to_replicate_on_a_line_is_one_all_reduce():
     for kind in ("sum", "max", "avg"):
         plan = plan_reshard(attr(f"[P({kind})]", LINE), attr("[R]", LINE), (1024, 1024))
