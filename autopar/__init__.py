@@ -19,9 +19,9 @@ from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.runtime.executor import Executor
 from autopar.runtime.simulator import SimulationResult, simulate
 from autopar.strategy import PipelineConfig, Strategy
-from autopar.suggest import Plan, suggest
+from autopar.suggest import Plan, price_plan, suggest
 
 __all__ = [
     "Analysis", "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement", "Plan",
-    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "reshard", "shard_op", "shard_tensor", "simulate", "suggest",
+    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "price_plan", "reshard", "shard_op", "shard_tensor", "simulate", "suggest",
 ]  # fmt: skip

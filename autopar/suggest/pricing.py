@@ -145,8 +145,13 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
 
 
 def _bucket_ranks(state: CompileState, bucket: Any) -> Iterable[int]:
+    """The ranks a fused bucket runs on: a gradient bucket's mesh; a ZeRO bucket's members'
+    (a pipeline stage's parameters: that stage's ranks only)."""
     src = getattr(bucket, "src", None)
-    return src.mesh.ranks if src is not None else state.mesh.ranks
+    if src is not None:
+        return src.mesh.ranks
+    by_index = {planned.index: planned for planned in state.reshards}
+    return {rank for member in bucket.members for rank in by_index[member].plan.src.mesh.ranks}
 
 
 def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any) -> float:

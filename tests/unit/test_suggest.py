@@ -8,6 +8,7 @@ import pytest
 
 import autopar
 from autopar.errors import AutoparError
+from autopar.suggest.search import Shape
 from autopar.testing.models import gpt_block_program
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -80,3 +81,18 @@ def test_the_example_runs():
     import runpy
 
     runpy.run_path("examples/suggest_plans.py", run_name="__main__")
+
+
+def test_only_the_shapes_asked_for_and_one_given_plan_priced_alike():
+    seed = _gpt()
+    plans = autopar.suggest(seed.main, 4, seed.startup, cluster="h100-node", top=100, shapes=[(2, 2, 1), Shape(4, 1, 1)])
+    assert {(p.shape.dp, p.shape.mp, p.shape.pp) for p in plans} == {(2, 2, 1), (4, 1, 1)}
+    chosen = next(p for p in plans if p.shape.mp == 2 and p.strategy.zero_stage == 1 and not p.strategy.recompute and not p.strategy.sequence_parallel)
+    given = autopar.price_plan(seed.main, (2, 2, 1), autopar.Strategy(zero_stage=1), seed.startup, cluster="h100-node")
+    assert given.price == chosen.price and given.strategy == chosen.strategy and given.placements == chosen.placements
+    with pytest.raises(AutoparError, match=r"mesh shape dp=2 x mp=4 has 8 devices, not the world's 4"):
+        autopar.suggest(seed.main, 4, seed.startup, cluster="h100-node", shapes=[(2, 4, 1)])
+    with pytest.raises(AutoparError, match=r"a mesh shape is a Shape or \(dp, mp, pp\) of positive ints, got \(2, 2\)"):
+        autopar.price_plan(seed.main, (2, 2), cluster="h100-node")
+    with pytest.raises(AutoparError, match="price_plan: dp=3: the batch of 8 rows does not split over 3 data ranks"):
+        autopar.price_plan(seed.main, (3, 1, 1), cluster="h100-node")

@@ -47,3 +47,18 @@ def test_a_pipeline_pays_its_bubble_and_each_micro_batch():
     zero_bubble, segment = price(zb.state), zb.state.cluster.device.segment_seconds
     assert zero_bubble.bubble < one.bubble
     assert zero_bubble.compute == pytest.approx(one.compute + 2 * segment)  # the same ops; a weight-gradient phase per micro-batch
+
+
+def test_a_zero_bucket_under_a_pipeline_is_paid_by_its_own_stage_only():
+    from autopar.passes.pipeline_split import find_stages
+    from autopar.suggest.pricing import _bucket_ranks
+
+    seed = gpt_block_program(batch=8, seq=16, hidden=64, heads=4, vocab=128, layers=4, optimizer="adamw", seed=1, layer_calls=True)
+    strategy = autopar.Strategy(zero_stage=2, pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = autopar.price_plan(seed.main, (2, 1, 2), strategy, seed.startup, cluster="h100-node").compile().state
+    stages = [set(mesh.ranks) for mesh in find_stages(state)[0]]
+    assert len(state.zero_buckets) >= 2
+    for bucket in state.zero_buckets:  # (a ZeroBucket has no mesh: its members' reshards say where it runs)
+        assert set(_bucket_ranks(state, bucket)) in stages
