@@ -239,7 +239,7 @@ DEVICE_SOURCE = (
     f"matmuls (sides {list(MATMUL_SIDES)}, the best), of 10 adds (the median bandwidth over 16 .. 64 MiB operands; "
     "cache_bandwidth: over those whose traffic fits the level-2 cache, cache_bytes), "
     "an add of 8 KiB and a tiny GPT block's training step per op (op_seconds: the larger), a one-op program's run "
-    "(segment_seconds), each a difference of two programs, best of 5"
+    "(segment_seconds), each a difference of two programs, best of 5; cores: os.cpu_count(), shared by the node's processes"
 )
 
 
@@ -277,7 +277,7 @@ def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
     return dataclasses.replace(
         peak, achieved_flops=(("float32", float(max(rates))),), achieved_bandwidth=float(np.median(streamed)),
         cache_bytes=float(cache_bytes), cache_bandwidth=float(np.median(in_cache)) if in_cache else 0.0,
-        op_seconds=float(op_seconds), segment_seconds=float(segment_seconds),
+        op_seconds=float(op_seconds), segment_seconds=float(segment_seconds), cores=os.cpu_count() or 0,
     )  # fmt: skip
 
 

@@ -135,7 +135,8 @@ class Device:
     shapes, ``measured/H100.md``; cpu profiles: Paddle's CPU matmul kernel, calibrated); a dtype
     not measured runs at its peak. ``achieved_bandwidth``: what elementwise ops stream (0: the
     peak ``memory_bandwidth``); ``cache_bandwidth``: what they stream when their bytes fit in
-    ``cache_bytes`` (a CPU's level-2 cache; 0: no such tier). ``op_seconds``: the fixed cost of running one op (a kernel
+    ``cache_bytes`` (a CPU's level-2 cache; 0: no such tier). ``cores``: a CPU node's cores,
+    which its processes share (four processes on two cores each compute at half speed). ``op_seconds``: the fixed cost of running one op (a kernel
     launch on a GPU; Paddle's interpreter step on CPU). ``segment_seconds``: the fixed cost of
     one program run on the host (the host backend ends a program segment at every collective
     and a pipeline runs one per phase; 0 where collectives run inside the program).
@@ -150,6 +151,12 @@ class Device:
     segment_seconds: float = 0.0
     cache_bytes: float = 0.0  # an op moving at most this many bytes streams at cache_bandwidth
     cache_bandwidth: float = 0.0
+    cores: int = 0  # a CPU node's cores, shared by its processes; 0: each device computes on its own
+
+    def shared_by(self, processes: int) -> float:
+        """How much slower each of ``processes`` computing at once on a node runs (a CPU's
+        processes share its cores; an accelerator is its own)."""
+        return max(1.0, processes / self.cores) if self.cores else 1.0
 
     def flops_for(self, dtype: str) -> float:
         table = dict(self.peak_flops)
@@ -182,6 +189,8 @@ class Device:
             achieved["memory_bandwidth"] = self.achieved_bandwidth
         if self.cache_bandwidth:
             achieved.update(cache_bytes=self.cache_bytes, cache_bandwidth=self.cache_bandwidth)
+        if self.cores:
+            out["cores"] = self.cores
         achieved.update(op_seconds=self.op_seconds, segment_seconds=self.segment_seconds)
         out["achieved"] = achieved
         return out
@@ -210,6 +219,7 @@ class Device:
             _figure(achieved, "op_seconds", at) if "op_seconds" in achieved else 5e-6,
             _figure(achieved, "segment_seconds", at) if "segment_seconds" in achieved else 0.0,
             *(_figure(achieved, k, at) if k in achieved else 0.0 for k in ("cache_bytes", "cache_bandwidth")),
+            int(_figure(data, "cores", where)) if "cores" in data else 0,
         )
 
 

@@ -134,6 +134,12 @@ def mesh_groups(mesh: ProcessMesh, mesh_dims: tuple[int, ...]) -> tuple[tuple[in
 
 def group_at(mesh: ProcessMesh, rank: int, mesh_dims: Sequence[int]) -> tuple[int, ...]:
     """The group along ``mesh_dims`` holding ``rank``, in group order (without listing every group)."""
+    return _group_at(mesh, rank, tuple(mesh_dims))
+
+
+@lru_cache(maxsize=1 << 16)
+def _group_at(mesh: ProcessMesh, rank: int, mesh_dims: tuple[int, ...]) -> tuple[int, ...]:
+    """(Cached: a search asks the same meshes for the same ranks' groups across candidates.)"""
     coord = list(mesh.coordinate(rank))
     group = []
     for inner in itertools.product(*(range(mesh.shape[d]) for d in mesh_dims)):

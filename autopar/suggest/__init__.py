@@ -25,6 +25,7 @@ from typing import Any
 from autopar.analysis import analysed_fields, analyze
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
@@ -169,12 +170,13 @@ def suggest(
             out.searched += 1
             out.append(plan)
 
-    for entry in tried.values():  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
-        run(entry, [s for s in entry.strategies if not s.sequence_parallel and not s.recompute])
-    best = sorted(tried.values(), key=_Shape.best_step)
-    for entry in tried.values():  # SP and recompute where they may change the answer: the best shapes, or none fits
-        if entry in best[:FURTHER] or not any(plan.fits for plan in entry.plans):
-            run(entry, [s for s in entry.strategies if s.sequence_parallel or s.recompute])
+    with gc_paused():  # (once for the whole search: each compile's own pause ended in a collection's worth of work)
+        for entry in tried.values():  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
+            run(entry, [s for s in entry.strategies if not s.sequence_parallel and not s.recompute])
+        best = sorted(tried.values(), key=_Shape.best_step)
+        for entry in tried.values():  # SP and recompute where they may change the answer: the best shapes, or none fits
+            if entry in best[:FURTHER] or not any(plan.fits for plan in entry.plans):
+                run(entry, [s for s in entry.strategies if s.sequence_parallel or s.recompute])
     out.sort(key=lambda plan: (not plan.fits, plan.price.step if plan.fits else plan.price.memory, plan.price.memory))
     del out[top:]
     out.skipped = tuple(skipped)
@@ -191,10 +193,13 @@ def price_plan(
 ) -> Plan:  # fmt: skip
     """One given plan priced as :func:`suggest` prices its candidates: ``shape`` (``Shape`` or
     ``(dp, mp, pp)``) with the annotations the search would find for it, and ``strategy``
-    (default: none of the features) — a published recipe beside the search's choice, say."""
+    (default: none of the features; its ``cluster`` is used when ``cluster`` is not given) —
+    a published recipe beside the search's choice, say."""
+    strategy = strategy or Strategy()
+    cluster = cluster or strategy.cluster
     graph, batch, profile, budget = _setting(program, cluster, memory_per_rank)
     (shape,) = _given_shapes([shape], None)
-    strategy = dataclasses.replace(strategy or Strategy(), cluster=cluster)
+    strategy = dataclasses.replace(strategy, cluster=cluster)
     try:
         entry = _shape_entry(graph, shape, batch, profile, cluster)
     except _Unfit as why:

@@ -13,7 +13,8 @@ coordinates hold pieces of one size, so the first rank of each stage mesh stands
 - **compute**: forward + backward of every micro-batch, then the update (each op's roofline
   time at the rates the device achieves plus its fixed cost, ``device.op_seconds``: many small
   ops, as recompute and more micro-batches make, cost time), and the fixed cost of each program
-  run (``device.segment_seconds``: one a step, or one per pipeline phase);
+  run (``device.segment_seconds``: one a step, or one per pipeline phase); on a CPU whose
+  processes outnumber its cores, all of it slower by their ratio (``device.shared_by``);
 - **communication**: every collective the rank takes part in, none assumed overlapped
   (a per-micro-batch reshard ``m`` times, a gradient sync once; on a host backend each also
   ends a program segment, which the cost model's collective times include);
@@ -73,15 +74,17 @@ def price(state: CompileState) -> Price:
     meshes = _stage_meshes(state)
     micro = pipeline.micro_batches if pipeline is not None else 1
     times = []
+    shared = state.cluster.device.shared_by(min(len(state.mesh.ranks), state.cluster.devices_per_node))
     for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
-        forward, backward, update = _compute(state, mesh.ranks[0])
+        forward, backward, update = (shared * seconds for seconds in _compute(state, mesh.ranks[0]))
         ends = dict.fromkeys((mesh.ranks[0], mesh.ranks[-1]))
         comm = max((_communication(state, rank) for rank in ends), key=lambda c: micro * c[0] + c[1])
         times.append(_StageTimes(forward, backward, update, *comm))
     slowest = max(times, key=lambda t: t.forward + t.backward + t.per_micro_comm)
     per_micro = max(t.forward + t.backward for t in times)
     runs = 1 if pipeline is None else (3 if pipeline.schedule == "ZBH1" else 2) * micro + 1  # program runs per step
-    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times) + runs * state.cluster.device.segment_seconds
+    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times)
+    compute += runs * state.cluster.device.segment_seconds * shared
     communication = max(micro * t.per_micro_comm + t.once_comm for t in times)
     bubble = 0.0
     if pipeline is not None and len(meshes) > 1:

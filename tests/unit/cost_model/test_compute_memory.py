@@ -28,12 +28,14 @@ def test_matmul_flops_bytes_and_roofline():
 
 def test_a_device_prices_at_what_it_achieves_and_round_trips():
     device = Device((("float32", 1e12),), 1e11, 1e9, achieved_flops=(("float32", 5e11),), achieved_bandwidth=5e10,
-                    cache_bytes=1e6, cache_bandwidth=2e11, op_seconds=3e-6, segment_seconds=1e-4)  # fmt: skip
+                    cache_bytes=1e6, cache_bandwidth=2e11, op_seconds=3e-6, segment_seconds=1e-4, cores=2)  # fmt: skip
     cluster = dataclasses.replace(shipped_profile("cpu-shm"), device=device)
     assert OpCost(1e12, 0).time(cluster) == pytest.approx(2.0)
     assert OpCost(0, 1e6).time(cluster) == pytest.approx(1e6 / 2e11)  # fits the cache
     assert OpCost(0, 2e6).time(cluster) == pytest.approx(2e6 / 5e10)
     assert Cluster.from_dict(cluster.to_dict()).device == device
+    assert device.shared_by(4) == 2.0 and device.shared_by(2) == 1.0  # four processes on two cores: half speed each
+    assert shipped_profile("h100-node").device.shared_by(8) == 1.0  # each GPU its own
     assert Device.from_dict({"peak_flops": {"float32": 1.0}, "memory_bandwidth": 1.0, "memory_bytes": 1.0}).op_seconds == 5e-6
 
 
