@@ -44,9 +44,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -294,16 +295,8 @@ def _training_op_seconds(paddle, segment_seconds: float, trials: int) -> float:
     exe = paddle.static.Executor(paddle.CPUPlace())
     exe.run(seed.startup)
     feed = random_feeds(seed.feeds, 1, classes=16)[0]
-    reps = 5
-    for _ in range(reps):
-        exe.run(seed.main, feed=feed, fetch_list=[seed.loss])
-    best = math.inf
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(reps):
-            exe.run(seed.main, feed=feed, fetch_list=[seed.loss])
-        best = min(best, (time.perf_counter() - start) / reps)
-    return max(best - segment_seconds, 0.0) / len(seed.main.global_block().ops)
+    step = _best_seconds(lambda: exe.run(seed.main, feed=feed, fetch_list=[seed.loss]), trials, reps=5)
+    return max(step - segment_seconds, 0.0) / len(seed.main.global_block().ops)
 
 
 def _cache_bytes() -> int:
@@ -326,14 +319,18 @@ def _program_seconds(paddle, build, trials: int) -> float:
         out = build()
     exe = paddle.static.Executor(paddle.CPUPlace())
     exe.run(startup)
-    reps = 3
+    return _best_seconds(lambda: exe.run(main, fetch_list=[out]), trials, reps=3)
+
+
+def _best_seconds(run: Callable[[], Any], trials: int, reps: int) -> float:
+    """Seconds per ``run()`` after ``reps`` warm-up runs: the best of ``trials`` timings of ``reps`` runs."""
     for _ in range(reps):
-        exe.run(main, fetch_list=[out])
+        run()
     best = math.inf
     for _ in range(trials):
         start = time.perf_counter()
         for _ in range(reps):
-            exe.run(main, fetch_list=[out])
+            run()
         best = min(best, (time.perf_counter() - start) / reps)
     return best
 
@@ -454,28 +451,37 @@ def _worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
+    local = _timed_rounds(plan, lambda kind, nbytes: _operation(paddle, dist, kind, nbytes, rank, world), dist.barrier)
+    gathered: list = []
+    dist.all_gather(gathered, paddle.to_tensor(np.array([t for ts in local.values() for t in ts], np.float64)))
+    per_rep = np.max(np.stack([g.numpy() for g in gathered]), axis=0)  # a rep ends when its slowest rank does
+    _write_results(local, per_rep, world, out if rank == 0 else None)
+    dist.barrier()
+
+
+def _timed_rounds(
+    plan: Mapping[str, Sequence[int]], operation: Callable[[str, int], Callable[[], Any]], barrier: Callable[[], Any]
+) -> dict[tuple[str, int], list[float]]:
+    """This rank's seconds per rep of each (kind, size) of ``plan``: ``operation(kind, nbytes)``
+    makes the collective, each rep starts from ``barrier()``."""
     for kind in plan:  # connections and buffers are set up lazily: not part of any timing
-        warm = _operation(paddle, dist, kind, 64 << 10, rank, world)
+        warm = operation(kind, 64 << 10)
         for _ in range(5):
             warm()
     local: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind, sizes in plan.items() for n in sizes}
     for _ in range(ROUNDS):  # each round: every (kind, size) once more, so noise spreads over all
         for kind, sizes in plan.items():
             for nbytes in sizes:
-                run = _operation(paddle, dist, kind, nbytes, rank, world)
+                run = operation(kind, nbytes)
                 run()  # the steady state of a training loop: the same collective ran before
                 reps = 1 if nbytes >= 8 << 20 else (3 if nbytes >= 1 << 20 else 6)
                 for _ in range(reps):
-                    dist.barrier()
+                    barrier()
                     start = time.perf_counter()
                     run()
                     local[kind, nbytes].append(time.perf_counter() - start)
                 del run
-    gathered: list = []
-    dist.all_gather(gathered, paddle.to_tensor(np.array([t for ts in local.values() for t in ts], np.float64)))
-    per_rep = np.max(np.stack([g.numpy() for g in gathered]), axis=0)  # a rep ends when its slowest rank does
-    _write_results(local, per_rep, world, out if rank == 0 else None)
-    dist.barrier()
+    return local
 
 
 def _shm_worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
@@ -508,23 +514,7 @@ def _shm_worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
         x = np.ones(shape, np.float32)
         return lambda: comm.run(job, x)
 
-    for kind in plan:
-        warm = operation(kind, 64 << 10)
-        for _ in range(5):
-            warm()
-    local: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind, sizes in plan.items() for n in sizes}
-    for _ in range(ROUNDS):
-        for kind, sizes in plan.items():
-            for nbytes in sizes:
-                run = operation(kind, nbytes)
-                run()
-                reps = 1 if nbytes >= 8 << 20 else (3 if nbytes >= 1 << 20 else 6)
-                for _ in range(reps):
-                    barrier()
-                    start = time.perf_counter()
-                    run()
-                    local[kind, nbytes].append(time.perf_counter() - start)
-                del run
+    local = _timed_rounds(plan, operation, barrier)
     gathered = comm.all_gather_object(np.array([t for ts in local.values() for t in ts], np.float64))
     _write_results(local, np.max(np.stack(gathered), axis=0), world, out if rank == 0 else None)
     barrier()

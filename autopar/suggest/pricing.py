@@ -140,20 +140,21 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
             once += seconds
         else:
             per_micro += seconds
+    by_index = {planned.index: planned for planned in state.reshards}
     for bucket in (*state.buckets, *state.zero_buckets):
-        if rank in _bucket_ranks(state, bucket):
+        if rank in _bucket_ranks(bucket, by_index):
             once += bucket.time
             sent[True] += bucket.bytes
     return per_micro, once, sent[False], sent[True]
 
 
-def _bucket_ranks(state: CompileState, bucket: Any) -> Iterable[int]:
+def _bucket_ranks(bucket: Any, by_index: dict[int, Any]) -> Iterable[int]:
     """The ranks a fused bucket runs on: a gradient bucket's mesh; a ZeRO bucket's members'
-    (a pipeline stage's parameters: that stage's ranks only)."""
+    (``by_index``: the planned reshards by index; a pipeline stage's parameters: that stage's
+    ranks only)."""
     src = getattr(bucket, "src", None)
     if src is not None:
         return src.mesh.ranks
-    by_index = {planned.index: planned for planned in state.reshards}
     return {rank for member in bucket.members for rank in by_index[member].plan.src.mesh.ranks}
 
 
