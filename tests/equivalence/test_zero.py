@@ -53,6 +53,19 @@ def test_uneven_shards_over_three_ranks(stage, optimizer):
     assert_equal_to_serial(seed.main, seed.startup, feeds, seed.loss, dist)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bucketed_shards_cost_few_ops(stage):
+    """Shards that are equal blocks of a parameter's first dim are laid out in a ZeRO bucket by
+    one reshape each, not cut apart (every op costs its launch on a host backend): the rank
+    program holds at most 12 ops per parameter more than plain dp (the cut-apart layout: 30)."""
+    seed, plain = _dp(0, "adam", 2)
+    _, zero = _dp(stage, "adam", 2)
+    assert len(zero.state.zero_buckets) == 2  # one reduce_scatter bucket, one all_gather bucket
+    params = len(zero.state.zero)
+    ops = [len(d.rank_program(0).global_block().ops) for d in (plain, zero)]
+    assert ops[1] - ops[0] <= 12 * params, ops
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_beside_tensor_parallel_on_four_ranks(stage):
     """Megatron GPT blocks on dp=2 x mp=2: each weight's dp shard nests inside its mp split."""
