@@ -375,6 +375,8 @@ class Local(Kind):
     def coefficients(self, p, nbytes, algorithm="ring"):
         return 0.0, 0.0
 
+    emitted_ops: int = 0  # the ops local_op adds to a rank program (with their constant operands)
+
     def local_op(self, step: Any, x: Any, shape: tuple[int, ...], rank: int, group: tuple[int, ...]) -> Any:
         """The op that makes ``rank``'s new piece from ``x`` (``x`` itself: nothing to do)."""
         raise NotImplementedError
@@ -382,6 +384,7 @@ class Local(Kind):
 
 class Slice(Local):
     kind = CollectiveKind.SLICE
+    emitted_ops = 3  # slice and its starts / ends
 
     def local_time(self, nbytes, reduce, cluster):
         return nbytes, 2.0 * nbytes / cluster.device.memory_bandwidth  # read + write of the new piece
@@ -400,6 +403,7 @@ class Slice(Local):
 
 class MakePartial(Local):
     kind = CollectiveKind.MAKE_PARTIAL
+    emitted_ops = 2  # scale and its factor (on the ranks whose copy is zeroed)
 
     def local_time(self, nbytes, reduce, cluster):
         if reduce in ("max", "min", "avg"):  # every rank keeps its copy

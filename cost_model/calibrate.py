@@ -53,6 +53,7 @@ import numpy as np
 
 from autopar.cost_model.cluster import EMULATIONS, Cluster, Device, Link, load_cluster
 from autopar.cost_model.comm import coefficients
+from autopar.cost_model.kernel_rates import measure_kernel_rates
 
 MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv", "exchange")
 SHM_MEASURED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -232,15 +233,16 @@ def measure_device(trials: int = 7) -> Device:
     return Device((("float32", float(flops)),), float(bandwidth), float(memory))
 
 
-MATMUL_SIDES = (256, 512, 1024)
 STREAM_SIZES = tuple(1 << k for k in range(11, 25))  # float32 elements: 8 KiB .. 64 MiB per operand
 DEVICE_SOURCE = (
     "peaks: numpy float32 512x512 matmul and a 32 MiB copy in one process, best of 7; memory = physical RAM; "
-    "achieved: Paddle's static Executor on CPU in one process (measure_paddle_device): chains of 10 square float32 "
-    f"matmuls (sides {list(MATMUL_SIDES)}, the best), of 10 adds (the median bandwidth over 16 .. 64 MiB operands; "
+    "achieved: Paddle's static Executor on CPU in one process (measure_paddle_device): chains of 10 adds "
+    "(the median bandwidth over 16 .. 64 MiB operands; "
     "cache_bandwidth: over those whose traffic fits the level-2 cache, cache_bytes), "
     "an add of 8 KiB and a tiny GPT block's training step per op (op_seconds: the larger), a one-op program's run "
-    "(segment_seconds), each a difference of two programs, best of 5; cores: os.cpu_count(), shared by the node's processes"
+    "(segment_seconds), each a difference of two programs, best of 5; matmul rate and kernel_seconds: the profiled "
+    "training steps of a GPT block, Llama, ViT and MLP-Mixer (kernel_rates.py); cores: os.cpu_count(), shared by "
+    "the node's processes"
 )
 
 
@@ -250,8 +252,9 @@ def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
     of one op (``op_seconds``: an add of the smallest size, its work negligible), the bandwidth
     adds stream out of cache (the median over operands of 16 .. 64 MiB) and in the cache
     (``cache_bytes``: the level-2 cache's size; the median over adds whose traffic is an eighth
-    of it or more and fits). From chains of 10 square matmuls: the matmul rate (the best side).
-    The fixed cost of one program run (``segment_seconds``: a run of a program of one op, less
+    of it or more and fits). From the profiled training steps of four reference models
+    (:mod:`~autopar.cost_model.kernel_rates`): the rate their matmuls achieve and each kernel's
+    seconds per element. The fixed cost of one program run (``segment_seconds``: a run of a program of one op, less
     it); ``op_seconds`` is raised to a training step's cost per op where that is more
     (:func:`_training_op_seconds`). Each op's time is a difference of two programs that make their inputs in the program
     (random: no feed copies, nothing folded at compile time) and fetch one float, each timing
@@ -271,14 +274,14 @@ def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
     cache_bytes = _cache_bytes()
     in_cache = [12 * n / (t - op_seconds) for n, t in adds.items() if cache_bytes / 8 <= 12 * n <= cache_bytes and t > op_seconds]
     streamed = [12 * n / (t - op_seconds) for n, t in adds.items() if 4 * n >= 16 << 20]
-    rates = [2 * side**3 / max(extra_seconds(lambda n, side=side: _matmul_chain(side, n), 10) - op_seconds, 1e-12)
-             for side in MATMUL_SIDES]  # fmt: skip
+    kernels, matmul = measure_kernel_rates(paddle)
     segment_seconds = max(_program_seconds(paddle, _add_chain(1 << 11, 1), trials) - op_seconds, 0.0)
     op_seconds = max(op_seconds, _training_op_seconds(paddle, segment_seconds, trials))
     return dataclasses.replace(
-        peak, achieved_flops=(("float32", float(max(rates))),), achieved_bandwidth=float(np.median(streamed)),
+        peak, achieved_flops=(("float32", float(matmul)),), achieved_bandwidth=float(np.median(streamed)),
         cache_bytes=float(cache_bytes), cache_bandwidth=float(np.median(in_cache)) if in_cache else 0.0,
         op_seconds=float(op_seconds), segment_seconds=float(segment_seconds), cores=os.cpu_count() or 0,
+        kernel_seconds=tuple(sorted((name, float(rate)) for name, rate in kernels.items())),
     )  # fmt: skip
 
 
@@ -333,19 +336,6 @@ def _best_seconds(run: Callable[[], Any], trials: int, reps: int) -> float:
             run()
         best = min(best, (time.perf_counter() - start) / reps)
     return best
-
-
-def _matmul_chain(side: int, count: int):
-    def build():
-        import paddle
-
-        a, b = (paddle.uniform([side, side], "float32", 0.0, 1.0 / side) for _ in range(2))
-        y = a
-        for _ in range(count):
-            y = paddle.matmul(y, b)
-        return y[:1, :1]
-
-    return build
 
 
 def _add_chain(count: int, adds: int):

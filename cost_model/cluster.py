@@ -37,7 +37,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,11 @@ class Link:
         return cls(_figure(data, "latency", where), _figure(data, "bandwidth", where, allow_zero=False), **knee)
 
 
+@lru_cache(maxsize=8)
+def _table(pairs: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    return dict(pairs)
+
+
 @dataclass(frozen=True, slots=True)
 class Device:
     """One accelerator (or one CPU process): peak FLOP/s per dtype, memory bandwidth and size,
@@ -140,6 +145,9 @@ class Device:
     launch on a GPU; Paddle's interpreter step on CPU). ``segment_seconds``: the fixed cost of
     one program run on the host (the host backend ends a program segment at every collective
     and a pipeline runs one per phase; 0 where collectives run inside the program).
+    ``kernel_seconds``: seconds per element (of an op's largest operand) each kernel took in
+    training steps (cpu profiles: :mod:`~autopar.cost_model.kernel_rates`); an op of a measured
+    kernel costs at least its elements times that; absent: the roofline alone.
     """
 
     peak_flops: tuple[tuple[str, float], ...]  # (dtype, FLOP/s); "float32" is the fallback
@@ -152,6 +160,7 @@ class Device:
     cache_bytes: float = 0.0  # an op moving at most this many bytes streams at cache_bandwidth
     cache_bandwidth: float = 0.0
     cores: int = 0  # a CPU node's cores, shared by its processes; 0: each device computes on its own
+    kernel_seconds: tuple[tuple[str, float], ...] = ()  # (kernel, seconds per element) measured
 
     def shared_by(self, processes: int) -> float:
         """How much slower each of ``processes`` computing at once on a node runs (a CPU's
@@ -171,6 +180,10 @@ class Device:
         if name not in dict(self.peak_flops) and "float32" in achieved:
             return achieved["float32"]
         return self.flops_for(name)
+
+    def element_seconds(self, kernel: str) -> float:
+        """Seconds per element ``kernel`` took in measured training steps (0: not measured)."""
+        return _table(self.kernel_seconds).get(kernel, 0.0)
 
     def stream_bandwidth(self, nbytes: float) -> float:
         """Bytes/s an elementwise op moving ``nbytes`` achieves (in the cache when they fit)."""
@@ -192,6 +205,8 @@ class Device:
         if self.cores:
             out["cores"] = self.cores
         achieved.update(op_seconds=self.op_seconds, segment_seconds=self.segment_seconds)
+        if self.kernel_seconds:
+            achieved["kernel_seconds"] = dict(self.kernel_seconds)
         out["achieved"] = achieved
         return out
 
@@ -210,6 +225,9 @@ class Device:
         if not isinstance(rates, Mapping):
             raise CostModelError(f"cluster profile: field {where}.achieved.flops must be an object")
         at = f"{where}.achieved"
+        kernels = achieved.get("kernel_seconds", {})
+        if not isinstance(kernels, Mapping):
+            raise CostModelError(f"cluster profile: field {at}.kernel_seconds must be an object")
         return cls(
             peak,
             _figure(data, "memory_bandwidth", where, allow_zero=False),
@@ -220,6 +238,7 @@ class Device:
             _figure(achieved, "segment_seconds", at) if "segment_seconds" in achieved else 0.0,
             *(_figure(achieved, k, at) if k in achieved else 0.0 for k in ("cache_bytes", "cache_bandwidth")),
             int(_figure(data, "cores", where)) if "cores" in data else 0,
+            tuple(sorted((k, _figure(kernels, k, f"{at}.kernel_seconds")) for k in kernels)),
         )
 
 

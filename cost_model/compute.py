@@ -3,7 +3,9 @@
 :func:`op_cost` prices one op on given (local) shapes: ``flops`` counts multiply and add as
 two, ``bytes`` is every input read once plus every output written once. :meth:`OpCost.time`
 is the roofline ``max(flops / matmul rate[dtype], bytes / streamed bandwidth)`` on a cluster's
-device, at the rates it achieves (measured; the peaks where none was). Covered: the ops with
+device, at the rates it achieves (measured; the peaks where none was), and no less than the
+op's elements times its kernel's measured seconds per element where the device measured it
+(CPU kernels that compute per element or reduce run far below the streamed bandwidth). Covered: the ops with
 SPMD rules — matmul, conv2d, elementwise and activations, reductions, softmax, layer_norm, embedding, optimizer updates (sgd, momentum, adam, adamw) —
 and their grad ops (matmul / conv grads cost twice the forward FLOPs: one product per input
 gradient; other grads once). Shapes are per rank: pass ``DistAttr.local_shape(...)`` to
@@ -33,20 +35,23 @@ OPTIMIZERS = {"sgd": (2, 0), "momentum": (4, 1), "adam": (12, 2), "adamw": (14, 
 
 @dataclass(frozen=True, slots=True)
 class OpCost:
-    """FLOPs and bytes of memory traffic of one op on one rank."""
+    """FLOPs and bytes of memory traffic of one op on one rank; ``kernel`` (the op's base name)
+    and ``elements`` (of its largest operand) for a device that measured its kernels."""
 
     flops: float
     bytes: float
+    kernel: str = ""
+    elements: float = 0.0
 
     def time(self, cluster: Cluster, dtype: str = "float32") -> float:
         """Roofline seconds on ``cluster``'s device, at the rates its ops achieve
         (:class:`~autopar.cost_model.cluster.Device`: measured matmul FLOP/s, streamed bytes/s),
-        without the fixed cost per op (``device.op_seconds``)."""
+        and at least the kernel's measured seconds per element where the device has them
+        (a CPU's ``gelu_grad`` computes, its ``add_grad`` reduces, far below the streamed
+        bandwidth); without the fixed cost per op (``device.op_seconds``)."""
         device = cluster.device
-        return max(self.flops / device.matmul_rate(dtype), self.bytes / device.stream_bandwidth(self.bytes))
-
-    def __add__(self, other: OpCost) -> OpCost:
-        return OpCost(self.flops + other.flops, self.bytes + other.bytes)
+        roofline = max(self.flops / device.matmul_rate(dtype), self.bytes / device.stream_bandwidth(self.bytes))
+        return max(roofline, self.elements * device.element_seconds(self.kernel))
 
 
 def _numel(shape: Shape) -> int:
@@ -98,6 +103,16 @@ def op_cost(
     dtype: str = "float32",
 ) -> OpCost:
     """FLOPs and bytes of ``op_name`` (Paddle name, ``pd_op.`` prefix optional) on these shapes."""
+    cost = _op_cost(op_name, inputs, outputs, attrs, dtype)
+    return OpCost(cost.flops, cost.bytes, base_name(op_name), _largest(inputs, outputs))
+
+
+def _largest(inputs: Sequence[Shape], outputs: Sequence[Shape]) -> float:
+    """Elements of the largest operand (what a measured kernel's seconds per element count)."""
+    return float(max(map(_numel, [*inputs, *outputs]), default=0))
+
+
+def _op_cost(op_name: str, inputs: Sequence[Shape], outputs: Sequence[Shape], attrs: Mapping[str, Any] | None, dtype: str) -> OpCost:
     name = base_name(op_name)
     grad = name.endswith("_grad")
     fwd = name.removesuffix("_grad")
@@ -167,4 +182,4 @@ def op_cost_or_traffic(
             itemsize = dtype_bytes(dtype)
         except CostModelError:
             itemsize = 4
-        return OpCost(0.0, _traffic(inputs, outputs, itemsize)), False
+        return OpCost(0.0, _traffic(inputs, outputs, itemsize), base_name(op_name), _largest(inputs, outputs)), False

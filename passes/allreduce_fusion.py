@@ -253,6 +253,16 @@ def _bucket(state: CompileState, number: int, members: list[Member], sharing: li
     )  # fmt: skip
 
 
+def emitted_ops(state: CompileState, bucket: GradientBucket, planned: list[PlannedReshard], rank: int) -> int:
+    """How many ops :func:`_emit_bucket` adds to ``rank``'s program (what pricing counts: on a
+    host each op costs its launch): the flattened gradients joined, maybe zeroed, all-reduced,
+    split and shaped back."""
+    members = [p for p in planned if p.shared_with is None]
+    reshaped = sum(2 for m in members if len(m.need.need.local_shape(m.plan.shape, rank)) != 1)  # (and the shape)
+    zeroed = bool(bucket.zeroed) and rank != group_at(bucket.src.mesh, rank, bucket.zeroed)[0]
+    return 3 + 2 * zeroed + 1 + 4 + 2 * reshaped  # concat, scale, all_reduce, split (each with its constants)
+
+
 def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, planned: list[PlannedReshard]) -> None:
     import paddle
 

@@ -193,6 +193,35 @@ def _rank_rows(x: Any, planned: PlannedReshard, have: DistAttr, sharded: DistAtt
     return paddle._C_ops.stack([_padded(p, size, max(sizes)) for p, size in zip(pieces, sizes)], 0)
 
 
+def emitted_ops(bucket: ZeroBucket, members: list[PlannedReshard], rank: int) -> int:
+    """How many ops :meth:`ZeroBucketFusion.emit` adds to ``rank``'s program for ``bucket``
+    (what pricing counts: on a host each op costs its launch; each Paddle op below with the
+    constants it takes: reshape 2, slice 3, concat 3, split 4, stack 2, full 1)."""
+    group = members[0].plan.steps[0].group_of(rank)
+    if group is None:
+        return 0
+    own = group.index(rank)
+    ops = 3 + 2 + 1 + 4  # the buffer joined (and flattened or split into rows), the collective, the split
+    for member in members:
+        sizes, shape = _sizes(member, group), member.plan.shape
+        padded = 2 * (len(shape) != 1)  # (_padded: flattened unless 1-d, padded with a full + concat)
+        if bucket.kind is CollectiveKind.REDUCE_SCATTER:
+            have, sharded = member.need.have, member.need.need
+            if _in_blocks(have, sharded, shape, rank, group):
+                ops += 2
+            else:
+                mine = have.local_slices(shape, rank)
+                cut = sum(3 for r in group if sharded.local_slices(shape, r) != mine)
+                ops += cut + len(group) * padded + sum(4 for size in sizes if size != max(sizes)) + 2
+            ops += 3 * (sizes[own] != max(sizes)) + 2
+        else:
+            sharded, whole = member.need.have, member.need.need
+            ops += padded + 4 * (sizes[own] != max(sizes))
+            ops += 2 if _in_blocks(whole, sharded, shape, rank, group) else 5 * len(group) + 3
+            ops += 1  # assign_out_
+    return ops
+
+
 def _pieces(x: Any, have: DistAttr, sharded: DistAttr, shape: tuple[int, ...], rank: int, group: tuple[int, ...]) -> list[Any]:
     """The shard of each group member, cut out of ``x`` (this rank's piece under ``have``)."""
     import paddle

@@ -11,8 +11,9 @@ placements of parameters, gradients, optimizer states and the activations kept f
 The step, on the busiest rank of each pipeline rank (ranks that differ only in their dp / mp
 coordinates hold pieces of one size, so the first rank of each stage mesh stands for it):
 - **compute**: forward + backward of every micro-batch, then the update (each op's roofline
-  time at the rates the device achieves plus its fixed cost, ``device.op_seconds``: many small
-  ops, as recompute and more micro-batches make, cost time), and the fixed cost of each program
+  time at the rates the device achieves, or its kernel's measured rate, plus its fixed cost,
+  ``device.op_seconds``: many small ops, as recompute and more micro-batches make, cost time;
+  so do the ops compile adds around its collectives, :func:`added_ops`), and the fixed cost of each program
   run (``device.segment_seconds``: one a step, or one per pipeline phase); on a CPU whose
   processes outnumber its cores, all of it slower by their ratio (``device.shared_by``);
 - **communication**: every collective the rank takes part in, none assumed overlapped
@@ -34,11 +35,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from autopar.collective import CollectiveKind
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
 from autopar.passes.pipeline_split import find_stages
+from autopar.propagation import SiteKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,12 @@ def price(state: CompileState) -> Price:
     micro = pipeline.micro_batches if pipeline is not None else 1
     times = []
     shared = state.cluster.device.shared_by(min(len(state.mesh.ranks), state.cluster.devices_per_node))
+    device = state.cluster.device
+    launch = device.op_seconds * shared if device.segment_seconds else 0.0  # (see added_ops)
     for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
         forward, backward, update = (shared * seconds for seconds in _compute(state, mesh.ranks[0]))
+        per_micro_ops, once_ops = added_ops(state, mesh.ranks[0])
+        forward, update = forward + per_micro_ops * launch, update + once_ops * launch
         ends = dict.fromkeys((mesh.ranks[0], mesh.ranks[-1]))
         comm = max((_communication(state, rank) for rank in ends), key=lambda c: micro * c[0] + c[1])
         times.append(_StageTimes(forward, backward, update, *comm))
@@ -146,6 +153,44 @@ def _communication(state: CompileState, rank: int) -> tuple[float, float, int, i
             once += bucket.time
             sent[True] += bucket.bytes
     return per_micro, once, sent[False], sent[True]
+
+
+def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
+    """The ops compile adds to ``rank``'s program per micro-batch and once a step: each planned
+    reshard step it takes part in (a collective; a local slice or zeroing with its constants;
+    the assignment of a write-back) and each fused bucket's packing (the fusion passes count
+    their own). Where the host runs the programs op by op (a device with a program-run cost,
+    ``segment_seconds``: the CPU profiles) each costs its launch (``device.op_seconds``): ZeRO's
+    buckets add ~10 ops per parameter. On an accelerator they are reshape views, constants and
+    a copy of each bucket, which :func:`price` leaves out."""
+    from autopar.collective_kinds import KINDS, Local
+    from autopar.passes import allreduce_fusion, zero_fusion
+
+    by_index = {planned.index: planned for planned in state.reshards}
+    fused = {member for bucket in (*state.buckets, *state.zero_buckets) for member in bucket.members}
+    ops = {True: 0, False: 0}
+    for planned in state.reshards:
+        if planned.shared_with is not None or planned.index in fused:
+            continue
+        once = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
+        for step in planned.plan.steps:
+            group = step.group_of(rank)
+            if group is None:
+                continue
+            kind = KINDS[step.kind]
+            if isinstance(kind, Local):
+                zeroing = step.kind is CollectiveKind.MAKE_PARTIAL
+                ops[once] += 0 if zeroing and (step.reduce in ("max", "min", "avg") or rank == group[0]) else kind.emitted_ops
+            else:
+                ops[once] += 1
+        if planned.need.site.kind is SiteKind.WRITE_BACK and any(s.group_of(rank) for s in planned.plan.steps):
+            ops[once] += 1
+    for bucket in state.buckets:
+        if rank in bucket.src.mesh.ranks:
+            ops[True] += allreduce_fusion.emitted_ops(state, bucket, [by_index[i] for i in bucket.members], rank)
+    for bucket in state.zero_buckets:
+        ops[True] += zero_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)
+    return ops[False], ops[True]
 
 
 def _bucket_ranks(bucket: Any, by_index: dict[int, Any]) -> Iterable[int]:

@@ -27,3 +27,17 @@ def test_gloo_measurement_smoke():
     cluster = build_profile(samples, [2], sizes)
     assert cluster.name == "cpu-gloo" and "reduce_scatter" in cluster.emulated
     assert collective_time("all_reduce", (0, 1), 1 << 20, cluster) > 0
+
+
+def test_kernel_rates_of_profiled_training_steps():
+    """Every kernel of the reference models' steps gets a positive seconds-per-element rate
+    (products and shape reads excepted), and their matmuls a positive FLOP rate."""
+    import paddle
+
+    from autopar.cost_model.kernel_rates import PRODUCTS, SHAPE_ONLY, measure_kernel_rates
+
+    paddle.enable_static()
+    rates, matmul = measure_kernel_rates(paddle)
+    assert {"gelu_grad", "layer_norm_grad", "add_grad", "softmax", "silu", "adamw", "adam", "momentum", "sgd"} <= rates.keys()
+    assert not rates.keys() & {*PRODUCTS, *SHAPE_ONLY}
+    assert all(rate >= 0 for rate in rates.values()) and matmul > 0

@@ -5,7 +5,7 @@ import pytest
 from autopar import DistAttr, ProcessMesh
 from autopar.cost_model import shipped_profile
 from autopar.cost_model.cluster import Cluster, Device
-from autopar.cost_model.compute import OpCost, einsum_cost, op_cost
+from autopar.cost_model.compute import OpCost, einsum_cost, op_cost, op_cost_or_traffic
 from autopar.cost_model.memory import TensorInfo, memory_per_rank, tensor_bytes
 from autopar.errors import CostModelError
 
@@ -37,6 +37,33 @@ def test_a_device_prices_at_what_it_achieves_and_round_trips():
     assert device.shared_by(4) == 2.0 and device.shared_by(2) == 1.0  # four processes on two cores: half speed each
     assert shipped_profile("h100-node").device.shared_by(8) == 1.0  # each GPU its own
     assert Device.from_dict({"peak_flops": {"float32": 1.0}, "memory_bandwidth": 1.0, "memory_bytes": 1.0}).op_seconds == 5e-6
+
+
+def test_a_measured_kernel_costs_at_least_its_elements_at_its_rate():
+    """A CPU's gelu_grad computes per element far below the streamed bandwidth: a device with
+    measured kernel rates prices such an op by them; other kernels keep the roofline."""
+    device = Device((("float32", 1e12),), 1e11, 1e9, achieved_bandwidth=5e10, kernel_seconds=(("gelu_grad", 5e-9),))
+    cluster = dataclasses.replace(shipped_profile("cpu-shm"), device=device)
+    grad = op_cost("pd_op.gelu_grad", [(256, 256), (256, 256)], [(256, 256)])
+    assert (grad.kernel, grad.elements) == ("gelu_grad", 256 * 256)
+    assert grad.time(cluster) == pytest.approx(256 * 256 * 5e-9)  # 0.33 ms, not the roofline's 16 us
+    add = op_cost("pd_op.add", [(256, 256), (256, 256)], [(256, 256)])
+    assert add.time(cluster) == pytest.approx(add.bytes / 5e10)  # not measured: the roofline
+    unlisted = op_cost_or_traffic("pd_op.rms_norm", [(8, 64), (64,)], [(8, 64)])[0]  # outside the table, still by kernel
+    assert (unlisted.kernel, unlisted.elements) == ("rms_norm", 512)
+    assert Cluster.from_dict(cluster.to_dict()).device == device
+    with pytest.raises(CostModelError, match="kernel_seconds must be an object"):
+        Device.from_dict({"peak_flops": {"float32": 1.0}, "memory_bandwidth": 1.0, "memory_bytes": 1.0,
+                          "achieved": {"kernel_seconds": [1.0]}})  # fmt: skip
+
+
+def test_the_cpu_profiles_measured_the_training_kernels():
+    """The shipped CPU profiles carry the kernel rates of profiled training steps: the ones a
+    transformer's step spends most in, each a positive finite figure."""
+    for name in ("cpu-shm", "cpu-gloo"):
+        kernels = dict(shipped_profile(name).device.kernel_seconds)
+        assert {"gelu_grad", "layer_norm_grad", "add_grad", "softmax", "adam", "sgd"} <= kernels.keys(), name
+        assert all(0 < rate < 1e-6 for rate in kernels.values()), kernels
 
 
 def test_other_ops():
