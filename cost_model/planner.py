@@ -161,13 +161,34 @@ class _Problem:
     cluster: Cluster
 
 
-@lru_cache(maxsize=65536)
-def _boxes(attr: DistAttr, shape: tuple[int, ...]) -> dict[int, Box]:
-    return {r: tuple((s.start, s.stop) for s in attr.local_slices(shape, r)) for r in attr.mesh.ranks}
+def _split_dims(*attrs: DistAttr) -> tuple[int, ...]:
+    """The mesh dims splitting a tensor dim in any of ``attrs`` (a rank's piece depends on its
+    coordinates along these alone)."""
+    return tuple(sorted({d for attr in attrs for dims in attr.mapping for d in dims}))
+
+
+@lru_cache(maxsize=4096)
+def _representatives(mesh: ProcessMesh, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """One rank per coordinate along ``dims`` (0 along the others): under placements split
+    only along ``dims``, every rank holds the pieces of its representative, so a check of
+    pieces need not visit every rank (1536 ranks of 8 x 8 x 24: 64 along mp x pp)."""
+    coord = [0] * mesh.ndim
+    out = []
+    for inner in itertools.product(*(range(mesh.shape[d]) for d in dims)):
+        for d, i in zip(dims, inner):
+            coord[d] = i
+        out.append(mesh.rank_at(coord))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1 << 18)
+def _box(attr: DistAttr, shape: tuple[int, ...], rank: int) -> Box:
+    return tuple((s.start, s.stop) for s in attr.local_slices(shape, rank))
 
 
 def _piece_bytes(p: _Problem, attr: DistAttr) -> int:
-    return max(math.prod(b - a for a, b in box) for box in _boxes(attr, p.shape).values()) * p.itemsize
+    ranks = _representatives(attr.mesh, _split_dims(attr))
+    return max(math.prod(b - a for a, b in _box(attr, p.shape, r)) for r in ranks) * p.itemsize
 
 
 def _assignment(attr: DistAttr) -> list[Placement]:
@@ -199,20 +220,27 @@ def _moved(attr: DistAttr, dims: tuple[int, ...], target: Placement) -> DistAttr
 
 def _contained(p: _Problem, new: DistAttr, old: DistAttr) -> bool:
     """Every rank's new piece lies inside its old piece (slice, reduce_scatter)."""
-    nb, ob = _boxes(new, p.shape), _boxes(old, p.shape)
-    return all(all(oa <= na and nz <= oz for (na, nz), (oa, oz) in zip(nb[r], ob[r])) for r in p.mesh.ranks)
+    ranks = _representatives(p.mesh, _split_dims(new, old))
+    return all(
+        all(oa <= na and nz <= oz for (na, nz), (oa, oz) in zip(_box(new, p.shape, r), _box(old, p.shape, r)))
+        for r in ranks
+    )  # fmt: skip
 
 
 def _gathered(p: _Problem, new: DistAttr, old: DistAttr, dims: tuple[int, ...], t: int) -> bool:
     """Every rank's new piece along ``t`` is exactly its group's old pieces concatenated in group
     order (all_gather, all_to_all), and lies inside its old piece along every other dim."""
-    nb, ob = _boxes(new, p.shape), _boxes(old, p.shape)
-    for group in p.mesh.groups(list(dims)):
-        for r in group:
-            if not _concatenates([ob[g][t] for g in group], nb[r][t]):
-                return False
-            others = [i for i in range(len(p.shape)) if i != t]
-            if any(not (ob[r][i][0] <= nb[r][i][0] and nb[r][i][1] <= ob[r][i][1]) for i in others):
+    others = [i for i in range(len(p.shape)) if i != t]
+    outside = tuple(d for d in _split_dims(new, old) if d not in dims)
+    for first in _representatives(p.mesh, outside):  # one group per coordinate outside ``dims``
+        group = _group_at(p.mesh, first, dims)
+        pieces = [_box(old, p.shape, g) for g in group]
+        along = [piece[t] for piece in pieces]
+        made = [_box(new, p.shape, r) for r in group]
+        if not all(_concatenates(along, bounds) for bounds in {mine[t] for mine in made}):
+            return False
+        for had, mine in zip(pieces, made):
+            if any(not (had[i][0] <= mine[i][0] and mine[i][1] <= had[i][1]) for i in others):
                 return False
     return True
 

@@ -82,8 +82,9 @@ def price(state: CompileState) -> Price:
     launch = device.op_seconds * shared if device.segment_seconds else 0.0  # (see added_ops)
     for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
         forward, backward, update = (shared * seconds for seconds in _compute(state, mesh.ranks[0]))
-        per_micro_ops, once_ops = added_ops(state, mesh.ranks[0])
-        forward, update = forward + per_micro_ops * launch, update + once_ops * launch
+        if launch:
+            per_micro_ops, once_ops = added_ops(state, mesh.ranks[0])
+            forward, update = forward + per_micro_ops * launch, update + once_ops * launch
         ends = dict.fromkeys((mesh.ranks[0], mesh.ranks[-1]))
         comm = max((_communication(state, rank) for rank in ends), key=lambda c: micro * c[0] + c[1])
         times.append(_StageTimes(forward, backward, update, *comm))

@@ -200,3 +200,47 @@ def test_replicated_to_pending_avg_keeps_every_copy():
     assert step.kind == "make_partial" and step.bytes == 0 and step.time == 0.0
     value = np.arange(4.0)
     assert np.array_equal(assemble({0: value, 1: value}, step.dst, (4,)), value)
+
+
+@st.composite
+def piece_checks(draw):
+    """Two placements of one tensor on a 3-d mesh (dims a placement leaves alone included)."""
+    mesh_shape = draw(st.sampled_from([(2, 2, 2), (3, 2, 2), (2, 3, 1), (1, 2, 3)]))
+    mesh = ProcessMesh(shape=mesh_shape, process_ids=range(math.prod(mesh_shape)), dim_names=["a", "b", "c"])
+    ndim = draw(st.integers(1, 2))
+    shape = tuple(draw(st.integers(1, 7)) for _ in range(ndim))
+    options = ["R", *(f"S({t})" for t in range(ndim)), "P(sum)"]
+
+    def placement():
+        attr = DistAttr.parse("[" + ",".join(draw(st.sampled_from(options)) for _ in mesh_shape) + "]", mesh, ndim)
+        return attr.with_mapping([tuple(draw(st.permutations(dims))) for dims in attr.mapping])
+
+    dims = tuple(draw(st.permutations(sorted(draw(st.sets(st.integers(0, 2), min_size=1, max_size=2))))))
+    return _Problem(mesh, shape, 4, ("sum",), TWO_NODES), placement(), placement(), dims, draw(st.integers(0, ndim - 1))
+
+
+@given(piece_checks())
+def test_piece_checks_on_representative_ranks_equal_every_rank(check):
+    """The planner checks pieces on one rank per coordinate along the dims that split the
+    tensor (every other rank holds the same pieces): the same answers as visiting every rank."""
+    from autopar.cost_model.planner import _contained, _gathered
+
+    p, new, old, dims, t = check
+    box = {(attr, r): tuple((s.start, s.stop) for s in attr.local_slices(p.shape, r)) for attr in (new, old) for r in p.mesh.ranks}
+    inside = all(
+        all(oa <= na and nz <= oz for (na, nz), (oa, oz) in zip(box[new, r], box[old, r])) for r in p.mesh.ranks
+    )  # fmt: skip
+    assert _contained(p, new, old) == inside
+    gathered = True
+    for group in p.mesh.groups(list(dims)):
+        for r in group:
+            at, stop = box[new, r][t]
+            for g in group:
+                lo, hi = box[old, g][t]
+                if hi > lo:
+                    gathered &= lo == at
+                    at = hi
+            gathered &= at == stop
+            gathered &= all(box[old, r][i][0] <= box[new, r][i][0] and box[new, r][i][1] <= box[old, r][i][1]
+                            for i in range(len(p.shape)) if i != t)  # fmt: skip
+    assert _gathered(p, new, old, dims, t) == gathered
