@@ -48,7 +48,9 @@ def _check_type(owner: str, name: str, value: Any, expected: type | tuple[type, 
 class PipelineConfig:
     """``stages``: split the forward pass by layers into this many stages, stage ``i`` on
     ``mesh[i % mesh.shape[0]]`` (more stages than sub-meshes: virtual stages); None: the stages
-    are the sub-meshes ``autopar.shard_op`` placed layers on."""
+    are the sub-meshes ``autopar.shard_op`` placed layers on; 1: one stage on the whole mesh —
+    gradient accumulation: forward and backward run once per micro-batch, holding one
+    micro-batch's activations, the update once per step on the summed gradients."""
 
     micro_batches: int = 1
     schedule: str = "1F1B"
@@ -56,15 +58,17 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.stages is not None:
-            _check_type("PipelineConfig", "stages", self.stages, int, "an int >= 2 or None")
-            if self.stages < 2:
-                raise AutoparError(f"PipelineConfig.stages must be >= 2 (or None), got {self.stages}")
+            _check_type("PipelineConfig", "stages", self.stages, int, "an int >= 1 or None")
+            if self.stages < 1:
+                raise AutoparError(f"PipelineConfig.stages must be >= 1 (or None), got {self.stages}")
         _check_type("PipelineConfig", "micro_batches", self.micro_batches, int, "an int >= 1")
         if self.micro_batches < 1:
             raise AutoparError(f"PipelineConfig.micro_batches must be >= 1, got {self.micro_batches}")
         _check_type("PipelineConfig", "schedule", self.schedule, str, f"one of {SCHEDULES}")
         if self.schedule not in SCHEDULES:
             raise AutoparError(f"unknown pipeline schedule {self.schedule!r}; expected one of {SCHEDULES}")
+        if self.stages == 1 and self.schedule == "Interleaved1F1B":
+            raise AutoparError("PipelineConfig(stages=1) accumulates gradients on one stage: Interleaved1F1B needs stages >= 2")
 
 
 def _recompute_selection(value: Any) -> bool | tuple[str, ...]:

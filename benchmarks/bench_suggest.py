@@ -83,12 +83,10 @@ TABLE_1 = [
 
 
 def theirs(row: Published) -> autopar.Strategy:
-    """Megatron's recipe for the row: full activation recompute; with a pipeline, 1F1B over
-    micro-batches of one sequence."""
-    pipeline = None
-    if row.pipeline > 1:
-        pipeline = autopar.PipelineConfig(micro_batches=row.batch // row.data, schedule="1F1B", stages=row.pipeline)
-    return autopar.Strategy(recompute=True, pipeline=pipeline)
+    """Megatron's recipe for the row: full activation recompute, micro-batches of one sequence
+    (m = B / d): 1F1B over the pipeline's stages, or without one gradient accumulation."""
+    config = autopar.PipelineConfig(micro_batches=row.batch // row.data, schedule="1F1B", stages=row.pipeline)
+    return autopar.Strategy(recompute=True, pipeline=config)
 
 
 def around(row: Published, factor: int) -> list[tuple[int, int, int]]:

@@ -154,9 +154,10 @@ def _find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dic
     graph, op_meshes = state.graph, state.propagation.op_meshes
     runs: list[ProcessMesh] = []
     stage_of: dict[int, int] = {}
+    whole = state.strategy.pipeline is not None and state.strategy.pipeline.stages == 1  # one stage: the mesh
     for op in graph.ops:
-        mesh = op_meshes.get(op.index)
-        if op.role is not Role.FORWARD or mesh is None or mesh == state.mesh or _is_constant(op):
+        mesh = op_meshes.get(op.index, state.mesh if whole else None)
+        if op.role is not Role.FORWARD or mesh is None or (mesh == state.mesh and not whole) or _is_constant(op):
             continue
         if not runs or runs[-1] != mesh:
             runs.append(mesh)
@@ -169,7 +170,7 @@ def _find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dic
             if key is not None and op.index in stage_of:
                 readers.setdefault(key, []).append(stage_of[op.index])
     for op in graph.ops:
-        mesh = op_meshes.get(op.index)
+        mesh = op_meshes.get(op.index, state.mesh if whole else None)
         if op.index in stage_of or mesh is None or _is_constant(op):
             continue
         stage = _follow(graph, op, mesh, runs, stage_of, readers)

@@ -42,9 +42,12 @@ Unit = tuple[str, ...]  # a layer path cut to the chosen depth: ("Block_1",)
 def layer_stages(
     graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh], cluster: Cluster
 ) -> dict[int, ProcessMesh]:
-    """Op index -> the sub-mesh ``PipelineConfig(stages=stages)`` places each forward op on."""
+    """Op index -> the sub-mesh ``PipelineConfig(stages=stages)`` places each forward op on
+    (one stage: none, every op runs on the whole mesh, accumulating gradients)."""
     if placed:
-        raise AnnotationError("PipelineConfig(stages=...) places the layers itself: remove the shard_op placements")
+        raise AnnotationError(f"PipelineConfig(stages={stages}) places the layers itself: remove the shard_op placements")
+    if stages == 1:
+        return {}
     forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
     paths = [_path(op) for op in forward]
     stage_of = cut_stages(paths, stages, [op_seconds(graph, op, cluster) for op in forward])

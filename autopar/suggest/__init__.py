@@ -8,8 +8,9 @@ program itself is not annotated), and every strategy of that shape is compiled f
 analysis (or one derived from it) and priced from what compile planned (:mod:`.pricing`: no
 rank program is built). Plans whose parameter and optimizer memory alone cannot fit the budget
 are dropped before any compile. Every shape's plain strategies are priced first (each ZeRO
-stage, schedule and micro-batch count); sequence parallelism and recompute — which trade time
-for memory — only for the :data:`FURTHER` fastest shapes and for shapes where nothing fits yet.
+stage, schedule and micro-batch count); sequence parallelism, recompute and gradient
+accumulation — which trade time for memory — only for the :data:`FURTHER` fastest shapes and
+for shapes where nothing fits yet.
 The result is ranked by predicted step time among the plans that fit, then by memory; each
 :class:`Plan` says why in the user's terms, and ``plan.compile()`` gives its DistributedProgram.
 """
@@ -30,7 +31,7 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest.pricing import Price, price
-from autopar.suggest.search import Shape, strategies
+from autopar.suggest.search import Shape, strategies, trades_time_for_memory
 from autopar.suggest.search import shapes as factorisations
 from autopar.units import format_bytes, format_time
 
@@ -70,7 +71,9 @@ class Plan:
             out.append("SP")
         if s.recompute:
             out.append("recompute")
-        if s.pipeline is not None:
+        if s.pipeline is not None and s.pipeline.stages == 1:
+            out.append(f"accumulate m={s.pipeline.micro_batches}")
+        elif s.pipeline is not None:
             out.append(f"{s.pipeline.schedule} m={s.pipeline.micro_batches}")
         return ", ".join(out) or "-"
 
@@ -92,6 +95,9 @@ class Plan:
             parts.append("sequence parallelism splits the activations between tensor-parallel regions")
         if self.strategy.recompute:
             parts.append("each layer's activations are recomputed in the backward instead of kept")
+        if self.strategy.pipeline is not None and self.strategy.pipeline.stages == 1:
+            m = self.strategy.pipeline.micro_batches
+            parts.append(f"gradients are accumulated over {m} micro-batches (one micro-batch's activations held at a time)")
         head = "; ".join(parts) or "one device runs the whole program"
         room = "fits" if self.fits else "does NOT fit"
         return (
@@ -172,11 +178,11 @@ def suggest(
 
     with gc_paused():  # (once for the whole search: each compile's own pause ended in a collection's worth of work)
         for entry in tried.values():  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
-            run(entry, [s for s in entry.strategies if not s.sequence_parallel and not s.recompute])
+            run(entry, [s for s in entry.strategies if not trades_time_for_memory(s)])
         best = sorted(tried.values(), key=_Shape.best_step)
         for entry in tried.values():  # SP and recompute where they may change the answer: the best shapes, or none fits
             if entry in best[:FURTHER] or not any(plan.fits for plan in entry.plans):
-                run(entry, [s for s in entry.strategies if s.sequence_parallel or s.recompute])
+                run(entry, [s for s in entry.strategies if trades_time_for_memory(s)])
     out.sort(key=lambda plan: (not plan.fits, plan.price.step if plan.fits else plan.price.memory, plan.price.memory))
     del out[top:]
     out.skipped = tuple(skipped)

@@ -4,7 +4,7 @@ A candidate is a mesh shape — data x tensor x pipeline parallelism, any factor
 world, tensor parallelism innermost so that it stays inside a node — and a Strategy: the ZeRO
 stage (with data parallelism), sequence parallelism (with tensor parallelism), recompute, and
 for a pipeline the micro-batch count and schedule (the stage cut is automatic: balanced by
-predicted time). A shape is skipped, with the reason kept, where the program cannot take it:
+predicted time), without one the micro-batches gradients are accumulated over. A shape is skipped, with the reason kept, where the program cannot take it:
 the batch does not divide over the data ranks, nothing is found to split over tensor ranks
 (:mod:`.annotations`), fewer repeated layers than stages.
 """
@@ -57,15 +57,25 @@ def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strate
     zero_stages = (0, 1, 2, 3) if shape.dp > 1 else (0,)
     sequence = (False, True) if shape.mp > 1 else (False,)
     pipelines: list[PipelineConfig | None] = [None]
+    rows = batch // shape.dp
     if shape.pp > 1:
-        rows = batch // shape.dp
         counts = [m for m in (shape.pp, 2 * shape.pp, 4 * shape.pp) if rows % m == 0]
         pipelines = [PipelineConfig(micro_batches=m, schedule=s, stages=shape.pp) for m in counts for s in SCHEDULES]
+    else:  # gradient accumulation: a few micro-batches, or one row each (Megatron's m = B / d)
+        counts = sorted({m for m in (2, 4, rows) if 1 < m <= rows and rows % m == 0})
+        pipelines += [PipelineConfig(micro_batches=m, schedule="1F1B", stages=1) for m in counts]
     for pipeline in pipelines:
         for recompute in (False, True):
             for sp in sequence:
                 for zero in zero_stages:
                     yield Strategy(zero_stage=zero, sequence_parallel=sp, recompute=recompute, pipeline=pipeline, cluster=cluster)
+
+
+def trades_time_for_memory(strategy: Strategy) -> bool:
+    """Sequence parallelism, recompute, gradient accumulation: priced only where they may
+    change the answer (the best shapes, or where nothing fits)."""
+    accumulates = strategy.pipeline is not None and strategy.pipeline.stages == 1
+    return strategy.sequence_parallel or bool(strategy.recompute) or accumulates
 
 
 def _divisors(n: int) -> list[int]:

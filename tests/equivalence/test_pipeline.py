@@ -162,8 +162,8 @@ def test_stages_by_layer_ranges(stages, schedule):
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
     assert len(dist.state.pipeline.stages) == stages
     assert_simulation_equals_serial(seed, dist)
-    with pytest.raises(AutoparError, match="PipelineConfig.stages must be >= 2"):
-        autopar.PipelineConfig(stages=1)
+    with pytest.raises(AutoparError, match="PipelineConfig.stages must be >= 1"):
+        autopar.PipelineConfig(stages=0)
     with pytest.raises(AutoparError, match="has 4 layers"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup,
                         strategy=autopar.Strategy(pipeline=autopar.PipelineConfig(stages=6)))  # fmt: skip

@@ -49,6 +49,21 @@ def test_a_model_whose_weights_and_adam_states_exceed_the_budget_gets_a_plan_tha
     assert any("would cross nodes" in why for _, why in plans.skipped)
 
 
+def test_activations_over_the_budget_of_a_compute_bound_model_get_gradient_accumulation():
+    """Micro-batches of a quarter of the rows hold a quarter of the activations for a few more
+    op launches; recompute would pay a third more compute: where the model is compute-bound
+    (hidden 1024, 1024 tokens) and the activations do not fit, the best plan accumulates."""
+    seed = gpt_block_program(batch=32, seq=1024, hidden=1024, heads=16, vocab=1024, layers=2, optimizer="adamw", seed=1)
+    roomy = autopar.suggest(seed.main, 2, seed.startup, cluster="h100-node")[0]
+    activations = roomy.price.memory - roomy.price.parameter_memory
+    budget = roomy.price.parameter_memory + activations // 3
+    best = autopar.suggest(seed.main, 2, seed.startup, cluster="h100-node", memory_per_rank=budget)[0]
+    assert best.fits and not best.strategy.recompute
+    assert best.strategy.pipeline.stages == 1 and best.strategy.pipeline.micro_batches == 4, best
+    assert "accumulate m=4" in best.features and "accumulated over 4 micro-batches" in best.why
+    assert best.price.step < 1.1 * roomy.price.step
+
+
 def test_the_table_and_a_plan_compile():
     seed = _gpt("sgd")
     plans = autopar.suggest(seed.main, 2, seed.startup, top=3)
