@@ -377,6 +377,10 @@ class Local(Kind):
 
     emitted_ops: int = 0  # the ops local_op adds to a rank program (with their constant operands)
 
+    def ops_added(self, step: Any, rank: int, group: tuple[int, ...]) -> int:
+        """How many ops :meth:`local_op` adds on ``rank`` (pricing counts them: each op costs its launch)."""
+        return self.emitted_ops
+
     def local_op(self, step: Any, x: Any, shape: tuple[int, ...], rank: int, group: tuple[int, ...]) -> Any:
         """The op that makes ``rank``'s new piece from ``x`` (``x`` itself: nothing to do)."""
         raise NotImplementedError
@@ -410,8 +414,16 @@ class MakePartial(Local):
             return 0, 0.0
         return nbytes, nbytes / cluster.device.memory_bandwidth  # all copies but one zeroed
 
+    def ops_added(self, step, rank, group):
+        return 0 if self._keeps(step, rank, group) else self.emitted_ops
+
+    @staticmethod
+    def _keeps(step: Any, rank: int, group: tuple[int, ...]) -> bool:
+        """Whether ``rank`` keeps its copy (sum: one copy is kept, the others zeroed)."""
+        return step.reduce in ("max", "min", "avg") or rank == group[0]
+
     def local_op(self, step, x, shape, rank, group):
-        if step.reduce in ("max", "min", "avg") or rank == group[0]:  # sum: one copy, the others zero
+        if self._keeps(step, rank, group):
             return x
         import paddle
 

@@ -258,9 +258,11 @@ def emitted_ops(state: CompileState, bucket: GradientBucket, planned: list[Plann
     host each op costs its launch): the flattened gradients joined, maybe zeroed, all-reduced,
     split and shaped back."""
     members = [p for p in planned if p.shared_with is None]
-    reshaped = sum(2 for m in members if len(m.need.need.local_shape(m.plan.shape, rank)) != 1)  # (and the shape)
+    shaped = sum(1 for m in members if len(m.need.need.local_shape(m.plan.shape, rank)) != 1)
     zeroed = bool(bucket.zeroed) and rank != group_at(bucket.src.mesh, rank, bucket.zeroed)[0]
-    return 3 + 2 * zeroed + 1 + 4 + 2 * reshaped  # concat, scale, all_reduce, split (each with its constants)
+    # concat 3, scale 2, all_reduce 1, split 4 (each with its constants); a gradient of several
+    # dims flattened and shaped back: two reshapes of 2
+    return 3 + 2 * zeroed + 1 + 4 + 4 * shaped
 
 
 def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, planned: list[PlannedReshard]) -> None:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from autopar.collective import CollectiveKind
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
@@ -179,11 +178,7 @@ def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
             if group is None:
                 continue
             kind = KINDS[step.kind]
-            if isinstance(kind, Local):
-                zeroing = step.kind is CollectiveKind.MAKE_PARTIAL
-                ops[once] += 0 if zeroing and (step.reduce in ("max", "min", "avg") or rank == group[0]) else kind.emitted_ops
-            else:
-                ops[once] += 1
+            ops[once] += kind.ops_added(step, rank, group) if isinstance(kind, Local) else 1
         if planned.need.site.kind is SiteKind.WRITE_BACK and any(s.group_of(rank) for s in planned.plan.steps):
             ops[once] += 1
     for bucket in state.buckets:

@@ -83,3 +83,23 @@ def test_pricing_counts_the_ops_compile_adds(zero, ranks, sizes):
     for rank in mesh.ranks:
         added = len(dist.rank_program(rank).global_block().ops) - len(seed.main.global_block().ops)
         assert sum(added_ops(dist.state, rank)) == added - 4, rank
+
+
+def test_the_count_holds_beside_tensor_and_sequence_parallelism():
+    """dp x mp (gradients zeroed on all but one tensor rank before their bucket), with and
+    without SP and ZeRO: what the count leaves out is the partition's rescaling alone, the same
+    on every rank under every strategy."""
+    from autopar.suggest.pricing import added_ops
+
+    left_out = set()
+    for zero in (0, 2):
+        for sp in (False, True):
+            seed = gpt_block_program(batch=4, seq=8, hidden=16, heads=2, vocab=24, layers=2, optimizer="momentum", seed=1)
+            mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+            autopar.shard_tensor(seed.feeds["ids"], mesh, ["dp", None])
+            annotate_megatron(seed, mesh)
+            strategy = autopar.Strategy(zero_stage=zero, sequence_parallel=sp)
+            dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+            serial = len(seed.main.global_block().ops)
+            left_out |= {len(dist.rank_program(r).global_block().ops) - serial - sum(added_ops(dist.state, r)) for r in mesh.ranks}
+    assert len(left_out) == 1 and 0 <= left_out.pop() <= 8
