@@ -8,9 +8,9 @@ program itself is not annotated), and every strategy of that shape is compiled f
 analysis (or one derived from it) and priced from what compile planned (:mod:`.pricing`: no
 rank program is built). Plans whose parameter and optimizer memory alone cannot fit the budget
 are dropped before any compile. Every shape's plain strategies are priced first (each ZeRO
-stage, schedule and micro-batch count); sequence parallelism, recompute and gradient
-accumulation — which trade time for memory — only for the :data:`FURTHER` fastest shapes and
-for shapes where nothing fits yet.
+stage, schedule and micro-batch count); sequence parallelism and recompute — which trade time
+for memory — only for the :data:`FURTHER` fastest shapes and for shapes where nothing fits yet,
+gradient accumulation only for the latter.
 The result is ranked by predicted step time among the plans that fit, then by memory; each
 :class:`Plan` says why in the user's terms, and ``plan.compile()`` gives its DistributedProgram.
 """
@@ -31,7 +31,7 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest.pricing import Price, price
-from autopar.suggest.search import Shape, strategies, trades_time_for_memory
+from autopar.suggest.search import Shape, accumulates, strategies, trades_time_for_memory
 from autopar.suggest.search import shapes as factorisations
 from autopar.units import format_bytes, format_time
 
@@ -181,8 +181,9 @@ def suggest(
             run(entry, [s for s in entry.strategies if not trades_time_for_memory(s)])
         best = sorted(tried.values(), key=_Shape.best_step)
         for entry in tried.values():  # SP and recompute where they may change the answer: the best shapes, or none fits
-            if entry in best[:FURTHER] or not any(plan.fits for plan in entry.plans):
-                run(entry, [s for s in entry.strategies if trades_time_for_memory(s)])
+            short = not any(plan.fits for plan in entry.plans)  # (and only then gradient accumulation)
+            if entry in best[:FURTHER] or short:
+                run(entry, [s for s in entry.strategies if trades_time_for_memory(s) and (short or not accumulates(s))])
     out.sort(key=lambda plan: (not plan.fits, plan.price.step if plan.fits else plan.price.memory, plan.price.memory))
     del out[top:]
     out.skipped = tuple(skipped)

@@ -58,8 +58,8 @@ def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strate
     sequence = (False, True) if shape.mp > 1 else (False,)
     pipelines: list[PipelineConfig | None] = [None]
     rows = batch // shape.dp
-    if shape.pp > 1:
-        counts = [m for m in (shape.pp, 2 * shape.pp, 4 * shape.pp) if rows % m == 0]
+    if shape.pp > 1:  # p, 2p, 4p micro-batches, or one row each (Megatron's m = B / d: the least bubble)
+        counts = sorted({m for m in (shape.pp, 2 * shape.pp, 4 * shape.pp, rows) if m >= shape.pp and rows % m == 0})
         pipelines = [PipelineConfig(micro_batches=m, schedule=s, stages=shape.pp) for m in counts for s in SCHEDULES]
     else:  # gradient accumulation: a few micro-batches, or one row each (Megatron's m = B / d)
         counts = sorted({m for m in (2, 4, rows) if 1 < m <= rows and rows % m == 0})
@@ -74,8 +74,12 @@ def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strate
 def trades_time_for_memory(strategy: Strategy) -> bool:
     """Sequence parallelism, recompute, gradient accumulation: priced only where they may
     change the answer (the best shapes, or where nothing fits)."""
-    accumulates = strategy.pipeline is not None and strategy.pipeline.stages == 1
-    return strategy.sequence_parallel or bool(strategy.recompute) or accumulates
+    return strategy.sequence_parallel or bool(strategy.recompute) or accumulates(strategy)
+
+
+def accumulates(strategy: Strategy) -> bool:
+    """Gradient accumulation (never faster: tried only where nothing fits)."""
+    return strategy.pipeline is not None and strategy.pipeline.stages == 1
 
 
 def _divisors(n: int) -> list[int]:
