@@ -29,6 +29,7 @@ import statistics
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 WARMUP, PROFILED = 3, 5  # steps
@@ -103,7 +104,7 @@ def _profiled_ops(paddle: Any, seed: Any, classes: int) -> list[tuple[str, float
             prof.step()
         prof.stop()
         traces = sorted(glob.glob(os.path.join(out, "*.json")), key=os.path.getmtime)
-        events = json.loads(open(traces[-1]).read())["traceEvents"] if traces else []
+        events = json.loads(Path(traces[-1]).read_text())["traceEvents"] if traces else []
     return [
         (base_name(e["name"].split("[", 1)[0]), e["dur"] * 1e-6)
         for e in events if e.get("cat") == "Operator" and e.get("name", "").startswith("pd_op.")
