@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -112,25 +111,9 @@ def _profiled_ops(paddle: Any, seed: Any, classes: int) -> list[tuple[str, float
 
 
 def _work(op: Any) -> tuple[str, tuple[float, float]]:
-    """An op's kernel name and (elements of its largest operand, FLOPs if a product)."""
-    from autopar.cost_model.compute import base_name, op_cost_or_traffic
+    """An op's kernel name and (elements of its largest operand, FLOPs if a product): what
+    pricing counts them by."""
+    from autopar.inspect.cost_report import program_op_cost
 
-    name = base_name(op.name())
-    shapes = [s for s in map(_shape, [*op.operands_source(), *op.results()]) if s is not None]
-    largest = max((math.prod(s) for s in shapes), default=0)
-    product = 0.0
-    if name in ("matmul", "matmul_grad"):
-        ins = [s for s in map(_shape, op.operands_source()) if s is not None]
-        attrs = {k: v for k, v in op.attrs().items() if k in ("transpose_x", "transpose_y")}
-        product = op_cost_or_traffic(name, ins, [], attrs)[0].flops
-    return name, (float(largest), product)
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    try:
-        if value.initialized() and value.is_dense_tensor_type():
-            shape = tuple(value.shape)
-            return shape if all(s >= 0 for s in shape) else None
-    except (RuntimeError, ValueError):
-        pass
-    return None
+    cost, _ = program_op_cost(op)
+    return cost.kernel, (cost.elements, cost.flops if cost.kernel in ("matmul", "matmul_grad") else 0.0)

@@ -167,18 +167,12 @@ def _split_dims(*attrs: DistAttr) -> tuple[int, ...]:
     return tuple(sorted({d for attr in attrs for dims in attr.mapping for d in dims}))
 
 
-@lru_cache(maxsize=4096)
 def _representatives(mesh: ProcessMesh, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """One rank per coordinate along ``dims`` (0 along the others): under placements split
-    only along ``dims``, every rank holds the pieces of its representative, so a check of
-    pieces need not visit every rank (1536 ranks of 8 x 8 x 24: 64 along mp x pp)."""
-    coord = [0] * mesh.ndim
-    out = []
-    for inner in itertools.product(*(range(mesh.shape[d]) for d in dims)):
-        for d, i in zip(dims, inner):
-            coord[d] = i
-        out.append(mesh.rank_at(coord))
-    return tuple(out)
+    """One rank per coordinate along ``dims`` (0 along the others: the group along ``dims`` of
+    the mesh's first rank): under placements split only along ``dims``, every rank holds the
+    pieces of its representative, so a check of pieces need not visit every rank (1536 ranks of
+    8 x 8 x 24: 64 along mp x pp)."""
+    return _group_at(mesh, mesh.rank_at([0] * mesh.ndim), dims)
 
 
 @lru_cache(maxsize=1 << 18)

@@ -111,15 +111,21 @@ def _compute(program: Any, cluster: Any, unpriced: set[str]) -> float:
         name = op.name()
         if name in FREE_OPS or name in COLLECTIVE_OPS:
             continue
-        ins = [s for s in map(_shape, op.operands_source()) if s is not None]
-        outs = [s for s in map(_shape, op.results()) if s is not None]
-        dtype = _dtype(list(op.results()) + list(op.operands_source()))
-        attrs = {k: v for k, v in op.attrs().items() if k in ("transpose_x", "transpose_y")}
-        cost, priced = op_cost_or_traffic(name, ins, outs, attrs, dtype=dtype if dtype.startswith(("float", "bfloat")) else "float32")
+        cost, priced = program_op_cost(op)
         if not priced:
             unpriced.add(name.removeprefix("pd_op."))
         total += cost.time(cluster)
     return total
+
+
+def program_op_cost(op: Any) -> tuple[Any, bool]:
+    """:func:`~autopar.cost_model.op_cost_or_traffic` of a PIR op on the shapes and dtype its
+    values carry (the cost report's, and the kernel calibration's elements and FLOPs)."""
+    ins = [s for s in map(_shape, op.operands_source()) if s is not None]
+    outs = [s for s in map(_shape, op.results()) if s is not None]
+    dtype = _dtype(list(op.results()) + list(op.operands_source()))
+    attrs = {k: v for k, v in op.attrs().items() if k in ("transpose_x", "transpose_y")}
+    return op_cost_or_traffic(op.name(), ins, outs, attrs, dtype=dtype if dtype.startswith(("float", "bfloat")) else "float32")
 
 
 def saved_activations(graph: Any, resharded: frozenset[tuple[int, Any]] = frozenset()) -> list[Any]:

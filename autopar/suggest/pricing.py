@@ -76,8 +76,8 @@ def price(state: CompileState) -> Price:
     meshes = _stage_meshes(state)
     micro = pipeline.micro_batches if pipeline is not None else 1
     times = []
-    shared = state.cluster.device.shared_by(min(len(state.mesh.ranks), state.cluster.devices_per_node))
     device = state.cluster.device
+    shared = device.shared_by(min(len(state.mesh.ranks), state.cluster.devices_per_node))
     launch = device.op_seconds * shared if device.segment_seconds else 0.0  # (see added_ops)
     for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
         forward, backward, update = (shared * seconds for seconds in _compute(state, mesh.ranks[0]))
@@ -91,7 +91,7 @@ def price(state: CompileState) -> Price:
     per_micro = max(t.forward + t.backward for t in times)
     runs = 1 if pipeline is None else (3 if pipeline.schedule == "ZBH1" else 2) * micro + 1  # program runs per step
     compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times)
-    compute += runs * state.cluster.device.segment_seconds * shared
+    compute += runs * device.segment_seconds * shared
     communication = max(micro * t.per_micro_comm + t.once_comm for t in times)
     bubble = 0.0
     if pipeline is not None and len(meshes) > 1:
