@@ -1,7 +1,8 @@
 """Strategy search checked by real runs: ``autopar.suggest``'s predicted step times against the
 step times measured on this machine, for a spread of candidate plans of a GPT block and of the
-zoo's Llama on 2 and 4 processes (the hardware's profile: ``cpu-shm`` here, the shared-memory
-communicator one-machine jobs use).
+zoo's Llama on 2 and 4 processes, on the hardware's profile: ``cpu-shm`` here (the shared-memory
+communicator one-machine jobs use), ``cpu-gloo`` with ``AUTOPAR_HOST_COMM=gloo`` (gloo's process
+group). Every plan runs on the host backend, the one both CPU profiles are calibrated on.
 
 For each model and world size the parent prices every candidate (``suggest(..., top=1000)``),
 takes up to ``--plans`` of them spread over the ranking, and starts one ``autopar.launch`` job;
@@ -100,7 +101,7 @@ def child(steps: int) -> None:
     feed = random_feeds(seed.feeds, 1, classes=128)[0]
     times = {}
     for name in chosen:
-        exe = autopar.Executor(by_label[name].compile())
+        exe = autopar.Executor(by_label[name].compile(), backend="host")  # (what both CPU profiles are calibrated on)
         exe.run_startup()
         for _ in range(WARMUP):
             exe.run(feed, fetch_list=[seed.loss])
@@ -136,8 +137,9 @@ def measure(model: str, world: int, count: int, steps: int) -> None:
         path = os.path.join(out, "times.json")
         env = {**os.environ, RESULTS_ENV: path, CHOSEN_ENV: json.dumps(names), MODEL_ENV: model}
         cmd = [sys.executable, "-m", "autopar.launch", "--nproc", str(world), __file__, "--steps", str(steps)]
-        if subprocess.call(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL):
-            sys.exit(f"the {world}-process job failed")
+        job = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if job.returncode:
+            sys.exit(f"the {world}-process job failed; its last lines:\n" + "\n".join(job.stdout.splitlines()[-30:]))
         measured = json.loads(Path(path).read_text())
     predicted = [p.price.step for p in plans]
     got = [measured[n] for n in names]
