@@ -18,6 +18,7 @@ Adding a kind is adding one class here: every pass, backend and price reads this
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from typing import Any, ClassVar
 
 import numpy as np
@@ -472,10 +473,13 @@ def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:
     return own_piece(whole, entry.piece_axis(job), len(job.group), job.group.index(rank))
 
 
+@cache
 def point_to_point(kind: str | CollectiveKind) -> bool:
+    """(Cached, as :func:`local`: pricing a search asks it of every step of every plan.)"""
     return isinstance(KINDS[CollectiveKind(kind)], PointToPoint)
 
 
+@cache
 def local(kind: str | CollectiveKind) -> bool:
     """Whether ``kind`` moves no data off the rank (slice, make_partial)."""
     return isinstance(KINDS[CollectiveKind(kind)], Local)

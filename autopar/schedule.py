@@ -27,6 +27,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
+from types import MappingProxyType
 
 from autopar.errors import ScheduleError
 
@@ -262,6 +264,15 @@ def build_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages
     schedule = add_send_recv(make_schedule(name, num_ranks, micro_batches, virtual_stages), num_stages)
     verify(schedule, num_stages, micro_batches)
     return schedule
+
+
+@lru_cache(maxsize=64)
+def verified_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> Mapping[int, tuple[Action, ...]]:
+    """:func:`build_schedule`, read-only, built once per arguments: a strategy search compiles
+    many candidates with one pipeline shape (a 64-rank schedule of 512 micro-batches takes
+    seconds to lower and verify)."""
+    built = build_schedule(name, num_ranks, micro_batches, virtual_stages)
+    return MappingProxyType({rank: tuple(actions) for rank, actions in built.items()})
 
 
 # ---- lowering: add send / recv -----------------------------------------------------------

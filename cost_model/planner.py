@@ -31,6 +31,7 @@ Reductions use the partial's kind; ``avg`` is a sum followed by a scale by 1/|gr
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -387,7 +388,7 @@ def plan_reshard(
         raise
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 15)
 def _planned(src: DistAttr, dst: DistAttr, shape: tuple, dtype: str, cluster: Cluster | None) -> ReshardPlan:
     """:func:`plan_reshard` once per distinct call: a compile asks for the same few reshards
     thousands of times (the layers repeat), and the check and the defaults cost as much as
@@ -457,13 +458,51 @@ def _check(src: DistAttr, dst: DistAttr, shape: Sequence[int], dtype: str, clust
     return shape_t
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 15)
 def _plan_cached(src: DistAttr, dst: DistAttr, shape: tuple[int, ...], dtype: str, cluster: Cluster) -> ReshardPlan:
+    offset = _node_offset(src.mesh, dst.mesh, cluster)
+    if offset:  # planned where the meshes start on node 0, then moved back
+        return _shifted_plan(_plan_cached(_shifted(src, -offset), _shifted(dst, -offset), shape, dtype, cluster), offset)
+    return _plan_here(src, dst, shape, dtype, cluster)
+
+
+def _plan_here(src: DistAttr, dst: DistAttr, shape: tuple[int, ...], dtype: str, cluster: Cluster) -> ReshardPlan:
+    """The plan on the meshes as they are (:func:`_plan_cached` first moves them to node 0)."""
     kinds = tuple(sorted(set(src.partial_dims.values()) | set(dst.partial_dims.values())))
     if src.mesh == dst.mesh:
         problem = _Problem(src.mesh, shape, dtype_bytes(dtype), kinds, cluster)
         return ReshardPlan(src, dst, shape, dtype, _shortest(problem, src, dst))
     return ReshardPlan(src, dst, shape, dtype, _plan_cross(src, dst, shape, dtype, kinds, cluster))
+
+
+def _node_offset(a: ProcessMesh, b: ProcessMesh, cluster: Cluster) -> int:
+    """The first rank of the node holding the meshes' lowest rank. A plan moved by whole nodes
+    costs the same (rank ``r`` lives on node ``r // devices_per_node``, every node alike), so
+    one plan serves every pipeline stage's copy of a reshard: planned once where the meshes
+    start on node 0 (a 64-stage pipeline: once, not 64 times)."""
+    first = min(min(a.ranks), min(b.ranks))
+    return first - first % cluster.devices_per_node
+
+
+@lru_cache(maxsize=1 << 12)
+def _shifted_mesh(mesh: ProcessMesh, offset: int) -> ProcessMesh:
+    return ProcessMesh(shape=mesh.shape, ranks=[r + offset for r in mesh.ranks], dim_names=mesh.dim_names)
+
+
+def _shifted(attr: DistAttr, offset: int) -> DistAttr:
+    return DistAttr.of(_shifted_mesh(attr.mesh, offset), attr.mapping, attr.partial)
+
+
+def _shifted_plan(plan: ReshardPlan, offset: int) -> ReshardPlan:
+    """``plan`` with every rank moved by ``offset``."""
+    steps = tuple(
+        dataclasses.replace(
+            step, groups=tuple(tuple(r + offset for r in g) for g in step.groups), src=_shifted(step.src, offset),
+            dst=_shifted(step.dst, offset),
+        )
+        for step in plan.steps
+    )  # fmt: skip
+    return ReshardPlan(_shifted(plan.src, offset), _shifted(plan.dst, offset), plan.shape, plan.dtype, steps)
 
 
 def _plan_cross(

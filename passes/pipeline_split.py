@@ -33,7 +33,7 @@ from autopar.graph import VECTOR_OPS, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.schedule import UPDATE, Action, B, F, I, Phase, W, build_schedule
+from autopar.schedule import UPDATE, Action, B, F, I, Phase, W, verified_schedule
 
 PHASES = {Role.FORWARD: F, Role.BACKWARD: B}  # an op's role -> its phase's kind (the optimizer's: UPDATE)
 
@@ -85,9 +85,8 @@ class PipelineSplit(Pass):
                 + ("use schedule='Interleaved1F1B' for several" if virtual > 1 else "Interleaved1F1B needs several: "
                    "place layers on mesh[0], mesh[1], ..., mesh[0], mesh[1], ...")
             )  # fmt: skip
-        actions = build_schedule(self.schedule, len(meshes), self.micro_batches, virtual)
-        state.pipeline = PipelinePlan(tuple(meshes), tuple(stages), stage_of, self.micro_batches, self.schedule,
-                                      {r: tuple(a) for r, a in actions.items()})  # fmt: skip
+        actions = verified_schedule(self.schedule, len(meshes), self.micro_batches, virtual)
+        state.pipeline = PipelinePlan(tuple(meshes), tuple(stages), stage_of, self.micro_batches, self.schedule, actions)
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         plan = state.pipeline

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from autopar.collective_kinds import point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
+from autopar.cost_model.planner import group_at
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
@@ -79,13 +81,17 @@ def price(state: CompileState) -> Price:
     device = state.cluster.device
     shared = device.shared_by(min(len(state.mesh.ranks), state.cluster.devices_per_node))
     launch = device.op_seconds * shared if device.segment_seconds else 0.0  # (see added_ops)
+    firsts = [mesh.ranks[0] for mesh in meshes]
+    computed = _compute(state, firsts)
+    added = _added_ops(state, firsts) if launch else {}
+    communicated = _communication(state, list(dict.fromkeys(r for mesh in meshes for r in (mesh.ranks[0], mesh.ranks[-1]))))
     for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
-        forward, backward, update = (shared * seconds for seconds in _compute(state, mesh.ranks[0]))
+        forward, backward, update = (shared * seconds for seconds in computed[mesh.ranks[0]])
         if launch:
-            per_micro_ops, once_ops = added_ops(state, mesh.ranks[0])
+            per_micro_ops, once_ops = added[mesh.ranks[0]]
             forward, update = forward + per_micro_ops * launch, update + once_ops * launch
         ends = dict.fromkeys((mesh.ranks[0], mesh.ranks[-1]))
-        comm = max((_communication(state, rank) for rank in ends), key=lambda c: micro * c[0] + c[1])
+        comm = max((communicated[rank] for rank in ends), key=lambda c: micro * c[0] + c[1])
         times.append(_StageTimes(forward, backward, update, *comm))
     slowest = max(times, key=lambda t: t.forward + t.backward + t.per_micro_comm)
     per_micro = max(t.forward + t.backward for t in times)
@@ -108,51 +114,53 @@ def _stage_meshes(state: CompileState) -> list[Any]:
     return [state.mesh] if state.strategy.pipeline is None else find_stages(state)[0]
 
 
-def _compute(state: CompileState, rank: int) -> tuple[float, float, float]:
-    """Forward, backward (of one micro-batch) and update seconds of ``rank``'s ops."""
+def _compute(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, float]]:
+    """Forward, backward (of one micro-batch) and update seconds of the ops of each of ``ranks``
+    (each op visited once: it is priced on those of ``ranks`` its mesh holds)."""
     graph, propagation, cluster = state.graph, state.propagation, state.cluster
-    forward = backward = update = 0.0
+    times = {rank: [0.0, 0.0, 0.0] for rank in ranks}
+    column = {Role.FORWARD: 0, Role.OPTIMIZER: 2}
     for op in graph.ops:
         if op.name in FREE_OPS or op.index not in propagation.op_results:
             continue
-        if rank not in propagation.op_meshes.get(op.index, state.mesh).ranks:
-            continue
-        seconds = _op_seconds(state, op, rank, cluster)
-        if op.role is Role.FORWARD:
-            forward += seconds
-        elif op.role is Role.OPTIMIZER:
-            update += seconds
-        else:
-            backward += seconds
-    return forward, backward, update
+        for rank in _held_by(propagation.op_meshes.get(op.index, state.mesh), ranks):
+            times[rank][column.get(op.role, 1)] += _op_seconds(state, op, rank, cluster)
+    return {rank: (f, b, u) for rank, (f, b, u) in times.items()}
 
 
-def _communication(state: CompileState, rank: int) -> tuple[float, float, int, int]:
-    """Seconds of the collectives ``rank`` takes part in per micro-batch and once a step (a
-    gradient sync, a fused bucket), and the bytes it sends in each."""
-    per_micro = once = 0.0
-    sent = {True: 0, False: 0}
-    fused = {member for bucket in state.buckets for member in bucket.members}
-    fused |= {member for bucket in state.zero_buckets for member in bucket.members}
+def _held_by(mesh: Any, ranks: list[int]) -> tuple[int, ...]:
+    """Those of ``ranks`` in ``mesh`` (cached: a pipeline's ops and values sit on a few meshes)."""
+    return _ranks_in(mesh, tuple(ranks))
+
+
+@lru_cache(maxsize=1 << 12)
+def _ranks_in(mesh: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    members = set(mesh.ranks)
+    return tuple(rank for rank in ranks if rank in members)
+
+
+def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, int, int]]:
+    """Per each of ``ranks``: seconds of the collectives it takes part in per micro-batch and once
+    a step (a gradient sync, a fused bucket), and the bytes it sends in each (each planned
+    reshard visited once)."""
+    out = {rank: [0.0, 0.0, 0, 0] for rank in ranks}  # per micro-batch, once; sent per micro-batch, once
+    fused = _fused(state)
     for planned in state.reshards:
         if planned.shared_with is not None or planned.index in fused:
             continue
-        mine = [step for step in planned.plan.steps if not step.kind.is_local and step.group_of(rank) is not None]
-        if not mine:  # (a local slice is a copy the compute side does not see: a few bytes)
-            continue
-        seconds = sum(step.time for step in mine)
-        once_a_step = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
-        sent[once_a_step] += sum(step.bytes for step in mine)
-        if once_a_step:
-            once += seconds
-        else:
-            per_micro += seconds
+        once = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
+        for step in planned.plan.steps:
+            if step.kind.is_local:  # (a local slice is a copy the compute side does not see: a few bytes)
+                continue
+            for rank, _ in _taking_part(step, ranks):
+                out[rank][1 if once else 0] += step.time
+                out[rank][3 if once else 2] += step.bytes
     by_index = {planned.index: planned for planned in state.reshards}
     for bucket in (*state.buckets, *state.zero_buckets):
-        if rank in _bucket_ranks(bucket, by_index):
-            once += bucket.time
-            sent[True] += bucket.bytes
-    return per_micro, once, sent[False], sent[True]
+        for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
+            out[rank][1] += bucket.time
+            out[rank][3] += bucket.bytes
+    return {rank: (a, b, int(c), int(d)) for rank, (a, b, c, d) in out.items()}
 
 
 def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
@@ -163,30 +171,62 @@ def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
     ``segment_seconds``: the CPU profiles) each costs its launch (``device.op_seconds``): ZeRO's
     buckets add ~10 ops per parameter. On an accelerator they are reshape views, constants and
     a copy of each bucket, which :func:`price` leaves out."""
+    return _added_ops(state, [rank])[rank]
+
+
+def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, int]]:
+    """:func:`added_ops` of each of ``ranks`` (each planned reshard visited once)."""
     from autopar.collective_kinds import KINDS, Local
     from autopar.passes import allreduce_fusion, zero_fusion
 
     by_index = {planned.index: planned for planned in state.reshards}
-    fused = {member for bucket in (*state.buckets, *state.zero_buckets) for member in bucket.members}
-    ops = {True: 0, False: 0}
+    fused = _fused(state)
+    ops = {rank: [0, 0] for rank in ranks}  # per micro-batch, once
     for planned in state.reshards:
         if planned.shared_with is not None or planned.index in fused:
             continue
-        once = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
+        once = int(state.graph.ops[planned.need.op].role is Role.OPTIMIZER)
+        involved = set()
         for step in planned.plan.steps:
-            group = step.group_of(rank)
-            if group is None:
-                continue
             kind = KINDS[step.kind]
-            ops[once] += kind.ops_added(step, rank, group) if isinstance(kind, Local) else 1
-        if planned.need.site.kind is SiteKind.WRITE_BACK and any(s.group_of(rank) for s in planned.plan.steps):
-            ops[once] += 1
+            for rank, group in _taking_part(step, ranks):
+                ops[rank][once] += kind.ops_added(step, rank, group) if isinstance(kind, Local) else 1
+                involved.add(rank)
+        if planned.need.site.kind is SiteKind.WRITE_BACK:
+            for rank in involved:
+                ops[rank][once] += 1
     for bucket in state.buckets:
-        if rank in bucket.src.mesh.ranks:
-            ops[True] += allreduce_fusion.emitted_ops(state, bucket, [by_index[i] for i in bucket.members], rank)
+        for rank in _held_by(bucket.src.mesh, ranks):
+            ops[rank][1] += allreduce_fusion.emitted_ops(state, bucket, [by_index[i] for i in bucket.members], rank)
     for bucket in state.zero_buckets:
-        ops[True] += zero_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)
-    return ops[False], ops[True]
+        for rank in ranks:
+            ops[rank][1] += zero_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)
+    return {rank: (a, b) for rank, (a, b) in ops.items()}
+
+
+def _fused(state: CompileState) -> set[int]:
+    """The planned reshards a fused bucket carries (priced, and counted, as the bucket)."""
+    return {member for bucket in (*state.buckets, *state.zero_buckets) for member in bucket.members}
+
+
+def _taking_part(step: Any, ranks: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+    """Those of ``ranks`` a planned step involves, each with its group (``step.group_of``,
+    without asking every rank: a pipeline's step runs on one stage's ranks or between two)."""
+    if point_to_point(step.kind):
+        wanted, out = set(ranks), {}
+        for group in step.groups:
+            for rank in group:
+                if rank in wanted and rank not in out:
+                    out[rank] = group
+        return list(out.items())
+    if not step.groups:
+        return []
+    return [(rank, group_at(step.src.mesh, rank, step.mesh_dims)) for rank in _held_by(step.src.mesh, ranks)]
+
+
+def _held_by_ranks(members: Iterable[int], ranks: list[int]) -> list[int]:
+    members = set(members)
+    return [rank for rank in ranks if rank in members]
 
 
 def _bucket_ranks(bucket: Any, by_index: dict[int, Any]) -> Iterable[int]:
@@ -228,28 +268,27 @@ def _memory(state: CompileState, ranks: list[int], micro: int) -> tuple[int, int
     """Peak bytes on the fullest of ``ranks`` and, of it, parameters + gradients + states."""
     graph, propagation = state.graph, state.propagation
     grads = {z.param: z.sharded for z in state.zero if z.sharded is not None} if state.strategy.zero_stage >= 2 else {}
-    kept = saved_activations(graph)
     pipeline = state.strategy.pipeline
+    held = dict.fromkeys(ranks, 0)
+    activations = dict.fromkeys(ranks, 0)
+    for key, value in graph.values.items():
+        if value.kind not in ("parameter", "state"):
+            continue
+        dist = propagation.dist(key)
+        for rank in _held_by(dist.mesh, ranks):
+            held[rank] += tensor_bytes(value.shape, value.dtype, dist, rank)
+            if value.kind == "parameter":
+                held[rank] += tensor_bytes(value.shape, value.dtype, grads.get(key, dist), rank)
+    for key in saved_activations(graph):
+        dist, value = propagation.dist(key), graph.values[key]
+        for rank in _held_by(dist.mesh, ranks):
+            activations[rank] += tensor_bytes(value.shape, value.dtype, dist, rank)
     peak, held_at_peak = 0, 0
     for position, rank in enumerate(ranks):
-        held = 0
-        for key, value in graph.values.items():
-            if value.kind not in ("parameter", "state"):
-                continue
-            dist = propagation.dist(key)
-            if rank not in dist.mesh.ranks:
-                continue
-            held += tensor_bytes(value.shape, value.dtype, dist, rank)
-            if value.kind == "parameter":
-                held += tensor_bytes(value.shape, value.dtype, grads.get(key, dist), rank)
-        activations = sum(
-            tensor_bytes(graph.values[k].shape, graph.values[k].dtype, propagation.dist(k), rank)
-            for k in kept if rank in propagation.dist(k).mesh.ranks
-        )  # fmt: skip
         in_flight = 1
         if pipeline is not None:
             in_flight = micro if pipeline.schedule == "FThenB" else min(micro, len(ranks) - position)
-        total = held + activations * in_flight
+        total = held[rank] + activations[rank] * in_flight
         if total > peak:
-            peak, held_at_peak = total, held
+            peak, held_at_peak = total, held[rank]
     return peak, held_at_peak

@@ -244,3 +244,23 @@ def test_piece_checks_on_representative_ranks_equal_every_rank(check):
             gathered &= all(box[old, r][i][0] <= box[new, r][i][0] and box[new, r][i][1] <= box[old, r][i][1]
                             for i in range(len(p.shape)) if i != t)  # fmt: skip
     assert _gathered(p, new, old, dims, t) == gathered
+
+
+FOUR_NODES = Cluster("four-nodes", 4, 4, Link(2e-6, 2e11), Link(1e-5, 2.5e10), Device((("float32", 1e14),), 2e12, 8e10))
+
+
+def _moved_mesh(mesh, offset):
+    return ProcessMesh(shape=mesh.shape, process_ids=[r + offset for r in mesh.ranks], dim_names=mesh.dim_names)
+
+
+@given(problems(), st.sampled_from([0, 2, 4, 8]), st.sampled_from([0, 2, 4, 8]))
+def test_plans_moved_by_whole_nodes_equal_plans_made_there(case, src_at, dst_at):
+    """The planner plans once where the meshes start on node 0 and moves the plan back (one
+    plan for every pipeline stage's copy of a reshard): equal to planning on the meshes where
+    they are, for meshes on one node or two, the same or different (a stage-to-stage send)."""
+    from autopar.cost_model.planner import _plan_here
+
+    _, shape, src, dst, _ = case
+    src = DistAttr(_moved_mesh(src.mesh, src_at), mapping=src.mapping, partial=src.partial)
+    dst = DistAttr(_moved_mesh(dst.mesh, dst_at), mapping=dst.mapping, partial=dst.partial)
+    assert plan_reshard(src, dst, shape, "float32", FOUR_NODES) == _plan_here(src, dst, shape, "float32", FOUR_NODES)

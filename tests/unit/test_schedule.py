@@ -411,3 +411,16 @@ def test_svg_parses_and_names_every_rank():
     boxes = [rect for rect in root.iter("{http://www.w3.org/2000/svg}rect") if rect.find("{*}title") is not None]
     assert len(boxes) == 4 * 2 * 4 * 2  # per rank: 2 stages x 4 micro-batches x (F, B)
     assert "F3" in texts and "B0" in texts
+
+
+def test_verified_schedule_is_built_once_and_read_only():
+    """A search compiles many candidates of one pipeline shape: the lowered, verified schedule is
+    made once and shared, so no compile may change it."""
+    from autopar.schedule import verified_schedule
+
+    first = verified_schedule("ZBH1", 4, 8)
+    assert first is verified_schedule("ZBH1", 4, 8)
+    assert {rank: list(actions) for rank, actions in first.items()} == build_schedule("ZBH1", 4, 8)
+    with pytest.raises(TypeError):
+        first[0] = ()
+    assert isinstance(first[0], tuple)
