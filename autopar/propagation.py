@@ -163,6 +163,12 @@ def transplant(dist: DistAttr, mesh: ProcessMesh) -> DistAttr | None:
     """``dist`` re-expressed on ``mesh`` by mesh dim name (a stage's tensor read on another)."""
     if dist.mesh is mesh or dist.mesh == mesh:
         return dist
+    return _transplanted(dist, mesh)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _transplanted(dist: DistAttr, mesh: ProcessMesh) -> DistAttr:
+    """(Cached: every read across a stage boundary asks, and the layers of a pipeline repeat.)"""
     same = {
         d: mesh.dim_names.index(name)
         for d, name in enumerate(dist.mesh.dim_names)
