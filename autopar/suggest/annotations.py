@@ -13,7 +13,10 @@ path ends at such a matmul (or at constants, feeds of masks and positions, 1-D p
 path through a normalization or a reduction over the hidden dim (layer_norm, rms_norm, the
 ``mean`` of a hand-written RMSNorm), an embedding, a convolution or an op this module does not
 know leaves B whole. An embedding table ``[V, h]`` read with token ids is split by vocabulary
-rows; a head tied to it (``h @ table^T``) then gives logits split by vocabulary.
+rows; a head tied to it (``h @ table^T``) then gives logits split by vocabulary. An untied
+output head ``h @ W[h, V]`` whose logits reach a cross-entropy (Llama's ``lm_head``, a GPT's
+output layer) is split by columns, ``W -> [None, mp]``: Megatron's vocabulary-parallel output
+layer, its cross-entropy computed on split logits (one value per row moved, not the logits).
 
 Being right beats splitting much: every candidate is checked by propagating its placements
 (:func:`autopar.propagation.propagate` on a 1-D ``mp`` mesh). A split the program loses on the
@@ -80,7 +83,7 @@ ID_OPS = frozenset(
 class TensorParallel:
     """The tensor-parallel split of a program's parameters (Megatron's), and what was left whole."""
 
-    column: tuple[ValueKey, ...] = ()  # weights [in, out] split on their output dim   -> [None, mp]
+    column: tuple[ValueKey, ...] = ()  # weights [in, out] split on their output dim (and untied heads) -> [None, mp]
     column_bias: tuple[ValueKey, ...] = ()  # biases of column linears and of a vocabulary-parallel head -> [mp]
     row: tuple[ValueKey, ...] = ()  # weights [in, out] split on their input dim    -> [mp, None]
     vocab: tuple[ValueKey, ...] = ()  # embedding tables [V, h] split by rows       -> [mp, None]
@@ -125,21 +128,32 @@ class _Vocab:
     region: frozenset[int]
 
 
-_Item = _Pair | _Vocab
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """An untied output head split by columns (vocabulary), and the ops from it to the loss."""
+
+    linear: _Linear
+    region: frozenset[int]
+
+
+_Item = _Pair | _Vocab | _Head
 
 
 # ---- public ---------------------------------------------------------------------------------
 def tensor_parallel(graph: ProgramGraph, mp: int) -> TensorParallel:
     """The parameters to split over an ``mp``-way tensor-parallel mesh dim: column / row pairs
     of linears (attention's q, k, v and out-projection, MLPs), vocabulary-parallel embeddings
-    with their tied heads; each checked by propagation (see the module docstring)."""
+    with their tied heads, untied output heads; each checked by propagation (see the module
+    docstring)."""
     if mp < 2:
         return TensorParallel(notes=(f"mp={mp}: nothing to split",))
     linears = {lin.op: lin for lin in _linears(graph)}
     pairs, notes = _pairs(graph, linears, mp)
     vocabs, vocab_notes = _vocabs(graph, mp)
-    items, lost = _checked(graph, mp, [*pairs, *vocabs])
-    notes += vocab_notes + lost
+    paired = {lin.op for pair in pairs for lin in (*pair.feeders, pair.row)}
+    heads, head_notes = _heads(graph, [lin for index, lin in linears.items() if index not in paired], mp)
+    items, lost = _checked(graph, mp, [*pairs, *vocabs, *heads])
+    notes += vocab_notes + head_notes + lost
     if not items and not notes:
         notes.append(
             "no pair of linears (a column-parallel one feeding a row-parallel one) and no vocabulary embedding found"
@@ -286,6 +300,12 @@ def _walk_back(
 def _feeds_loss(graph: ProgramGraph, lin: _Linear) -> bool:
     """Whether the linear's output reaches a loss (a cross-entropy, or a reduction to a scalar)
     through elementwise and shape ops only: a classifier or regression head, not a layer."""
+    return _loss_reached(graph, lin) is not None
+
+
+def _loss_reached(graph: ProgramGraph, lin: _Linear) -> str | None:
+    """The op name of the loss the linear's output reaches through elementwise and shape ops
+    (:func:`_feeds_loss`), or None."""
     start = lin.bias_op if lin.bias_op is not None else lin.op
     todo, seen = [start], set()
     while todo:
@@ -296,10 +316,29 @@ def _feeds_loss(graph: ProgramGraph, lin: _Linear) -> bool:
         if "cross_entropy" in op.name or (
             op.name in NORMALIZING and all(graph.values[k].shape in ((), (1,)) for k in op.outputs if k)
         ):
-            return True
+            return op.name
         if op.index == start or (op.name in TO_LOSS):
             todo.extend(u for k in op.outputs if k is not None for u in graph.values[k].users)
-    return False
+    return None
+
+
+def _heads(graph: ProgramGraph, linears: list[_Linear], mp: int) -> tuple[list[_Head], list[str]]:
+    """Untied output heads (see the module docstring): linears not in a pair whose output
+    reaches a cross-entropy, at least as wide as their input (a narrow classifier saves little
+    split), their width divisible by mp."""
+    found, notes = [], []
+    for lin in linears:
+        loss = _loss_reached(graph, lin)
+        if loss is None or "cross_entropy" not in loss:
+            continue
+        inputs, width = graph.values[lin.weight].shape
+        if width < inputs:
+            continue
+        if width % mp:
+            notes.append(f"{_describe(graph, lin)}: the output head left whole, {width} classes not divisible by mp={mp}")
+            continue
+        found.append(_Head(lin, frozenset(_descendants(graph, lin.op))))
+    return found, notes
 
 
 # ---- vocabulary -----------------------------------------------------------------------------
@@ -428,9 +467,11 @@ def _as_tp(items: Iterable[_Item]) -> TensorParallel:
     items = list(items)
     pairs = [i for i in items if isinstance(i, _Pair)]
     vocabs = [i for i in items if isinstance(i, _Vocab)]
+    heads = [i.linear for i in items if isinstance(i, _Head)]
     return TensorParallel(
-        column=_unique(f.weight for p in pairs for f in p.feeders),
-        column_bias=_unique([*(f.bias for p in pairs for f in p.feeders if f.bias is not None), *(b for v in vocabs for b in v.head_biases)]),
+        column=_unique([*(f.weight for p in pairs for f in p.feeders), *(h.weight for h in heads)]),
+        column_bias=_unique([*(f.bias for p in pairs for f in p.feeders if f.bias is not None), *(b for v in vocabs for b in v.head_biases),
+                             *(h.bias for h in heads)]),
         row=_unique(p.row.weight for p in pairs), vocab=_unique(v.table for v in vocabs),
     )  # fmt: skip
 
@@ -450,6 +491,8 @@ def _name(graph: ProgramGraph, item: _Item) -> str:
     if isinstance(item, _Vocab):
         value = graph.values[item.table]
         return f"vocabulary embedding {value.label} {list(value.shape)}"
+    if isinstance(item, _Head):
+        return f"output head {_describe(graph, item.linear)}"
     linears = ", ".join(_describe(graph, f) for f in item.feeders)
     return f"column {linears} with row {_describe(graph, item.row)}"
 

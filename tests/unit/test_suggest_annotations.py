@@ -6,7 +6,7 @@ collectives than gathering every split weight would.
 
 What each zoo model gets (mp = 2):
 - llama: wq / wk / wv and w1 / w3 column, wo and w2 row, the token embedding by vocabulary;
-  the untied output head whole (it feeds the loss).
+  the untied output head by columns (vocabulary-parallel logits into the cross-entropy).
 - gpt2: c_fc column, the MLP's c_proj row, wte by vocabulary (the tied head then vocabulary-
   parallel); the attention whole: c_attn's output is cut three ways by columns (q | k | v), which
   a column split does not line up with (a note says so).
@@ -40,11 +40,14 @@ def _labels(graph, keys):
 
 def test_gpt_block_gets_the_megatron_split():
     """The finder's placements are annotate_megatron's (qkv, fc1 column with their biases;
-    proj, fc2 row), plus the token embedding split by vocabulary."""
+    proj, fc2 row), plus the token embedding split by vocabulary and the untied output head by
+    columns (Megatron's vocabulary-parallel output layer)."""
     seed = gpt_block_program(layers=2)
     graph = ProgramGraph(seed.main)
     found = placements(graph, MP, tensor_parallel(graph, 2), None, "mp")
     annotate_megatron(seed, MP)
+    autopar.shard_tensor(seed.layers["head"].weight, MP, [None, "mp"])
+    autopar.shard_tensor(seed.layers["head"].bias, MP, ["mp"])
     dist = autopar.compile(seed.main, MP, startup_program=seed.startup)
     megatron = {key: dist.dist_attr(graph.values[key].label) for key in found}
     table = graph.by_name[seed.layers["embedding"].weight.name]
@@ -55,7 +58,7 @@ def test_gpt_block_gets_the_megatron_split():
     split = {
         p.name
         for name, layer in seed.layers.items()
-        if name.startswith(("qkv", "proj", "fc1_", "fc2_"))
+        if name.startswith(("qkv", "proj", "fc1_", "fc2_", "head"))
         for p in layer.parameters()
     }
     assert _labels(graph, found) == sorted(split - row_biases)
@@ -72,15 +75,15 @@ MP4 = M([0, 1, 2, 3], ["mp"])
 # (model, mesh) -> how many weights are split by columns / rows / vocabulary, column biases,
 # and words the notes must hold (what was left whole and why)
 CASES = {
-    ("llama", MP): ((10, 4, 1, 0), []),
+    ("llama", MP): ((11, 4, 1, 0), []),
     ("gpt2", MP): ((2, 2, 1, 2), ["CausalSelfAttention/Linear ", "split_with_num", "q | k | v"]),
     ("bert", MP): ((8, 4, 1, 9), ["feeds the loss", "2 rows"]),
     ("vit", MP): ((2, 2, 0, 2), ["Attention/Linear ", "reshape", "[3, heads, head_dim]"]),
     ("mixer", MP): ((4, 4, 0, 4), []),
-    ("llama", DP_MP): ((10, 4, 1, 0), []),
+    ("llama", DP_MP): ((11, 4, 1, 0), []),
     ("gpt2", DP_MP): ((2, 2, 1, 2), ["split_with_num"]),
     # 2 kv heads cannot be split 4 ways: the attention stays whole, the feed-forward is split
-    ("llama", MP4): ((4, 2, 1, 0), ["Attention/Linear_3", "heads not divisible by 4"]),
+    ("llama", MP4): ((5, 2, 1, 0), ["Attention/Linear_3", "heads not divisible by 4"]),
 }
 
 
