@@ -334,7 +334,9 @@ def _memory_floor(weights: tuple[int, int], shape: Shape, strategy: Strategy) ->
 def _split_words(tp: Any) -> str:
     if not tp:
         return "nothing"
-    parts = [f"{len(tp.column)} column-parallel and {len(tp.row)} row-parallel weights"]
+    parts = [f"{len(tp.column) - len(tp.heads)} column-parallel and {len(tp.row)} row-parallel weights"]
     if tp.vocab:
         parts.append(f"{len(tp.vocab)} vocabulary-parallel embedding(s)")
+    if tp.heads:
+        parts.append(f"{len(tp.heads)} output head(s) by vocabulary")
     return " and ".join(parts) + " are split"

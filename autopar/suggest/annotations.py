@@ -87,6 +87,7 @@ class TensorParallel:
     column_bias: tuple[ValueKey, ...] = ()  # biases of column linears and of a vocabulary-parallel head -> [mp]
     row: tuple[ValueKey, ...] = ()  # weights [in, out] split on their input dim    -> [mp, None]
     vocab: tuple[ValueKey, ...] = ()  # embedding tables [V, h] split by rows       -> [mp, None]
+    heads: tuple[ValueKey, ...] = ()  # of ``column``: the untied output heads' weights
     notes: tuple[str, ...] = ()  # what was left whole and why (layer path, shapes)
 
     def __bool__(self) -> bool:
@@ -472,7 +473,7 @@ def _as_tp(items: Iterable[_Item]) -> TensorParallel:
         column=_unique([*(f.weight for p in pairs for f in p.feeders), *(h.weight for h in heads)]),
         column_bias=_unique([*(f.bias for p in pairs for f in p.feeders if f.bias is not None), *(b for v in vocabs for b in v.head_biases),
                              *(h.bias for h in heads)]),
-        row=_unique(p.row.weight for p in pairs), vocab=_unique(v.table for v in vocabs),
+        row=_unique(p.row.weight for p in pairs), vocab=_unique(v.table for v in vocabs), heads=_unique(h.weight for h in heads),
     )  # fmt: skip
 
 

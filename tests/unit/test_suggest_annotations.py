@@ -138,3 +138,22 @@ def test_batch_feeds_leave_a_feed_without_the_batch_dim():
         "x": autopar.DistAttr(DP_MP, ["dp", None, None]),
         "label": autopar.DistAttr(DP_MP, ["dp", None]),
     }
+
+
+@pytest.mark.parametrize(
+    ("vocab", "mp", "split", "note"),
+    [(128, 2, True, None), (128, 4, True, None), (130, 4, False, "130 classes not divisible by mp=4"), (32, 2, False, None)],
+)
+def test_an_untied_output_head_is_split_by_columns_where_it_pays(vocab, mp, split, note):
+    """The GPT block's untied head (hidden 64 -> vocab): split by columns with its bias when the
+    vocabulary divides over mp; left whole with a note when it does not, and without one when
+    it is narrower than its input (a classifier: little to save)."""
+    seed = gpt_block_program(layers=1, vocab=vocab)
+    graph = ProgramGraph(seed.main)
+    tp = tensor_parallel(graph, mp)
+    head = {graph.by_name[seed.layers["head"].weight.name], graph.by_name[seed.layers["head"].bias.name]}
+    assert (head <= {*tp.column, *tp.column_bias}) is split
+    assert (graph.by_name[seed.layers["head"].weight.name] in tp.heads) is split
+    assert not head & {*tp.column, *tp.column_bias} or split
+    heads_notes = [n for n in tp.notes if "output head" in n]
+    assert (note is None and not heads_notes) or any(note in n for n in heads_notes), tp.notes
