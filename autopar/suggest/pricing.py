@@ -104,7 +104,7 @@ def price(state: CompileState) -> Price:
         fill = per_micro if pipeline.schedule != "ZBH1" else max(t.forward + t.backward / 2 for t in times)
         virtual = max(len(state.pipeline.stages) // len(state.pipeline.meshes), 1) if state.pipeline is not None else 1
         bubble = (len(meshes) - 1) * fill / virtual
-    memory, held = _memory(state, [mesh.ranks[0] for mesh in meshes], micro)
+    memory, held = _memory(state, firsts, micro)
     sent = max(micro * t.per_micro_sent + t.once_sent for t in times)
     return Price(compute, communication, bubble, memory, held, sent)
 
