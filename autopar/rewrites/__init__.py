@@ -37,7 +37,7 @@ from autopar.rewrites.stage_constants import stage_constants as copy_constants
 from autopar.rewrites.stage_inference import infer_stages, on_stages
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
-from autopar.shared_parameters import owner_meshes
+from autopar.shared_parameters import owner_meshes, reader_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
 
@@ -336,7 +336,7 @@ def _onto_stages(
         value = graph.values[key]
         if attr.mesh != mesh or value.kind != "parameter" or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
             continue
-        stages = {op_meshes[u] for u in value.users if u in op_meshes and graph.ops[u].role is Role.FORWARD}
-        if len(stages) == 1:
-            moved[key] = transplant(attr, stages.pop())
+        stages = reader_meshes(graph, key, op_meshes)
+        if stages:
+            moved[key] = transplant(attr, stages[0])
     return moved

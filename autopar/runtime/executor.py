@@ -24,7 +24,10 @@ from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan
 from autopar.runtime.rank_runner import RankRunner
-from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
+from autopar.runtime.replicas import checksum, digest, first_mismatch, generator_state, use_generator_state
+
+
+CHECK_EVERY = 100  # steps between comparisons of the replicated copies (and the first step)
 
 
 class Communicator(Protocol):
@@ -72,10 +75,21 @@ class Executor:
     whole rank program with in-program collectives; on CPU only world-spanning ones), or
     "auto": on a CPU job whose ranks share one host, host (its shared-memory collectives take
     tens of microseconds, gloo's in-program ones a millisecond); otherwise native when every
-    collective spans the world (on GPUs always), else host."""
+    collective spans the world (on GPUs always), else host.
 
-    def __init__(self, dist: Any, rank: int | None = None, backend: str = "auto", communicator: Communicator | None = None) -> None:
+    ``check_every``: after the first step and every ``check_every``-th, every rank's checksums
+    of its replicated copies (parameters, optimizer states, another stage's tied weight) ride in
+    the step's exchange and a copy that differs is refused by name (None: never; a silently
+    diverged copy would otherwise train on unnoticed)."""
+
+    def __init__(
+        self, dist: Any, rank: int | None = None, backend: str = "auto", communicator: Communicator | None = None,
+        check_every: int | None = CHECK_EVERY,
+    ) -> None:  # fmt: skip
         _check_arguments(dist, rank, communicator)
+        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, numbers.Integral) or check_every < 1):
+            raise AutoparError(f"check_every must be a number of steps >= 1 (or None: never), got {check_every!r}")
+        self.check_every = check_every
         if not isinstance(backend, str):
             raise AutoparError(f"backend must be one of 'host', 'native', 'auto', got {type(backend).__name__}")
         self.rank = rank_from_env() if rank is None else int(rank)
@@ -165,6 +179,21 @@ class Executor:
         if mismatch:
             raise AutoparError(f"rank {self.rank}: {mismatch}")
 
+    def _checking(self) -> bool:
+        """Whether this step compares the copies: the first, then every ``check_every``-th."""
+        every = self.check_every
+        return every is not None and (self._steps == 1 or self._steps % every == 0)
+
+    def _copy_checksums(self) -> dict[str, str]:
+        return {n: checksum(self._runner.parameter_piece(n)) for n in self.plan.copies()}
+
+    def _compare_copies(self, everyone: Sequence[Mapping[str, str]]) -> None:
+        mismatch = first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
+        if mismatch:
+            raise AutoparError(
+                f"rank {self.rank}, step {self._steps}: {mismatch} (the periodic copy check, Executor(check_every=...))"
+            )
+
     def run(self, feed: Mapping[str, Any], fetch_list: Sequence[Any] = ()) -> list[np.ndarray]:
         """One step on the global ``feed``; returns each fetch as a global array."""
         if not self._started:
@@ -192,11 +221,16 @@ class Executor:
                     runner.finish_collective(self.comm.run(job, runner.collective_input()))
                 job = runner.run_until_collective()
             pieces = runner.fetch_pieces()
-        if not runner.fetch_keys:
-            return []  # nothing to assemble: no exchange, the step costs what the program costs
-        if runner.whole:
-            return pieces  # the program made every fetch whole on this rank
-        everyone = self.comm.all_gather_object(pieces)
+        exchange = bool(runner.fetch_keys) and not runner.whole  # (else the program made every fetch whole)
+        if self._checking():  # the copies' checksums ride in the step's exchange (one of their own without one)
+            sums = self._copy_checksums()
+            everyone = self.comm.all_gather_object((pieces, sums) if exchange else sums)
+            self._compare_copies([e[1] for e in everyone] if exchange else everyone)
+            everyone = [e[0] for e in everyone] if exchange else everyone
+        elif exchange:
+            everyone = self.comm.all_gather_object(pieces)
+        if not exchange:
+            return pieces if runner.fetch_keys else []
         out = []
         for i, key in enumerate(runner.fetch_keys):
             info = self.plan.values.info(key)
