@@ -180,8 +180,9 @@ def analysis_start(
 def state_of(work: Analysed, strategy: Strategy, startup_program: Any) -> CompileState:
     """The compile state of the rewritten analysis ``work``: propagated, checked."""
     _check_pieces(work.graph, work.user)
+    _refuse_annotations_off_their_stage(work.graph, work.user, work.op_meshes)
     propagation = work.propagate()
-    _refuse_annotations_off_their_stage(work.graph, work.user, propagation)
+    _refuse_annotations_off_their_stage(work.graph, work.user, propagation.op_meshes)
     return CompileState(work.graph, propagation, work.mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
                         sequence=work.sequence, recompute=work.recompute, regather=regathered(work.recompute, work.graph, strategy),
                         rewrites=work.reports)  # fmt: skip
@@ -289,13 +290,16 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
     return placements
 
 
-def _refuse_annotations_off_their_stage(graph: ProgramGraph, user: dict[ValueKey, DistAttr], propagation: Any) -> None:
+def _refuse_annotations_off_their_stage(
+    graph: ProgramGraph, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]
+) -> None:  # fmt: skip
     """An intermediate annotated on a mesh its producer does not run on (a stage-0 output
     annotated on ``mesh[1]``) is refused: a value has one placement, made where its op runs;
     moving it to another stage is ``autopar.reshard`` (before: an internal MeshError when rank
-    programs were built)."""
+    programs were built). Asked before propagation with the ops placed so far (propagation
+    could not price such a read), and after it with the ops it placed."""
     for key, attr in user.items():
-        made_on = propagation.op_meshes.get(key[0])
+        made_on = op_meshes.get(key[0])
         if made_on is None or graph.values[key].kind != "activation" or set(attr.mesh.ranks) <= set(made_on.ranks):
             continue
         raise AnnotationError(

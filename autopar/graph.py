@@ -33,6 +33,9 @@ OPTIMIZER_OPS = frozenset(
 )
 
 
+UPDATE_ROLE = 2  # Paddle's op_role attribute of the optimizer phase
+
+
 class Role(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -281,8 +284,9 @@ def assign_roles(graph: ProgramGraph) -> None:
     if first_grad is None:
         return
     for op in graph.ops:
-        if op.name in OPTIMIZER_OPS:
+        if op.name in OPTIMIZER_OPS or op.attrs.get("op_role") == UPDATE_ROLE:
             op.role = Role.OPTIMIZER
+            grads.update(k for k in op.outputs if k is not None)  # (a rewrite's update-phase gradient: clipping reads it)
         elif op.recomputes is not None or op.name.endswith("_grad") or (op.index > first_grad and any(k in grads for k in op.inputs)):
             op.role = Role.BACKWARD
             grads.update(k for k in op.outputs if k is not None)

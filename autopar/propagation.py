@@ -471,7 +471,10 @@ class Propagator:
                 pairs.append((made, want, self.graph.values[key].shape, self.graph.values[key].dtype))
         plans = [plan_reshard(have, need, shape, dtype, self.cluster) for have, need, shape, dtype in pairs]
         time = sum(plan.time for plan in plans)
-        volume = sum(coefficients(str(step.kind), len(step.groups[0]), step.bytes)[1] for plan in plans for step in plan.steps if not step.kind.is_local)
+        volume = sum(
+            coefficients(str(step.kind), len(step.groups[0]), step.bytes)[1]
+            for plan in plans for step in plan.steps if not step.kind.is_local and step.groups
+        )  # (a transfer between meshes has no group of one mesh: its time is priced, not its ring volume)
         return time, volume
 
     def _settle_outputs(self, result: PropagationResult, op: OpNode, inferred: RuleResult) -> None:

@@ -205,7 +205,8 @@ def _follow(
     graph: Any, op: Any, mesh: ProcessMesh, runs: list[ProcessMesh], stage_of: dict[int, int], readers: dict[Any, list[int]]
 ) -> int | None:
     """The stage on ``mesh`` (the op's) among, in order: the stages reading an update's
-    parameter, the grad op's forward op's, those making its inputs."""
+    parameter, the grad op's forward op's, those making its inputs, and for an update-phase
+    op, any stage on ``mesh``."""
     candidates = list(readers.get(op.inputs[0], ())) if op.role is Role.OPTIMIZER and op.inputs else []
     if op.forward_op is not None and op.forward_op in stage_of:
         candidates.append(stage_of[op.forward_op])
@@ -213,6 +214,8 @@ def _follow(
         maker = None if key is None else _through_split(graph, key[0])
         if maker in stage_of:
             candidates.append(stage_of[maker])
+    if op.role is Role.OPTIMIZER:  # (an update-phase op of that mesh with no staged input: a copy of a step-wide count)
+        candidates += range(len(runs))
     return next((stage for stage in candidates if runs[stage] == mesh), None)
 
 

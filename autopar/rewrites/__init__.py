@@ -27,6 +27,7 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
@@ -34,7 +35,7 @@ from autopar.rewrites.recompute import Recomputation
 from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants
-from autopar.rewrites.stage_inference import infer_stages, on_stages
+from autopar.rewrites.stage_inference import infer_stages, on_stages, reader_stages
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
 from autopar.shared_parameters import owner_meshes, reader_meshes
@@ -168,9 +169,12 @@ class PipelineStages(Rewrite):
     def apply(self, work: Analysed) -> Analysed:
         op_meshes = dict(work.op_meshes)
         if self.stages is not None:
-            op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes, work.cluster)
+            kept = reshard_copies(work.graph, work.user, op_meshes)
+            op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes, work.cluster, kept)
         elif on_stages(work.mesh, work.user):  # parameters annotated on stage meshes place their ops (Paddle's way)
             op_meshes = infer_stages(work.graph, work.mesh, work.user, op_meshes)
+        if op_meshes:
+            op_meshes = reader_stages(work.graph, op_meshes)
         staged = copy_constants(work.program, work.graph, op_meshes)
         if staged is not None:
             work = work.reported(self, str(staged), **work.moved(staged.program, staged.positions))
@@ -217,6 +221,21 @@ class LocalBatchNorm(Rewrite):
             if op_key(op.name).removesuffix("_") in ("batch_norm", "batch_norm_grad") and batch_statistics(op.attrs)
         }
         return work.reported(self, f"{len(marked)} batch_norm op(s) with per-rank statistics", graph=work.graph.derived(attrs=marked))
+
+
+@dataclass(frozen=True)
+class MaskedMeans(Rewrite):
+    """A loss ``mean(masked_select(x, mask))`` divided by the selected count once per step
+    (:mod:`.masked_mean`): exact over micro-batches whatever the mask."""
+
+    name: ClassVar[str] = "masked_mean"
+
+    def apply(self, work: Analysed) -> Analysed:
+        rewritten = deferred_means(work.program, work.graph, work.op_meshes)
+        if rewritten is None:
+            return work.reported(self, "no masked mean")
+        work = work.reported(self, str(rewritten), **work.moved(rewritten.program, rewritten.positions))
+        return dataclasses.replace(work, op_meshes={**work.op_meshes, **rewritten.meshes})
 
 
 @dataclass(frozen=True)
@@ -274,7 +293,7 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     if strategy.local_batch_norm:
         found.append(LocalBatchNorm())
     if pipeline is not None and pipeline.micro_batches > 1:
-        found.append(MicroBatch(pipeline.micro_batches))
+        found += [MaskedMeans(), MicroBatch(pipeline.micro_batches)]
     if strategy.recompute:  # after micro-batching: strategies differing in recompute share it (its clones are copies)
         found.append(Recompute(strategy.recompute))
     if strategy.sequence_parallel:
@@ -312,6 +331,15 @@ def applied(rewrites: Sequence[Rewrite], work: Analysed) -> list[Analysed]:
     return steps
 
 
+def reshard_copies(graph: ProgramGraph, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]) -> set[int]:
+    """The placed ops that are ``autopar.reshard`` copies: an assign whose result the user
+    annotated on the mesh the op is placed on."""
+    return {
+        index for index, mesh in op_meshes.items()
+        if graph.ops[index].name == "pd_op.assign" and (index, 0) in user and user[(index, 0)].mesh == mesh
+    }  # fmt: skip
+
+
 def copied_keys(mapping: Mapping[ValueKey, Any], copies: Mapping[int, int]) -> dict[ValueKey, Any]:
     """``mapping`` with the results of each copied op (``copies``: new op -> the op it copies)
     given what the results of the op it copies have."""
@@ -334,7 +362,12 @@ def _onto_stages(
     moved = dict(user)
     for key, attr in user.items():
         value = graph.values[key]
-        if attr.mesh != mesh or value.kind != "parameter" or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
+        if attr.mesh != mesh or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
+            continue
+        if value.kind == "activation" and key[0] in op_meshes:  # made on one stage (Paddle: on every stage reading it)
+            moved[key] = transplant(attr, op_meshes[key[0]])
+            continue
+        if value.kind != "parameter":
             continue
         stages = reader_meshes(graph, key, op_meshes)
         if stages:

@@ -98,17 +98,15 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
         feeds[value.name] = 0
         annotations[key] = DistAttr(mesh, [0] + [-1] * (len(value.shape) - 1))
     result = _cut_whole_batch_values(graph, mesh, annotations)
+    reshards = [need for need in result.reshards if not _accumulated(graph, need)]
     whole_reads = tuple(
-        (need.op, need.site.slot) for need in result.reshards
+        (need.op, need.site.slot) for need in reshards
         if need.site.kind is SiteKind.BEFORE_READ and not need.need.sharded_mesh_dims() and feed_only(graph, need.value)
     )  # fmt: skip
     if whole_reads:  # made from the whole feeds first (.whole_feeds); then the rest is decided again
         return MicroBatching(count, {}, {}, feeds, whole_reads), graph
-    for need in result.reshards:
+    for need in reshards:
         op = graph.ops[need.op]
-        accumulated = op.role is Role.OPTIMIZER and need.have.partial_dims == {0: "sum"} and need.need.is_replicated
-        if accumulated:
-            continue
         value = graph.values[need.value]
         if need.site.kind is SiteKind.AFTER_PRODUCER or _cuttable(graph, need.value, need.have, need.need):
             maker = graph.ops[need.value[0]]
@@ -213,6 +211,12 @@ def _cuttable(graph: ProgramGraph, key: ValueKey, have: DistAttr, need: DistAttr
         bool(need.sharded_mesh_dims()) and not have.partial and not have.sharded_mesh_dims()
         and graph.values[key].kind in ("activation", "constant")
     )  # fmt: skip
+
+
+def _accumulated(graph: ProgramGraph, need: ReshardNeed) -> bool:
+    """A read by the once-per-step update of a sum pending over the micro-batches: the runtime
+    accumulates it (gradients; a masked mean's parts, :mod:`.masked_mean`)."""
+    return graph.ops[need.op].role is Role.OPTIMIZER and need.have.partial_dims == {0: "sum"} and need.need.is_replicated
 
 
 def _layer(op: OpNode) -> str:

@@ -25,7 +25,7 @@ is on ``mesh[i % mesh.shape[0]]``: with ``n`` = the pipeline ranks each rank has
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from autopar.cost_model import op_cost_or_traffic
@@ -40,18 +40,31 @@ Unit = tuple[str, ...]  # a layer path cut to the chosen depth: ("Block_1",)
 
 
 def layer_stages(
-    graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh], cluster: Cluster
-) -> dict[int, ProcessMesh]:
+    graph: ProgramGraph, mesh: ProcessMesh, stages: int, placed: dict[int, ProcessMesh], cluster: Cluster,
+    kept: Collection[int] = (),
+) -> dict[int, ProcessMesh]:  # fmt: skip
     """Op index -> the sub-mesh ``PipelineConfig(stages=stages)`` places each forward op on
-    (one stage: none, every op runs on the whole mesh, accumulating gradients)."""
-    if placed:
-        raise AnnotationError(f"PipelineConfig(stages={stages}) places the layers itself: remove the shard_op placements")
+    (one stage: none, every op runs on the whole mesh, accumulating gradients). ``placed`` may
+    hold ``autopar.reshard`` copies only (``kept``: the user wrote them; each keeps its mesh and
+    its placement, the cut places the other ops); any other placement is the user's cut."""
+    written = sorted(set(placed) - set(kept))
+    if written:
+        op = graph.ops[written[0]]
+        raise AnnotationError(
+            f"PipelineConfig(stages={stages}) places the layers itself, but {op}{_in_layer(op)} is placed on "
+            f"{placed[op.index]} with shard_op: remove the shard_op placements, or stages={stages}"
+        )
     if stages == 1:
-        return {}
+        return dict(placed)
     forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
     paths = [_path(op) for op in forward]
     stage_of = cut_stages(paths, stages, [op_seconds(graph, op, cluster) for op in forward])
-    return {op.index: mesh[stage % mesh.shape[0]] for op, stage in zip(forward, stage_of)}
+    return {op.index: mesh[stage % mesh.shape[0]] for op, stage in zip(forward, stage_of)} | dict(placed)
+
+
+def _in_layer(op: Any) -> str:
+    path = path_of(op)
+    return f" (in {'/'.join(path)})" if path else ""
 
 
 def op_seconds(graph: ProgramGraph, op: Any, cluster: Cluster) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 
 from autopar.graph import VECTOR_OPS, ProgramGraph, Role
 from autopar.mesh import ProcessMesh
-from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
+from autopar.op_kinds import CONSTANT_FILLS, CONSTANT_OPS, SOURCE_OPS
 from autopar.rewrites.recompute import RANDOM_OPS, clone_reading
 
 
@@ -37,7 +37,7 @@ def constant_ops(graph: ProgramGraph) -> set[int]:
         if op.role is not Role.FORWARD or op.name in SOURCE_OPS:
             continue
         base = op.short_name.removesuffix("_")
-        if base in RANDOM_OPS or (op.short_name.endswith("_") and op.name not in CONSTANT_OPS):
+        if base in RANDOM_OPS or (op.short_name.endswith("_") and op.name not in CONSTANT_OPS + CONSTANT_FILLS):
             continue
         if not op.inputs:
             if op.name in CONSTANT_OPS:

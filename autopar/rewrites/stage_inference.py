@@ -9,6 +9,11 @@ when its inputs live on several stages, on the latest of them in pipeline order 
 ones are sent forward, as a reshard would). Ops reading only constants stay unplaced (they are
 computed on every stage reading them: :mod:`.stage_constants`); backward and optimizer ops
 follow their forward ops later (the pipeline split).
+
+Glue a model writes in its own forward, outside any layer, may read no staged value at all (a
+ViT's ``cls_token.expand((paddle.shape(x)[0], -1, -1))`` reads an unannotated parameter and
+constants): such an op runs on the stage of its readers, the earliest when several
+(:func:`reader_stages`), where the value is first needed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Mapping
 from autopar.dist_attr import DistAttr
 from autopar.graph import VECTOR_OPS, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.rewrites.stage_constants import constant_ops
 
 
 def stage_meshes(mesh: ProcessMesh) -> list[ProcessMesh]:
@@ -55,4 +61,27 @@ def infer_stages(
             for key in op.outputs:
                 if key is not None:
                     where.setdefault(key, mesh_of_op)
+    return out
+
+
+def reader_stages(graph: ProgramGraph, placed: Mapping[int, ProcessMesh]) -> dict[int, ProcessMesh]:
+    """``placed`` plus, for each unplaced forward op that is not built from constants alone (those
+    are copied to every stage reading them), the stage mesh of its readers — the earliest in
+    program order when several — found from the last op back, so a chain of such ops
+    (parameter -> expand -> concat) takes the stage of the placed op at its end."""
+    out = dict(placed)
+    first_seen: dict[ProcessMesh, int] = {}
+    for op in graph.ops:
+        if op.role is Role.FORWARD and op.index in out:
+            first_seen.setdefault(out[op.index], op.index)
+    constants = constant_ops(graph)
+    for op in reversed(graph.ops):
+        if op.role is not Role.FORWARD or op.index in out or op.index in constants or op.name in VECTOR_OPS:
+            continue
+        readers = {
+            out[user] for key in op.outputs if key is not None for user in graph.values[key].users
+            if user in out and graph.ops[user].role is Role.FORWARD and out[user] in first_seen
+        }  # fmt: skip
+        if readers:
+            out[op.index] = min(readers, key=first_seen.__getitem__)
     return out

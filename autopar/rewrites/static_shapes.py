@@ -90,7 +90,11 @@ def _resolve_unknown_dims(program: Any, sizes: list[int]) -> None:
             for guess in itertools.product(sizes, repeat=len(unknown)):
                 for i, size in zip(unknown, guess):
                     shape[i] = size
-                if symbolic.is_equal(list(shape)):
+                try:
+                    equal = symbolic.is_equal(list(shape))
+                except ValueError:  # a data-dependent size (masked_select's count): no static size fits
+                    break
+                if equal:
                     matches.append(list(shape))
         if len(matches) == 1:
             value.set_type(paddle.pir.create_shaped_type(value.type(), matches[0]))

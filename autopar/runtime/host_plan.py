@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
+from autopar.op_kinds import CONSTANT_FILLS, CONSTANT_OPS, SOURCE_OPS
 from autopar.rank_plan import RankPlan
 from autopar.runtime.jobs import CollectiveCall, Job, Segment
 from autopar.schedule import UPDATE
@@ -56,10 +56,6 @@ def _scope_name(op: Any, position: int, result: int, prefix: str = "autopar") ->
     if name == "pd_op.data" and attrs.get("persistable", [False])[0]:
         return str(attrs["name"])
     return f"{prefix}.v{position}.{result}"
-
-
-# ops that fill a constant in place (``paddle.to_tensor`` in a static program: full + assign_value_)
-CONSTANT_FILLS = ("pd_op.assign_value_", "pd_op.assign_value")
 
 
 def _is_source(op: Any) -> bool:

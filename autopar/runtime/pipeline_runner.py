@@ -205,8 +205,9 @@ class PipelineRunner(RankRunner):
         ]
 
     def _adder(self, micro_batch: int, stage: int) -> Any:
-        """A program adding micro-batch ``micro_batch``'s gradients of ``stage`` into micro-batch
-        0's in the scope (no copy through numpy); built on first use, when they exist."""
+        """A program adding micro-batch ``micro_batch``'s values of ``stage`` that the update reads
+        (gradients; a masked mean's sum and count, made in the forward) into micro-batch 0's in
+        the scope (no copy through numpy); built on first use, when they exist."""
         import paddle
 
         found = self.adders.get((micro_batch, stage))
@@ -217,7 +218,7 @@ class PipelineRunner(RankRunner):
         with paddle.static.program_guard(program):
             for j, total in enumerate(first.accumulated):
                 phase = first.accumulated_phases[j]
-                if phase.kind not in (B, I, W) or phase.stage != stage:
+                if phase.kind not in (F, B, I, W) or phase.stage != stage:  # (F: a masked mean's sum and count)
                     continue
                 tensor = self.scope.find_var(total).get_tensor()
                 shape, dtype = list(tensor.shape()), str(np.array(tensor).dtype)
