@@ -60,7 +60,9 @@ class MicroBatching:
         """Whether ``key`` is a partial sum over the micro-batches (add the pieces)."""
         return self.placements[key].partial_dims.get(0) == "sum"
 
-    def moved(self, positions: Sequence[int | None], copies: Mapping[int, int], graph: ProgramGraph) -> tuple[MicroBatching, ProgramGraph]:
+    def moved(
+        self, positions: Sequence[int | None], copies: Mapping[int, int], graph: ProgramGraph
+    ) -> tuple[MicroBatching, ProgramGraph]:
         """This analysis for a rewrite of its program (recompute's clones), and ``graph`` with
         one micro-batch's shapes for the new ops: op ``i`` is now op ``positions[i]``, a copy
         (``copies``: new op -> the op it copies) is placed and scaled as that op. Another new op
@@ -163,12 +165,16 @@ def recounted(micro: MicroBatching, graph: ProgramGraph, count: int) -> tuple[Mi
     return MicroBatching(count, placements, scales, micro.feeds, micro.whole_reads), _shrunk(graph, placements)
 
 
-def _placed_by_rule(graph: ProgramGraph, op: OpNode, mesh: ProcessMesh, placements: Mapping[ValueKey, DistAttr]) -> dict[ValueKey, DistAttr]:
+def _placed_by_rule(
+    graph: ProgramGraph, op: OpNode, mesh: ProcessMesh, placements: Mapping[ValueKey, DistAttr]
+) -> dict[ValueKey, DistAttr]:
     """The placements of ``op``'s results over the micro_batch ``mesh`` that its rule infers
     from its inputs' (an input not placed, a constant, is whole on every micro-batch)."""
     rule = get_rule(op.name)
     if rule is None:
-        raise AutoparError(f"micro-batching: {op}, recomputed by Strategy.recompute, copies no op of the program and has no SPMD rule")
+        raise AutoparError(
+            f"micro-batching: {op}, recomputed by Strategy.recompute, copies no op of the program and has no SPMD rule"
+        )
 
     def spec(key: ValueKey, dist: DistAttr | None) -> TensorSpec:
         value = graph.values[key]
