@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.errors import AutoparError
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import replace_uses
 from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
@@ -89,6 +90,11 @@ def _slice(state: CompileState, rp: RankProgram, op: Any, micro_batch: list[Any]
     if dim is not None:  # this micro-batch's block of the step's mask: rows [k * n, (k + 1) * n) of dim ``dim``
         if not micro_batch:
             micro_batch.append(paddle._pir_ops.data(MICRO_BATCH_FEED, [1], paddle.int64, paddle.CPUPlace()))
+        if drawn[dim] != shape[dim] * state.micro.count:
+            raise AutoparError(
+                f"{op} (training dropout): dim {dim} of its input {value.label} {drawn} is not {state.micro.count} "
+                f"micro-batches of {shape[dim]} rows, so a micro-batch's rows of the serial mask are no block of it"
+            )
         rows = float(shape[dim])
         start = paddle._C_ops.scale(micro_batch[0], rows, 0.0, True)
         stop = paddle._C_ops.scale(micro_batch[0], rows, rows, True)
