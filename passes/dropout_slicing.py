@@ -10,10 +10,18 @@ already scaled — and multiplies its piece of the input by its box of that tens
     scaled = dropout(ones(global shape), seed, p)      # every rank: the serial mask / (1 - p)
     out    = x * scaled[box]        mask = dropout's mask[box]
 
-Drawing the whole mask costs each rank the elementwise work of the whole tensor; it moves no
-bytes (gathering the input, as before, moved the whole activation). Micro-batching cannot do
-this (its micro-batches would need different rows of one mask): :mod:`autopar.rewrites.micro_batching`
-refuses a training dropout on a split batch.
+Micro-batches are the same split along time: micro-batch ``k`` of ``m`` holds block ``k`` of
+the dim micro-batching splits (:mod:`autopar.rewrites.micro_batching`), and every micro-batch
+runs the same program. So under micro-batching the mask is drawn over the whole step's shape
+(one micro-batch's times ``m`` along that dim), block ``k`` is cut out with ``k`` read from the
+feed :data:`~autopar.rewrites.micro_batching.MICRO_BATCH_FEED` (the pipeline runner feeds each
+micro-batch its number), and then the rank's box of the micro-batch (pp x dp: its dp shard)::
+
+    scaled = dropout(ones(step shape), seed, p)[block k][box]
+
+A recomputed dropout reads the forward's kept mask (:mod:`autopar.rewrites.recompute`), which
+is this sliced one: the same elements dropped. Drawing the whole mask costs each rank (and
+each micro-batch) the elementwise work of the whole tensor; it moves no bytes.
 """
 
 from __future__ import annotations
@@ -21,20 +29,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.errors import AutoparError
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import replace_uses
+from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
 
 
 def sliced_dropouts(state: CompileState) -> list[Any]:
-    """Training dropouts whose input the propagation left split (program order)."""
+    """Training dropouts whose input the propagation left split, or micro-batching split
+    (program order)."""
     found = []
     for op in state.graph.ops:
         if op.name != "pd_op.dropout" or op.attrs.get("is_test", False) or op.index not in state.propagation.op_results:
             continue
         required = state.propagation.op_results[op.index].inputs[0]
-        if required is not None and required.sharded_mesh_dims():
+        if (required is not None and required.sharded_mesh_dims()) or _micro_dim(state, op) is not None:
             found.append(op)
     return found
+
+
+def _micro_dim(state: CompileState, op: Any) -> int | None:
+    """The dim of ``op``'s input split into micro-batches (None: not micro-batched)."""
+    if state.micro is None or op.inputs[0] not in state.micro.placements:
+        return None
+    return state.micro.split_dim(op.inputs[0])
 
 
 @dataclass(frozen=True)
@@ -46,35 +64,59 @@ class DropoutSlicing(Pass):
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
 
+        micro_batch: list[Any] = []  # the rank program's micro-batch number feed, made at its first use
         with paddle.static.program_guard(rp.program):
             for op in sliced_dropouts(state):
                 if rp.ops[op.index] is not None and rp.rank in state.propagation.op_meshes[op.index].ranks:
-                    _slice(state, rp, op)
+                    _slice(state, rp, op, micro_batch)
             paddle.pir.reset_insertion_point_to_end()
 
 
-def _slice(state: CompileState, rp: RankProgram, op: Any) -> None:
+def _slice(state: CompileState, rp: RankProgram, op: Any, micro_batch: list[Any]) -> None:
     import paddle
 
     serial = rp.ops[op.index]
     x, seed_tensor, p = (serial.operand_source(i) for i in range(3))
-    shape = list(state.graph.values[op.inputs[0]].shape)
+    value = state.graph.values[op.inputs[0]]
+    shape = list(value.shape)  # one micro-batch's (the whole step's without micro-batching)
     attrs = op.attrs
     paddle.pir.set_insertion_point(serial)
-    ones = paddle._C_ops.full(shape, 1.0, x.dtype, paddle.CPUPlace())
+    dim = _micro_dim(state, op)
+    drawn = list(value.program_shape) if dim is not None else shape
+    ones = paddle._C_ops.full(drawn, 1.0, x.dtype, paddle.CPUPlace())
     seed = seed_tensor if seed_tensor.initialized() else None
     whole = paddle._C_ops.dropout(ones, seed, p, False, attrs["mode"], attrs["seed"], attrs["fix_seed"])
-    mask = whole.get_defining_op().result(1)
+    scaled, mask = whole, whole.get_defining_op().result(1)
+    if dim is not None:  # this micro-batch's block of the step's mask: rows [k * n, (k + 1) * n) of dim ``dim``
+        if not micro_batch:
+            micro_batch.append(paddle._pir_ops.data(MICRO_BATCH_FEED, [1], paddle.int64, paddle.CPUPlace()))
+        if drawn[dim] != shape[dim] * state.micro.count:
+            raise AutoparError(
+                f"{op} (training dropout): dim {dim} of its input {value.label} {drawn} is not {state.micro.count} "
+                f"micro-batches of {shape[dim]} rows, so a micro-batch's rows of the serial mask are no block of it"
+            )
+        rows = float(shape[dim])
+        start = paddle._C_ops.scale(micro_batch[0], rows, 0.0, True)
+        stop = paddle._C_ops.scale(micro_batch[0], rows, rows, True)
+        scaled, mask = (_shaped(paddle._C_ops.slice(t, [dim], start, stop, [-1], []), shape) for t in (scaled, mask))
     box = state.propagation.op_results[op.index].inputs[0].local_slices(shape, rp.rank)
     axes = [t for t, s in enumerate(box) if (s.start, s.stop) != (0, shape[t])]
-    starts, ends = [box[t].start for t in axes], [box[t].stop for t in axes]
-    scaled = paddle._C_ops.slice(whole, axes, starts, ends, [1] * len(axes), [])
-    local_mask = paddle._C_ops.slice(mask, axes, starts, ends, [1] * len(axes), [])
+    if axes:
+        starts, ends = [box[t].start for t in axes], [box[t].stop for t in axes]
+        scaled, mask = (paddle._C_ops.slice(t, axes, starts, ends, [1] * len(axes), []) for t in (scaled, mask))
     out = paddle._C_ops.multiply(x, scaled)
-    for old, new in ((serial.result(0), out), (serial.result(1), local_mask)):
+    for old, new in ((serial.result(0), out), (serial.result(1), mask)):
         replace_uses(old, new)
     rp.replaced[op.outputs[0]] = out
     if op.outputs[1] is not None:
-        rp.replaced[op.outputs[1]] = local_mask
+        rp.replaced[op.outputs[1]] = mask
     rp.ops[op.index] = whole.get_defining_op()
     serial.erase()
+
+
+def _shaped(value: Any, shape: list[int]) -> Any:
+    """``value`` typed with ``shape`` (a slice at fed offsets leaves the dim unknown)."""
+    import paddle
+
+    value.set_type(paddle.pir.create_shaped_type(value.type(), shape))
+    return value

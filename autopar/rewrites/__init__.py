@@ -202,7 +202,7 @@ class Recompute(Rewrite):
         moved = work.moved(rewrite.program, rewrite.positions, recomputes=rewrite.clones, copies=rewrite.copies)
         micro = work.micro
         if micro is not None:  # the clones run on the micro-batch the ops they copy run on (and are seen so)
-            micro = micro.moved(rewrite.positions, rewrite.copies, moved["graph"])
+            micro, moved["graph"] = micro.moved(rewrite.positions, rewrite.copies, moved["graph"])
         return work.reported(self, str(rewrite).splitlines()[0], recompute=rewrite, micro=micro, **moved)
 
 

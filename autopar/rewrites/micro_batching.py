@@ -17,7 +17,9 @@ reads off:
 
 An op that needs a value whole over the batch before the optimizer (batch statistics, a
 reshape folding the batch into another dim) cannot run one micro-batch at a time: refused
-by name.
+by name. A training dropout can: each micro-batch applies its rows of the serial whole-batch
+mask (:mod:`autopar.passes.dropout_slicing` draws it and picks them by the micro-batch's
+number, fed as :data:`MICRO_BATCH_FEED`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from autopar.spmd.batch_norm import split_statistics
 from autopar.spmd.vocab_parallel import split_row
 
 SHAPE_ATTR_OPS = ("pd_op.reshape", "pd_op.reshape_", "pd_op.full", "pd_op.expand")
+# the feed holding the number of the micro-batch a pipelined program runs (int64, shape [1]): the
+# runner feeds it per micro-batch; a training dropout picks that micro-batch's rows of its mask
+MICRO_BATCH_FEED = "autopar.micro_batch"
 
 
 @dataclass(frozen=True)
@@ -55,21 +60,27 @@ class MicroBatching:
         """Whether ``key`` is a partial sum over the micro-batches (add the pieces)."""
         return self.placements[key].partial_dims.get(0) == "sum"
 
-    def moved(self, positions: Sequence[int | None], copies: Mapping[int, int], graph: ProgramGraph) -> MicroBatching:
-        """This analysis for a rewrite of its program (recompute's clones): op ``i`` is now
-        op ``positions[i]``, a copy (``copies``: new op -> the op it copies) is placed and
-        scaled as that op. Any other new op of ``graph`` is refused by name (a training
-        dropout's recomputed mask ops: micro-batching refuses such a dropout before)."""
+    def moved(
+        self, positions: Sequence[int | None], copies: Mapping[int, int], graph: ProgramGraph
+    ) -> tuple[MicroBatching, ProgramGraph]:
+        """This analysis for a rewrite of its program (recompute's clones), and ``graph`` with
+        one micro-batch's shapes for the new ops: op ``i`` is now op ``positions[i]``, a copy
+        (``copies``: new op -> the op it copies) is placed and scaled as that op. Another new op
+        (a training dropout recomputed from its kept mask, ``x * cast(mask) / (1 - p)``) is
+        placed as its rule says from what it reads, in program order; one without a rule is
+        refused by name."""
         from autopar.rewrites import copied_keys
 
         placements = copied_keys({(positions[i], j): d for (i, j), d in self.placements.items() if positions[i] is not None}, copies)
         scales = {positions[i]: f for i, f in self.scales.items() if positions[i] is not None}
         scales.update({new: scales[source] for new, source in copies.items() if source in scales})
+        mesh = ProcessMesh(list(range(self.count)), ["micro_batch"])
+        made: dict[ValueKey, DistAttr] = {}
         for op in graph.ops:
             if op.recomputes is not None and op.index not in copies:
-                raise AutoparError(f"micro-batching: {op}, recomputed by Strategy.recompute, copies no op of the program")
+                made.update(_placed_by_rule(graph, op, mesh, {**placements, **made}))
         reads = tuple((positions[i], slot) for i, slot in self.whole_reads if positions[i] is not None)
-        return MicroBatching(self.count, placements, scales, self.feeds, reads)
+        return MicroBatching(self.count, {**placements, **made}, scales, self.feeds, reads), _shrunk(graph, made)
 
     def split_dim(self, key: ValueKey) -> int | None:
         """The dim of ``key`` split over the micro-batches (None: not split)."""
@@ -119,14 +130,6 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
             f"micro-batching: {op}{_layer(op)} reads {value.label} as {need.need}, but one micro-batch holds {need.have}; "
             "the op needs the whole batch at once and cannot run one micro-batch at a time"
         )
-    for op in graph.ops:  # a training dropout's micro-batches would need different rows of one mask
-        required = result.op_results.get(op.index)
-        if op.name == "pd_op.dropout" and not op.attrs.get("is_test", False) and required is not None:
-            if required.inputs[0] is not None and required.inputs[0].sharded_mesh_dims():
-                raise AutoparError(
-                    f"micro-batching: {op} (training dropout) draws one mask over the whole batch; its micro-batches "
-                    "would each need different rows of it: run dropout outside the pipeline, or use one micro-batch"
-                )
     placements = {k: s.dist for k, s in result.states.items()}
     _refuse_whole_batch_normalization(graph, placements)
     scales = {op.index: _scale(graph, result.op_results[op.index], op) for op in graph.ops if op.index in result.op_results}
@@ -158,6 +161,29 @@ def recounted(micro: MicroBatching, graph: ProgramGraph, count: int) -> tuple[Mi
         if factor != 1.0:
             scales[index] = factor
     return MicroBatching(count, placements, scales, micro.feeds, micro.whole_reads), _shrunk(graph, placements)
+
+
+def _placed_by_rule(
+    graph: ProgramGraph, op: OpNode, mesh: ProcessMesh, placements: Mapping[ValueKey, DistAttr]
+) -> dict[ValueKey, DistAttr]:
+    """The placements of ``op``'s results over the micro_batch ``mesh`` that its rule infers
+    from its inputs' (an input not placed, a constant, is whole on every micro-batch)."""
+    rule = get_rule(op.name)
+    if rule is None:
+        raise AutoparError(
+            f"micro-batching: {op}, recomputed by Strategy.recompute, copies no op of the program and has no SPMD rule"
+        )
+
+    def spec(key: ValueKey, dist: DistAttr | None) -> TensorSpec:
+        value = graph.values[key]
+        return TensorSpec(value.program_shape, dist or DistAttr(mesh, [-1] * len(value.program_shape)), value.dtype)
+
+    inputs = [None if key is None else spec(key, placements.get(key)) for key in op.inputs]
+    outputs = rule.infer_forward(inputs, op.attrs, RuleContext(mesh, op_name=op.name)).outputs
+    return {
+        key: dist if dist is not None else spec(key, None).dist
+        for key, dist in zip(op.outputs, outputs) if key is not None and graph.values[key].kind != "vector"
+    }  # fmt: skip
 
 
 def _cut_whole_batch_values(graph: ProgramGraph, mesh: ProcessMesh, feeds: dict[ValueKey, DistAttr]) -> PropagationResult:

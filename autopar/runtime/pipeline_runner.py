@@ -30,6 +30,7 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.errors import AutoparError
 from autopar.rank_plan import RankPlan, ValueKey
+from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
 from autopar.rewrites.whole_feeds import WHOLE_BATCH
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
@@ -135,7 +136,8 @@ class PipelineRunner(RankRunner):
 
     # ---- feeds ------------------------------------------------------------------------
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
-        """Cut each global feed into the micro-batches, then each into this rank's piece."""
+        """Cut each global feed into the micro-batches, then each into this rank's piece; each
+        micro-batch is also fed its number where the program reads it (``MICRO_BATCH_FEED``)."""
         if self.plan.learning_rate is not None:
             self.plan.learning_rate.write(self.scope, self.place)
         count = self.role.micro_batches
@@ -162,6 +164,9 @@ class PipelineRunner(RankRunner):
                 for k in range(count):
                     micro[k][name] = np.asarray(feed[base])
         self.micro_feeds = [self.plan.local_feeds(m) for m in micro]
+        if MICRO_BATCH_FEED in self.plan.program_feeds:  # its number (a training dropout picks its rows of the mask)
+            for k, feeds in enumerate(self.micro_feeds):
+                feeds[MICRO_BATCH_FEED] = np.array([k], dtype="int64")
         self.feeds = self.micro_feeds[-1]
         self.position = 0
         self.pieces, self.by_micro_batch = {}, {}

@@ -9,7 +9,8 @@ drops. The kernel draws its mask from a seeded generator over the *local* shape:
 holding different rows would both draw the serial mask's first rows. So a training dropout on
 a split input is rewritten per rank (:mod:`autopar.passes.dropout_slicing`): each rank draws
 the mask over the serial shape with the op's seed and applies its own box of it — no
-communication. Without a fixed seed (``fix_seed`` false: ``program.random_seed`` unset) ranks
+communication; under micro-batching each micro-batch applies its rows of the whole step's
+mask the same way. Without a fixed seed (``fix_seed`` false: ``program.random_seed`` unset) ranks
 would draw different masks; that is refused, naming the op, rather than silently diverging.
 dropout_grad multiplies out_grad by the mask: elementwise, linear in out_grad.
 """

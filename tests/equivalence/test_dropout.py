@@ -1,13 +1,13 @@
 """Training dropout on a split input: each rank applies exactly its slice of the serial mask and
 nothing moves (issue 10). Equal to serial after 3 steps (rtol 1e-5) under dp=2 and mp=2, with
-exactly the collectives of the same program without dropout; refused under micro-batching."""
+exactly the collectives of the same program without dropout; and under micro-batching (each
+micro-batch its rows of the serial mask; the zoo's models: test_dropout_micro_batches.py)."""
 
 import numpy as np
 import paddle
 import pytest
 
 import autopar
-from autopar.errors import AutoparError
 from autopar.testing.serial import random_feeds, run_serial
 
 
@@ -60,9 +60,17 @@ def test_dropout_on_a_split_input_moves_nothing_and_equals_serial(mode):
         np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_training_dropout_is_refused_under_micro_batching():
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_training_dropout_under_micro_batching_equals_serial(micro_batches):
+    """Each micro-batch applies its rows of the serial mask (was refused: issue 35, item 8)."""
     mesh = autopar.ProcessMesh([0, 1], ["pp"])
-    main, startup, _, _, _ = _program(True, mesh, staged=True)
-    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
-    with pytest.raises(AutoparError, match="micro-batching: pd_op.dropout#.* draws one mask over the whole batch"):
-        autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
+    main, startup, feeds, loss, _ = _program(True, mesh, staged=True)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches))
+    dist = autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
+    steps = random_feeds(feeds, 3, classes=10)
+    result = autopar.simulate(dist, steps, [loss])
+    serial = run_serial(main, startup, steps, [loss])
+    for want, got in zip(serial.fetches, result.fetches):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -5,7 +5,9 @@ padding mask built from the input ids, ``(1 - mask) * -10000`` added to the scor
 pooler on the first token; two heads — masked-LM (transform + decoder tied to the word
 embeddings, plus a bias) and next-sentence (on the pooled output) — and their summed losses.
 Static Paddle, layers nested as the reference nests them (``BertForPreTraining/BertModel/
-BertEncoder/BertLayer_k/...``). No dropout (p = 0 in these tests).
+BertEncoder/BertLayer_k/...``). ``Config.dropout`` > 0 trains with dropout where BERT applies it
+(after the embeddings' LayerNorm, on the attention probabilities, on the attention-output and
+output dense before their residual LayerNorms); 0 (the default) makes no dropout op.
 
 Annotated as a Paddle semi-auto user annotates it: ``dp`` splits the batch; ``mp`` splits
 query / key / value and the intermediate dense by columns, the attention-output and output
@@ -36,6 +38,7 @@ class Config:
     type_vocab_size: int = 2
     pad_token_id: int = 0
     layer_norm_eps: float = 1e-12
+    dropout: float = 0.0  # training dropout (hidden and attention probs alike), where BERT applies it
 
 
 # the feeds the model and the loss take, in order
@@ -77,6 +80,9 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
     head_dim = H // heads
     stages = stages if stages is not None else Stages(None, config.num_hidden_layers)
 
+    def drop(x: Any) -> Any:  # (no op at all when 0: programs without dropout stay as they were)
+        return F.dropout(x, config.dropout, training=True) if config.dropout else x
+
     class BertEmbeddings(nn.Layer):
         def __init__(self) -> None:
             super().__init__()
@@ -88,7 +94,7 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
         def forward(self, input_ids: Any, token_type_ids: Any) -> Any:
             position_ids = paddle.arange(input_ids.shape[1], dtype="int64").unsqueeze(0).expand(input_ids.shape)
             e = self.word_embeddings(input_ids) + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
-            return self.LayerNorm(e)
+            return drop(self.LayerNorm(e))
 
     class BertSelfAttention(nn.Layer):
         def __init__(self) -> None:
@@ -103,7 +109,7 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
 
             q, k, v = heads_of(self.query(hidden)), heads_of(self.key(hidden)), heads_of(self.value(hidden))
             scores = paddle.matmul(q, k, transpose_y=True) / math.sqrt(head_dim) + mask
-            context = paddle.matmul(F.softmax(scores, axis=-1), v).transpose([0, 2, 1, 3])
+            context = paddle.matmul(drop(F.softmax(scores, axis=-1)), v).transpose([0, 2, 1, 3])
             return context.reshape([B, S, H])
 
     class BertLayer(nn.Layer):
@@ -117,8 +123,8 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
             self.output_norm = nn.LayerNorm(H, epsilon=config.layer_norm_eps)
 
         def forward(self, hidden: Any, mask: Any) -> Any:
-            attended = self.attention_norm(self.attention_output(self.attention(hidden, mask)) + hidden)
-            return self.output_norm(self.output(F.gelu(self.intermediate(attended))) + attended)
+            attended = self.attention_norm(drop(self.attention_output(self.attention(hidden, mask))) + hidden)
+            return self.output_norm(drop(self.output(F.gelu(self.intermediate(attended)))) + attended)
 
     class BertEncoder(nn.Layer):
         def __init__(self) -> None:

@@ -3,7 +3,9 @@ position embeddings, pre-norm blocks (``ln_1``, fused ``c_attn`` q/k/v projectio
 ways, ``c_proj``; ``ln_2``, ``c_fc`` + GELU + ``c_proj``), a causal mask from a ``tril(ones)``
 buffer applied with ``masked_fill``-style ``where``, the LM head tied to the token embedding
 (``logits = h @ wte.T``), and the loss averaged over the tokens whose label is not ignored
-(``ignore_index=-100``). Static Paddle, layers nested as the reference nests them.
+(``ignore_index=-100``); ``Config.dropout`` > 0 trains with dropout where nanoGPT applies it
+(after the embeddings, on the attention probabilities, after each residual projection). Static
+Paddle, layers nested as the reference nests them.
 
 Annotated as a Paddle semi-auto user annotates it: ``dp`` splits the batch; ``mp`` splits the
 token embedding by vocabulary rows (the tied head's logits then come split by vocabulary: a
@@ -30,6 +32,7 @@ class Config:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 32
+    dropout: float = 0.0  # training dropout (nanoGPT's places: embeddings, attention probs, residual projections)
 
 
 IGNORE = -100
@@ -67,6 +70,9 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
     stages = stages if stages is not None else Stages(None, config.n_layer)
     head_dim = config.n_embd // config.n_head
 
+    def drop(x: Any) -> Any:  # (no op at all when 0: programs without dropout stay as they were)
+        return F.dropout(x, config.dropout, training=True) if config.dropout else x
+
     class CausalSelfAttention(nn.Layer):
         def __init__(self) -> None:
             super().__init__()
@@ -79,8 +85,8 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
             q, k, v = (t.reshape([B, T, config.n_head, head_dim]).transpose([0, 2, 1, 3]) for t in (q, k, v))
             att = paddle.matmul(q, k, transpose_y=True) * (1.0 / math.sqrt(head_dim))
             att = paddle.where(bias[:, :, :T, :T] == 0, paddle.full_like(att, float("-inf")), att)
-            y = paddle.matmul(F.softmax(att, axis=-1), v)
-            return self.c_proj(y.transpose([0, 2, 1, 3]).reshape([B, T, C]))
+            y = paddle.matmul(drop(F.softmax(att, axis=-1)), v)
+            return drop(self.c_proj(y.transpose([0, 2, 1, 3]).reshape([B, T, C])))
 
     class MLP(nn.Layer):
         def __init__(self) -> None:
@@ -89,7 +95,7 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
             self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
         def forward(self, x: Any) -> Any:
-            return self.c_proj(F.gelu(self.c_fc(x), approximate=True))
+            return drop(self.c_proj(F.gelu(self.c_fc(x), approximate=True)))
 
     class Block(nn.Layer):
         def __init__(self) -> None:
@@ -115,7 +121,7 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
             bias = paddle.tril(paddle.ones([config.block_size, config.block_size])).reshape(
                 [1, 1, config.block_size, config.block_size]
             )
-            x = self.wte(idx) + self.wpe(pos)
+            x = drop(self.wte(idx) + self.wpe(pos))
             where = stages.first
             for i, block in enumerate(self.h):
                 x = stages.moved(x, where, stages.of_layer(i))

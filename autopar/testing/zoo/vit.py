@@ -3,7 +3,10 @@
 class token expanded to the batch read at run time (``paddle.shape(x)[0]``) and concatenated
 with the patch tokens, a learned position embedding, pre-norm blocks with a fused ``qkv``
 projection laid out ``[3, heads, head_dim]`` (``reshape`` + ``transpose`` + ``unbind``), GELU
-MLP, a final norm and a classifier on the class token. Static Paddle, layers nested as timm
+MLP, a final norm and a classifier on the class token; ``Config.dropout`` > 0 trains with
+dropout where timm applies it (after the position embedding is added, on the attention
+probabilities and after its projection, after the MLP's activation and its second linear).
+Static Paddle, layers nested as timm
 nests them (``VisionTransformer/Block_k/Attention``).
 
 Annotated as a Paddle semi-auto user annotates it: ``dp`` splits the images and labels; ``mp``
@@ -33,6 +36,7 @@ class Config:
     depth: int = 2
     num_heads: int = 2
     mlp_ratio: float = 2.0
+    dropout: float = 0.0  # training dropout (timm's drop_rate and attn_drop_rate alike), where timm applies it
 
 
 INPUTS, LABELS = ("images",), ("labels",)  # the feeds the model and the loss take, in order
@@ -85,6 +89,9 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
     head_dim = dim // heads
     patches = (config.img_size // config.patch_size) ** 2
 
+    def drop(x: Any) -> Any:  # (no op at all when 0: programs without dropout stay as they were)
+        return F.dropout(x, config.dropout, training=True) if config.dropout else x
+
     class Attention(nn.Layer):
         def __init__(self) -> None:
             super().__init__()
@@ -94,8 +101,8 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
             B, N, C = x.shape
             qkv = self.qkv(x).reshape([B, N, 3, heads, head_dim]).transpose([2, 0, 3, 1, 4])
             q, k, v = qkv.unbind(0)
-            attn = F.softmax(paddle.matmul(q, k, transpose_y=True) * head_dim**-0.5, axis=-1)
-            return self.proj(paddle.matmul(attn, v).transpose([0, 2, 1, 3]).reshape([B, N, C]))
+            attn = drop(F.softmax(paddle.matmul(q, k, transpose_y=True) * head_dim**-0.5, axis=-1))
+            return drop(self.proj(paddle.matmul(attn, v).transpose([0, 2, 1, 3]).reshape([B, N, C])))
 
     class Mlp(nn.Layer):
         def __init__(self) -> None:
@@ -104,7 +111,7 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
             self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
         def forward(self, x: Any) -> Any:
-            return self.fc2(F.gelu(self.fc1(x)))
+            return drop(self.fc2(drop(F.gelu(self.fc1(x)))))
 
     class Block(nn.Layer):
         def __init__(self) -> None:
@@ -128,7 +135,7 @@ def network(config: Config = Config(), stages: Stages | None = None) -> Any:
         def forward(self, x: Any) -> Any:
             B = paddle.shape(x)[0]
             x = self.patch_embed(x).flatten(2).transpose([0, 2, 1])
-            x = paddle.concat([self.cls_token.expand((B, -1, -1)), x], axis=1) + self.pos_embed
+            x = drop(paddle.concat([self.cls_token.expand((B, -1, -1)), x], axis=1) + self.pos_embed)
             where = stages.first
             for i, block in enumerate(self.blocks):
                 x = stages.moved(x, where, stages.of_layer(i))
