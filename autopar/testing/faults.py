@@ -27,11 +27,12 @@ class FaultyProgram(DistributedProgram):
         self._correct, self._edit, self._faulty = dist, edit, {}
 
     def rank_plan(self, rank: int, backend: str = "host", after: str | None = None, fetches: Any = ()) -> RankPlan:
-        if backend != "host" or after is not None or fetches:
-            raise ValueError("a FaultyProgram runs its host rank plans as they are, without fetches")
-        if rank not in self._faulty:
-            self._faulty[rank] = self._edit(self._correct.rank_plan(rank))
-        return self._faulty[rank]
+        if backend != "host" or after is not None:
+            raise ValueError("a FaultyProgram runs its host rank plans as they are")
+        key = (rank, tuple(fetches))
+        if key not in self._faulty:
+            self._faulty[key] = self._edit(self._correct.rank_plan(rank, fetches=fetches))
+        return self._faulty[key]
 
 
 def _collectives(plan: RankPlan, change: Callable[[Collective], Collective]) -> RankPlan:
