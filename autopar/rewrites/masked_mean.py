@@ -37,7 +37,6 @@ from autopar.graph import UPDATE_ROLE, VECTOR_OPS, OpNode, ProgramGraph, Role, V
 from autopar.mesh import ProcessMesh
 
 
-
 @dataclass(frozen=True)
 class MaskedMean:
     """One ``mean(masked_select(x, mask))`` of the graph and its backward ops."""
@@ -84,7 +83,9 @@ def masked_means(graph: ProgramGraph) -> list[MaskedMean]:
         select_grad = _grad_reading(graph, graph.values[mean_grad.outputs[0]].users, "pd_op.masked_select_grad")
         x, mask = (graph.values[k] for k in op.inputs)
         if x.shape != mask.shape:
-            raise AutoparError(f"micro-batching: {op} selects from {x.label} {list(x.shape)} with a mask of shape {list(mask.shape)}")
+            raise AutoparError(
+                f"micro-batching: {op} selects from {x.label} {list(x.shape)} with a mask of shape {list(mask.shape)}"
+            )
         found.append(MaskedMean(op.index, mean.index, mean_grad.index, select_grad.index, seeds[0].index))
     return found
 
@@ -109,7 +110,11 @@ def deferred_means(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, Pr
     erased: set[int] = set()
     losses: dict[int, Any] = {}  # the mean's index -> the op dividing S by C
     placed: dict[int, ProcessMesh] = {}  # op id -> mesh
-    first_update = next(op.index for op in graph.ops if op.role is Role.OPTIMIZER)
+    first_update = next((op.index for op in graph.ops if op.role is Role.OPTIMIZER), None)
+    if first_update is None:
+        raise AutoparError(
+            f"micro-batching: {graph.ops[found[0].mean]} averages a masked selection, but no optimizer updates from it"
+        )
     with paddle.static.program_guard(work):
         for masked in found:
             select = raw[masked.select]
@@ -128,8 +133,13 @@ def deferred_means(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, Pr
             raw[masked.mean].result(0).replace_all_uses_with(loss)
             losses[masked.mean] = loss.get_defining_op()
             _divide_gradients(graph, raw, count, mesh, op_meshes, placed)
-            erased |= {masked.select_grad, masked.mean_grad, masked.seed, masked.mean, masked.select}
-    # (the seed's and the mean's constants stay, unread)
+            erased |= {
+                masked.select_grad,
+                masked.mean_grad,
+                masked.seed,
+                masked.mean,
+                masked.select,
+            }  # (their constants stay, unread)
         paddle.pir.reset_insertion_point_to_end()
     for index in sorted(erased, reverse=True):
         raw[index].erase()
@@ -159,7 +169,9 @@ def _divide_gradients(
                 continue
             if key not in divided:
                 producer = graph.ops[key[0]]
-                where = op_meshes.get(producer.forward_op) if producer.forward_op is not None else op_meshes.get(op.index)
+                where = (
+                    op_meshes.get(producer.forward_op) if producer.forward_op is not None else op_meshes.get(op.index)
+                )
                 if where not in counts:
                     counts[where] = paddle._C_ops.assign(count)
                     _mark_update(counts[where])

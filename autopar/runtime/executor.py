@@ -26,7 +26,6 @@ from autopar.rank_plan import RankPlan
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import checksum, digest, first_mismatch, generator_state, use_generator_state
 
-
 CHECK_EVERY = 100  # steps between comparisons of the replicated copies (and the first step)
 
 

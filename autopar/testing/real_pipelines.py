@@ -52,7 +52,9 @@ class Config:
     random_seed: int | None = 11
 
 
-def build(config: Config = Config(), batch: int = 4, seq: int = 6, mesh: Any = None, staged: bool = True) -> SeedProgram:
+def build(
+    config: Config = Config(), batch: int = 4, seq: int = 6, mesh: Any = None, staged: bool = True
+) -> SeedProgram:
     """The training program; annotated for ``mesh`` (None: serial). ``staged=False``: the
     layers are left unannotated (the stage cut is ``PipelineConfig(stages=n)``'s)."""
     import paddle
@@ -85,7 +87,10 @@ def build(config: Config = Config(), batch: int = 4, seq: int = 6, mesh: Any = N
             super().__init__()
             self.norm1, self.attn = nn.LayerNorm(config.hidden), Attention()
             self.norm2 = nn.LayerNorm(config.hidden)
-            self.up, self.down = nn.Linear(config.hidden, 2 * config.hidden), nn.Linear(2 * config.hidden, config.hidden)
+            self.up, self.down = (
+                nn.Linear(config.hidden, 2 * config.hidden),
+                nn.Linear(2 * config.hidden, config.hidden),
+            )
 
         def forward(self, x: Any, mask: Any) -> Any:
             x = x + self.attn(self.norm1(x), mask)
@@ -99,7 +104,9 @@ def build(config: Config = Config(), batch: int = 4, seq: int = 6, mesh: Any = N
             super().__init__()
             self.embed = nn.Embedding(config.vocab, config.hidden)
             if config.cls_token:
-                self.cls_token = self.create_parameter([1, 1, config.hidden], default_initializer=nn.initializer.Normal(std=0.02))
+                self.cls_token = self.create_parameter(
+                    [1, 1, config.hidden], default_initializer=nn.initializer.Normal(std=0.02)
+                )
             self.layers = nn.LayerList([Layer() for _ in range(config.layers)])
             self.norm = nn.LayerNorm(config.hidden)
             self.head = nn.Linear(config.hidden, config.vocab, bias_attr=False)

@@ -21,7 +21,9 @@ BATCH = 8  # (pp x dp with 4 micro-batches: one row per rank)
 def _equals_serial(config, mesh=PP, micro_batches=2, schedule="1F1B", staged=True, stages=None, **strategy):
     seed = rp.build(config, batch=BATCH, seq=6, mesh=mesh, staged=staged)
     pipeline = autopar.PipelineConfig(micro_batches=micro_batches, schedule=schedule, stages=stages)
-    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=pipeline, **strategy))
+    dist = autopar.compile(
+        seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=pipeline, **strategy)
+    )
     assert_simulation_equals_serial(seed, dist, feeds=rp.feeds(config, BATCH, 6, 3))
     return seed, dist
 
@@ -80,7 +82,9 @@ def test_a_masked_mean_that_is_not_the_loss_is_refused_by_name():
         loss = paddle.mean(paddle.masked_select(y, y > 0)) + 0.1 * paddle.mean(y)
         paddle.optimizer.SGD(0.1).minimize(loss)
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
-    with pytest.raises(autopar.AutoparError, match=r"pd_op.mean#\d+ averages .* only a masked mean that is the step's loss"):
+    with pytest.raises(
+        autopar.AutoparError, match=r"pd_op.mean#\d+ averages .* only a masked mean that is the step's loss"
+    ):
         autopar.compile(main, PP, startup_program=startup, strategy=strategy)
 
 
@@ -89,7 +93,9 @@ def test_a_masked_mean_that_is_not_the_loss_is_refused_by_name():
 def test_causal_mask_from_python_scalars(micro_batches, schedule):
     """Item 2: ``paddle.where(causal, 0.0, paddle.finfo(dtype).min)`` (each scalar a ``full`` +
     in-place ``assign_value_``) is a constant: computed on every stage reading it, never sent."""
-    _, dist = _equals_serial(rp.Config(mask="scalars", criterion="sum_count"), micro_batches=micro_batches, schedule=schedule)
+    _, dist = _equals_serial(
+        rp.Config(mask="scalars", criterion="sum_count"), micro_batches=micro_batches, schedule=schedule
+    )
     sent = [c for r in PP.ranks for c in dist.comm_ops(r) if c.kind.value == "send"]
     assert all(c.bytes != 4 * 6 * 6 for c in sent), [str(c) for c in sent]  # (the [1, 1, 6, 6] mask is not sent)
 
@@ -124,7 +130,9 @@ def test_a_value_split_over_the_pipeline_dim_off_its_stage_is_refused_before_pro
         loss = autopar.shard_op(lambda t: paddle.nn.Linear(6, 1)(t).mean(), PP[1])(h)
         paddle.optimizer.SGD(0.1).minimize(loss)
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
-    with pytest.raises(AnnotationError, match=r"is made by pd_op.add#\d+ on mesh\(pp=1\)\[0\] but annotated on mesh\(pp=2\)"):
+    with pytest.raises(
+        AnnotationError, match=r"is made by pd_op.add#\d+ on mesh\(pp=1\)\[0\] but annotated on mesh\(pp=2\)"
+    ):
         autopar.compile(main, PP, startup_program=startup, strategy=strategy)
 
 
@@ -133,7 +141,9 @@ def test_a_value_split_over_the_pipeline_dim_off_its_stage_is_refused_before_pro
 def test_automatic_cut_keeps_the_users_reshards(schedule, micro_batches):
     """Item 4: ``PipelineConfig(stages=2)`` on a program whose residual stream the user moves
     with ``autopar.reshard`` (was refused naming shard_op, which the user never wrote)."""
-    _equals_serial(rp.Config(criterion="sum_count"), staged=False, stages=2, micro_batches=micro_batches, schedule=schedule)
+    _equals_serial(
+        rp.Config(criterion="sum_count"), staged=False, stages=2, micro_batches=micro_batches, schedule=schedule
+    )
 
 
 @pytest.mark.parametrize("mesh", ["pp x dp", "pp x mp"])
@@ -152,7 +162,9 @@ def test_automatic_cut_names_a_shard_op_the_user_wrote():
         loss = paddle.nn.Linear(6, 1)(h).mean()
         paddle.optimizer.SGD(0.1).minimize(loss)
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
-    with pytest.raises(AnnotationError, match=r"pd_op.matmul#\d+ \(in Linear\) is placed on mesh\(pp=1\)\[0\] with shard_op"):
+    with pytest.raises(
+        AnnotationError, match=r"pd_op.matmul#\d+ \(in Linear\) is placed on mesh\(pp=1\)\[0\] with shard_op"
+    ):
         autopar.compile(main, PP, startup_program=startup, strategy=strategy)
 
 
@@ -161,7 +173,9 @@ def test_automatic_cut_names_a_shard_op_the_user_wrote():
 def test_class_token_glue_outside_any_layer(micro_batches, schedule):
     """Item 5: ``cls_token.expand((paddle.shape(x)[0], -1, -1))`` in the model's own forward,
     from an unannotated parameter, takes the stage of its reader (stage 0)."""
-    seed, dist = _equals_serial(rp.Config(criterion="sum_count", cls_token=True), micro_batches=micro_batches, schedule=schedule)
+    seed, dist = _equals_serial(
+        rp.Config(criterion="sum_count", cls_token=True), micro_batches=micro_batches, schedule=schedule
+    )
     assert dist.dist_attr(seed.layers["model"].cls_token.name).mesh == PP[0]
 
 
