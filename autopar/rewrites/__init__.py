@@ -35,6 +35,7 @@ from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants
 from autopar.rewrites.stage_inference import infer_stages, on_stages
+from autopar.rewrites.stage_norms import stage_norms
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
 from autopar.shared_parameters import owner_meshes, reader_meshes
@@ -186,6 +187,21 @@ class PipelineStages(Rewrite):
 
 
 @dataclass(frozen=True)
+class StageNorms(Rewrite):
+    """Global-norm clipping's squared norms added on each pipeline stage before they are
+    stacked (:mod:`.stage_norms`): one transfer per stage pair and step, not one per parameter."""
+
+    name: ClassVar[str] = "stage_norms"
+
+    def apply(self, work: Analysed) -> Analysed:
+        staged = stage_norms(work.program, work.graph, work.op_meshes)
+        if staged is None:
+            return work.reported(self, "no clip norm crosses stages")
+        moved = work.moved(staged.program, staged.positions)
+        return work.reported(self, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
+
+
+@dataclass(frozen=True)
 class Recompute(Rewrite):
     """Selective recompute (:mod:`.recompute`): a clone of the program with the selected ops
     cloned into the backward; annotations and op meshes follow the ops to their new indices."""
@@ -270,7 +286,7 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     found: list[Rewrite] = [ShapeReads()]
     pipeline = strategy.pipeline
     if pipeline is not None:
-        found.append(PipelineStages(pipeline.stages))
+        found += [PipelineStages(pipeline.stages), StageNorms()]
     if strategy.local_batch_norm:
         found.append(LocalBatchNorm())
     if pipeline is not None and pipeline.micro_batches > 1:
