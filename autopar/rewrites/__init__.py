@@ -27,6 +27,8 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.annotate import annotations_of
+from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
@@ -98,6 +100,7 @@ class Analysed:
         op it copies, are seen as that op), and the annotations and op meshes at their new indices."""
         graph = ProgramGraph(program, recomputes=recomputes)
         old = self.graph
+        graph.removed.update(old.removed)
         ops = {op.op_id: op.index for op in old.ops} | old.op_aliases
         graph.alias(
             {vid: (positions[i], j) for vid, (i, j) in old._by_impl.items() if positions[i] is not None},
@@ -137,6 +140,22 @@ class Rewrite:
     def __str__(self) -> str:
         fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
         return f"{self.name}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+
+
+@dataclass(frozen=True)
+class DeadOpRemoval(Rewrite):
+    """Ops whose results nothing reads removed from a clone (:mod:`.dead_ops`), except the
+    values ``autopar.keep`` names: they neither block micro-batching nor get collectives."""
+
+    name: ClassVar[str] = "dead_ops"
+
+    def apply(self, work: Analysed) -> Analysed:
+        pruned = dead_ops(work.program, work.graph, frozenset(annotations_of(work.program).keep))
+        if pruned is None:
+            return work.reported(self, "no dead op")
+        moved = work.moved(pruned.program, pruned.positions)
+        moved["graph"].removed.update(pruned.values)
+        return work.reported(self, str(pruned), **moved)
 
 
 @dataclass(frozen=True)
@@ -283,7 +302,7 @@ class SequenceParallel(Rewrite):
 
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The rewrites ``strategy`` declares, in the order they run."""
-    found: list[Rewrite] = [ShapeReads()]
+    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads()]
     pipeline = strategy.pipeline
     if pipeline is not None:
         found += [PipelineStages(pipeline.stages), StageNorms()]
