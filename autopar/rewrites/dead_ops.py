@@ -17,8 +17,10 @@ user fetches), every backward and optimizer op, a forward op a grad op different
 loss: its gradient seed may read nothing of it), sources (parameters, feeds), in-place ops,
 ops with persistable results, no results or sub-blocks (side effects: print, shadow_output,
 collectives, control flow), and random ops (removing one would shift the random stream every
-later random op draws from). An op is live when one of these reads one of its results; a
-PIR block lists producers before readers, so one pass from the end reaches the fixed point.
+later random op draws from). An op is live when one of these, or an op inside a sub-block,
+reads one of its results; a PIR block lists producers before readers, so one pass from the
+end reaches the fixed point (removing a dead op has already made its inputs' producers dead).
+An annotation on a removed value goes with it.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def live_ops(program: Any, graph: ProgramGraph, keep: frozenset[str] = frozenset
     if all(op.role is Role.FORWARD for op in graph.ops):
         return [True] * len(ops)
     differentiated = {op.forward_op for op in graph.ops if op.forward_op is not None}
+    outer = {op.id() for op in ops}  # a reader not among them is inside a sub-block: live
     live = [False] * len(ops)
     live_ids: set[int] = set()  # op ids of live ops
     for index in reversed(range(len(ops))):
@@ -70,7 +73,7 @@ def live_ops(program: Any, graph: ProgramGraph, keep: frozenset[str] = frozenset
         live[index] = (
             graph.ops[index].role is not Role.FORWARD or index in differentiated or _has_effects(op, results)
             or any(r.id in keep for r in results)
-            or any(user.id() in live_ids for r in results for user in r.all_used_ops())
+            or any(user.id() in live_ids or user.id() not in outer for r in results for user in r.all_used_ops())
         )  # fmt: skip
         if live[index]:
             live_ids.add(op.id())
