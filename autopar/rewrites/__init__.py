@@ -22,12 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from autopar.annotate import annotations_of
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
-from autopar.annotate import annotations_of
 from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view

@@ -34,7 +34,9 @@ from autopar.graph import ProgramGraph, Role
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.rewrites.recompute import RANDOM_OPS
 
-SIDE_EFFECT_OPS = frozenset({"print", "barrier", "send_v2", "recv_v2", "p_send", "p_recv", "all_reduce", "all_gather", "broadcast"})
+SIDE_EFFECT_OPS = frozenset(
+    {"print", "barrier", "send_v2", "recv_v2", "p_send", "p_recv", "all_reduce", "all_gather", "broadcast"}
+)
 SHOWN = 6  # removed ops named in the one-line report
 
 
@@ -49,7 +51,10 @@ class Pruned:
 
     def __str__(self) -> str:
         named = [op for op in self.removed if op.split("#")[0] not in CONSTANT_OPS]  # (their constants go with them)
-        shown = ", ".join(named[:SHOWN]) + (f", +{len(named) - SHOWN} more" if len(named) > SHOWN else "") or "none but constants"
+        shown = (
+            ", ".join(named[:SHOWN]) + (f", +{len(named) - SHOWN} more" if len(named) > SHOWN else "")
+            or "none but constants"
+        )
         constants = len(self.removed) - len(named)
         return (
             f"dead ops removed before analysis (nothing reads their results): {shown}"

@@ -55,12 +55,18 @@ def norm_stages(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> di
     return found
 
 
-def _plans(graph: ProgramGraph, stages: Mapping[int, ProcessMesh]) -> dict[int, list[tuple[ProcessMesh | None, list[int]]]]:
+def _plans(
+    graph: ProgramGraph, stages: Mapping[int, ProcessMesh]
+) -> dict[int, list[tuple[ProcessMesh | None, list[int]]]]:
     """Per stack of squared norms spanning several stages: its operand positions grouped by
     stage, in order of first appearance (None: a norm of unknown stage, alone)."""
     plans = {}
     for op in graph.ops:
-        if op.name != "pd_op.stack" or not op.inputs or any(k is None or graph.ops[k[0]].name not in NORM_OPS for k in op.inputs):
+        if (
+            op.name != "pd_op.stack"
+            or not op.inputs
+            or any(k is None or graph.ops[k[0]].name not in NORM_OPS for k in op.inputs)
+        ):
             continue
         groups: dict[Any, list[int]] = {}
         for slot, key in enumerate(op.inputs):

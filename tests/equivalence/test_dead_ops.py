@@ -44,7 +44,9 @@ def routed(mesh: autopar.ProcessMesh, keep_stat: bool = False) -> tuple[SeedProg
             autopar.keep(stats[0])
         loss = autopar.shard_op(lambda t: paddle.mean(F.cross_entropy(head(t), label)), mesh[1])(h)
         paddle.optimizer.Momentum(0.1, momentum=0.9).minimize(loss)
-    return SeedProgram(main, startup, {"x": x, "label": label}, loss, {"hidden": hidden, "router": router, "head": head}), stats[0]
+    return SeedProgram(
+        main, startup, {"x": x, "label": label}, loss, {"hidden": hidden, "router": router, "head": head}
+    ), stats[0]
 
 
 def _pipeline(micro_batches: int, schedule: str = "1F1B") -> autopar.Strategy:
@@ -61,7 +63,9 @@ def test_a_dead_router_statistic_does_not_block_micro_batching(schedule, micro_b
     removed = dict(dist.decisions.rewrites())["dead_ops"]
     assert "pd_op.max#" in removed and "pd_op.mean#" in removed, removed
     assert_simulation_equals_serial(seed, dist)
-    with pytest.raises(AutoparError, match=r"was removed as dead before analysis: nothing in the program reads it.*autopar.keep"):
+    with pytest.raises(
+        AutoparError, match=r"was removed as dead before analysis: nothing in the program reads it.*autopar.keep"
+    ):
         autopar.simulate(dist, random_feeds(seed.feeds, 1), [stat])
 
 

@@ -40,7 +40,9 @@ def _seed(mesh: autopar.ProcessMesh):
 def _global_norms(seed, feeds) -> list[float]:
     """The serial program's global gradient norm (the clip's ``sqrt``) at each step."""
     norm = next(op for op in seed.main.global_block().ops if op.name() == "pd_op.sqrt").result(0)
-    return [float(np.asarray(step[0]).reshape(-1)[0]) for step in run_serial(seed.main, seed.startup, feeds, [norm]).fetches]
+    return [
+        float(np.asarray(step[0]).reshape(-1)[0]) for step in run_serial(seed.main, seed.startup, feeds, [norm]).fetches
+    ]
 
 
 def clip_transfers(dist: autopar.DistributedProgram, rank: int) -> list[str]:
@@ -74,5 +76,10 @@ def test_every_stage_sends_one_partial_sum_on_four_stages():
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup,
                            strategy=autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2)))  # fmt: skip
     sends = {rank: sorted(t for t in clip_transfers(dist, rank) if t.startswith("send")) for rank in mesh.ranks}
-    assert sends == {0: ["send[0, 3]"], 1: ["send[1, 3]"], 2: ["send[2, 3]"], 3: ["send[3, 0]", "send[3, 1]", "send[3, 2]"]}, sends
+    assert sends == {
+        0: ["send[0, 3]"],
+        1: ["send[1, 3]"],
+        2: ["send[2, 3]"],
+        3: ["send[3, 0]", "send[3, 1]", "send[3, 2]"],
+    }, sends
     assert_simulation_equals_serial(seed, dist)
