@@ -8,7 +8,7 @@
 
 from autopar import errors
 from autopar.analysis import Analysis, analyze
-from autopar.annotate import reshard, shard_op, shard_tensor
+from autopar.annotate import keep, reshard, shard_op, shard_tensor
 from autopar.compile import compile  # noqa: A004
 from autopar.dist_attr import DistAttr
 from autopar.distributed_program import CompileReport, DistributedProgram
@@ -23,5 +23,5 @@ from autopar.suggest import Plan, price_plan, suggest
 
 __all__ = [
     "Analysis", "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement", "Plan",
-    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "price_plan", "reshard", "shard_op", "shard_tensor", "simulate", "suggest",
+    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "keep", "price_plan", "reshard", "shard_op", "shard_tensor", "simulate", "suggest",
 ]  # fmt: skip

@@ -25,6 +25,7 @@ class ProgramAnnotations:
 
     tensors: dict[str, tuple[DistAttr, str]] = field(default_factory=dict)  # value impl id -> (attr, label)
     ops: dict[int, ProcessMesh] = field(default_factory=dict)  # op id -> mesh
+    keep: set[str] = field(default_factory=set)  # value impl ids computed even if nothing reads them (autopar.keep)
 
 
 _TABLE: weakref.WeakKeyDictionary[Any, ProgramAnnotations] = weakref.WeakKeyDictionary()
@@ -209,6 +210,19 @@ def shard_op(layer_or_fn: Callable[..., Any], mesh: ProcessMesh) -> Callable[...
         return out
 
     return placed
+
+
+def keep(*values: Any) -> None:
+    """Compute each of ``values`` although nothing in the program reads it: a metric or
+    statistic you fetch (``paddle.static.accuracy``). compile removes the ops whose results
+    nothing reads before analysis (:mod:`autopar.rewrites.dead_ops`); fetching one of those
+    is refused by name."""
+    for value in values:
+        if not hasattr(value, "is_dense_tensor_type"):
+            raise AnnotationError(f"keep takes Values of a static program, got {type(value).__name__}")
+        program = program_of(value)
+        _check_current_program(program, value_label(value))
+        _record(program).keep.add(value.id)
 
 
 def reshard(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:

@@ -25,7 +25,7 @@ from autopar.graph import ProgramGraph, Role, ValueKey, once_per_graph
 
 NORM_OPS = frozenset({"squared_l2_norm", "p_norm"})
 # what global-norm clipping does between the per-gradient norms and the scale it applies
-NORM_PLUMBING = frozenset({"stack", "sum", "add_n", "add", "concat", "scale", "cast", "sqrt", "combine"})
+NORM_PLUMBING = frozenset({"stack", "sum", "add_n", "add", "concat", "scale", "cast", "sqrt", "combine", "maximum", "divide"})
 # how a clipped (or otherwise rescaled) gradient is made from the raw one
 RESCALES = frozenset({"multiply", "scale", "cast", "divide"})
 MATMULS = frozenset({"matmul", "linear", "bmm", "einsum", "fused_gemm_epilogue"})
@@ -111,9 +111,9 @@ def _unscaled(graph: ProgramGraph, key: ValueKey) -> ValueKey:
     return key
 
 
-def from_norms(graph: ProgramGraph, key: ValueKey, depth: int = 6) -> bool:
-    """Whether ``key`` is made from gradient norms (global-norm clipping's squared norms and
-    their sums) within ``depth`` ops."""
+def from_norms(graph: ProgramGraph, key: ValueKey, depth: int = 10) -> bool:
+    """Whether ``key`` is made from gradient norms (global-norm clipping's squared norms, their
+    sums and the clip factor ``clip_norm / max(sqrt(sum), clip_norm)``) within ``depth`` ops."""
     frontier, seen = [key], set()
     for _ in range(depth):
         nxt = []

@@ -223,12 +223,18 @@ def zero_lines(dist: Any) -> list[str]:
     return [f"ZeRO stage {dist.strategy.zero_stage}:", *(f"  {z}" for z in zero), ""]
 
 
+def dead_op_lines(dist: Any) -> list[str]:
+    """The ops removed before analysis because nothing reads their results (empty if none)."""
+    return [f"{text}", ""] if (text := dict(dist.decisions.rewrites()).get("dead_ops", "no dead op")) != "no dead op" else []
+
+
 def explain_text(dist: Any, target: str = "") -> str:
     lines = [
         f"autopar explain {target}".rstrip(),
         f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.decisions.graph)} serial ops",
         "",
     ]
+    lines += dead_op_lines(dist)
     lines += placement_lines(dist) + [""]
     unavailable = dist.unavailable
     if unavailable:

@@ -108,7 +108,7 @@ class DistributedProgram:
             for key, v in graph.values.items()
             if key in prop.states
         }
-        return ValueTable(graph.by_name, graph.key_of, infos)
+        return ValueTable(graph.by_name, graph.key_of, infos, graph.removed)
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).

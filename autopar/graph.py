@@ -107,6 +107,7 @@ class ProgramGraph:
         self.vectors: dict[ValueKey, list[ValueKey]] = {}  # vector value -> member tensors
         self.view_shapes: dict[ValueKey, tuple[int, ...]] = {}  # what derived views replaced (see derived)
         self.view_attrs: dict[int, dict[str, Any]] = {}
+        self.removed: dict[str, str] = {}  # id of a Value a rewrite removed as dead -> its label (autopar.rewrites.dead_ops)
         self._build(list(program.global_block().ops))
         for clone, origin in (recomputes or {}).items():
             self.ops[clone].recomputes = self.ops[clone].forward_op = origin

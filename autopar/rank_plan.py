@@ -45,10 +45,13 @@ class ValueInfo:
 class ValueTable:
     """Serial values by name or Value, as the runtime sees them (shared by every RankPlan)."""
 
-    def __init__(self, by_name: Mapping[str, ValueKey], resolve: Any, infos: Mapping[ValueKey, ValueInfo]) -> None:
+    def __init__(
+        self, by_name: Mapping[str, ValueKey], resolve: Any, infos: Mapping[ValueKey, ValueInfo], removed: Mapping[str, str] | None = None
+    ) -> None:  # fmt: skip
         self._by_name = dict(by_name)
         self._resolve = resolve  # a serial program's Value -> key (None if not of this program)
         self._infos = infos
+        self._removed = dict(removed or {})  # id of a Value removed as dead -> its label (autopar.rewrites.dead_ops)
 
     def key(self, item: Any) -> ValueKey:
         """The key of a feed / parameter / state name, or of a Value of the serial program.
@@ -69,6 +72,10 @@ class ValueTable:
                 f"expected a Value of the compiled program or the name of a feed, parameter or state, got {_describe(item)}"
             )
         key = self._resolve(item)
+        if key is None and item.id in self._removed:
+            from autopar.rewrites.dead_ops import removed_error
+
+            raise removed_error(self._removed[item.id])
         if key is None:
             raise AutoparError(
                 "a Value that is not a value of the compiled program (it belongs to another program, or to one "

@@ -22,11 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from autopar.annotate import annotations_of
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
@@ -36,6 +38,7 @@ from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants
 from autopar.rewrites.stage_inference import infer_stages, on_stages, reader_stages
+from autopar.rewrites.stage_norms import stage_norms
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
 from autopar.shared_parameters import owner_meshes, reader_meshes
@@ -98,6 +101,7 @@ class Analysed:
         op it copies, are seen as that op), and the annotations and op meshes at their new indices."""
         graph = ProgramGraph(program, recomputes=recomputes)
         old = self.graph
+        graph.removed.update(old.removed)
         ops = {op.op_id: op.index for op in old.ops} | old.op_aliases
         graph.alias(
             {vid: (positions[i], j) for vid, (i, j) in old._by_impl.items() if positions[i] is not None},
@@ -137,6 +141,22 @@ class Rewrite:
     def __str__(self) -> str:
         fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
         return f"{self.name}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+
+
+@dataclass(frozen=True)
+class DeadOpRemoval(Rewrite):
+    """Ops whose results nothing reads removed from a clone (:mod:`.dead_ops`), except the
+    values ``autopar.keep`` names: they neither block micro-batching nor get collectives."""
+
+    name: ClassVar[str] = "dead_ops"
+
+    def apply(self, work: Analysed) -> Analysed:
+        pruned = dead_ops(work.program, work.graph, frozenset(annotations_of(work.program).keep))
+        if pruned is None:
+            return work.reported(self, "no dead op")
+        moved = work.moved(pruned.program, pruned.positions)
+        moved["graph"].removed.update(pruned.values)
+        return work.reported(self, str(pruned), **moved)
 
 
 @dataclass(frozen=True)
@@ -187,6 +207,21 @@ class PipelineStages(Rewrite):
                 counts[mesh] = counts.get(mesh, 0) + 1
         text = ", ".join(f"{count} forward ops on {mesh}" for mesh, count in counts.items())
         return work.reported(self, text or "no op placed", op_meshes=op_meshes, user=user)
+
+
+@dataclass(frozen=True)
+class StageNorms(Rewrite):
+    """Global-norm clipping's squared norms added on each pipeline stage before they are
+    stacked (:mod:`.stage_norms`): one transfer per stage pair and step, not one per parameter."""
+
+    name: ClassVar[str] = "stage_norms"
+
+    def apply(self, work: Analysed) -> Analysed:
+        staged = stage_norms(work.program, work.graph, work.op_meshes)
+        if staged is None:
+            return work.reported(self, "no clip norm crosses stages")
+        moved = work.moved(staged.program, staged.positions)
+        return work.reported(self, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
 
 
 @dataclass(frozen=True)
@@ -286,10 +321,10 @@ class SequenceParallel(Rewrite):
 
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The rewrites ``strategy`` declares, in the order they run."""
-    found: list[Rewrite] = [ShapeReads()]
+    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads()]
     pipeline = strategy.pipeline
     if pipeline is not None:
-        found.append(PipelineStages(pipeline.stages))
+        found += [PipelineStages(pipeline.stages), StageNorms()]
     if strategy.local_batch_norm:
         found.append(LocalBatchNorm())
     if pipeline is not None and pipeline.micro_batches > 1:

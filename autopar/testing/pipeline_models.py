@@ -12,10 +12,12 @@ from autopar.testing.models import SeedProgram, _static, make_optimizer
 def staged_mlp(
     mesh: Any, widths: tuple[int, ...] = (16, 32, 16, 10), stages: int = 2, batch: int = 12,
     optimizer: str = "momentum", seed: int | None = 7, placement: tuple[int, ...] | None = None,
+    clip: float | None = None,
 ) -> SeedProgram:  # fmt: skip
     """The primer's SimpleNet as a pipeline: Linear layers with ReLU, cross-entropy; layer ``i``
     on ``mesh[i * stages // layers]``, or on ``mesh[placement[i]]`` (e.g. ``(0, 1, 0, 1)``:
-    two virtual stages per pipeline rank). ``seed=None``: no program.random_seed."""
+    two virtual stages per pipeline rank). ``seed=None``: no program.random_seed. ``clip``:
+    global-norm gradient clipping (``ClipGradByGlobalNorm(clip)`` given to the optimizer)."""
     import autopar
 
     paddle, main, startup = _static()
@@ -38,7 +40,10 @@ def staged_mlp(
             h = autopar.shard_op(block, mesh[where])(h)
         last = placement[-1] if placement is not None else stages - 1
         loss = autopar.shard_op(lambda o: paddle.mean(paddle.nn.functional.cross_entropy(o, label)), mesh[last])(h)
-        make_optimizer(optimizer).minimize(loss)
+        optim = make_optimizer(optimizer)
+        if clip is not None:
+            optim._grad_clip = paddle.nn.ClipGradByGlobalNorm(clip)
+        optim.minimize(loss)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, mods)
 
 

@@ -73,6 +73,7 @@ AVERAGE_SCRIPT = textwrap.dedent(
         logits = paddle.nn.Linear(10, 5)(paddle.nn.LayerNorm(10)(hidden))
         loss = paddle.nn.functional.cross_entropy(logits, y).mean()
         acc = paddle.static.accuracy(paddle.nn.functional.softmax(logits), y)
+        autopar.keep(acc)  # fetched, read by nothing
         paddle.optimizer.Momentum(0.05, momentum=0.8).minimize(loss)
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     autopar.shard_tensor(x, mesh, ["dp", None])

@@ -267,7 +267,8 @@ def test_unknown_strategy_fields_are_named():
 def test_auto_picks_host_where_the_native_program_cannot_gather():
     """Batch 5 on dp=2 with an accuracy: the label is gathered unevenly (3 + 2 rows). The native
     plan is refused naming the op that needs it; 'auto' (the default) picks host instead of
-    failing — it picked native because every collective spans the world."""
+    failing — it picked native because every collective spans the world. (The accuracy is kept
+    for fetching: nothing reads it.)"""
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
     with paddle.static.program_guard(main, startup):
@@ -275,7 +276,7 @@ def test_auto_picks_host_where_the_native_program_cannot_gather():
         y = paddle.static.data("y", [5, 1], "int64")
         logits = paddle.nn.Linear(10, 7)(x)
         loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, y))
-        paddle.static.accuracy(paddle.nn.functional.softmax(logits), y)
+        autopar.keep(paddle.static.accuracy(paddle.nn.functional.softmax(logits), y))
         paddle.optimizer.SGD(0.1).minimize(loss)
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     autopar.shard_tensor(x, mesh, ["dp", None])
