@@ -14,7 +14,8 @@ build exactly the form it checks:
   ``"sum_count"`` (``sum(loss * valid) / sum(valid)``).
 - ``cls_token``: a ViT-style class token prepended in the model's own forward, outside any
   layer (``cls_token.expand((paddle.shape(x)[0], -1, -1))``), from an unannotated parameter.
-- ``dead_statistic``: a router-style statistic computed in a layer and never read.
+- ``dead_statistic``: a router-style statistic over the whole batch, computed in a layer and never
+  read (kept, it would need the whole batch in every micro-batch).
 - ``clip``: ``ClipGradByGlobalNorm(clip)`` on the optimizer.
 
 Annotated the Paddle way on a mesh with a ``pp`` dim: layer ``i``'s parameters on
@@ -96,7 +97,7 @@ def build(
             x = x + self.attn(self.norm1(x), mask)
             h = F.gelu(self.up(self.norm2(x)))
             if config.dead_statistic:  # a router statistic nobody reads
-                self.load = paddle.mean(paddle.max(F.softmax(h, axis=-1), axis=-1))
+                self.load = paddle.mean(paddle.max(F.softmax(h, axis=-1), axis=0))  # (over the batch)
             return x + self.down(h)
 
     class Decoder(nn.Layer):

@@ -163,7 +163,7 @@ def test_automatic_cut_names_a_shard_op_the_user_wrote():
         paddle.optimizer.SGD(0.1).minimize(loss)
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
     with pytest.raises(
-        AnnotationError, match=r"pd_op.matmul#\d+ \(in Linear\) is placed on mesh\(pp=1\)\[0\] with shard_op"
+        AnnotationError, match=r"pd_op.matmul#\d+ \(in Linear(_\d+)?\) is placed on mesh\(pp=1\)\[0\] with shard_op"
     ):
         autopar.compile(main, PP, startup_program=startup, strategy=strategy)
 
@@ -184,7 +184,17 @@ def test_class_token_glue_on_two_dim_meshes(mesh):
     _equals_serial(rp.Config(criterion="sum_count", cls_token=True), MESHES[mesh])
 
 
+@pytest.mark.parametrize("mesh", ["pp x dp", "pp x mp"])
+def test_a_dead_statistic_on_two_dim_meshes(mesh):
+    """Item 6 beside dp and mp (``tests/equivalence/test_dead_ops.py``: every schedule on pp):
+    a router statistic over the whole batch that nothing reads is removed, not refused."""
+    seed, dist = _equals_serial(rp.Config(criterion="sum_count", dead_statistic=True), MESHES[mesh], micro_batches=4)
+    assert any(name == "dead_ops" and "pd_op.max#" in text for name, text in dist.state.rewrites)
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_every_construct_at_once(mesh):
-    config = rp.Config(mask="scalars", criterion="positive", cls_token=True, padding=True, mask_on_mesh=True, clip=1e-3)
+    config = rp.Config(
+        mask="scalars", criterion="positive", cls_token=True, padding=True, mask_on_mesh=True, clip=1e-3, dead_statistic=True
+    )
     _equals_serial(config, MESHES[mesh], micro_batches=4, schedule="ZBH1")
