@@ -152,7 +152,8 @@ def run_step(runners: Mapping[int, RankRunner], feed: Mapping[str, Any]) -> None
 
 def fetched(values: ValueTable, keys: Sequence[Any], runners: Mapping[int, RankRunner]) -> list[np.ndarray]:
     """The step's fetches as global arrays: each rank's whole copy where its program made them
-    whole (the copies must agree), else assembled from every rank's piece."""
+    whole (the copies must agree, NaN equal to NaN: a diverged run returns its NaN, as the
+    serial run does), else assembled from every rank's piece."""
     pieces = {rank: runner.fetch_pieces() for rank, runner in runners.items()}
     out = []
     for i, key in enumerate(keys):
@@ -162,7 +163,7 @@ def fetched(values: ValueTable, keys: Sequence[Any], runners: Mapping[int, RankR
             continue
         first = pieces[holders[0]][i]
         for rank in holders[1:]:
-            if not np.array_equal(pieces[rank][i], first):
+            if not np.array_equal(pieces[rank][i], first, equal_nan=True):  # (a diverged run's NaN loss is the same on every rank)
                 raise AutoparError(f"simulate: fetched {values.info(key).label} differs between ranks {holders[0]} and {rank}")
         out.append(first)
     return out

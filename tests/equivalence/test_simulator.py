@@ -178,3 +178,20 @@ def test_training_dropout_data_parallel_drops_the_serial_elements():
     autopar.shard_tensor(x, mesh, ["dp", None])
     seed = SeedProgram(main, startup, {"x": x, "label": label}, loss)
     assert_equivalent(seed, autopar.compile(main, mesh, startup_program=startup))
+
+
+def test_a_diverged_run_returns_its_nan_as_serial_does():
+    """An inf in a feed makes the loss NaN on every rank alike: simulate returns it, as the serial
+    run does (it was refused as a replica mismatch: NaN compared unequal to itself)."""
+    from autopar.testing.models import simple_net
+    from autopar.testing.serial import random_feeds, run_serial
+
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    seed = simple_net(batch=4, sizes=(8, 16, 4))
+    autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    feeds = random_feeds(seed.feeds, 2, classes=4)
+    feeds[0]["x"][0, 0] = np.inf
+    got = autopar.simulate(dist, feeds, [seed.loss]).fetches
+    want = run_serial(seed.main, seed.startup, feeds, [seed.loss]).fetches
+    assert all(np.isnan(g[0]) and np.isnan(w[0]) for g, w in zip(got, want))
