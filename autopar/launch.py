@@ -212,7 +212,11 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def rank_environment(rank: int, nproc: int, ports: Sequence[int], timeout: float | None) -> dict[str, str]:
+def rank_environment(rank: int, nproc: int, ports: Sequence[int], timeout: float | None, verbose: bool = False) -> dict[str, str]:
+    """The rank's environment: the launcher's, the ``PADDLE_*`` variables, and Paddle's C++ log
+    kept to errors (``GLOG_minloglevel=2``: no "New Executor is Running", tcp_store or
+    "not support input out tensor" lines, several per rank) unless ``verbose`` or the user set
+    ``GLOG_v`` / ``GLOG_minloglevel`` themselves."""
     endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
     env = dict(os.environ)
     env.update(
@@ -224,6 +228,8 @@ def rank_environment(rank: int, nproc: int, ports: Sequence[int], timeout: float
     )  # fmt: skip
     if timeout is not None:
         env[TIMEOUT_ENV] = str(timeout)
+    if not verbose and not {"GLOG_v", "GLOG_minloglevel"} & set(os.environ):
+        env["GLOG_minloglevel"] = "2"
     return env
 
 
@@ -251,8 +257,8 @@ def _die_with_launcher() -> Callable[[], None] | None:
 class _Job:
     """The ranks' processes, their output pumps, exit times and status files."""
 
-    def __init__(self, command: Sequence[str], nproc: int, timeout: float, out) -> None:
-        self.command, self.nproc, self.timeout, self.out = list(command), nproc, timeout, out
+    def __init__(self, command: Sequence[str], nproc: int, timeout: float, out, verbose: bool = False) -> None:
+        self.command, self.nproc, self.timeout, self.out, self.verbose = list(command), nproc, timeout, out, verbose
         self.dir = tempfile.mkdtemp(prefix="autopar-launch-")
         self.procs: list[subprocess.Popen] = []
         self.fds: list[int] = []
@@ -270,7 +276,7 @@ class _Job:
             with open(path, "wb") as f:
                 f.write(bytes(RECORD_BYTES))
             self.fds.append(os.open(path, os.O_RDONLY))
-            env = rank_environment(rank, self.nproc, ports, self.timeout)
+            env = rank_environment(rank, self.nproc, ports, self.timeout, self.verbose)
             env[STATUS_ENV] = path
             self.procs.append(subprocess.Popen(
                 self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -355,14 +361,17 @@ def _supervise(job: _Job, timeout: float, caught: list[int]) -> Verdict:
         time.sleep(0.1)
 
 
-def launch(command: Sequence[str], nproc: int, timeout: float | None = None, grace: float = 3.0, out=None) -> int:
+def launch(
+    command: Sequence[str], nproc: int, timeout: float | None = None, grace: float = 3.0, out=None, verbose: bool = False
+) -> int:  # fmt: skip
     """Run ``command`` (argv) as ``nproc`` ranks; 0 only if every rank succeeds (the other exit
-    codes: see the module docstring). ``timeout``: seconds any rank may wait for the others."""
+    codes: see the module docstring). ``timeout``: seconds any rank may wait for the others;
+    ``verbose``: Paddle's own log lines too (:func:`rank_environment`)."""
     out = out or sys.stdout
     limit = collective_timeout() if timeout is None else float(timeout)
     if not limit > 0:
         raise AutoparError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    job = _Job(command, nproc, limit, out)
+    job = _Job(command, nproc, limit, out, verbose)
     caught: list[int] = []
     previous = _catch_signals(caught)
     try:
@@ -387,6 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"seconds a rank may wait for the others (start-up, collectives, exchanges) before the job "
         f"is stopped (default: ${TIMEOUT_ENV} or {DEFAULT_TIMEOUT:g})",
     )  # fmt: skip
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="show Paddle's own log lines (kept to errors by default, unless GLOG_v / GLOG_minloglevel is set)",
+    )  # fmt: skip
     parser.add_argument("script", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = parser.parse_args(argv)
@@ -398,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout = collective_timeout() if args.timeout is None else args.timeout
     except AutoparError as err:
         parser.error(str(err))
-    return launch([sys.executable, args.script, *args.args], args.nproc, timeout)
+    return launch([sys.executable, args.script, *args.args], args.nproc, timeout, verbose=args.verbose)
 
 
 if __name__ == "__main__":

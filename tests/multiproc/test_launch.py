@@ -198,3 +198,20 @@ def test_example_runs_as_two_nodes_on_one_host(tmp_path):
     lines = results(tmp_path / "node0") + results(tmp_path / "node1")
     assert sorted(line.split()[1] for line in lines) == ["0", "1"], outs[0][-2000:] + outs[1][-2000:]
     assert all("(host backend)" in line for line in lines)
+
+
+def test_paddles_own_log_lines_are_shown_only_when_asked():
+    """A two-rank example prints no Paddle (glog) line by default — "New Executor is Running",
+    tcp_store, "not support input out tensor" — and shows them with --verbose (issue 36, item 3)."""
+    import re
+
+    glog = re.compile(r"^\[rank \d+\] [IWEF]\d{4} \d\d:\d\d:\d\d")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GLOG_")}
+    args = ["examples/simple_net.py", "--mode", "dp", "--backend", "native"]
+    cmd = [sys.executable, "-m", "autopar.launch", "--nproc", "2"]
+    quiet = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert_equal_serial(quiet, 2)
+    assert not [line for line in quiet.stdout.splitlines() if glog.match(line)], quiet.stdout[-3000:]
+    loud = subprocess.run([*cmd, "--verbose", *args], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert_equal_serial(loud, 2)
+    assert [line for line in loud.stdout.splitlines() if glog.match(line)], loud.stdout[-3000:]
