@@ -225,7 +225,8 @@ def zero_lines(dist: Any) -> list[str]:
 
 def dead_op_lines(dist: Any) -> list[str]:
     """The ops removed before analysis because nothing reads their results (empty if none)."""
-    return [f"{text}", ""] if (text := dict(dist.decisions.rewrites()).get("dead_ops", "no dead op")) != "no dead op" else []
+    text = dict(dist.decisions.rewrites()).get("dead_ops", "no dead op")
+    return [] if text == "no dead op" else [text, ""]
 
 
 def explain_text(dist: Any, target: str = "") -> str:

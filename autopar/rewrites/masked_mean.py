@@ -47,6 +47,11 @@ class MaskedMean:
     select_grad: int
     seed: int  # the loss-gradient seed (full_like of the loss)
 
+    @property
+    def ops(self) -> tuple[int, ...]:
+        """The ops the deferred division replaces (their constants stay, unread)."""
+        return (self.select, self.mean, self.seed, self.mean_grad, self.select_grad)
+
 
 @dataclass(frozen=True)
 class DeferredMeans:
@@ -133,13 +138,7 @@ def deferred_means(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, Pr
             raw[masked.mean].result(0).replace_all_uses_with(loss)
             losses[masked.mean] = loss.get_defining_op()
             _divide_gradients(graph, raw, count, mesh, op_meshes, placed)
-            erased |= {
-                masked.select_grad,
-                masked.mean_grad,
-                masked.seed,
-                masked.mean,
-                masked.select,
-            }  # (their constants stay, unread)
+            erased.update(masked.ops)
         paddle.pir.reset_insertion_point_to_end()
     for index in sorted(erased, reverse=True):
         raw[index].erase()

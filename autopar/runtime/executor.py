@@ -172,9 +172,7 @@ class Executor:
         ranks that should hold the same piece (compares digests, not arrays)."""
         if self._runner is None:
             raise AutoparError("call run_startup() first")
-        mine = {n: digest(self._runner.parameter_piece(n)) for n in self.plan.copies()}
-        everyone = self.comm.all_gather_object(mine)
-        mismatch = first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
+        mismatch = self._mismatch(self.comm.all_gather_object(self._copy_hashes(digest)))
         if mismatch:
             raise AutoparError(f"rank {self.rank}: {mismatch}")
 
@@ -183,15 +181,13 @@ class Executor:
         every = self.check_every
         return every is not None and (self._steps == 1 or self._steps % every == 0)
 
-    def _copy_checksums(self) -> dict[str, str]:
-        return {n: checksum(self._runner.parameter_piece(n)) for n in self.plan.copies()}
+    def _copy_hashes(self, hash_of: Any) -> dict[str, str]:
+        """``hash_of`` each parameter / state copy this rank keeps, by name."""
+        return {n: hash_of(self._runner.parameter_piece(n)) for n in self.plan.copies()}
 
-    def _compare_copies(self, everyone: Sequence[Mapping[str, str]]) -> None:
-        mismatch = first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
-        if mismatch:
-            raise AutoparError(
-                f"rank {self.rank}, step {self._steps}: {mismatch} (the periodic copy check, Executor(check_every=...))"
-            )
+    def _mismatch(self, everyone: Sequence[Mapping[str, str]]) -> str | None:
+        """The first copy whose hashes (every rank's, by rank) differ where they must agree."""
+        return first_mismatch(self.plan.values, {r: everyone[r] for r in self.plan.mesh.ranks})
 
     def run(self, feed: Mapping[str, Any], fetch_list: Sequence[Any] = ()) -> list[np.ndarray]:
         """One step on the global ``feed``; returns each fetch as a global array."""
@@ -222,10 +218,13 @@ class Executor:
             pieces = runner.fetch_pieces()
         exchange = bool(runner.fetch_keys) and not runner.whole  # (else the program made every fetch whole)
         if self._checking():  # the copies' checksums ride in the step's exchange (one of their own without one)
-            sums = self._copy_checksums()
-            everyone = self.comm.all_gather_object((pieces, sums) if exchange else sums)
-            self._compare_copies([e[1] for e in everyone] if exchange else everyone)
-            everyone = [e[0] for e in everyone] if exchange else everyone
+            everyone = self.comm.all_gather_object((pieces if exchange else None, self._copy_hashes(checksum)))
+            mismatch = self._mismatch([sums for _, sums in everyone])
+            if mismatch:
+                raise AutoparError(
+                    f"rank {self.rank}, step {self._steps}: {mismatch} (the periodic copy check, Executor(check_every=...))"
+                )
+            everyone = [got for got, _ in everyone]
         elif exchange:
             everyone = self.comm.all_gather_object(pieces)
         if not exchange:

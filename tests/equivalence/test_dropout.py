@@ -3,12 +3,12 @@ nothing moves (issue 10). Equal to serial after 3 steps (rtol 1e-5) under dp=2 a
 exactly the collectives of the same program without dropout; and under micro-batching (each
 micro-batch its rows of the serial mask; the zoo's models: test_dropout_micro_batches.py)."""
 
-import numpy as np
 import paddle
 import pytest
 
 import autopar
-from autopar.testing.serial import random_feeds, run_serial
+from autopar.testing.models import SeedProgram
+from autopar.testing.serial import assert_simulation_equals_serial
 
 
 def _program(dropout: bool, mesh=None, staged: bool = False):
@@ -51,13 +51,7 @@ def test_dropout_on_a_split_input_moves_nothing_and_equals_serial(mode):
         dists[dropout] = autopar.compile(main, mesh, startup_program=startup)
     kinds = {d: [(c.kind.value, c.bytes) for c in dist.comm_ops(0)] for d, dist in dists.items()}
     assert kinds[True] == kinds[False]  # no all_gather in front of the dropout any more
-    steps = random_feeds(feeds, 3, classes=10)
-    result = autopar.simulate(dists[True], steps, [loss])
-    serial = run_serial(main, startup, steps, [loss])
-    for want, got in zip(serial.fetches, result.fetches):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for name, want in serial.parameters.items():
-        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_simulation_equals_serial(SeedProgram(main, startup, feeds, loss), dists[True])
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
@@ -67,10 +61,4 @@ def test_training_dropout_under_micro_batching_equals_serial(micro_batches):
     main, startup, feeds, loss, _ = _program(True, mesh, staged=True)
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches))
     dist = autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
-    steps = random_feeds(feeds, 3, classes=10)
-    result = autopar.simulate(dist, steps, [loss])
-    serial = run_serial(main, startup, steps, [loss])
-    for want, got in zip(serial.fetches, result.fetches):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for name, want in serial.parameters.items():
-        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_simulation_equals_serial(SeedProgram(main, startup, feeds, loss), dist)

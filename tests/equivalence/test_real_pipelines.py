@@ -28,6 +28,19 @@ def _equals_serial(config, mesh=PP, micro_batches=2, schedule="1F1B", staged=Tru
     return seed, dist
 
 
+def _refused(build, strategy, error, match):
+    """Compile the program ``build(paddle)`` makes inside a fresh program guard (its loss minimized
+    with SGD) on ``PP``: refused with ``error`` matching ``match``."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        paddle.optimizer.SGD(0.1).minimize(build(paddle))
+    with pytest.raises(error, match=match):
+        autopar.compile(main, PP, startup_program=startup, strategy=strategy)
+
+
 def test_the_feeds_make_a_mean_of_micro_batch_means_wrong():
     """The test's premise: with these feeds the valid tokens are spread unevenly over the
     micro-batches, so averaging the micro-batches' means would not give the serial loss."""
@@ -78,22 +91,17 @@ def test_masked_select_criterion_under_gradient_accumulation():
 
 
 def test_a_masked_mean_that_is_not_the_loss_is_refused_by_name():
-    import paddle
-
-    paddle.enable_static()
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    with paddle.static.program_guard(main, startup):
+    def build(paddle):
         x = paddle.static.data("x", [4, 3], "float32")
         h = autopar.shard_op(paddle.nn.Linear(3, 3), PP[0])(x)
         h = autopar.reshard(h, PP[1], [autopar.Replicate()])
         y = autopar.shard_op(paddle.nn.Linear(3, 1), PP[1])(h)
-        loss = paddle.mean(paddle.masked_select(y, y > 0)) + 0.1 * paddle.mean(y)
-        paddle.optimizer.SGD(0.1).minimize(loss)
+        return paddle.mean(paddle.masked_select(y, y > 0)) + 0.1 * paddle.mean(y)
+
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
-    with pytest.raises(
-        autopar.AutoparError, match=r"pd_op.mean#\d+ averages .* only a masked mean that is the step's loss"
-    ):
-        autopar.compile(main, PP, startup_program=startup, strategy=strategy)
+    _refused(
+        build, strategy, autopar.AutoparError, r"pd_op.mean#\d+ averages .* only a masked mean that is the step's loss"
+    )
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
@@ -127,21 +135,16 @@ def test_a_mask_made_on_one_stage_annotated_on_the_whole_mesh(mesh):
 
 
 def test_a_value_split_over_the_pipeline_dim_off_its_stage_is_refused_before_propagation():
-    import paddle
-
-    paddle.enable_static()
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    with paddle.static.program_guard(main, startup):
+    def build(paddle):
         x = paddle.static.data("x", [4, 6], "float32")
         h = autopar.shard_op(paddle.nn.Linear(6, 6), PP[0])(x)
         autopar.shard_tensor(h, PP, [autopar.Shard(1)])
-        loss = autopar.shard_op(lambda t: paddle.nn.Linear(6, 1)(t).mean(), PP[1])(h)
-        paddle.optimizer.SGD(0.1).minimize(loss)
+        return autopar.shard_op(lambda t: paddle.nn.Linear(6, 1)(t).mean(), PP[1])(h)
+
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
-    with pytest.raises(
-        AnnotationError, match=r"is made by pd_op.add#\d+ on mesh\(pp=1\)\[0\] but annotated on mesh\(pp=2\)"
-    ):
-        autopar.compile(main, PP, startup_program=startup, strategy=strategy)
+    _refused(
+        build, strategy, AnnotationError, r"is made by pd_op.add#\d+ on mesh\(pp=1\)\[0\] but annotated on mesh\(pp=2\)"
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
@@ -160,20 +163,18 @@ def test_automatic_cut_keeps_the_users_reshards_on_two_dim_meshes(mesh):
 
 
 def test_automatic_cut_names_a_shard_op_the_user_wrote():
-    import paddle
-
-    paddle.enable_static()
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    with paddle.static.program_guard(main, startup):
+    def build(paddle):
         x = paddle.static.data("x", [4, 6], "float32")
         h = autopar.shard_op(paddle.nn.Linear(6, 6), PP[0])(x)
-        loss = paddle.nn.Linear(6, 1)(h).mean()
-        paddle.optimizer.SGD(0.1).minimize(loss)
+        return paddle.nn.Linear(6, 1)(h).mean()
+
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
-    with pytest.raises(
-        AnnotationError, match=r"pd_op.matmul#\d+ \(in Linear(_\d+)?\) is placed on mesh\(pp=1\)\[0\] with shard_op"
-    ):
-        autopar.compile(main, PP, startup_program=startup, strategy=strategy)
+    _refused(
+        build,
+        strategy,
+        AnnotationError,
+        r"pd_op.matmul#\d+ \(in Linear(_\d+)?\) is placed on mesh\(pp=1\)\[0\] with shard_op",
+    )
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
