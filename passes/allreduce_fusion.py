@@ -36,18 +36,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import REDUCE_CODES
-from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at
+from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at, plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import Role
+from autopar.graph import Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, GradientBucket, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import read_site
+from autopar.passes.reshard_emission import collective_op, read_site
 from autopar.propagation import SiteKind
 
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -220,14 +220,24 @@ def _cost(state: CompileState, members: list[Member]) -> float:
     """Predicted time of these reshards: one fused bucket, or a lone member's own plan."""
     if len(members) <= 1:
         return sum(m.planned.plan.time for m in members)
-    return _flat_plan(state, members).time
+    return _bucket_plan(state, members).time
 
 
 def _total(state: CompileState, candidates: list[Candidate], buckets: list[list[Member]]) -> float:
     """Predicted time of every candidate: its bucket's, or its own plan's."""
     fused = {m.planned.index for b in buckets for m in b}
     alone = sum(c.planned.plan.time for c in candidates if c.planned.index not in fused)
-    return alone + sum(_flat_plan(state, b).time for b in buckets)
+    return alone + sum(_bucket_plan(state, b).time for b in buckets)
+
+
+def _bucket_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
+    """How the bucket moves its flat buffer, the cheaper: one all_reduce (:func:`_flat_plan`), or
+    its reduce_scatter then all_gather (:func:`_split_plan`). Deciding the decomposition on the
+    whole bucket, not per gradient, keeps every gradient in it: a 1 MiB gradient that alone is
+    cheaper as reduce_scatter + all_gather (``cpu-shm``, 4 processes) no longer leaves the bucket
+    to pay two collectives of its own beside it."""
+    whole, split = _flat_plan(state, members), _split_plan(state, members)
+    return split if split is not None and split.time < whole.time else whole
 
 
 def _flat_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
@@ -239,30 +249,58 @@ def _flat_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
     return all_reduce_plan(src, dst, (numel,), form.dtype, state.cluster, zeroed=form.zeroed)
 
 
+def _split_plan(state: CompileState, members: list[Member]) -> ReshardPlan | None:
+    """The bucket's all_reduce as a reduce_scatter of the flat buffer (zero-padded to a multiple
+    of the group) then an all_gather of the reduced chunks, each one step of the planner; None
+    for a form that zeroes copies first, or where the planner moves a chunk otherwise."""
+    form = members[0].form
+    if form.zeroed:
+        return None
+    ranks = math.prod(form.mesh.shape[d] for d in form.mesh_dims)
+    numel = -(-sum(m.numel for m in members) // ranks) * ranks
+    pending = tuple((d, form.reduce) for d in form.mesh_dims)
+    src, dst = DistAttr.of(form.mesh, ((),), pending), DistAttr.of(form.mesh, ((),))
+    chunks = DistAttr.of(form.mesh, (form.mesh_dims,))
+    scatter = plan_reshard(src, chunks, (numel,), form.dtype, state.cluster)
+    gather = plan_reshard(chunks, dst, (numel,), form.dtype, state.cluster)
+    if scatter.kinds() != [CollectiveKind.REDUCE_SCATTER] or gather.kinds() != [CollectiveKind.ALL_GATHER]:
+        return None
+    return ReshardPlan(src, dst, (numel,), form.dtype, scatter.steps + gather.steps)
+
+
 def _bucket(state: CompileState, number: int, members: list[Member], sharing: list[PlannedReshard]) -> GradientBucket:
     """The bucket of ``members`` (the reshards it moves); ``sharing``: later reads of their results."""
-    form, plan = members[0].form, _flat_plan(state, members)
+    form, plan = members[0].form, _bucket_plan(state, members)
+    split = plan.steps if plan.steps[0].kind is CollectiveKind.REDUCE_SCATTER else ()
     names = ", ".join(state.label(m.planned.need.value) for m in members)
     over = "/".join(form.mesh.dim_names[d] for d in form.mesh_dims if d not in form.zeroed)
     layers = layers_text([value_layer(state.graph, m.planned.need.value) for m in members])
+    how = " (as reduce_scatter + all_gather: cheaper than one all_reduce of this size here)" if split else ""
     return GradientBucket(
         index=number, members=tuple(m.planned.index for m in members) + tuple(s.index for s in sharing),
-        mesh_dims=form.mesh_dims, reduce=form.reduce, src=plan.steps[-1].src, dtype=form.dtype, numel=plan.shape[0],
-        bytes=int(sum(m.bytes for m in members)), time=plan.time, zeroed=form.zeroed,
-        reason=f"{in_layer(f'gradient sync over {over}', layers)}: {len(members)} gradient all_reduces fused into one buffer: {names}",
+        mesh_dims=form.mesh_dims, reduce=form.reduce, src=plan.src if split else plan.steps[-1].src, dtype=form.dtype,
+        numel=plan.shape[0], bytes=int(sum(s.bytes for s in split) or sum(m.bytes for m in members)), time=plan.time,
+        zeroed=form.zeroed, split=split,
+        reason=f"{in_layer(f'gradient sync over {over}', layers)}: {len(members)} gradient all_reduces fused into one buffer{how}: {names}",
     )  # fmt: skip
 
 
 def emitted_ops(state: CompileState, bucket: GradientBucket, planned: list[PlannedReshard], rank: int) -> int:
     """How many ops :func:`_emit_bucket` adds to ``rank``'s program (what pricing counts: on a
-    host each op costs its launch): the flattened gradients joined, maybe zeroed, all-reduced,
-    split and shaped back."""
+    host each op costs its launch): the flattened gradients joined, maybe zeroed, all-reduced
+    (or padded, reduce-scattered, all-gathered and unpadded), split and shaped back."""
     members = [p for p in planned if p.shared_with is None]
     shaped = sum(1 for m in members if len(m.need.need.local_shape(m.plan.shape, rank)) != 1)
     zeroed = bool(bucket.zeroed) and rank != group_at(bucket.src.mesh, rank, bucket.zeroed)[0]
-    # concat 3, scale 2, all_reduce 1, split 4 (each with its constants); a gradient of several
-    # dims flattened and shaped back: two reshapes of 2
-    return 3 + 2 * zeroed + 1 + 4 + 4 * shaped
+    padded = bool(bucket.split) and _numel(members, rank) != bucket.numel
+    # concat 3, scale 2, all_reduce 1 (reduce_scatter and all_gather 2, pad: full + concat 4,
+    # unpad: slice 3), split 4 (each with its constants); a gradient of several dims flattened
+    # and shaped back: two reshapes of 2
+    return 3 + 2 * zeroed + 1 + bool(bucket.split) + 7 * padded + 4 + 4 * shaped
+
+
+def _numel(members: list[PlannedReshard], rank: int) -> int:
+    return sum(math.prod(m.need.need.local_shape(m.plan.shape, rank)) for m in members)
 
 
 def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, planned: list[PlannedReshard]) -> None:
@@ -273,27 +311,90 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, p
     paddle.pir.set_insertion_point(first_reader)
     inputs = [rp.current(m.need.value) for m in members]
     shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
-    flat = paddle._C_ops.concat([x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)], 0)
+    group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
+    riders = _riders(state, rp, bucket, group, first_reader) if bucket.split else []
+    parts = [x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)]
+    parts += [paddle._C_ops.reshape(rp.produced(key), [-1]) for key in riders]
+    sizes = [math.prod(s) for s in shapes] + [math.prod(state.graph.values[key].shape) for key in riders]
+    flat = paddle._C_ops.concat(parts, 0)
     if bucket.zeroed and rp.rank != group_at(bucket.src.mesh, rp.rank, bucket.zeroed)[0]:
         flat = paddle._C_ops.scale(flat, 0.0, 0.0, True)  # make_partial: one copy along ``zeroed`` is summed
-    group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
     ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
-    fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
-    pieces = paddle._C_ops.split(fused, [math.prod(s) for s in shapes], 0)
+    if bucket.split:
+        fused = _scatter_gather(state, rp, bucket, flat, sum(sizes), group, ring, riders)
+    else:
+        fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
+        total = sum(sizes)
+        collective = Collective(
+            kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
+            value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
+            shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
+            reason=bucket.reason, reduce=bucket.reduce,
+        )  # fmt: skip
+        rp.collectives.append((collective, fused.get_defining_op().id()))
+    pieces = paddle._C_ops.split(fused, sizes, 0)
     for member, piece, shape in zip(members, pieces, shapes):
         out = piece if len(shape) == 1 else paddle._C_ops.reshape(piece, list(shape))
         consumer, slot = read_site(state, rp, member)
         consumer.operand(slot).set_source(out)
         rp.resharded[member.index] = out
+    for key, piece in zip(riders, pieces[len(members) :]):
+        rp.fetched[key] = paddle._C_ops.reshape(piece, list(state.graph.values[key].shape))
     for read in planned:
         if read.shared_with is not None:
             consumer, slot = read_site(state, rp, read)
             consumer.operand(slot).set_source(rp.resharded[read.shared_with])
-    total = sum(math.prod(s) for s in shapes)
-    collective = Collective(
-        kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
-        value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
-        shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
-        reason=bucket.reason, reduce=bucket.reduce,
-    )  # fmt: skip
-    rp.collectives.append((collective, fused.get_defining_op().id()))
+
+
+def _riders(state: CompileState, rp: RankProgram, bucket: GradientBucket, group: tuple[int, ...], at: Any) -> list[ValueKey]:
+    """The fetches of ``rp`` that ride in a reduce_scatter + all_gather bucket: made whole by one
+    all_reduce over the bucket's group, reduction and dtype (a data-parallel loss), and made
+    before the bucket runs (``at``). An all_reduce bucket takes its riders in
+    :mod:`.fetch_replication`, which gives the others their own collectives."""
+    from autopar.passes.fetch_replication import whole_plan
+
+    if state.pipeline is not None:
+        return []  # (a pipeline's fetches are added up over micro-batches by its runner)
+    positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
+    out: list[ValueKey] = []
+    for key in rp.fetches:
+        plan = whole_plan(state, key)
+        if key in rp.fetched or key in out or plan.kinds() != [CollectiveKind.ALL_REDUCE]:
+            continue
+        step = plan.steps[0]
+        if step.group_of(rp.rank) != group or (step.reduce or "sum") != bucket.reduce or plan.dtype != bucket.dtype:
+            continue
+        producer = rp.produced(key).get_defining_op()
+        if producer is None or positions.get(producer.id(), positions[at.id()]) < positions[at.id()]:
+            out.append(key)
+    return out
+
+
+def _scatter_gather(
+    state: CompileState, rp: RankProgram, bucket: GradientBucket, flat: Any, numel: int, group: tuple[int, ...],
+    ring: int, riders: list[ValueKey],
+) -> Any:  # fmt: skip
+    """The bucket's all_reduce of ``flat`` (``numel`` elements) as its reduce_scatter then
+    all_gather: padded with zeros to the planned size (a multiple of the group), unpadded after."""
+    import paddle
+
+    padded = -(-numel // len(group)) * len(group)
+    if padded != numel:
+        flat = paddle._C_ops.concat([flat, paddle._C_ops.full([padded - numel], 0.0, flat.dtype, paddle.CPUPlace())], 0)
+    chunks = DistAttr.of(bucket.src.mesh, (bucket.mesh_dims,))
+    whole = DistAttr.of(bucket.src.mesh, ((),))
+    extra = "" if not riders else f"; fetched {', '.join(state.graph.values[k].label for k in riders)} rides along (no collective of its own)"
+    out = flat
+    for number, (step, src, dst, shape) in enumerate(
+        zip(bucket.split, (bucket.src, chunks), (chunks, whole), ((padded // len(group),), (padded,)))
+    ):
+        collective = Collective(
+            kind=step.kind, group=group, key=CollectiveKey("bucket", bucket.index, number),
+            value=f"bucket {bucket.index} ({len(bucket.members)} gradients)", src=src, dst=dst, shape=(padded,),
+            output_shape=shape, bytes=step.bytes, time=step.time, reason=bucket.reason + extra, reduce=bucket.reduce,
+            dtype=bucket.dtype,
+        )  # fmt: skip
+        out = collective_op(collective, out, ring)
+        out.set_type(paddle.pir.create_shaped_type(flat.type(), list(shape)))
+        rp.collectives.append((collective, out.get_defining_op().id()))
+    return out if padded == numel else paddle._C_ops.slice(out, [0], [0], [numel], [1], [])

@@ -44,7 +44,7 @@ class FetchReplication(Pass):
 
         if state.pipeline is not None:
             return  # a pipeline's fetches are added up over micro-batches by its runner
-        plans = {key: _whole_plan(state, key) for key in rp.fetches}
+        plans = {key: whole_plan(state, key) for key in rp.fetches}
         with paddle.static.program_guard(rp.program):
             _ride_in_buckets(state, rp, plans)
             paddle.pir.reset_insertion_point_to_end()
@@ -54,7 +54,7 @@ class FetchReplication(Pass):
             paddle.pir.reset_insertion_point_to_end()
 
 
-def _whole_plan(state: CompileState, key: ValueKey) -> ReshardPlan:
+def whole_plan(state: CompileState, key: ValueKey) -> ReshardPlan:
     value = state.graph.values[key]
     produced = state.propagation.made(key)
     whole = DistAttr.replicated(produced.mesh, len(value.shape))
@@ -73,13 +73,15 @@ def _replicate(state: CompileState, rp: RankProgram, index: int, key: ValueKey, 
 def _ride_in_buckets(state: CompileState, rp: RankProgram, plans: dict[ValueKey, ReshardPlan]) -> None:
     """Append each fetch that can ride in an emitted gradient bucket to the bucket's buffer
     (the first bucket that fits it); ``rp.fetched`` takes the split-off whole value."""
-    buckets = [n for n, (collective, _) in enumerate(rp.collectives) if collective.key.source == "bucket"]
+    buckets = [n for n, (c, _) in enumerate(rp.collectives) if c.key.source == "bucket" and c.kind is CollectiveKind.ALL_REDUCE]
     if not buckets or not plans:
         return
     ops = list(rp.program.global_block().ops)
     positions = {op.id(): i for i, op in enumerate(ops)}
     riders: dict[int, list[ValueKey]] = {}  # index in rp.collectives -> fetches riding
     for key, plan in plans.items():
+        if key in rp.fetched:
+            continue  # (rode in a reduce_scatter + all_gather bucket: passes/allreduce_fusion.py)
         for number in buckets:
             collective, op_id = rp.collectives[number]
             if _fits(plan, collective, rp, key, positions[op_id], positions):

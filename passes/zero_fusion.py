@@ -97,28 +97,48 @@ class ZeroBucketFusion(Pass):
 
 
 def _groups(state: CompileState) -> list[tuple[CollectiveKind, list[PlannedReshard]]]:
-    """Single-step reduce_scatters read by an update, single-step reduce_scatters of an update's
-    gradient right after it is made, and single-step write-back all_gathers, grouped by site,
-    mesh, mesh dims and dtype, in program order."""
+    """Reduce_scatters read by an update, reduce_scatters of an update's gradient right after it
+    is made, and single-step write-back all_gathers, grouped by site, mesh, mesh dims and dtype,
+    in program order. A gradient's reduce_scatter is its plan's one step, or its plan is an
+    all_reduce then a local slice of the own shard (the planner's cheapest way for a small
+    gradient alone, 256 B - 8 KiB on ``cpu-shm``): in a bucket it is a reduce_scatter like the
+    others (the same result), so no gradient below the bucket size pays a collective of its own."""
     shared = {p.shared_with for p in state.reshards if p.shared_with is not None}
     grads = gradients(state.graph)
     groups: dict[tuple, list[PlannedReshard]] = {}
     for planned in state.reshards:
         steps = planned.plan.steps
-        if len(steps) != 1 or planned.shared_with is not None or planned.index in shared:
+        if planned.shared_with is not None or planned.index in shared:
             continue
-        site = planned.need.site.kind
-        if site is SiteKind.BEFORE_READ and steps[0].kind is CollectiveKind.REDUCE_SCATTER:
+        site, kind = planned.need.site.kind, _fusable_kind(planned)
+        if site is SiteKind.BEFORE_READ and kind is CollectiveKind.REDUCE_SCATTER:
             if state.graph.ops[planned.need.op].role is not Role.OPTIMIZER:
                 continue
-        elif site is SiteKind.AFTER_PRODUCER and steps[0].kind is CollectiveKind.REDUCE_SCATTER:
+        elif site is SiteKind.AFTER_PRODUCER and kind is CollectiveKind.REDUCE_SCATTER:
             if planned.need.value not in grads:
                 continue
-        elif not (site is SiteKind.WRITE_BACK and steps[0].kind is CollectiveKind.ALL_GATHER):
+        elif not (site is SiteKind.WRITE_BACK and kind is CollectiveKind.ALL_GATHER):
             continue
-        key = (site, steps[0].kind, planned.need.have.mesh, steps[0].mesh_dims, planned.plan.dtype)
+        key = (site, kind, planned.need.have.mesh, steps[0].mesh_dims, planned.plan.dtype)
         groups.setdefault(key, []).append(planned)
     return [(key[1], _read_after_made(state, members) if key[0] is SiteKind.AFTER_PRODUCER else members) for key, members in groups.items()]
+
+
+def _fusable_kind(planned: PlannedReshard) -> CollectiveKind | None:
+    """The collective ``planned`` is in a ZeRO bucket: its plan's one step (a reduce_scatter or
+    an all_gather), or a reduce_scatter for an all_reduce then a slice of the own shard along
+    the same mesh dims (``P(sum) -> S``: what a reduce_scatter makes); else None."""
+    steps = planned.plan.steps
+    if len(steps) == 1 and steps[0].kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER):
+        return steps[0].kind
+    kinds = [step.kind for step in steps]
+    if kinds != [CollectiveKind.ALL_REDUCE, CollectiveKind.SLICE] or tuple(steps[0].mesh_dims) != tuple(steps[1].mesh_dims):
+        return None
+    have, need = planned.need.have, planned.need.need
+    dims = set(steps[0].mesh_dims)
+    if set(have.partial_dims) != dims or need.partial or set(need.sharded_mesh_dims()) - set(have.sharded_mesh_dims()) != dims:
+        return None
+    return CollectiveKind.REDUCE_SCATTER
 
 
 def _read_after_made(state: CompileState, members: list[PlannedReshard]) -> list[PlannedReshard]:
