@@ -30,6 +30,7 @@ from autopar.passes.partition import Partition
 from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
+from autopar.passes.site_fusion import SiteFusion
 from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
@@ -130,7 +131,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes: list[Pass] = [Partition()]
     if strategy.zero_stage:
         passes.append(ZeroSharding(strategy.zero_stage))
-    passes += [ReshardPlanning(), ReshardEmission()]
+    passes += [ReshardPlanning(), ReshardEmission(), SiteFusion()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
         if strategy.zero_stage:

@@ -32,6 +32,7 @@ from autopar.propagation import PropagationResult, ReshardNeed
 if TYPE_CHECKING:  # (the passes that make these values import this module)
     from autopar.cost_model.cluster import Cluster
     from autopar.passes.pipeline_split import PipelinePlan
+    from autopar.passes.site_fusion import SiteBucket
     from autopar.passes.zero_fusion import ZeroBucket
     from autopar.passes.zero_sharding import ZeroShard
     from autopar.rewrites import Rewrite
@@ -99,6 +100,7 @@ class CompileState:
     reshards: list[PlannedReshard] = field(default_factory=list)
     buckets: list[GradientBucket] = field(default_factory=list)
     zero_buckets: list[ZeroBucket] = field(default_factory=list)  # ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)
+    site_buckets: list[SiteBucket] = field(default_factory=list)  # all_gathers one op reads, fused (passes/site_fusion.py)
     unavailable: str = ""  # why no rank programs can be built (empty: they can)
     zero: tuple[ZeroShard, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward

@@ -34,7 +34,7 @@ class ReshardEmission(Pass):
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
 
-        fused = {m for bucket in (*state.buckets, *state.zero_buckets) for m in bucket.members}
+        fused = {m for bucket in (*state.buckets, *state.zero_buckets, *state.site_buckets) for m in bucket.members}
         with paddle.static.program_guard(rp.program):
             for planned in state.reshards:
                 if planned.index not in fused:

@@ -7,11 +7,12 @@ The SPMD rules keep a table's vocabulary split (embedding) and a split normalize
 row, so each such op (:func:`~autopar.spmd.vocab_parallel.split_row`, from the placements
 propagation required) becomes its decomposition, run here with Paddle ops
 (:class:`ProgramKernels`): masked lookups of the rank's rows, and for rows split over ranks
-an ``all_reduce`` of one value per row (max, sum of exponentials, target logit). Each
-collective is planned as the reshard ``P(max|sum) -> R`` of that per-row tensor and emitted
-by :func:`~autopar.passes.reshard_emission.emit_step`: a :class:`~autopar.collective.Collective`
-value (kind, group, bytes, reason) in ``rp.collectives``, a real ``pd_op.all_reduce`` in the
-program, so ``dist.comm_ops(rank)`` lists it, the host runtime (simulator, processes) performs
+an ``all_reduce`` of one value per row (max, sum of exponentials), or for the head's
+cross-entropy one ``all_gather`` of three (each rank's max, sum of exponentials, target
+logit). Each collective is planned as the reshard ``P(max|sum) -> R`` (or ``S -> R``) of that
+per-row tensor and emitted by :func:`~autopar.passes.reshard_emission.emit_step`: a
+:class:`~autopar.collective.Collective` value (kind, group, bytes, reason) in
+``rp.collectives``, a real collective op in the program, so ``dist.comm_ops(rank)`` lists it, the host runtime (simulator, processes) performs
 it and the native backend runs the op itself.
 
 Runs after reshard emission: the op's operands are then final (resharded where its rule
@@ -23,6 +24,7 @@ pipeline phase: the ops inserted before it run in its phase); ``rp.replaced`` ho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -125,9 +127,28 @@ class ProgramKernels:
     def all_reduce(self, x: Any, reduce: str, what: str) -> Any:
         src = DistAttr.of(self.mesh, self.row_mapping, {**self.others, **{d: reduce for d in self.split.mesh_dims}})
         dst = DistAttr.of(self.mesh, self.row_mapping, self.others)
-        plan = plan_reshard(src, dst, self.row_shape, self.dtype_name, self.state.cluster)
+        how = f"all_reduce[{reduce}] of the {what}, one value per row"
+        return self._move(x, src, dst, self.row_shape, what, how)
+
+    def all_gather_rows(self, xs: list[Any], what: str) -> list[Any]:
+        """The ``xs`` (row tensors) of every rank of the group, in one all_gather along the split
+        axis: one tensor per x with the group's values along that axis, in group order."""
+        import paddle
+
+        count, ranks = len(xs), math.prod(self.mesh.shape[d] for d in self.split.mesh_dims)
+        split = tuple(tuple(self.split.mesh_dims) if t == self.axis else dims for t, dims in enumerate(self.row_mapping))
+        src = DistAttr.of(self.mesh, split, self.others)
+        dst = DistAttr.of(self.mesh, self.row_mapping, self.others)
+        shape = tuple(count * ranks if t == self.axis else n for t, n in enumerate(self.row_shape))
+        how = f"all_gather of each rank's {what} ({count} values per row)"
+        gathered = self._move(paddle.concat(xs, axis=self.axis), src, dst, shape, what, how)
+        return [paddle.strided_slice(gathered, [self.axis], [j], [count * ranks], [count]) for j in range(count)]
+
+    def _move(self, x: Any, src: DistAttr, dst: DistAttr, shape: tuple[int, ...], what: str, how: str) -> Any:
+        """``x`` (a per-row tensor of global ``shape``) moved ``src -> dst`` by its planned reshard."""
+        plan = plan_reshard(src, dst, shape, self.dtype_name, self.state.cluster)
         names = "/".join(self.mesh.dim_names[d] for d in self.split.mesh_dims)
-        row = RowValue(f"{self.label}.{what.replace(' ', '_')}", self.row_shape, self.dtype_name)
+        row = RowValue(f"{self.label}.{what.replace(' ', '_').replace(',', '')}", shape, self.dtype_name)
         head = self.split.op.startswith("cross_entropy")
         dim = "class axis" if head else "normalized axis"
         feature = "vocabulary-parallel cross-entropy" if head else f"{self.split.op} over a split axis"
@@ -135,12 +156,17 @@ class ProgramKernels:
         layer = layer_of(graph, self.op.index) or value_layer(graph, self.op.inputs[self.split.operand])
         reason = (
             f"{in_layer(feature, layer)}: {self.op} reads {self.label} with its {dim} split over {names}: "
-            f"all_reduce[{reduce}] of the {what}, one value per row instead of gathering the row"
+            f"{how} instead of gathering the row"
         )
         for step in plan.steps:
             x = emit_step(self.state, self.rp, step, x, row, reason, CollectiveKey("vocab", self.op.index, self.count))
             self.count += 1
         return x
+
+    def finite_or_zero(self, x: Any) -> Any:
+        import paddle
+
+        return paddle.where(paddle.isfinite(x), x, paddle.zeros_like(x))
 
     # ---- rows ----------------------------------------------------------------------------
     def row_max(self, x: Any) -> Any:

@@ -13,13 +13,16 @@ embedding and cross-entropy), written once against a small set of kernels ``k``:
     log_softmax       the same m, s; x - m - log s
     softmax_grad      out * (out_grad - all_reduce_sum(sum_v out * out_grad))
     log_softmax_grad  out_grad - exp(out) * all_reduce_sum(sum_v out_grad)
-    cross_entropy     m, s as softmax; t = all_reduce_sum(sum_v (x - m) * [v == label]);
+    cross_entropy     per rank r: m_r = max_v x, s_r = sum_v exp(x - m_r), t_r = sum_v x * [v == label],
+                      all gathered in ONE all_gather of three values per row; m = max_r m_r,
+                      s = sum_r s_r exp(m_r - m) (online softmax), t = sum_r t_r - m;
                       softmax = exp(x - m) / s, loss = (log s - t) * [label != ignore_index]
     cross_entropy_grad  (softmax - [v == label]) * loss_grad * [label != ignore_index]
 
 ``start`` / ``stop``: the rank's class (or table row) range; ``[v == label]`` compares the
-global class index of each local column with the label. Every all_reduce moves one value per
-row (B·S values), never the row. The pass runs them with Paddle ops and collectives
+global class index of each local column with the label. Every collective moves one to three
+values per row (B·S values), never the row; the head's cross-entropy one all_gather where the
+three all_reduces it needs one after another (max, then the sums) cost three launches. The pass runs them with Paddle ops and collectives
 (``ProgramKernels``); the rule tests run them on numpy pieces of every rank at once.
 """
 
@@ -82,8 +85,10 @@ def split_row(op_name: str, attrs: Mapping[str, Any], inputs: Sequence[DistAttr 
 
 # ---- the decompositions --------------------------------------------------------------------
 # ``k`` provides: row_max, row_sum (over the split axis, kept as size 1), all_reduce(x, reduce,
-# what), exp, log, subtract, multiply, divide, hits(label) ([global class == label], float,
-# shaped like the row), kept(label, ignore_index) (float, one per row), rows(ids) (ids - start
+# what), all_gather_rows(xs, what) (one collective: each row tensor's values of the group's
+# ranks along the split axis, in group order), finite_or_zero(x) (0 where not finite), exp,
+# log, subtract, multiply, divide, hits(label) ([global class == label], float, shaped like
+# the row), kept(label, ignore_index) (float, one per row), rows(ids) (ids - start
 # where in range else 0, and the in-range mask as float with a trailing 1), lookup(ids, weight,
 # padding_idx) and lookup_grad(ids, weight, out_grad, padding_idx) (Paddle's kernels, the global
 # padding_idx made local).
@@ -117,11 +122,19 @@ def log_softmax_grad(k: Any, out: Any, out_grad: Any) -> tuple[Any]:
 
 
 def cross_entropy(k: Any, logits: Any, label: Any, attrs: Mapping[str, Any]) -> tuple[Any, Any]:
-    m = k.all_reduce(k.row_max(logits), "max", "row max")
+    # one collective: every rank's row max, its sum of exponentials below that max and its
+    # target logit, gathered; the row's sum of exponentials below the global max m is then
+    # sum_r s_r exp(m_r - m) (online softmax). A rank's row of -inf shifts by 0, not -inf
+    local_max = k.row_max(logits)
+    sums = k.row_sum(k.exp(k.subtract(logits, k.finite_or_zero(local_max))))
+    maxes, sums, targets = k.all_gather_rows(
+        [local_max, sums, k.row_sum(k.multiply(logits, k.hits(label)))], "row max, sum of exponentials and target logit"
+    )
+    m = k.row_max(maxes)
+    s = k.row_sum(k.multiply(sums, k.exp(k.subtract(k.finite_or_zero(maxes), m))))
     z = k.subtract(logits, m)
     e = k.exp(z)
-    s = k.all_reduce(k.row_sum(e), "sum", "sum of exponentials")
-    target = k.all_reduce(k.row_sum(k.multiply(z, k.hits(label))), "sum", "target logit")
+    target = k.subtract(k.row_sum(targets), m)  # (rows whose label is ignored: no rank's hit; their loss is 0)
     loss = k.multiply(k.subtract(k.log(s), target), k.kept(label, attrs.get("ignore_index", -100)))
     return k.divide(e, s), loss
 

@@ -160,6 +160,10 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
             out[rank][1] += bucket.time
             out[rank][3] += bucket.bytes
+    for bucket in state.site_buckets:  # the gathers one op reads, in one (per micro-batch: passes/site_fusion.py)
+        for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
+            out[rank][0] += bucket.time
+            out[rank][2] += bucket.bytes
     return {rank: (a, b, int(c), int(d)) for rank, (a, b, c, d) in out.items()}
 
 
@@ -177,7 +181,7 @@ def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
 def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, int]]:
     """:func:`added_ops` of each of ``ranks`` (each planned reshard visited once)."""
     from autopar.collective_kinds import KINDS, Local
-    from autopar.passes import allreduce_fusion, zero_fusion
+    from autopar.passes import allreduce_fusion, site_fusion, zero_fusion
 
     by_index = {planned.index: planned for planned in state.reshards}
     fused = _fused(state)
@@ -201,12 +205,15 @@ def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, in
     for bucket in state.zero_buckets:
         for rank in ranks:
             ops[rank][1] += zero_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)
+    for bucket in state.site_buckets:
+        for rank in ranks:
+            ops[rank][0] += site_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)
     return {rank: (a, b) for rank, (a, b) in ops.items()}
 
 
 def _fused(state: CompileState) -> set[int]:
     """The planned reshards a fused bucket carries (priced, and counted, as the bucket)."""
-    return {member for bucket in (*state.buckets, *state.zero_buckets) for member in bucket.members}
+    return {member for bucket in (*state.buckets, *state.zero_buckets, *state.site_buckets) for member in bucket.members}
 
 
 def _taking_part(step: Any, ranks: list[int]) -> list[tuple[int, tuple[int, ...]]]:

@@ -48,8 +48,8 @@ SCRIPT = textwrap.dedent(
         names = names[:1]
     fetch = [seed.loss] + [gradient_of(n) for n in names]
     head = [c for c in dist.comm_ops(dist.rank_plan(0).rank) if c.key.source == "vocab" and "cross_entropy" in c.reason]
-    assert [(c.kind.value, c.reduce) for c in head] == [("all_reduce", "max"), ("all_reduce", "sum"), ("all_reduce", "sum")]
-    assert not [c for c in dist.comm_ops(0) if c.kind == "all_gather"]
+    assert [c.kind.value for c in head] == ["all_gather"]  # each rank's row max, sum of exponentials, target logit
+    assert not [c for c in dist.comm_ops(0) if c.kind == "all_gather" and c not in head]
     feeds = random_feeds(seed.feeds, 3, classes=vocab)
     serial = run_serial(seed.main, seed.startup, feeds, fetch)
     exe = autopar.Executor(dist, backend=backend)

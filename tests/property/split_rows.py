@@ -38,6 +38,13 @@ class RanksKernels:
         groups = {r: group_at(self.mesh, r, self.split.mesh_dims) for r in self.mesh.ranks}
         return {r: REDUCERS[reduce](np.stack([x[g] for g in groups[r]]), axis=0).astype(x[r].dtype) for r in x}
 
+    def all_gather_rows(self, xs, what):
+        groups = {r: group_at(self.mesh, r, self.split.mesh_dims) for r in self.mesh.ranks}
+        return [{r: np.concatenate([x[g] for g in groups[r]], axis=self.axis) for r in x} for x in xs]
+
+    def finite_or_zero(self, x):
+        return self._map(lambda a: np.where(np.isfinite(a), a, 0).astype(a.dtype), x)
+
     def row_max(self, x):
         return self._map(lambda a: a.max(axis=self.axis, keepdims=True), x)
 

@@ -84,7 +84,7 @@ def test_megatron_gpt_collectives_name_feature_and_layer():
     assert features == {
         "row-parallel output": 2,  # proj and fc2
         "vocabulary-parallel embedding": 1,
-        "vocabulary-parallel cross-entropy": 3,  # row max, sum of exponentials, target logit
+        "vocabulary-parallel cross-entropy": 1,  # row max, sum of exponentials, target logit: one all_gather
         "tensor-parallel input gradient": 3,  # the head's, fc1's and qkv's input gradients
         "gradient sync over dp": 1,  # one bucket
     }, causes
