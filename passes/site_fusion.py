@@ -56,10 +56,9 @@ class SiteFusion(Pass):
     emit_ensures: ClassVar[str] = "sites-fused"
 
     def plan(self, state: CompileState) -> None:
-        shared = {p.shared_with for p in state.reshards if p.shared_with is not None}
         groups: dict[tuple, list[PlannedReshard]] = {}
         for planned in state.reshards:
-            if planned.shared_with is None and planned.index not in shared and _gathers_in_blocks(planned):
+            if planned.shared_with is None and _gathers_in_blocks(planned):
                 step = planned.plan.steps[0]
                 site = state.graph.ops[planned.need.op].sites[planned.need.site.slot][0]
                 key = (site, step.src.mesh, step.mesh_dims, planned.plan.dtype)
@@ -76,6 +75,11 @@ class SiteFusion(Pass):
                 members = [by_index[i] for i in bucket.members]
                 if members[0].plan.steps[0].group_of(rp.rank) is not None:
                     _emit(state, rp, bucket, members)
+            fused = {m for bucket in state.site_buckets for m in bucket.members}
+            for read in state.reshards:  # later reads sharing a member's result (reshard emission left them)
+                if read.shared_with in fused and read.shared_with in rp.resharded:
+                    consumer, slot = read_site(state, rp, read)
+                    consumer.operand(slot).set_source(rp.resharded[read.shared_with])
             paddle.pir.reset_insertion_point_to_end()
 
 

@@ -194,6 +194,14 @@ class ProgramKernels:
         classes = paddle.reshape(paddle.arange(self.start, self.stop, 1, dtype=label.dtype), shape)
         return paddle.cast(paddle.equal(self._label(label), classes), self.dtype)
 
+    def picked(self, x: Any, label: Any) -> Any:
+        """The row's ``x`` at the label's class (0 where this rank holds no such class; not a
+        product with the hits: a masked -inf logit times 0 is NaN)."""
+        import paddle
+
+        hit = paddle.greater_than(self.hits(label), paddle.zeros([], self.dtype))
+        return self.row_sum(paddle.where(hit, x, paddle.zeros_like(x)))
+
     def kept(self, label: Any, ignore_index: int) -> Any:
         import paddle
 

@@ -88,7 +88,8 @@ def split_row(op_name: str, attrs: Mapping[str, Any], inputs: Sequence[DistAttr 
 # what), all_gather_rows(xs, what) (one collective: each row tensor's values of the group's
 # ranks along the split axis, in group order), finite_or_zero(x) (0 where not finite), exp,
 # log, subtract, multiply, divide, hits(label) ([global class == label], float, shaped like
-# the row), kept(label, ignore_index) (float, one per row), rows(ids) (ids - start
+# the row), picked(x, label) (the row sum of x where the class is the label: no product, a
+# masked -inf logit times 0 is NaN), kept(label, ignore_index) (float, one per row), rows(ids) (ids - start
 # where in range else 0, and the in-range mask as float with a trailing 1), lookup(ids, weight,
 # padding_idx) and lookup_grad(ids, weight, out_grad, padding_idx) (Paddle's kernels, the global
 # padding_idx made local).
@@ -128,7 +129,7 @@ def cross_entropy(k: Any, logits: Any, label: Any, attrs: Mapping[str, Any]) -> 
     local_max = k.row_max(logits)
     sums = k.row_sum(k.exp(k.subtract(logits, k.finite_or_zero(local_max))))
     maxes, sums, targets = k.all_gather_rows(
-        [local_max, sums, k.row_sum(k.multiply(logits, k.hits(label)))], "row max, sum of exponentials and target logit"
+        [local_max, sums, k.picked(logits, label)], "row max, sum of exponentials and target logit"
     )
     m = k.row_max(maxes)
     s = k.row_sum(k.multiply(sums, k.exp(k.subtract(k.finite_or_zero(maxes), m))))

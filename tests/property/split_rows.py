@@ -78,6 +78,10 @@ class RanksKernels:
 
         return {r: one(r, label[r]) for r in self.mesh.ranks}
 
+    def picked(self, x, label):
+        hits = self.hits(label)
+        return self._map(lambda a, h: np.where(h > 0, a, 0).sum(axis=self.axis, keepdims=True, dtype=a.dtype), x, hits)
+
     def kept(self, label, ignore_index):
         return self._map(lambda lab: (self._label(lab) != ignore_index).astype("float32"), label)
 

@@ -139,6 +139,19 @@ def test_class_split_cross_entropy_and_grad(mesh, data):
         assert grad.result.outputs[0].mapping[axis] == classes
 
 
+def test_class_split_cross_entropy_with_a_rank_of_masked_classes():
+    """Classes masked with -inf over one rank's whole range (a constrained vocabulary): that
+    rank's row max is -inf, and the one gathered max / sum / target still give the serial
+    softmax and loss (the rank's exponentials are shifted by 0, not by -inf: no NaN)."""
+    mesh = ProcessMesh([0, 1], ["mp"])
+    logits = _rand((4, 6))
+    logits[:, 3:] = -np.inf  # rank 1's classes
+    label = np.array([[0], [2], [1], [-100]], "int64")
+    attrs = {"soft_label": False, "use_softmax": True, "numeric_stable_mode": True, "ignore_index": -100, "axis": -1}
+    check = check_split_rule("cross_entropy_with_softmax", _kernel(_ce), [logits, label], [DistAttr(mesh, [None, "mp"]), None], attrs, mesh)
+    assert check.result.inputs[0].mapping[1] == (0,)
+
+
 def test_class_split_cross_entropy_readable():
     """logits ``bv[S(0),S(1)]`` (batch over dp, classes over mp) -> softmax ``[S(0),S(1)]``,
     loss ``b1[S(0),R]``: three all_reduces of one value per row instead of a gather."""
