@@ -34,7 +34,7 @@ from autopar.causes import gradients, in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
-from autopar.graph import Role
+from autopar.graph import Role, ValueKey
 from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site, replace_uses
@@ -84,16 +84,50 @@ class ZeroBucketFusion(Pass):
         import paddle
 
         by_index = {p.index: p for p in state.reshards}
+        riders = _riders(state, rp, by_index)
+        carried: list[Any] = []
         with paddle.static.program_guard(rp.program):
             for bucket in state.zero_buckets:
                 members = [by_index[i] for i in bucket.members]
                 if members[0].plan.steps[0].group_of(rp.rank) is None:
                     continue  # (another pipeline stage's parameters)
                 if bucket.kind is CollectiveKind.REDUCE_SCATTER:
-                    _emit_scatter(state, rp, bucket, members)
+                    carried = _emit_scatter(state, rp, bucket, members, riders)
                 else:
-                    _emit_gather(state, rp, bucket, members)
+                    _emit_gather(state, rp, bucket, members, list(zip(riders, carried)))
             paddle.pir.reset_insertion_point_to_end()
+
+
+def _riders(state: CompileState, rp: RankProgram, by_index: dict[int, PlannedReshard]) -> list[ValueKey]:
+    """The fetches of ``rp`` that ride in the step's ZeRO buckets: made whole by one sum
+    all_reduce over the buckets' group (a data-parallel loss), made before the gradients.
+    Each rides in the reduce_scatter (its local value in the first rank's chunk, zeros in the
+    others': that rank gets the sum) and in the all_gather after the updates (every rank gets
+    it), so it needs no collective of its own; only where the step has one bucket of each."""
+    from autopar.passes.fetch_replication import whole_plan
+
+    mine = [b for b in state.zero_buckets if by_index[b.members[0]].plan.steps[0].group_of(rp.rank) is not None]
+    scatters = [b for b in mine if b.kind is CollectiveKind.REDUCE_SCATTER]
+    gathers = [b for b in mine if b.kind is CollectiveKind.ALL_GATHER]
+    if state.pipeline is not None or not rp.fetches or len(scatters) != 1 or len(gathers) != 1:
+        return []
+    first = by_index[scatters[0].members[0]]
+    group = first.plan.steps[0].group_of(rp.rank)
+    if by_index[gathers[0].members[0]].plan.steps[0].group_of(rp.rank) != group:
+        return []
+    positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
+    start = positions[rp.ops[min(by_index[i].need.op for i in scatters[0].members)].id()]
+    out: list[ValueKey] = []
+    for key in rp.fetches:
+        plan = whole_plan(state, key)
+        if key in rp.fetched or key in out or plan.kinds() != [CollectiveKind.ALL_REDUCE] or plan.dtype != first.plan.dtype:
+            continue
+        if plan.steps[0].group_of(rp.rank) != group or (plan.steps[0].reduce or "sum") != "sum":
+            continue
+        producer = rp.produced(key).get_defining_op()
+        if producer is not None and positions.get(producer.id(), start) < start:
+            out.append(key)
+    return out
 
 
 def _groups(state: CompileState) -> list[tuple[CollectiveKind, list[PlannedReshard]]]:
@@ -266,7 +300,10 @@ def _padded(x: Any, size: int, to: int) -> Any:
     return paddle._C_ops.concat([flat, paddle._C_ops.full([to - size], 0.0, flat.dtype, paddle.CPUPlace())], 0)
 
 
-def _record(state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, group: tuple[int, ...], step: Any) -> Any:
+def _record(
+    state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, group: tuple[int, ...], step: Any,
+    riders: list[ValueKey] = (),
+) -> Any:  # fmt: skip
     import paddle
 
     chunk = math.prod(x.shape) // (len(group) if bucket.kind is CollectiveKind.REDUCE_SCATTER else 1)
@@ -279,7 +316,8 @@ def _record(state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, gr
         value=f"zero bucket {bucket.index} ({len(bucket.members)} tensors)",
         src=DistAttr.of(mesh, ((),), tuple((d, "sum") for d in step.mesh_dims)) if scatter else split,
         dst=split if scatter else DistAttr.of(mesh, ((),)), shape=(total,), output_shape=(chunk,) if scatter else (total,),
-        bytes=bucket.bytes, time=bucket.time, reason=bucket.reason, reduce=step.reduce or "sum",
+        bytes=bucket.bytes, time=bucket.time, reduce=step.reduce or "sum",
+        reason=bucket.reason + (f"; fetched {', '.join(state.graph.values[k].label for k in riders)} rides along (no collective of its own)" if riders else ""),
     )  # fmt: skip
     ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
     out = collective_op(collective, x, ring)
@@ -288,7 +326,11 @@ def _record(state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, gr
     return out
 
 
-def _emit_scatter(state: CompileState, rp: RankProgram, bucket: ZeroBucket, members: list[PlannedReshard]) -> None:
+def _emit_scatter(
+    state: CompileState, rp: RankProgram, bucket: ZeroBucket, members: list[PlannedReshard], riders: list[ValueKey]
+) -> list[Any]:
+    """The bucket's reduce_scatter on ``rp``; returns each rider's piece of the own chunk (the
+    sum on the group's first rank, zeros on the others)."""
     import paddle
 
     step = members[0].plan.steps[0]
@@ -303,10 +345,16 @@ def _emit_scatter(state: CompileState, rp: RankProgram, bucket: ZeroBucket, memb
     readers = [{u.id() for u in source.all_used_ops()} for source in sources]
     sizes = [_sizes(m, group) for m in members]
     rows = [_rank_rows(x, m, m.need.have, m.need.need, rp.rank, group) for x, m in zip(sources, members)]
+    numels = [math.prod(state.graph.values[key].shape) for key in riders]
+    for key, numel in zip(riders, numels):  # row 0: the local value; the others' rows zeros
+        value = paddle._C_ops.reshape(rp.produced(key), [1, numel])
+        zeros = paddle._C_ops.full([len(group) - 1, numel], 0.0, value.dtype, paddle.CPUPlace())
+        rows.append(paddle._C_ops.concat([value, zeros], 0))
     flat = paddle._C_ops.reshape(paddle._C_ops.concat(rows, 1), [-1])  # rank-major: row i holds rank i's shards
-    mine = _record(state, rp, bucket, flat, group, step)
+    mine = _record(state, rp, bucket, flat, group, step, riders)
     own = group.index(rp.rank)
-    split = paddle._C_ops.split(mine, [max(s) for s in sizes], 0)
+    split = paddle._C_ops.split(mine, [max(s) for s in sizes] + numels, 0)
+    carried = list(split[len(members) :])
     for member, flat, size, source, old in zip(members, split, sizes, sources, readers):
         local = member.need.need.local_shape(member.plan.shape, rp.rank)
         value = paddle._C_ops.slice(flat, [0], [0], [size[own]], [1], []) if size[own] != max(size) else flat
@@ -318,9 +366,14 @@ def _emit_scatter(state: CompileState, rp: RankProgram, bucket: ZeroBucket, memb
             consumer, slot = read_site(state, rp, member)
             consumer.operand(slot).set_source(value)
         rp.resharded[member.index] = value
+    return carried
 
 
-def _emit_gather(state: CompileState, rp: RankProgram, bucket: ZeroBucket, members: list[PlannedReshard]) -> None:
+def _emit_gather(
+    state: CompileState, rp: RankProgram, bucket: ZeroBucket, members: list[PlannedReshard], riders: list[tuple[ValueKey, Any]]
+) -> None:
+    """The bucket's all_gather on ``rp``; each rider's piece (from the reduce_scatter) rides
+    along and its first rank's copy is the whole fetched value."""
     import paddle
 
     step = members[0].plan.steps[0]
@@ -329,8 +382,13 @@ def _emit_gather(state: CompileState, rp: RankProgram, bucket: ZeroBucket, membe
     sizes = [_sizes(m, group) for m in members]
     own = group.index(rp.rank)
     parts = [_padded(rp.value(m.need.value), sizes[j][own], max(sizes[j])) for j, m in enumerate(members)]
-    gathered = _record(state, rp, bucket, paddle._C_ops.concat(parts, 0), group, step)
-    by_member = paddle._C_ops.split(paddle._C_ops.reshape(gathered, [len(group), -1]), [max(s) for s in sizes], 1)
+    parts += [piece for _, piece in riders]
+    numels = [math.prod(state.graph.values[key].shape) for key, _ in riders]
+    gathered = _record(state, rp, bucket, paddle._C_ops.concat(parts, 0), group, step, [key for key, _ in riders])
+    by_member = paddle._C_ops.split(paddle._C_ops.reshape(gathered, [len(group), -1]), [max(s) for s in sizes] + numels, 1)
+    for (key, _), rows in zip(riders, by_member[len(members) :]):  # the sum is the first rank's
+        first = paddle._C_ops.slice(rows, [0], [0], [1], [1], [])
+        rp.fetched[key] = paddle._C_ops.reshape(first, list(state.graph.values[key].shape))
     for member, size, rows in zip(members, sizes, by_member):
         sharded, whole = member.need.have, member.need.need
         shape = member.plan.shape

@@ -5,7 +5,8 @@ below the bucket size pays a collective of its own — and still equals serial.
 Before: ZeRO-1/2 gave the small gradients (40 B - 10 KiB, whose cheapest plan alone is an
 all_reduce then a slice) one all_reduce each beside the reduce_scatter bucket; plain dp gave
 the 1 MiB gradient (alone cheaper as reduce_scatter + all_gather) both collectives beside the
-bucket's all_reduce. Fusion now decides that decomposition for the whole bucket."""
+bucket's all_reduce. Fusion now decides that decomposition for the whole bucket. A fetched
+loss (a pending sum) rides in the buckets too: the step has no other collective."""
 
 import pytest
 
@@ -58,11 +59,12 @@ def test_data_parallel_step_moves_every_gradient_and_the_loss_in_the_bucket(widt
 def test_zero_small_gradients_ride_in_the_reduce_scatter_bucket(widths, stage):
     seed, dist, names = _compile(widths, zero_stage=stage)
     for rank in dist.mesh.ranks:
-        comms = dist.comm_ops(rank)
+        comms = [c for c, _ in dist.rank_plan(rank, fetches=[seed.loss]).collectives]
         assert [c.kind for c in comms] == ["reduce_scatter", "all_gather"], "\n".join(map(str, comms))
         assert all(c.key.source == "zero_bucket" for c in comms)
         _explained(comms[0], names)
         assert all(f"updated {name}" in comms[1].reason for name in names)
+        assert all("rides along" in c.reason for c in comms)  # the loss: in both, no all_reduce of its own
     assert_simulation_equals_serial(seed, dist)
 
 
