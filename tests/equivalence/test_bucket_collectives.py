@@ -11,6 +11,7 @@ loss (a pending sum) rides in the buckets too: the step has no other collective.
 import pytest
 
 import autopar
+from autopar.suggest.pricing import added_ops
 from autopar.testing.models import mlp
 from autopar.testing.serial import assert_simulation_equals_serial
 
@@ -46,6 +47,10 @@ def test_data_parallel_step_moves_every_gradient_and_the_loss_in_the_bucket(widt
         for c in comms:
             _explained(c, names)
         assert "rides along" in comms[-1].reason  # the fetched loss: no collective of its own
+        # pricing counts the ops the bucket adds (padding included) as the rank program holds them
+        # (beyond the serial program, less the partition's rescaling of the mean: 4 ops)
+        added = len(dist.rank_program(rank).global_block().ops) - len(seed.main.global_block().ops)
+        assert sum(added_ops(dist.state, rank)) == added - 4
     by_index = {p.index: p for p in dist.state.reshards}
     alone = sum(by_index[i].plan.time for i in bucket.members)
     assert bucket.time < alone

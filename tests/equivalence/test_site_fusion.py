@@ -9,6 +9,7 @@ import paddle
 import pytest
 
 import autopar
+from autopar.suggest.pricing import added_ops
 from autopar.testing.models import SeedProgram, make_optimizer
 from autopar.testing.serial import assert_simulation_equals_serial
 
@@ -44,4 +45,6 @@ def test_gathers_read_by_one_op_are_one_collective(width, fused):
             assert gather.time > 0
         else:
             assert len(gathers) == 3 and not [c for c in gathers if c.key.source == "site"]
+        added = len(dist.rank_program(rank).global_block().ops) - len(seed.main.global_block().ops)
+        assert sum(added_ops(dist.state, rank)) == added  # what suggest's pricing counts
     assert_simulation_equals_serial(seed, dist)
