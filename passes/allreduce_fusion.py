@@ -186,11 +186,7 @@ def _candidates(state: CompileState) -> list[Candidate]:
     """Reshards read after the last grad op whose plan is one all_reduce (maybe after a
     make_partial) or could be, in reader order (reads sharing an earlier reshard's result are
     not candidates: they follow it)."""
-    # every gradient is complete once the last grad op has run; what follows (accumulation,
-    # clipping, the optimizer) only reads gradients. Not the last op of backward role: ops
-    # reading gradients count as backward, so clipping's reads would fall before it
-    grad_ops = [op.index for op in state.graph.ops if op.role is Role.BACKWARD and op.short_name.endswith("_grad")]
-    start = max(grad_ops, default=len(state.graph.ops))
+    start = gradients_complete(state)
     out = []
     for planned in state.reshards:
         need, plan = planned.need, planned.plan
@@ -203,6 +199,14 @@ def _candidates(state: CompileState) -> list[Candidate]:
         if direct is not None or form_of(plan) is not None:
             out.append(Candidate(planned, direct))
     return sorted(out, key=lambda c: (c.planned.need.op, c.planned.index))
+
+
+def gradients_complete(state: CompileState) -> int:
+    """The index of the last grad op: every gradient is complete once it has run; what follows
+    (accumulation, clipping, the optimizer) only reads gradients. Not the last op of backward
+    role: ops reading gradients count as backward, so clipping's reads would fall before it."""
+    grad_ops = [op.index for op in state.graph.ops if op.role is Role.BACKWARD and op.short_name.endswith("_grad")]
+    return max(grad_ops, default=len(state.graph.ops))
 
 
 def _worth_fusing(state: CompileState, bucket: list[Member]) -> list[Member]:

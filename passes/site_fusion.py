@@ -1,21 +1,27 @@
-"""Site fusion: the all_gathers one op needs of several values become one collective (stage:
-reshard-planned -> sites-planned at compile; comm-inserted -> sites-fused per rank).
+"""Site fusion: the all_gathers (or all_reduces) one op needs of several values become one
+collective (stage: reshard-planned -> sites-planned at compile; comm-inserted -> sites-fused
+per rank).
 
 Reshard planning plans each value's move on its own. Where one op reads several values that
 must be gathered the same way before it runs, each would pay its own launch (and on the host
 backend a program cut): the backward of a fused q/k/v projection split by columns
 (``split_with_num``'s gradient is a ``concat`` of the three gradients, each split by heads,
 read whole) gathered three times per layer in GPT-2, where one all_gather of the three carries
-the same bytes.
+the same bytes; a loss averaged over the valid tokens (``sum(loss * valid) / sum(valid)``)
+under data parallelism all-reduced its numerator and its denominator one by one before the
+divide.
 
 Planning, from the planned reshards (values, the same on every rank): reshards read before the
 same site (an op, or the ``builtin.combine`` packing its operands) whose plan is one all_gather
 over the same mesh dims, of pieces that are equal blocks in group order on every rank (even
 splits: the gathered dim's innermost split is the one gathered), are packed into one bucket,
-priced as the all_gather of their flat buffer. Emission, per rank, right before the site:
+priced as the all_gather of their flat buffer; those whose plan is one all_reduce over the same
+mesh dims and reduction likewise (read before the gradients are complete: gradients read after
+go to :mod:`.allreduce_fusion`'s buckets). Emission, per rank, right before the site:
 
     flatten each piece -> concat -> one all_gather -> [ranks, buffer] -> split per value ->
     [ranks, *piece] -> ranks moved next to the gathered dim -> reshape to the whole value
+    flatten each piece -> concat -> one all_reduce -> split per value -> reshape
 
 The bytes moved stay the same; the collectives drop to one per site, recorded once with the
 values it carries (why, bytes, predicted time).
@@ -30,6 +36,7 @@ from typing import ClassVar
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
+from autopar.passes.allreduce_fusion import gradients_complete
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site
 from autopar.propagation import SiteKind
@@ -37,7 +44,7 @@ from autopar.propagation import SiteKind
 
 @dataclass(frozen=True, slots=True)
 class SiteBucket:
-    """All_gathers of several values read at one site, in one collective."""
+    """All_gathers (or all_reduces) of several values read at one site, in one collective."""
 
     index: int
     kind: CollectiveKind
@@ -45,6 +52,7 @@ class SiteBucket:
     bytes: int
     time: float
     reason: str
+    reduce: str = "sum"  # (all_reduce)
 
 
 @dataclass(frozen=True)
@@ -57,11 +65,13 @@ class SiteFusion(Pass):
 
     def plan(self, state: CompileState) -> None:
         groups: dict[tuple, list[PlannedReshard]] = {}
+        complete = gradients_complete(state)  # (all_reduces read after it are gradient buckets' candidates)
         for planned in state.reshards:
-            if planned.shared_with is None and _gathers_in_blocks(planned):
+            reduces = _reduces(planned) and planned.need.op <= complete
+            if planned.shared_with is None and (_gathers_in_blocks(planned) or reduces):
                 step = planned.plan.steps[0]
                 site = state.graph.ops[planned.need.op].sites[planned.need.site.slot][0]
-                key = (site, step.src.mesh, step.mesh_dims, planned.plan.dtype)
+                key = (site, step.kind, step.reduce, step.src.mesh, step.mesh_dims, planned.plan.dtype)
                 groups.setdefault(key, []).append(planned)
         members = [m for m in groups.values() if len(m) > 1]
         state.site_buckets = [_bucket(state, number, m) for number, m in enumerate(members)]
@@ -100,22 +110,31 @@ def _gathers_in_blocks(planned: PlannedReshard) -> bool:
     return all(len({have.local_shape(shape, r) for r in group}) == 1 for group in step.groups)
 
 
+def _reduces(planned: PlannedReshard) -> bool:
+    """A before-read reshard of one all_reduce (the pieces keep their shape)."""
+    steps = planned.plan.steps
+    return planned.need.site.kind is SiteKind.BEFORE_READ and len(steps) == 1 and steps[0].kind is CollectiveKind.ALL_REDUCE
+
+
 def _bucket(state: CompileState, number: int, members: list[PlannedReshard]) -> SiteBucket:
     step = members[0].plan.steps[0]
-    mesh, ranks = step.src.mesh, len(step.groups[0])
+    mesh, ranks, kind = step.src.mesh, len(step.groups[0]), step.kind
     numel = sum(math.prod(m.need.have.local_shape(m.plan.shape, step.groups[0][0])) for m in members)
-    flat = plan_reshard(
-        DistAttr.of(mesh, (tuple(step.mesh_dims),)), DistAttr.of(mesh, ((),)), (numel * ranks,), members[0].plan.dtype, state.cluster
-    )  # fmt: skip
-    (gather,) = flat.steps
+    if kind is CollectiveKind.ALL_GATHER:
+        src, dst, numel = DistAttr.of(mesh, (tuple(step.mesh_dims),)), DistAttr.of(mesh, ((),)), numel * ranks
+    else:
+        src, dst = DistAttr.of(mesh, ((),), tuple((d, step.reduce or "sum") for d in step.mesh_dims)), DistAttr.of(mesh, ((),))
+    flat = plan_reshard(src, dst, (numel,), members[0].plan.dtype, state.cluster)
+    (moved,) = flat.steps
     reader = state.graph.ops[members[0].need.op]
     cause = members[0].reason.split(": ", 1)[0]
     labels = ", ".join(state.label(m.need.value) for m in members)
     reason = (
         f"{cause}: {reader} reads {labels} as {members[0].need.need}; they are {members[0].need.have}: "
-        f"{len(members)} all_gathers at one site fused into one buffer"
+        f"{len(members)} {kind}s at one site fused into one buffer"
     )
-    return SiteBucket(number, CollectiveKind.ALL_GATHER, tuple(m.index for m in members), gather.bytes, gather.time, reason)
+    members_t = tuple(m.index for m in members)
+    return SiteBucket(number, kind, members_t, moved.bytes, moved.time, reason, step.reduce or "sum")
 
 
 def emitted_ops(bucket: SiteBucket, members: list[PlannedReshard], rank: int) -> int:
@@ -124,6 +143,8 @@ def emitted_ops(bucket: SiteBucket, members: list[PlannedReshard], rank: int) ->
     split 4, transpose 1)."""
     if members[0].plan.steps[0].group_of(rank) is None:
         return 0
+    if bucket.kind is CollectiveKind.ALL_REDUCE:
+        return 3 + 1 + 4 + 4 * len(members)  # concat, all_reduce, split; each flattened and shaped back
     ops = 3 + 1 + 2 + 4  # concat, all_gather, reshape to rows, split
     for member in members:
         axis = member.plan.steps[0].tensor_dims[0]
@@ -141,18 +162,28 @@ def _emit(state: CompileState, rp: RankProgram, bucket: SiteBucket, members: lis
     pieces = [m.need.have.local_shape(m.plan.shape, rp.rank) for m in members]
     sizes = [math.prod(s) for s in pieces]
     flat = paddle._C_ops.concat([paddle._C_ops.reshape(rp.current(m.need.value), [-1]) for m in members], 0)
-    total = sum(sizes) * len(group)
+    gather = bucket.kind is CollectiveKind.ALL_GATHER
+    total = sum(sizes) * (len(group) if gather else 1)
     mesh = step.src.mesh
+    pending = () if gather else tuple((d, bucket.reduce) for d in step.mesh_dims)
     collective = Collective(
-        kind=CollectiveKind.ALL_GATHER, group=group, key=CollectiveKey("site", bucket.index),
-        value=f"site bucket {bucket.index} ({len(members)} values)", src=DistAttr.of(mesh, (tuple(step.mesh_dims),)),
+        kind=bucket.kind, group=group, key=CollectiveKey("site", bucket.index),
+        value=f"site bucket {bucket.index} ({len(members)} values)",
+        src=DistAttr.of(mesh, (tuple(step.mesh_dims),) if gather else ((),), pending),
         dst=DistAttr.of(mesh, ((),)), shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
-        reason=bucket.reason, dtype=members[0].plan.dtype,
+        reason=bucket.reason, reduce=bucket.reduce, dtype=members[0].plan.dtype,
     )  # fmt: skip
     ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
     gathered = collective_op(collective, flat, ring)
     gathered.set_type(paddle.pir.create_shaped_type(flat.type(), [total]))
     rp.collectives.append((collective, gathered.get_defining_op().id()))
+    if not gather:
+        for member, piece in zip(members, paddle._C_ops.split(gathered, sizes, 0)):
+            out = paddle._C_ops.reshape(piece, list(member.need.need.local_shape(member.plan.shape, rp.rank)))
+            consumer, slot = read_site(state, rp, member)
+            consumer.operand(slot).set_source(out)
+            rp.resharded[member.index] = out
+        return
     rows = paddle._C_ops.split(paddle._C_ops.reshape(gathered, [len(group), -1]), sizes, 1)
     for member, piece, row in zip(members, pieces, rows):
         axis = member.plan.steps[0].tensor_dims[0]

@@ -48,3 +48,20 @@ def test_gathers_read_by_one_op_are_one_collective(width, fused):
         added = len(dist.rank_program(rank).global_block().ops) - len(seed.main.global_block().ops)
         assert sum(added_ops(dist.state, rank)) == added  # what suggest's pricing counts
     assert_simulation_equals_serial(seed, dist)
+
+
+def test_a_valid_token_mean_all_reduces_its_sum_and_count_in_one():
+    """GPT-2 on dp2: the loss averaged over the valid tokens divides two pending sums (the
+    token losses', the count's): one all_reduce of the two, then the gradient bucket — two
+    collectives a step, the loss fetched, equal serial."""
+    from autopar.testing.zoo import gpt2
+
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    config = gpt2.Config()
+    seed = gpt2.build(config, batch=4, seq=8, mesh=mesh)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    for rank in mesh.ranks:
+        comms = [c for c, _ in dist.rank_plan(rank, fetches=[seed.loss]).collectives]
+        assert [(c.kind.value, c.key.source) for c in comms] == [("all_reduce", "site"), ("all_reduce", "bucket")]
+        assert comms[0].bytes == 8 and "pd_op.divide#" in comms[0].reason and "2 all_reduces at one site" in comms[0].reason
+    assert_simulation_equals_serial(seed, dist, feeds=gpt2.feeds(config, 4, 8, 3))
