@@ -15,7 +15,9 @@ from collections.abc import Iterable, Sequence
 WIDTH = 120  # wrap the last column so that a row stays within about this many characters
 
 
-def text_table(rows: Iterable[Sequence[str]], indent: str = "", width: int = WIDTH, right: Sequence[int] = ()) -> list[str]:
+def text_table(
+    rows: Iterable[Sequence[str]], indent: str = "", width: int = WIDTH, right: Sequence[int] = ()
+) -> list[str]:
     """The lines of ``rows`` (the first is the header) as a table: columns two spaces apart,
     padded to their widest cell (right-aligned for the column indices in ``right``), the last
     column wrapped to keep each line within ``width`` (never narrower than 30 characters)."""

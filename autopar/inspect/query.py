@@ -123,7 +123,9 @@ def stage_layers(graph: ProgramGraph, stage_of: Mapping[int, int], stages: int) 
     """The layers each stage runs: the layer paths of its forward ops cut at the depth of the
     model's repeated blocks (``GPT/Block_3``, not its ``Linear_1``; without repeated blocks one
     level below the layers all ops share), in forward order; "" for ops outside any layer."""
-    forward = [(stage_of[op.index], path_of(op)) for op in graph.ops if op.role is Role.FORWARD and op.index in stage_of]
+    forward = [
+        (stage_of[op.index], path_of(op)) for op in graph.ops if op.role is Role.FORWARD and op.index in stage_of
+    ]
     paths = [path for _, path in forward if path]
     depth = repeated_depth(paths) or len(_common(paths)) + 1
     out: list[dict[str, None]] = [{} for _ in range(stages)]
