@@ -20,7 +20,7 @@ def text_table(
 ) -> list[str]:
     """The lines of ``rows`` (the first is the header) as a table: columns two spaces apart,
     padded to their widest cell (right-aligned for the column indices in ``right``), the last
-    column wrapped to keep each line within ``width`` (never narrower than 30 characters)."""
+    column wrapped to keep each line within ``width`` (never narrower than 40 characters)."""
     rows = [tuple(str(cell) for cell in row) for row in rows]
     if not rows:
         return []
@@ -28,7 +28,7 @@ def text_table(
     rows = [row + ("",) * (columns - len(row)) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(columns - 1)]
     lead = len(indent) + sum(w + 2 for w in widths)
-    room = max(width - lead, 30)
+    room = max(width - lead, 40)
     lines = []
     for row in rows:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]

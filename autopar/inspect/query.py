@@ -68,6 +68,27 @@ class ReshardDecision:
     shared_with: int | None  # an earlier reshard whose result this one reuses
 
 
+class Reshards(tuple):
+    """Every planned reshard (a tuple of :class:`ReshardDecision`); ``print`` it for a table:
+    each value by name, the op it serves, from and to which placement, the steps, bytes, time and
+    the cause (a reason's words before its first colon: ``gradient sync over dp in Linear_2``)."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        from autopar.units import format_bytes, format_time
+
+        if not self:
+            return "no reshard: every value is read where and as it is made"
+        moved = [r for r in self if r.shared_with is None]
+        total = f"{format_bytes(sum(r.bytes for r in moved))}, {format_time(sum(r.time for r in moved))} predicted"
+        rows = [("value", "for", "site", "from -> to", "steps", "bytes", "time", "why")]
+        rows += [(r.value, r.op, r.site, f"{r.have} -> {r.need}", " + ".join(r.kinds) or "-", format_bytes(r.bytes),
+                  format_time(r.time), r.reason.split(": ", 1)[0] if r.shared_with is None else f"reuses reshard {r.shared_with}")
+                 for r in self]  # fmt: skip
+        return "\n".join([f"{len(self)} reshards ({total})", *text_table(rows, "  ")])
+
+
 @dataclass(frozen=True, slots=True)
 class SharedParameterDecision:
     """A parameter read on several pipeline stages: updated on ``owner``, copied to ``copies``
@@ -289,8 +310,8 @@ class Decisions:
         )  # fmt: skip
 
     # ---- communication -----------------------------------------------------------------
-    def reshards(self) -> tuple[ReshardDecision, ...]:
-        """Every planned reshard, in plan order."""
+    def reshards(self) -> Reshards:
+        """Every planned reshard, in plan order (a tuple that prints as a table)."""
         out = []
         for planned in self._state.reshards:
             need = planned.need
@@ -299,7 +320,7 @@ class Decisions:
                 need.site.kind.value, need.have, need.need, tuple(step.kind.value for step in planned.plan.steps),
                 planned.plan.bytes, planned.plan.time, planned.reason, planned.shared_with,
             ))  # fmt: skip
-        return tuple(out)
+        return Reshards(out)
 
     def collectives(self, rank: int) -> list[Any]:
         """``rank``'s collectives in program order (``dist.comm_ops(rank)``)."""

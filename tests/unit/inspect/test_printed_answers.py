@@ -92,6 +92,19 @@ def test_sequence_prints_each_value_with_its_layer_and_split():
     assert row.split()[1] == regions.layers[layer_norm]
 
 
+def test_reshards_print_each_value_by_name_with_its_cause():
+    _, dist = build("simple dp2xmp2")
+    reshards = dist.decisions.reshards()
+    assert isinstance(reshards, tuple) and [r for r in reshards if r.kinds == ("all_reduce",)]
+    lines = str(reshards).splitlines()
+    assert lines[0].startswith(f"{len(reshards)} reshards (") and "ReshardDecision(" not in str(reshards)
+    assert lines[1].split() == ["value", "for", "site", "from", "->", "to", "steps", "bytes", "time", "why"]
+    row_parallel = next(line for line in lines if "row-parallel output in Linear" in line)
+    assert row_parallel.split()[3:7] == ["read", "[S(0),P(sum)]", "->", "[S(0),R]"] and "all_reduce" in row_parallel
+    grads = [line for line in lines if line.strip().startswith("grad(")]
+    assert grads and all(line.rstrip().split("gradient sync over dp in ")[1].startswith("Linear") for line in grads)
+
+
 def _schedule():
     parse = Action.parse
     return {0: [parse(a) for a in "0F0 0SEND_F0 0RECV_B0 0B0 0OPT".split()],
@@ -132,10 +145,15 @@ def test_text_table_pads_columns_and_wraps_the_last():
     lines = text_table([("a", "bb", "text"), ("ccc", "d", "one two three four five six")], indent="  ")
     assert lines == ["  a    bb  text", "  ccc  d   one two three four five six"]
     assert text_table([("n", "size"), ("x", "5")], right=(0,)) == ["n  size", "x  5"] and text_table([]) == []
-    wrapped = text_table([("k", "v"), ("x", " ".join(["word"] * 30))], width=40)  # the last column 37 wide at least 30
+    wrapped = text_table(
+        [("k", "v"), ("x", " ".join(["word"] * 30))], width=50
+    )  # the last column 47 wide (40 at least)
     assert (
         len(wrapped) > 2
         and wrapped[1].startswith("x  word")
         and all(line.startswith("   word") for line in wrapped[2:])
     )
-    assert all(len(line) <= 40 for line in wrapped)
+    assert (
+        all(len(line) <= 50 for line in wrapped)
+        and max(map(len, text_table([("k", "v"), ("x", "w " * 60)], width=10))) <= 43
+    )
