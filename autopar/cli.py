@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.units import parse_bytes  # (the CLI's --memory; suggest's memory_per_rank reads it too)
 
 HANDOVER = """TARGET hands over its program:
   module:function | file.py:function   the function (no arguments) returns a DistributedProgram
@@ -302,18 +303,6 @@ def suggest_text(target: str, world: int, memory: str | None, profile: str | Non
         raise AutoparError(f"{target} gave a {type(obj).__name__}; expected a DistributedProgram or (main[, mesh], startup)")
     budget = parse_bytes(memory) if memory is not None else None
     return str(autopar.suggest(main, world, startup, memory_per_rank=budget, cluster=profile, top=top)) + "\n"
-
-
-def parse_bytes(text: str) -> int:
-    """``80GB``, ``80 GiB``, ``512MiB``, ``1e9`` -> bytes (GB: 10^9, GiB: 2^30)."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", text)
-    if match is None:
-        raise AutoparError(f"--memory {text!r}: expected a size such as 80GB, 80GiB or 512MiB")
-    number, prefix, binary = match.groups()
-    power = " KMGT".index(prefix or " ")
-    return int(float(number) * (1024 if binary else 1000) ** power)
 
 
 def main(argv: list[str] | None = None) -> int:
