@@ -85,9 +85,9 @@ def test_wrong_arguments_are_refused_by_name(kwargs, message):
 def test_the_command_line_prints_the_table(capsys):
     from autopar import cli
 
-    assert cli.main(["suggest", "examples/suggest_plans.py:program", "--world", "2", "--top", "2", "--memory", "64MiB"]) == 0
+    assert cli.main(["suggest", "examples/suggest_plans.py:program", "--world", "2", "--top", "2", "--memory", "64MiB", "--all-devices"]) == 0
     out = capsys.readouterr().out
-    assert "mesh" in out and "candidates priced" in out and "fits in 64 MiB" in out
+    assert "mesh" in out and "candidates priced" in out and "fits in 64 MiB" in out and "of 2 devices" not in out
     assert cli.parse_bytes("80GB") == 80 * 10**9 and cli.parse_bytes("512 MiB") == 512 << 20
     assert cli.main(["suggest", "examples/suggest_plans.py:program", "--world", "2", "--memory", "lots"]) == 2
     assert "expected a size" in capsys.readouterr().err
