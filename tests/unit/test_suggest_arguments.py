@@ -96,8 +96,10 @@ def test_a_compiled_program_or_a_layer_is_refused_saying_what_to_pass(seed):
         autopar.suggest(dist, 2)
     with pytest.raises(AutoparError, match=r"price_plan: program is a DistributedProgram"):
         autopar.price_plan(dist, (2, 1, 1))
+    with paddle.static.program_guard(paddle.static.Program(), paddle.static.Program()):  # (its parameters made there)
+        layer = paddle.nn.Linear(2, 2)
     with pytest.raises(AutoparError, match=r"suggest: program is an nn.Layer \(Linear\); pass the static training program"):
-        autopar.suggest(paddle.nn.Linear(2, 2), 2)
+        autopar.suggest(layer, 2)
     with pytest.raises(AutoparError, match=r"suggest: startup_program must be a Paddle static \(PIR\) program"):
         autopar.suggest(seed.main, 2, "startup")
 
