@@ -92,7 +92,7 @@ def price_plan(
     cluster = arguments.profile("price_plan", cluster) or strategy.cluster
     (shape,) = arguments.shapes("price_plan", [shape], None)
     search = _Search(program, startup_program, shape.world, cluster, arguments.budget("price_plan", memory_per_rank))
-    why = search.unfit(shape)
+    why = search.unfit(shape, strategy)
     if why is not None:
         raise AutoparError(f"price_plan: {shape}: {why}")
     return search.entry(shape).priced(program, startup_program, dataclasses.replace(strategy, cluster=cluster), search.budget)
@@ -124,8 +124,9 @@ class _Search:
             out += [s for s in fewer if s.world < self.world]
         return out
 
-    def unfit(self, shape: Shape) -> str | None:
-        """Why ``shape`` cannot take the program (None: it can)."""
+    def unfit(self, shape: Shape, given: Strategy | None = None) -> str | None:
+        """Why ``shape`` cannot take the program (None: it can), with the ``given`` strategy or
+        (None) with the search's, whose pipelines need as many micro-batches as stages."""
         rows = self.batch // shape.dp
         if self.batch % shape.dp:
             return f"the batch of {self.batch} rows does not split over {shape.dp} data ranks"
@@ -135,7 +136,7 @@ class _Search:
                     f"devices (ranks {straddling}): it must divide the node")  # fmt: skip
         if shape.pp > self.stages:
             return f"the program's forward has {self.stages} layer(s) to cut, fewer than {shape.pp} stages"
-        if shape.pp > rows:
+        if given is None and shape.pp > rows:
             return f"{rows} rows per data rank cannot make the {shape.pp} micro-batches {shape.pp} stages need"
         if shape.mp > 1 and not self.split(shape.mp):
             return f"nothing found to split over {shape.mp} tensor ranks"
