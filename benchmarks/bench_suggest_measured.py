@@ -57,7 +57,7 @@ def priced(world: int, model: str) -> list:
     import autopar
 
     seed = seed_program(model)
-    return list(autopar.suggest(seed.main, world, seed.startup, top=1000)), seed
+    return list(autopar.suggest(seed.main, world, seed.startup, top=1000, all_devices=True)), seed  # (run on world processes)
 
 
 def spread(plans: list, count: int) -> list:
