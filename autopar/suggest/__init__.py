@@ -42,6 +42,7 @@ from autopar.suggest.plans import TIE, Plan, Suggestions
 from autopar.suggest.pricing import price
 from autopar.suggest.search import Shape, accumulates, largest, most_stages, strategies, trades_time_for_memory
 from autopar.suggest.search import shapes as factorisations
+from autopar.suggest.tables import PlacementTable, Skipped, SkippedPlans
 from autopar.units import format_bytes, format_time
 
 __all__ = ["FURTHER", "TIE", "Plan", "Suggestions", "price_plan", "suggest"]
@@ -109,7 +110,7 @@ class _Search:
         self.stages = most_stages(self.graph)
         self.entries: dict[Shape, _Shape] = {}
         self.plans: list[Plan] = []
-        self.skipped: list[tuple[str, str]] = []
+        self.skipped: list[Skipped] = []
         self.pruned = 0
         self.least = float("inf")  # the least memory any candidate needs (its floor when pruned)
         self._split: dict[int, Any] = {}  # mp -> TensorParallel (or None: nothing to split)
@@ -157,6 +158,7 @@ class _Search:
             tp = self.split(shape.mp) if shape.mp > 1 else None
             mesh = shape.mesh()
             annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
+            annotated = PlacementTable(annotated, self.graph)
             chosen = list(strategies(shape, self.batch, self.cluster))
             self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world)
         return self.entries[shape]
@@ -167,7 +169,7 @@ class _Search:
         for shape in shapes:
             why = self.unfit(shape)
             if why is not None:
-                self.skipped.append((self._named(shape), why))
+                self.skipped.append(Skipped(shape, why, world=self.world))
             else:
                 self.entry(shape)
         order = sorted(self.entries.values(), key=lambda e: (e.shape.world > 1, e.shape.world < self.world, -e.shape.world))
@@ -188,7 +190,7 @@ class _Search:
             try:
                 plan = entry.priced(self.program, self.startup, strategy, self.budget)
             except AutoparError as error:
-                self.skipped.append((f"{self._named(entry.shape)} [{strategy}]", str(error).splitlines()[0]))
+                self.skipped.append(Skipped(entry.shape, str(error).splitlines()[0], strategy, self.world))
                 continue
             self.least = min(self.least, plan.price.memory)
             self.plans.append(plan)
@@ -216,14 +218,15 @@ class _Search:
         best = min((plan.price.step for plan in self.plans if plan.fits), default=float("inf"))
         if bound <= best:
             return False
-        self.skipped.append((self._named(entry.shape), f"at least {format_time(bound)} of compute (one device's / {n}), "
-                             f"slower than the best plan found ({format_time(best)})"))  # fmt: skip
+        why = (f"at least {format_time(bound)} of compute (one device's / {n}), "
+               f"slower than the best plan found ({format_time(best)})")  # fmt: skip
+        self.skipped.append(Skipped(entry.shape, why, world=self.world))
         return True
 
     def result(self, top: int, given: Any) -> Suggestions:
         """The ranked plans (see :class:`Suggestions`), the first ``top``."""
         out = Suggestions(sorted(self.plans, key=_rank_key))
-        out.searched, out.pruned, out.skipped = len(self.plans), self.pruned, tuple(self.skipped)
+        out.searched, out.pruned, out.skipped = len(self.plans), self.pruned, SkippedPlans(self.skipped)
         if not any(plan.fits for plan in out):
             least = f"; the least a plan needs is {format_bytes(self.least)}" if self.least < float("inf") else ""
             hint = arguments.unit_hint(given, self.budget) if given is not None else ""
@@ -231,9 +234,6 @@ class _Search:
             warnings.warn(f"suggest: {'; '.join(out.notes)}", UserWarning, stacklevel=3)
         del out[top:]
         return out
-
-    def _named(self, shape: Shape) -> str:
-        return f"{shape} ({shape.world} of {self.world} devices)" if shape.world < self.world else str(shape)
 
 
 def _rank_key(plan: Plan) -> tuple:

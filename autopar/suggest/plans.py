@@ -18,6 +18,7 @@ from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest.pricing import Price
 from autopar.suggest.search import Shape
+from autopar.suggest.tables import SkippedPlans, strategy_words
 from autopar.units import format_bytes, format_time
 
 TIE = 0.05  # plans whose steps are within this fraction of a faster one's share its rank
@@ -63,18 +64,7 @@ class Plan:
 
     @property
     def features(self) -> str:
-        s, out = self.strategy, []
-        if s.zero_stage:
-            out.append(f"ZeRO-{s.zero_stage}")
-        if s.sequence_parallel:
-            out.append("SP")
-        if s.recompute:
-            out.append("recompute")
-        if s.pipeline is not None and s.pipeline.stages == 1:
-            out.append(f"accumulate m={s.pipeline.micro_batches}")
-        elif s.pipeline is not None:
-            out.append(f"{s.pipeline.schedule} m={s.pipeline.micro_batches}")
-        return ", ".join(out) or "-"
+        return strategy_words(self.strategy)
 
     @property
     def why(self) -> str:
@@ -129,7 +119,7 @@ class Suggestions(list):
     searched: int = 0
     pruned: int = 0
     seconds: float = 0.0
-    skipped: tuple[tuple[str, str], ...] = ()
+    skipped: SkippedPlans = SkippedPlans()
     notes: tuple[str, ...] = ()
     tolerance: float = TIE
 
@@ -166,7 +156,7 @@ class Suggestions(list):
             lines.append(f"n= : tied, steps within {self.tolerance:.0%} of each other (within the cost model's error: "
                          "measure them to choose)")  # fmt: skip
         lines.append(f"{self.searched} candidates priced, {self.pruned} pruned by memory, in {self.seconds:.1f} s")
-        lines += [f"skipped {shape}: {why}" for shape, why in self.skipped]
+        lines += str(self.skipped).splitlines() if self.skipped else []
         lines += [f"note: {note}" for note in self.notes]
         if self:
             lines += ["", f"best: {self[0]}"]

@@ -115,11 +115,14 @@ class Skipped:
     shape: Any  # autopar.suggest.search.Shape
     why: str
     strategy: Strategy | None = None
+    world: int = 0  # the devices searched over (a shape on fewer says so)
 
     @property
     def where(self) -> str:
-        """``dp=2 x pp=2`` or ``dp=2 x pp=2 [ZeRO-1, 1F1B m=4]``."""
-        return str(self.shape) if self.strategy is None else f"{self.shape} [{strategy_words(self.strategy)}]"
+        """``dp=2 x pp=2``, ``dp=2 (2 of 3 devices)`` or ``dp=2 x pp=2 [ZeRO-1, 1F1B m=4]``."""
+        n = self.shape.world
+        shape = f"{self.shape} ({n} of {self.world} devices)" if n < self.world else str(self.shape)
+        return shape if self.strategy is None else f"{shape} [{strategy_words(self.strategy)}]"
 
     def __iter__(self) -> Iterator[str]:
         return iter((self.where, self.why))
