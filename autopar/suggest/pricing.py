@@ -43,9 +43,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from autopar.collective import CollectiveKind
 from autopar.collective_kinds import point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
-from autopar.cost_model.planner import group_at
+from autopar.cost_model.comm import shared_cores_time
+from autopar.cost_model.planner import group_at, plan_reshard
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
@@ -295,9 +297,12 @@ def _ranks_in(mesh: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
 def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, int, int, int, int]]:
     """Per each of ``ranks``: seconds of the collectives it takes part in per micro-batch and once
     a step (a gradient sync, a fused bucket), the bytes it sends in each and their number (each
-    planned reshard visited once)."""
+    planned reshard visited once). Where the job's processes outnumber the node's cores, each
+    collective's fixed costs stretch (:func:`~autopar.cost_model.comm.shared_cores_time`)."""
     out = {rank: [0.0, 0.0, 0, 0, 0, 0] for rank in ranks}  # per micro-batch, once: seconds, sent, collectives
-    fused = _fused(state)
+    cluster, fused = state.cluster, _fused(state)
+    processes = min(len(state.mesh.ranks), cluster.devices_per_node)
+    shared = cluster.device.shared_by(processes) > 1.0
     for planned in state.reshards:
         if planned.shared_with is not None or planned.index in fused:
             continue
@@ -305,17 +310,87 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
         for step in planned.plan.steps:
             if step.kind.is_local:  # (a local slice is a copy the compute side does not see: a few bytes)
                 continue
-            for rank, _ in _taking_part(step, ranks):
-                out[rank][once] += step.time
+            for rank, group in _taking_part(step, ranks):
+                out[rank][once] += step.time + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
+                out[rank][2 + once] += step.bytes
+                out[rank][4 + once] += 1
+    for op, plan in _row_reshards(state):  # (a vocabulary-parallel row's all_reduces, emitted by its rewrite)
+        once = int(op.role is Role.OPTIMIZER)
+        for step in plan.steps:
+            for rank, group in [] if step.kind.is_local else _taking_part(step, ranks):
+                out[rank][once] += step.time + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
                 out[rank][2 + once] += step.bytes
                 out[rank][4 + once] += 1
     by_index = {planned.index: planned for planned in state.reshards}
     for bucket in (*state.buckets, *state.zero_buckets):
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
-            out[rank][1] += bucket.time
+            stretch = 0.0
+            if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
+                stretch = _stretch(*found, cluster, processes)
+            out[rank][1] += bucket.time + stretch
             out[rank][3] += bucket.bytes
             out[rank][5] += 1
     return {rank: (a, b, int(c), int(d), e, f) for rank, (a, b, c, d, e, f) in out.items()}
+
+
+def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
+    """The all_reduces of one value per row that the vocabulary-parallel rewrite emits for an op
+    whose normalized axis (softmax, cross-entropy: Megatron's LM head) stays split
+    (:mod:`autopar.passes.vocab_parallel`): (op, planned reshard) each, planned as the rewrite
+    plans them, ``P(max|sum) -> R`` of the per-row tensor."""
+    from autopar.dist_attr import DistAttr
+    from autopar.passes.vocab_parallel import split_rows
+    from autopar.spmd.vocab_parallel import decompose
+
+    out = []
+    for op, split in split_rows(state):
+        required = state.propagation.op_results[op.index].inputs
+        dist, value = required[split.operand], state.graph.values[op.inputs[split.operand]]
+        others = {d: k for attr in required if attr is not None for d, k in attr.partial if d not in split.mesh_dims}
+        mapping = tuple(() if t == split.axis else dims for t, dims in enumerate(dist.mapping))
+        row = tuple(1 if t == split.axis else n for t, n in enumerate(value.shape))
+        reduces: list[str] = []
+        decompose(split, _RowKernels(reduces), [None] * len(op.inputs), op.attrs)
+        for reduce in reduces:
+            src = DistAttr.of(dist.mesh, mapping, {**others, **{d: reduce for d in split.mesh_dims}})
+            dst = DistAttr.of(dist.mesh, mapping, others)
+            out.append((op, plan_reshard(src, dst, row, value.dtype, state.cluster)))
+    return out
+
+
+class _RowKernels:
+    """The kernels a decomposition calls, computing nothing: the reductions its all_reduces take."""
+
+    def __init__(self, reduces: list[str]) -> None:
+        self.reduces = reduces
+
+    def all_reduce(self, x: Any, reduce: str, what: str) -> Any:
+        self.reduces.append(reduce)
+
+    def rows(self, ids: Any) -> tuple[None, None]:
+        return None, None
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: None
+
+
+@lru_cache(maxsize=1 << 12)
+def _stretch(kind: Any, group: tuple[int, ...], cluster: Any, processes: int) -> float:
+    return shared_cores_time("send_recv" if point_to_point(kind) else kind.value, group, cluster, processes)
+
+
+def _bucket_group(bucket: Any, by_index: dict[int, Any], rank: int) -> tuple[Any, tuple[int, ...]] | None:
+    """A fused bucket's collective kind and ``rank``'s group in it (a gradient bucket: its
+    all_reduce over its mesh dims; a ZeRO bucket: its members' step of its kind)."""
+    src = getattr(bucket, "src", None)
+    if src is not None:
+        return CollectiveKind.ALL_REDUCE, tuple(group_at(src.mesh, rank, bucket.mesh_dims))
+    for member in bucket.members:
+        for step in by_index[member].plan.steps:
+            if step.kind == bucket.kind:
+                for _, group in _taking_part(step, [rank]):
+                    return bucket.kind, tuple(group)
+    return None
 
 
 def added_ops(state: CompileState, rank: int) -> tuple[int, int]:

@@ -103,3 +103,36 @@ def test_dp_gradient_buckets_overlap_the_backward_where_the_program_runs_collect
     assert one.price.hidden == 0.0 and len(one.compile().state.buckets) == 1
     assert host.price.hidden == 0.0
     assert buckets.compile().cost.step_time == pytest.approx(buckets.price.step, rel=1e-9)
+
+
+def test_a_collective_among_processes_sharing_cores_pays_its_fixed_costs_stretched():
+    """cpu-shm (2 cores): with 4 processes each collective's program segment and message-step
+    latencies take twice as long (a waiting member's peer, and its own wake-up, queue for a core
+    the others hold); its bytes keep their fitted rate. 2 processes, or a GPU, pay nothing more."""
+    from autopar.cost_model import load_cluster
+    from autopar.cost_model.comm import coefficients, shared_cores_time
+
+    shm, h100 = load_cluster("cpu-shm"), load_cluster("h100-node")
+    fixed = (
+        shm.device.segment_seconds + coefficients("all_reduce", 2, 0.0)[0] * shm.link_for((0, 1), "all_reduce").latency
+    )
+    assert shared_cores_time("all_reduce", (0, 1), shm, 4) == pytest.approx(fixed)
+    assert (
+        shared_cores_time("all_reduce", (0, 1), shm, 2) == 0.0 and shared_cores_time("all_reduce", (0,), shm, 4) == 0.0
+    )
+    assert shared_cores_time("all_reduce", (0, 1), h100, 8) == 0.0
+    # the step prices it for every collective a rank takes part in (the vocabulary-parallel head's all_reduces included)
+    seed = _deep_narrow()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = {
+            shape: autopar.price_plan(seed.main, shape, autopar.Strategy(), seed.startup, cluster="cpu-shm")
+            for shape in ((4, 1, 1), (2, 2, 1))
+        }
+    stretched = {}
+    for shape, plan in plans.items():
+        dist = plan.compile()
+        alone = sum(c.time for c in dist.comm_ops(0))
+        stretched[shape] = sum(shared_cores_time(c.kind.value, c.group, shm, 4) for c in dist.comm_ops(0))
+        assert plan.price.communication == pytest.approx(alone + stretched[shape])  # (rank 0: every rank alike here)
+        assert stretched[shape] >= len(dist.comm_ops(0)) * shm.device.segment_seconds
