@@ -21,7 +21,9 @@ The step, on the busiest rank of each pipeline rank:
   processes outnumber its cores, all of it slower by their ratio (``device.shared_by``);
 - **communication**: every collective the rank takes part in (a per-micro-batch reshard ``m``
   times, a gradient sync once; on a host backend each also ends a program segment, which the
-  cost model's collective times include). Exposed, but for the data-parallel gradient buckets
+  cost model's collective times include; where the job's processes outnumber the node's cores,
+  each one's fixed costs stretch by their ratio, :func:`~autopar.cost_model.comm.shared_cores_time`;
+  the vocabulary-parallel rewrite's all_reduces of one value per row included). Exposed, but for the data-parallel gradient buckets
   where collectives run inside the program beside the compute (no host segment: NCCL on its own
   stream): a bucket's all_reduce starts once the backward has made its last gradient and the
   bucket before it is done, so it runs behind the rest of the last micro-batch's backward;
