@@ -164,7 +164,7 @@ def warn_foreign_annotations(program: Any, graph: Any) -> None:
     params = {v.name: len(v.shape) for v in graph.values.values() if v.kind == "parameter"}
     feeds = {v.name: len(v.shape) for v in graph.values.values() if v.kind == "feed"}
     foreign_params, foreign_feeds = set(), set()
-    ops: list[str] | None = None
+    ops: list[tuple[str, tuple]] | None = None
     for other, other_notes in list(_TABLE.items()):
         if other is program or not other_notes.tensors:
             continue
@@ -175,16 +175,16 @@ def warn_foreign_annotations(program: Any, graph: Any) -> None:
             ops = ops if ops is not None else _signature(program)
             if _signature(other) == ops:
                 foreign_feeds |= wanted
+    consequence = {"parameters": "", "feeds": " (its feeds unannotated, the batch is not split: no data parallelism)"}
     for kind, found in (("parameters", foreign_params), ("feeds", foreign_feeds)):
         if found:
             warnings.warn(
                 f"{kind} {sorted(found)} were annotated in another program (a clone or a rebuild of this one) and are not "
                 "annotated in this one; annotations apply only to the program whose values were annotated: annotate "
-                "this program's values" + (" (its feeds unannotated, the batch is not split: no data parallelism)"
-                                           if kind == "feeds" else ""),
+                f"this program's values{consequence[kind]}",
                 AnnotationWarning,
                 stacklevel=3,
-            )  # fmt: skip
+            )
 
 
 def _signature(program: Any) -> list[tuple[str, tuple]]:
