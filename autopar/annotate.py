@@ -115,6 +115,7 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
         raise AnnotationError(f"shard_tensor needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     program = program_of(value)
     label = value_label(value)
+    _check_not_startup(program, value, label, "shard_tensor")
     if not value.is_dense_tensor_type():
         raise AnnotationError(f"shard_tensor annotates tensors; {label} is a {value.type()} (annotate its members)")
     _check_current_program(program, label)
@@ -145,32 +146,83 @@ def _check_static_dims(attr: DistAttr, shape: list[int], label: str) -> None:
 
 
 def warn_foreign_annotations(program: Any, graph: Any) -> None:
-    """Warn about parameters of ``program`` annotated only on another program (a clone, or the
+    """Warn about values of ``program`` annotated only on another program (a clone, or the
     same net built again): annotations belong to the program whose Value was annotated.
 
-    Only parameters are matched, by name (and number of dims): Paddle names parameters uniquely per
-    process, so another live program holding an annotated parameter of the same name is its
-    clone or a rebuild of the same net. Feeds ("x") and activations repeat across unrelated
-    programs, so an annotation on them in program A cannot be told from a deliberate one and
-    is not reported; it is never applied to another program either way.
+    Parameters are matched by name (and number of dims) in any other live program: Paddle names
+    parameters uniquely per process, so another program holding an annotated parameter of the
+    same name is a clone or a rebuild of the same net. Feeds ("x") repeat across unrelated
+    programs, so theirs are matched only when this program carries no annotation at all and
+    the other is another *build* of it (the same ops in the same order): the batch split the
+    user meant for this program, which would otherwise turn data parallelism off without a
+    word. (A program annotated on its own leaves its feeds whole on purpose.) Compiling a
+    clone unannotated on purpose is legal: a warning, naming the values. Activations are never
+    matched (their ids are per program).
     """
-    own = {label for _, label in annotations_of(program).tensors.values()}
+    notes = annotations_of(program)
+    own = {label for _, label in notes.tensors.values()}
     params = {v.name: len(v.shape) for v in graph.values.values() if v.kind == "parameter"}
-    foreign = set()
-    for other, notes in list(_TABLE.items()):
-        if other is program:
+    feeds = {v.name: len(v.shape) for v in graph.values.values() if v.kind == "feed"}
+    foreign_params, foreign_feeds = set(), set()
+    ops: list[tuple[str, tuple]] | None = None
+    for other, other_notes in list(_TABLE.items()):
+        if other is program or not other_notes.tensors:
             continue
-        foreign |= {
-            label for attr, label in notes.tensors.values()
-            if label in params and label not in own and attr.ndim == params[label]
-        }  # fmt: skip
-    if foreign:
-        warnings.warn(
-            f"parameters {sorted(foreign)} were annotated in another program (a clone or a rebuild of this one); "
-            "annotations apply only to the program whose values were annotated: annotate this program's values",
-            AnnotationWarning,
-            stacklevel=3,
-        )
+        annotated = {(label, attr.ndim) for attr, label in other_notes.tensors.values() if label not in own}
+        foreign_params |= {label for label, ndim in annotated if params.get(label) == ndim}
+        wanted = {label for label, ndim in annotated if feeds.get(label) == ndim and not own}
+        if wanted and other.num_ops() == program.num_ops():
+            ops = ops if ops is not None else _signature(program)
+            if _signature(other) == ops:
+                foreign_feeds |= wanted
+    consequence = {"parameters": "", "feeds": " (its feeds unannotated, the batch is not split: no data parallelism)"}
+    for kind, found in (("parameters", foreign_params), ("feeds", foreign_feeds)):
+        if found:
+            warnings.warn(
+                f"{kind} {sorted(found)} were annotated in another program (a clone or a rebuild of this one) and are not "
+                "annotated in this one; annotations apply only to the program whose values were annotated: annotate "
+                f"this program's values{consequence[kind]}",
+                AnnotationWarning,
+                stacklevel=3,
+            )
+
+
+def _signature(program: Any) -> list[tuple[str, tuple]]:
+    """Each op's name and its results' shapes: equal for two builds of one net."""
+    return [
+        (op.name(), tuple(tuple(r.shape) if r.is_dense_tensor_type() else None for r in op.results()))
+        for op in program.global_block().ops
+    ]
+
+
+def is_startup(program: Any) -> bool:
+    """A start-up program: Paddle's default one, or one that initializes parameters
+    (``builtin.set_parameter``, which a training program never holds)."""
+    import paddle
+
+    if program is paddle.static.default_startup_program():
+        return True
+    return any(op.name() == "builtin.set_parameter" for op in program.global_block().ops)
+
+
+def _check_not_startup(program: Any, value: Any, label: str, what: str) -> None:
+    """Annotations of a start-up program's values would be ignored (compile places the main
+    program's values; the start-up's are sliced from them): refused, naming what the value
+    initializes where it can."""
+    if not is_startup(program):
+        return
+    made = []
+    for op in value.all_used_ops():
+        attrs = op.attrs()
+        if op.name() == "builtin.set_parameter":
+            made.append(f"parameter {str(attrs['parameter_name'])!r}")
+        elif op.name() == "builtin.shadow_output":
+            made.append(f"{str(attrs['output_name'])!r}")
+    initializes = f" (the initial value of {', '.join(made)})" if made else ""
+    raise AnnotationError(
+        f"{what}: {label} is a value of a start-up program{initializes}; annotate the main program's values "
+        "(its parameters, feeds, intermediates): compile slices the start-up's values to follow them"
+    )
 
 
 def _check_current_program(program: Any, label: str) -> None:
@@ -221,6 +273,7 @@ def keep(*values: Any) -> None:
         if not hasattr(value, "is_dense_tensor_type"):
             raise AnnotationError(f"keep takes Values of a static program, got {type(value).__name__}")
         program = program_of(value)
+        _check_not_startup(program, value, value_label(value), "keep")
         _check_current_program(program, value_label(value))
         _record(program).keep.add(value.id)
 
@@ -241,6 +294,7 @@ def reshard(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
         raise AnnotationError(f"reshard moves a tensor of a static program, got {type(value).__name__}")
     label = value_label(value)
     program = program_of(value)
+    _check_not_startup(program, value, label, "reshard")
     _check_current_program(program, label)
     to_dist_attr(dims_mapping, mesh, len(value.shape), label)  # refused here, naming the value, if it does not fit
     copy = shard_op(paddle.assign, mesh)(value)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.units import parse_bytes  # (the CLI's --memory; suggest's memory_per_rank reads it too)
 
 HANDOVER = """TARGET hands over its program:
   module:function | file.py:function   the function (no arguments) returns a DistributedProgram
@@ -285,10 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     suggest.add_argument("--memory", help="memory per device, e.g. 80GB or 512MiB (default: the profile's device memory)")
     suggest.add_argument("--profile", help="cost profile name or JSON path (default: the hardware in use)")
     suggest.add_argument("--top", type=int, default=5, help="plans shown (default 5)")
+    suggest.add_argument("--all-devices", action="store_true", help="only plans that use every device (default: "
+                         "plans on fewer devices too, when the world does not divide the program well)")  # fmt: skip
     return parser
 
 
-def suggest_text(target: str, world: int, memory: str | None, profile: str | None, top: int) -> str:
+def suggest_text(target: str, world: int, memory: str | None, profile: str | None, top: int, all_devices: bool = False) -> str:
     """``autopar suggest``: the ranked table and the best plan's why."""
     import autopar
 
@@ -301,19 +304,8 @@ def suggest_text(target: str, world: int, memory: str | None, profile: str | Non
     else:
         raise AutoparError(f"{target} gave a {type(obj).__name__}; expected a DistributedProgram or (main[, mesh], startup)")
     budget = parse_bytes(memory) if memory is not None else None
-    return str(autopar.suggest(main, world, startup, memory_per_rank=budget, cluster=profile, top=top)) + "\n"
-
-
-def parse_bytes(text: str) -> int:
-    """``80GB``, ``80 GiB``, ``512MiB``, ``1e9`` -> bytes (GB: 10^9, GiB: 2^30)."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", text)
-    if match is None:
-        raise AutoparError(f"--memory {text!r}: expected a size such as 80GB, 80GiB or 512MiB")
-    number, prefix, binary = match.groups()
-    power = " KMGT".index(prefix or " ")
-    return int(float(number) * (1024 if binary else 1000) ** power)
+    plans = autopar.suggest(main, world, startup, memory_per_rank=budget, cluster=profile, top=top, all_devices=all_devices)
+    return str(plans) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "suggest":
-            sys.stdout.write(suggest_text(args.target, args.world, args.memory, args.profile, args.top))
+            sys.stdout.write(suggest_text(args.target, args.world, args.memory, args.profile, args.top, args.all_devices))
             return 0
         dist = load_target(args.target)
         if args.command == "explain":

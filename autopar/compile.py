@@ -133,9 +133,9 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         passes.append(ZeroSharding(strategy.zero_stage))
     passes += [ReshardPlanning(), ReshardEmission(), SiteFusion()]
     if strategy.fuse_allreduce:
-        passes.append(AllreduceFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
+        passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:
-            passes.append(ZeroBucketFusion(int(strategy.allreduce_bucket_mb * (1 << 20))))
+            passes.append(ZeroBucketFusion(strategy.bucket_bytes))
     passes.append(VocabParallel())
     passes.append(BatchNormStats(local=strategy.local_batch_norm))
     passes.append(DropoutSlicing())

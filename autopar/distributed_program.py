@@ -18,6 +18,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
+from autopar.index_feeds import index_uses
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, PassPipeline, RankProgram
@@ -108,7 +109,7 @@ class DistributedProgram:
             for key, v in graph.values.items()
             if key in prop.states
         }
-        return ValueTable(graph.by_name, graph.key_of, infos, graph.removed)
+        return ValueTable(graph.by_name, graph.key_of, infos, graph.removed, index_uses(graph))
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).

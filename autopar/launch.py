@@ -215,8 +215,9 @@ def free_ports(count: int) -> list[int]:
 def rank_environment(rank: int, nproc: int, ports: Sequence[int], timeout: float | None, verbose: bool = False) -> dict[str, str]:
     """The rank's environment: the launcher's, the ``PADDLE_*`` variables, and Paddle's C++ log
     kept to errors (``GLOG_minloglevel=2``: no "New Executor is Running", tcp_store or
-    "not support input out tensor" lines, several per rank) unless ``verbose`` or the user set
-    ``GLOG_v`` / ``GLOG_minloglevel`` themselves."""
+    "not support input out tensor" lines, several per rank) unless the user set ``GLOG_v`` /
+    ``GLOG_minloglevel`` themselves; ``verbose``: ``GLOG_minloglevel=0``, glog's default, which
+    also tells the Executor to leave the level alone (:mod:`autopar.runtime.paddle_log`)."""
     endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
     env = dict(os.environ)
     env.update(
@@ -228,8 +229,8 @@ def rank_environment(rank: int, nproc: int, ports: Sequence[int], timeout: float
     )  # fmt: skip
     if timeout is not None:
         env[TIMEOUT_ENV] = str(timeout)
-    if not verbose and not {"GLOG_v", "GLOG_minloglevel"} & set(os.environ):
-        env["GLOG_minloglevel"] = "2"
+    if not {"GLOG_v", "GLOG_minloglevel"} & set(os.environ):
+        env["GLOG_minloglevel"] = "0" if verbose else "2"  # 0 (glog's default) also tells the Executor to leave it
     return env
 
 

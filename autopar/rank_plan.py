@@ -22,6 +22,7 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.index_feeds import IndexUse, check_index_feed
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
 
@@ -46,12 +47,14 @@ class ValueTable:
     """Serial values by name or Value, as the runtime sees them (shared by every RankPlan)."""
 
     def __init__(
-        self, by_name: Mapping[str, ValueKey], resolve: Any, infos: Mapping[ValueKey, ValueInfo], removed: Mapping[str, str] | None = None
+        self, by_name: Mapping[str, ValueKey], resolve: Any, infos: Mapping[ValueKey, ValueInfo], removed: Mapping[str, str] | None = None,
+        index_uses: Mapping[str, tuple[IndexUse, ...]] | None = None,
     ) -> None:  # fmt: skip
         self._by_name = dict(by_name)
         self._resolve = resolve  # a serial program's Value -> key (None if not of this program)
         self._infos = infos
         self._removed = dict(removed or {})  # id of a Value removed as dead -> its label (autopar.rewrites.dead_ops)
+        self.index_uses = dict(index_uses or {})  # feed name -> the index ops its elements reach (bounds checked per step)
 
     def key(self, item: Any) -> ValueKey:
         """The key of a feed / parameter / state name, or of a Value of the serial program.
@@ -249,6 +252,7 @@ class RankPlan:
             array = _feed_array(name, array, info)
             if tuple(array.shape) != info.shape:
                 raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {list(info.shape)}")
+            check_index_feed(name, array, self.values.index_uses.get(name, ()))
             if self.rank in info.placement.mesh.ranks:
                 local[name] = self._piece(info, array)
             elif name in self.program_feeds and not info.placement.sharded_mesh_dims():

@@ -4,7 +4,8 @@ Exists to judge a schedule before it runs: :func:`simulate_timeline` times a ver
 :mod:`autopar.schedule` with modelled action durations (through :func:`autopar.schedule.replay`,
 the one simulator) and reports, per rank, the start and end of every action, the peak number of
 stashed micro-batches and the peak activation bytes, and overall the makespan and the bubble
-fraction; :func:`render_svg` draws the timeline as a dependency-free SVG.
+fraction; :func:`render_svg` draws the timeline as a dependency-free SVG, ``print`` shows it as a
+table (per rank: busy and idle time, peak stash, each action's start and end).
 
 Stashed micro-batch: on one stage, its forward done and its input-gradient backward (B or I) not
 yet; a rank's stash sums its stages. Bubble fraction: the time ranks spend outside compute
@@ -29,6 +30,8 @@ from autopar.schedule import (
     ScheduleError,
     replay,
 )
+from autopar.text_table import text_table
+from autopar.units import format_bytes
 
 # Modelled durations: a full backward costs two forwards (input and weight gradient, one each);
 # sends, recvs and the optimizer take no time unless given.
@@ -60,10 +63,32 @@ class Timeline:
     bubble_fraction: float
     peak_stash: tuple[int, ...]  # per rank: peak number of stashed micro-batches (summed over its stages)
     peak_activation_bytes: tuple[int, ...] | None  # per rank, when bytes per stashed micro-batch were given
+    measured: bool = False  # times in seconds as a step ran (``Executor.timeline()``), else modelled units
 
     @property
     def num_ranks(self) -> int:
         return len(self.spans)
+
+    def busy(self, rank: int) -> float:
+        """Time ``rank`` spent in compute actions (of a measured step: in every span it ran)."""
+        return sum(s.end - s.start for s in self.spans[rank] if self.measured or s.action.kind in BUSY_KINDS)
+
+    def __str__(self) -> str:
+        """A table: per rank its busy and idle time, peak stash and each action with its start and end."""
+        scale, unit = _clock(self.makespan) if self.measured else (1.0, "")
+        at = (lambda t: f"{t * scale:.3g}{unit}") if self.measured else (lambda t: f"{t:g}")
+        how = "measured" if self.measured else "modelled: F = 1, B = 2 unless given"
+        lines = [f"pipeline step ({how}): {self.num_ranks} ranks, makespan {at(self.makespan)}, "
+                 f"bubble {self.bubble_fraction:.1%}"]  # fmt: skip
+        head = ("rank", "busy", "idle", "peak stash", *(("peak activations",) if self.peak_activation_bytes else ()),
+                f"actions@start-end{' (' + unit + ')' if unit else ''}")  # fmt: skip
+        rows = [head]
+        for rank, spans in enumerate(self.spans):
+            busy = self.busy(rank)
+            memory = (format_bytes(self.peak_activation_bytes[rank]),) if self.peak_activation_bytes else ()
+            actions = ", ".join(f"{s.action}@{s.start * scale:.3g}-{s.end * scale:.3g}" for s in spans)
+            rows.append((str(rank), at(busy), at(self.makespan - busy), str(self.peak_stash[rank]), *memory, actions))
+        return "\n".join(lines + text_table(rows, "  "))
 
 
 def simulate_timeline(
@@ -113,7 +138,15 @@ def measured_timeline(spans: Mapping[int, list[Span]]) -> Timeline:
     busy = sum(s.end - s.start for rank_spans in shifted for s in rank_spans)
     peaks = [_peak_stash([s.action for s in rank_spans], {})[0] for rank_spans in shifted]
     bubble = 1.0 - busy / (len(shifted) * makespan) if makespan > 0 else 0.0
-    return Timeline(shifted, makespan, bubble, tuple(peaks), None)
+    return Timeline(shifted, makespan, bubble, tuple(peaks), None, measured=True)
+
+
+def _clock(makespan: float) -> tuple[float, str]:
+    """The unit a measured step's times print in: the largest that keeps the makespan >= 1."""
+    for scale, unit in ((1.0, "s"), (1e3, "ms"), (1e6, "us")):
+        if makespan * scale >= 1:
+            return scale, unit
+    return 1e9, "ns"
 
 
 def _is_duration(value: object) -> bool:

@@ -15,6 +15,7 @@ from autopar.errors import AutoparError
 from autopar.schedule import SCHEDULES as SCHEDULE_GENERATORS
 
 SCHEDULES = tuple(SCHEDULE_GENERATORS)  # the names autopar.schedule generates (one table)
+MIB = 1 << 20
 
 
 def _named_fields(cls: type) -> type:
@@ -123,10 +124,27 @@ class Strategy:
         _check_type("Strategy", "local_batch_norm", self.local_batch_norm, bool, "True or False")
         if self.cluster is not None:
             _check_type("Strategy", "cluster", self.cluster, str, "a cluster profile name or JSON path")
+            if not self.cluster.strip():  # (not the hardware's profile: that is None)
+                from autopar.cost_model.cluster import PROFILES
+
+                raise AutoparError(
+                    f"Strategy.cluster={self.cluster!r} names no cluster: give a shipped profile {sorted(PROFILES)}, "
+                    "a JSON file's path, or None for this hardware's profile"
+                )
         _check_type("Strategy", "allreduce_bucket_mb", self.allreduce_bucket_mb, (int, float), "a number > 0")
         if not math.isfinite(self.allreduce_bucket_mb) or self.allreduce_bucket_mb <= 0:
             raise AutoparError(f"Strategy.allreduce_bucket_mb must be a finite number > 0, got {self.allreduce_bucket_mb}")
+        if self.bucket_bytes < 1:
+            raise AutoparError(
+                f"Strategy.allreduce_bucket_mb={self.allreduce_bucket_mb} is less than one byte "
+                f"(the least is 1 / 2**20 = {1 / MIB:.3g} MB)"
+            )
         _check_type("Strategy", "extra", self.extra, dict, "a dict")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``allreduce_bucket_mb`` in bytes (what the fusion passes take)."""
+        return int(self.allreduce_bucket_mb * MIB)
 
     def check_implemented(self) -> None:
         """Refuse, by field name, what no pass implements yet."""

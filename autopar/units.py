@@ -18,3 +18,18 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{int(n)} B"
+
+
+def parse_bytes(text: str, what: str = "--memory") -> int:
+    """``80GB``, ``80 GiB``, ``512MiB``, ``1e9`` -> bytes (GB: 10^9, GiB: 2^30); the inverse of
+    :func:`format_bytes` (``"1.5 GiB"``). ``what`` names the argument in the error."""
+    import re
+
+    from autopar.errors import AutoparError
+
+    match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise AutoparError(f"{what} {text!r}: expected a size such as 80GB, 80GiB or 512MiB")
+    number, prefix, binary = match.groups()
+    power = " KMGT".index(prefix.upper() or " ")
+    return int(float(number) * (1024 if binary else 1000) ** power)

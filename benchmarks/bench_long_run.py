@@ -3,9 +3,13 @@ on the host and the native backend, and rank 0 prints its resident memory at ste
 the end (each the lowest of 4 marks 250 steps apart). Target: growth < 512 KiB (fetches are made whole inside the program, so nothing is
 stored per step; before, every step's fetched bytes stayed in the job's TCP store).
 
-Also printed: the malloc heap in use (glibc's ``mallinfo2``: bytes handed out and not freed).
-Resident memory can grow while the heap in use stays flat — freed memory the allocator keeps —
+Also printed: the malloc heap in use (glibc's ``mallinfo2``: bytes handed out and not freed)
+and Python's allocated blocks (``sys.getallocatedblocks``: objects and buffers Python holds).
+Resident memory can grow while the heap in use stays flat — freed memory the allocator keeps,
+and more of it when a loaded machine delays the frees of Paddle's threads —
 so the two together tell a leak (both grow) from a heap that fragments (only the first does).
+tests/multiproc/test_long_run.py bounds the heap in use and the Python blocks (what the code
+controls) and only grossly the resident memory.
 The Executor gives the free heap back every 1000 steps (``malloc_trim``; without it a 0.7 ms
 host step grew 1-1.8 MB over 4500 steps with the heap in use flat).
 
@@ -67,25 +71,31 @@ def run(backend: str, steps: int) -> None:
     for step in range(1, steps + 1):
         exe.run(feed, fetch_list=[net.loss])
         if step >= 500 and step % 250 == 0 or step == steps:
-            marks[step] = resident_kib(), heap_in_use_kib()
+            marks[step] = resident_kib(), heap_in_use_kib(), sys.getallocatedblocks()
     seconds = time.perf_counter() - start
     if exe.rank == 0:
-        (rss, heap), (rss_end, heap_end) = _low(marks, 500), _low(marks, steps)
+        (rss, heap, blocks), (rss_end, heap_end, blocks_end) = _low(marks, 500), _low(marks, steps)
         growth = rss_end - rss
         heap_text = f"; heap in use {heap} -> {heap_end} KiB ({heap_end - heap:+d} KiB)" if heap is not None else ""
         print(f"{backend:6s} {steps} steps fetching the loss, {seconds / steps * 1e3:.2f} ms/step: rank 0 RSS "
               f"{rss} KiB at step 500, {rss_end} KiB at step {steps}: growth {growth} KiB "
-              f"({growth * 1024 / (steps - 500):.1f} B/step; target < 512 KiB){heap_text}", flush=True)  # fmt: skip
+              f"({growth * 1024 / (steps - 500):.1f} B/step; target < 512 KiB){heap_text}; "
+              f"Python blocks {blocks} -> {blocks_end} ({blocks_end - blocks:+d})", flush=True)  # fmt: skip
 
 
-def _low(marks: dict[int, tuple[int, int | None]], at: int) -> tuple[int, int | None]:
-    """The lowest resident memory and heap in use of the 4 marks from ``at`` on (or up to it,
-    at the end): what a step keeps, without what was in flight when one mark was taken (the
-    heap in use of single marks varied by +-80 KiB, once +490 KiB, between runs of no growth)."""
+def _low(marks: dict[int, tuple[int, int | None, int]], at: int) -> tuple[int, int | None, int]:
+    """The lowest resident memory, heap in use and Python blocks of the 4 marks from ``at`` on
+    (or up to it, at the end): what a step keeps, without what was in flight when one mark was
+    taken (the heap in use of single marks varied by +-80 KiB, once +490 KiB, between runs of
+    no growth)."""
     window = sorted(marks)
     window = window[:4] if at == window[0] else window[-4:]
     heaps = [marks[m][1] for m in window]
-    return min(marks[m][0] for m in window), (None if None in heaps else min(heaps))
+    return (
+        min(marks[m][0] for m in window),
+        None if None in heaps else min(heaps),
+        min(marks[m][2] for m in window),
+    )
 
 
 def main() -> None:

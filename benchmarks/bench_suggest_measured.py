@@ -13,6 +13,11 @@ Spearman rank correlation between the two columns; whether the predicted best is
 of the measured best. Issue 25's target: Spearman >= 0.8, top-1 within 15 %.
 
     .venv/bin/python benchmarks/bench_suggest_measured.py [--models gpt llama] [--worlds 2 4] [--plans 12] [--steps 20]
+        [--save results.json]
+
+``--save`` writes each plan's label, predicted and measured step (per model and world), to price the
+same measured plans again under another cost model (``--reprice results.json``: no run, the
+Spearman of the current pricing against the saved measurements).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def priced(world: int, model: str) -> list:
     import autopar
 
     seed = seed_program(model)
-    return list(autopar.suggest(seed.main, world, seed.startup, top=1000)), seed
+    return list(autopar.suggest(seed.main, world, seed.startup, top=1000, all_devices=True)), seed  # (run on world processes)
 
 
 def spread(plans: list, count: int) -> list:
@@ -119,16 +124,38 @@ def main() -> None:
     parser.add_argument("--plans", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--save", help="write each plan's predicted and measured step here (JSON)")
+    parser.add_argument("--reprice", help="price the plans of a --save file again; print the Spearman (no run)")
     args = parser.parse_args()
     if "PADDLE_TRAINER_ID" in os.environ:
         child(args.steps)
         return
+    if args.reprice:
+        reprice(json.loads(Path(args.reprice).read_text()))
+        return
+    saved = {}
     for model in args.models:
         for world in args.worlds:
-            measure(model, world, args.plans, args.steps)
+            saved[f"{model}@{world}"] = measure(model, world, args.plans, args.steps)
+    if args.save:
+        Path(args.save).write_text(json.dumps(saved, indent=1))
 
 
-def measure(model: str, world: int, count: int, steps: int) -> None:
+def reprice(saved: dict) -> None:
+    """The plans of a ``--save`` file priced by the current cost model, against their saved measurements."""
+    for key, rows in saved.items():
+        model, world = key.split("@")
+        by_label = {label(p): p for p in priced(int(world), model)[0]}
+        kept = [row for row in rows if row["plan"] in by_label]
+        predicted = [by_label[row["plan"]].price.step for row in kept]
+        got = [row["measured"] for row in kept]
+        old = spearman([row["predicted"] for row in kept], got)
+        print(f"{key}: {len(kept)} plans, Spearman {old:.2f} as saved -> {spearman(predicted, got):.2f} repriced")
+        for row, p in zip(kept, predicted):
+            print(f"  {row['plan']:44} {row['predicted'] * 1e3:8.2f}ms -> {p * 1e3:8.2f}ms  measured {row['measured'] * 1e3:8.2f}ms")
+
+
+def measure(model: str, world: int, count: int, steps: int) -> list[dict]:
     """Price ``model`` on ``world`` processes, run ``count`` of its plans for real, print both columns."""
     root = Path(__file__).resolve().parents[1]
     plans = spread(priced(world, model)[0], count)
@@ -151,6 +178,7 @@ def measure(model: str, world: int, count: int, steps: int) -> None:
     best = min(got)
     top1 = got[0] / best - 1
     print(f"  Spearman {rho:.2f} (target >= 0.8); predicted best measured {top1 * 100:.0f}% above the measured best (target <= 15%)")
+    return [{"plan": n, "predicted": p, "measured": m} for n, p, m in zip(names, predicted, got)]
 
 
 if __name__ == "__main__":

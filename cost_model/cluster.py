@@ -376,6 +376,12 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
         data = json.loads(path.read_text())
     except FileNotFoundError as err:
         raise CostModelError(f"cluster profile {str(path)!r} not found; shipped: {sorted(PROFILES)}") from err
+    except IsADirectoryError as err:
+        raise CostModelError(f"cluster profile {str(path)!r} is a directory; give a JSON file or a shipped profile: {sorted(PROFILES)}") from err
+    except UnicodeDecodeError as err:
+        raise CostModelError(f"cluster profile {str(path)!r} is not a text (JSON) file: {err.reason} at byte {err.start}") from err
+    except OSError as err:
+        raise CostModelError(f"cluster profile {str(path)!r} cannot be read: {err.strerror or err}") from err
     except json.JSONDecodeError as err:
         raise CostModelError(f"cluster profile {str(path)!r} is not valid JSON: {err}") from err
     return Cluster.from_dict(data)

@@ -134,6 +134,24 @@ def exchange_time(kind: str, p: int, nbytes: float, world: Sequence[int], cluste
     return algorithm_time("all_gather", len(world), gathered, link) + local
 
 
+def shared_cores_time(kind: str, group: Sequence[int], cluster: Cluster, processes: int) -> float:
+    """What a collective over ``group`` costs beyond :func:`collective_time` when ``processes``
+    of a job share the node's cores (a CPU device with ``cores``; the fits were timed with the
+    processes doing nothing else): each of its fixed costs — the program segment it ends (host
+    work, slowed like compute) and each message step's latency (a member waiting for another's
+    post sleeps; the one it waits for, and its own wake-up, queue for a core the others hold) —
+    stretched by the processes per core, ``(shared - 1) * (segment + steps * latency)``. Its
+    bytes keep their fitted rate (the ``kind@p`` fits were timed with ``p`` processes on these
+    cores). 0 for a group of one or a node with a core per process."""
+    shared = cluster.device.shared_by(processes)
+    kind = str(kind)
+    if shared <= 1.0 or len(group) <= 1 or kind not in COLLECTIVES:
+        return 0.0
+    steps = coefficients(kind, len(group), 0.0)[0]
+    link = cluster.link_for(tuple(group), kind)
+    return (shared - 1.0) * (cluster.device.segment_seconds + steps * link.latency)
+
+
 def groups_time(
     kind: str, groups: Sequence[Sequence[int]], nbytes: float, cluster: Cluster, world_size: int | None = None
 ) -> float:

@@ -1,16 +1,19 @@
 """``DistributedProgram.cost``: predicted step time, comm bytes and peak memory per rank
 (stage: cost report).
 
-Compute: every op of the rank program priced by :func:`autopar.cost_model.op_cost` on its
-local shapes (read from the rank program), roofline time on the cluster's device. Ops the
-cost model has no formula for are priced as pure memory traffic and listed in ``unpriced``;
-shape constants, feeds, parameters and collectives cost no compute. Communication: the
-:class:`~autopar.collective.Collective` values (bytes this rank sends, predicted time). Memory
-(:func:`autopar.cost_model.memory_per_rank`): parameters and their gradients by placement,
-optimizer states from the program's persistable state tensors by their placement, and the
-activations kept for backward — forward values (feeds included) read by a backward op.
-Step time assumes no overlap of compute and communication; the step's time is the slowest
-rank's. The report names its cost profile and how it was chosen: ``Strategy(cluster=...)``, or
+Time is the strategy search's pricing (:mod:`autopar.suggest.pricing`, one pricing for both),
+asked for every rank: each op's roofline on the rank's local shapes (from the placements
+compile planned) at the rates the profile's device achieves plus its fixed cost, every
+micro-batch's forward and backward and the update, the step's program runs, the collectives
+the rank takes part in (a per-micro-batch reshard once per micro-batch, a gradient bucket once
+a step; where collectives run beside compute, what of the gradient buckets runs behind the
+backward is not exposed), and a pipeline's bubble. The step is the slowest stage's, as
+``price_plan`` prices it. Ops the cost model has no formula for are priced as pure memory
+traffic and listed in ``unpriced``. Memory (:func:`autopar.cost_model.memory_per_rank`):
+parameters and their gradients by placement, optimizer states from the program's persistable
+state tensors by their placement, and the activations kept for backward — forward values
+(feeds included) read by a backward op — times the micro-batches a pipeline stage holds at
+once. The report names its cost profile and how it was chosen: ``Strategy(cluster=...)``, or
 the hardware in use (``cpu-gloo`` without a visible GPU).
 """
 
@@ -34,16 +37,21 @@ COLLECTIVE_OPS = frozenset({"pd_op.all_reduce", "pd_op.all_gather", "pd_op.reduc
 
 @dataclass(frozen=True, slots=True)
 class RankCost:
+    """One rank's step: compute and collectives (seconds, bytes sent, count) of every
+    micro-batch and the update; ``hidden``: of ``comm_time``, what runs behind its backward."""
+
     rank: int
     compute_time: float
     comm_time: float
     comm_bytes: int
     collectives: int
     memory: MemoryEstimate
+    hidden: float = 0.0
 
     @property
     def step_time(self) -> float:
-        return self.compute_time + self.comm_time
+        """This rank alone (without a pipeline's bubble)."""
+        return self.compute_time + self.comm_time - self.hidden
 
     @property
     def peak_memory(self) -> int:
@@ -58,10 +66,14 @@ class CostReport:
     ranks: tuple[RankCost, ...]
     unpriced: tuple[str, ...] = ()
     profile: str = ""  # how the profile was chosen (Strategy(cluster=...) or the hardware in use)
+    bubble: float = 0.0  # a pipeline's fill and drain
+    step: float | None = None  # the slowest stage's step, bubble included (None: the slowest rank's)
 
     @property
     def step_time(self) -> float:
-        return max((r.step_time for r in self.ranks), default=0.0)
+        if self.step is not None:
+            return self.step
+        return max((r.step_time for r in self.ranks), default=0.0) + self.bubble
 
     @property
     def comm_bytes(self) -> dict[int, int]:
@@ -82,10 +94,15 @@ class CostReport:
                          format_bytes(m.optimizer_states), format_bytes(m.activations), format_bytes(m.total),
                          format_time(r.step_time)))  # fmt: skip
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-        lines = [f"predicted cost on {self.cluster} (no compute/comm overlap)"]
+        lines = [f"predicted cost on {self.cluster} (one step: every micro-batch, the update, the bubble)"]
         if self.profile:
             lines.append(f"cost profile: {self.profile}")
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        hidden = max((r.hidden for r in self.ranks), default=0.0)
+        if hidden:
+            lines.append(f"gradient all_reduce run behind the backward: up to {format_time(hidden)} (not in the step)")
+        if self.bubble:
+            lines.append(f"pipeline bubble: {format_time(self.bubble)}")
         lines.append(f"step time (slowest rank): {format_time(self.step_time)}")
         if self.unpriced:
             lines.append(f"priced as memory traffic only (no FLOP formula): {', '.join(self.unpriced)}")
@@ -105,16 +122,13 @@ def _dtype(values: list[Any]) -> str:
     return "float32"
 
 
-def _compute(program: Any, cluster: Any, unpriced: set[str]) -> float:
+def program_compute(program: Any, cluster: Any) -> float:
+    """Roofline seconds of a rank program's ops read off the program itself (shapes from its
+    values; no fixed cost per op): the check of the pricing's local shapes."""
     total = 0.0
     for op in program.global_block().ops:
-        name = op.name()
-        if name in FREE_OPS or name in COLLECTIVE_OPS:
-            continue
-        cost, priced = program_op_cost(op)
-        if not priced:
-            unpriced.add(name.removeprefix("pd_op."))
-        total += cost.time(cluster)
+        if op.name() not in FREE_OPS and op.name() not in COLLECTIVE_OPS:
+            total += program_op_cost(op)[0].time(cluster)
     return total
 
 
@@ -169,6 +183,8 @@ def _reads_data(op: Any, key: Any) -> bool:
 
 def cost_report(dist: Any) -> CostReport:
     """The :class:`CostReport` of a compiled program (see the module docstring)."""
+    from autopar.suggest.pricing import rank_times, step_price
+
     decisions = dist.decisions
     graph, placement = decisions.graph, decisions.placement
     cluster = decisions.cluster
@@ -182,17 +198,39 @@ def cost_report(dist: Any) -> CostReport:
     zero = decisions.zero() if dist.strategy.zero_stage >= 2 else ()
     grads = {graph.values[z.param].name: z.sharded for z in zero if z.sharded is not None}
     memory = memory_per_rank(dist.mesh.ranks, params, acts, optimizer="sgd", grad_dists=grads)
-    unpriced: set[str] = set()
+    times = rank_times(dist.state, dist.mesh.ranks)
+    stages = 1 + max(t.stage for t in times.values())
     ranks = []
     for rank in dist.mesh.ranks:
-        plan = dist.rank_plan(rank)
+        t = times[rank]
         state_bytes = sum(tensor_bytes(v.shape, v.dtype, d, rank) for v, d in states)
-        mem = dataclasses.replace(memory[rank], optimizer_states=state_bytes)
-        comm = [c for c, _ in plan.collectives]
-        ranks.append(RankCost(rank, _compute(plan.program, cluster, unpriced), sum(c.time for c in comm),
-                              sum(c.bytes for c in comm), len(comm), mem))  # fmt: skip
+        held = memory[rank].activations * _in_flight(dist.strategy.pipeline, t.stage, stages)
+        mem = dataclasses.replace(memory[rank], optimizer_states=state_bytes, activations=held)
+        ranks.append(RankCost(rank, t.compute, t.communication, t.sent, t.collectives, mem, t.hidden))
+    step = step_price(dist.state, times)
     origin = profile_origin(dist.strategy.cluster)
-    return CostReport(cluster.name, tuple(ranks), tuple(sorted(unpriced)), origin)
+    return CostReport(cluster.name, tuple(ranks), _unpriced(graph), origin, step.bubble, step.step)
+
+
+def _in_flight(pipeline: Any, stage: int, stages: int) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once (1F1B, ZB-H1: ``p - s``
+    on stage ``s``; FThenB: all of them)."""
+    if pipeline is None:
+        return 1
+    return pipeline.micro_batches if pipeline.schedule == "FThenB" else min(pipeline.micro_batches, stages - stage)
+
+
+def _unpriced(graph: Any) -> tuple[str, ...]:
+    """Op types the cost model prices as memory traffic only (no FLOP formula)."""
+    names = set()
+    for op in graph.ops:
+        if op.name in FREE_OPS or op.name in COLLECTIVE_OPS or op.name in names:
+            continue
+        ins = [graph.values[k].shape for k in op.inputs if k is not None]
+        outs = [graph.values[k].shape for k in op.outputs if k is not None]
+        if not op_cost_or_traffic(op.name, ins, outs, dict(op.attrs))[1]:
+            names.add(op.name)
+    return tuple(sorted(name.removeprefix("pd_op.") for name in names))
 
 
 def program_saved_bytes(program: Any) -> int:

@@ -4,24 +4,31 @@ The command line, ``autopar/inspect/`` and the README ask these questions throug
 only, never the compile state: per value (its placement, who decided it and where it is made),
 per reshard (what moved, which collectives, why, bytes, time), and per strategy feature (the
 pipeline's stages, schedule and shared parameters; ZeRO's shards; sequence parallelism's
-regions; recompute's rewrite). Every answer is a frozen value or a tuple of them.
+regions; recompute's rewrite). Every answer is a frozen value or a tuple of them, and prints
+(``print(d.pipeline())``, ``str(d.zero())``) as a table naming layers and values as the user
+knows them (:mod:`autopar.text_table`).
 
     d = dist.decisions
     d.value("linear_0.w_0")          # ValueDecision: placement [R,S(0)], decided by "user annotation"
     [r for r in d.reshards() if r.kinds == ("all_gather",)]
     d.pipeline().shared              # parameters read on several stages: owner and copies
+    d.pipeline().layers[0]           # the layers stage 0 runs ("GPT/Embedding", "GPT/Block", ...)
     d.zero(), d.sequence(), d.recompute()
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.dist_attr import DistAttr
-from autopar.graph import ProgramGraph, ValueKey
+from autopar.graph import ProgramGraph, Role, ValueKey
+from autopar.layer_paths import Path, call_class, path_of, repeated_depth
 from autopar.mesh import ProcessMesh
+from autopar.text_table import text_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,27 @@ class ReshardDecision:
     shared_with: int | None  # an earlier reshard whose result this one reuses
 
 
+class Reshards(tuple):
+    """Every planned reshard (a tuple of :class:`ReshardDecision`); ``print`` it for a table:
+    each value by name, the op it serves, from and to which placement, the steps, bytes, time and
+    the cause (a reason's words before its first colon: ``gradient sync over dp in Linear_2``)."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        from autopar.units import format_bytes, format_time
+
+        if not self:
+            return "no reshard: every value is read where and as it is made"
+        moved = [r for r in self if r.shared_with is None]
+        total = f"{format_bytes(sum(r.bytes for r in moved))}, {format_time(sum(r.time for r in moved))} predicted"
+        rows = [("value", "for", "site", "from -> to", "steps", "bytes", "time", "why")]
+        rows += [(r.value, r.op, r.site, f"{r.have} -> {r.need}", " + ".join(r.kinds) or "-", format_bytes(r.bytes),
+                  format_time(r.time), r.reason.split(": ", 1)[0] if r.shared_with is None else f"reuses reshard {r.shared_with}")
+                 for r in self]  # fmt: skip
+        return "\n".join([f"{len(self)} reshards ({total})", *text_table(rows, "  ")])
+
+
 @dataclass(frozen=True, slots=True)
 class SharedParameterDecision:
     """A parameter read on several pipeline stages: updated on ``owner``, copied to ``copies``
@@ -75,7 +103,10 @@ class SharedParameterDecision:
 @dataclass(frozen=True, slots=True)
 class PipelineDecision:
     """Stages and schedule: ``meshes`` the pipeline ranks' sub-meshes, ``stages`` each stage's
-    mesh index, ``actions`` each pipeline rank's verified actions (send / recv included)."""
+    mesh index, ``actions`` each pipeline rank's verified actions (send / recv included),
+    ``layers`` each stage's layers (layer paths cut at the model's repeated blocks, in forward
+    order; "" for ops outside any layer). ``print`` it: a table per stage, rank and shared
+    parameter."""
 
     meshes: tuple[ProcessMesh, ...]
     stages: tuple[int, ...]
@@ -83,6 +114,142 @@ class PipelineDecision:
     schedule: str
     actions: tuple[tuple[Any, ...], ...]
     shared: tuple[SharedParameterDecision, ...]
+    layers: tuple[tuple[str, ...], ...] = ()
+
+    def __str__(self) -> str:
+        root, named = _layer_names(self.layers)
+        under = f" (layers of {root})" if root else ""
+        lines = [f"pipeline: {len(self.stages)} stages on {len(self.meshes)} sub-meshes, {self.schedule}, "
+                 f"{self.micro_batches} micro-batches{under}"]  # fmt: skip
+        rows = [("stage", "ranks", "layers")]
+        rows += [(str(s), _ranks(self.meshes[m]), ", ".join(named[s]) if s < len(named) else "?")
+                 for s, m in enumerate(self.stages)]  # fmt: skip
+        lines += text_table(rows, "  ")
+        rows = [("pipeline rank", "ranks", "actions")]
+        rows += [(str(i), _ranks(mesh), " ".join(map(str, self.actions[i]))) for i, mesh in enumerate(self.meshes)]
+        lines += text_table(rows, "  ")
+        if self.shared:
+            rows = [("shared parameter", "updated on", "read on", "copied to")]
+            rows += [(p.name, _ranks(p.owner), "; ".join(map(_ranks, p.readers)),
+                      "; ".join(map(_ranks, p.copies)) or "none: sharded, received at each read") for p in self.shared]  # fmt: skip
+            lines += text_table(rows, "  ")
+        return "\n".join(lines)
+
+
+def _ranks(mesh: ProcessMesh) -> str:
+    return ",".join(map(str, mesh.ranks))
+
+
+def stage_layers(graph: ProgramGraph, stage_of: Mapping[int, int], stages: int) -> tuple[tuple[str, ...], ...]:
+    """The layers each stage runs: the layer paths of its forward ops cut at the depth of the
+    model's repeated blocks (``GPT/Block_3``, not its ``Linear_1``; without repeated blocks one
+    level below the layers all ops share), in forward order; "" for ops outside any layer."""
+    forward = [
+        (stage_of[op.index], path_of(op)) for op in graph.ops if op.role is Role.FORWARD and op.index in stage_of
+    ]
+    paths = [path for _, path in forward if path]
+    depth = repeated_depth(paths) or len(_common(paths)) + 1
+    out: list[dict[str, None]] = [{} for _ in range(stages)]
+    for stage, path in forward:
+        out[stage].setdefault("/".join(path[:depth]), None)
+    return tuple(tuple(names) for names in out)
+
+
+def _common(paths: Sequence[Path]) -> Path:
+    first = min(paths, default=(), key=len)
+    for i, part in enumerate(first):
+        if any(p[i] != part for p in paths):
+            return first[:i]
+    return first
+
+
+def _layer_names(layers: tuple[tuple[str, ...], ...]) -> tuple[str, list[list[str]]]:
+    """For printing: the model all layers sit in (its path), and each stage's layers below it,
+    runs of three or more consecutive calls of one class written ``Block_2 … Block_5``, a layer
+    split between stages marked ``(part)``."""
+    paths = {name: tuple(name.split("/")) for stage in layers for name in stage if name}
+    common = _common(list(paths.values()))
+    if len(paths) == 1:
+        common = common[:-1]
+    spread = Counter(name for stage in layers for name in stage)
+    named = []
+    for stage in layers:
+        groups: list[tuple[Path, list[str]] | str] = []  # runs (parent, calls) or plain text
+        rest_of_model = []  # after the layers: the model's own ops, ops outside any layer
+        for name in stage:
+            rest = paths[name][len(common) :] if name else ()
+            last = groups[-1] if groups else None
+            if not name or not rest:
+                rest_of_model.append(f"{paths[name][-1]}'s own ops" if name else "outside any layer")
+            elif spread[name] > 1:
+                groups.append("/".join(rest) + " (part)")
+            elif isinstance(last, tuple) and last[0] == rest[:-1] and _next_call(last[1][-1], rest[-1]):
+                last[1].append(rest[-1])
+            else:
+                groups.append((rest[:-1], [rest[-1]]))
+        named.append([group if isinstance(group, str) else _run_text(*group) for group in groups] + rest_of_model)
+    return "/".join(common), named
+
+
+def _next_call(call: str, then: str) -> bool:
+    """``then`` is the call of ``call``'s class right after it (``Block`` -> ``Block_1``)."""
+
+    def number(name: str) -> int:
+        found = re.search(r"_(\d+)$", name)
+        return int(found.group(1)) if found else 0
+
+    return call_class(then) == call_class(call) and number(then) == number(call) + 1
+
+
+def _run_text(parent: Path, run: list[str]) -> str:
+    prefix = "".join(f"{p}/" for p in parent)
+    if len(run) < 3:
+        return ", ".join(prefix + call for call in run)
+    return f"{prefix}{run[0]} … {prefix}{run[-1]}"
+
+
+class ZeroDecisions(tuple):
+    """ZeRO's decisions: a tuple of :class:`~autopar.passes.zero_sharding.ZeroShard` (one per
+    parameter update, iterate and index it as before) with the ``stage`` and each update's
+    parameter ``layers``; ``print`` it for a table."""
+
+    stage: int
+    layers: tuple[str, ...]
+
+    def __new__(cls, shards: tuple[Any, ...] = (), stage: int = 0, layers: tuple[str, ...] = ()) -> ZeroDecisions:
+        made = super().__new__(cls, shards)
+        made.stage, made.layers = stage, layers or ("",) * len(shards)
+        return made
+
+    def __str__(self) -> str:
+        if not self:
+            return "ZeRO: off"
+        sharded = sum(z.sharded is not None for z in self)
+        lines = [f"ZeRO stage {self.stage}: {sharded} of {len(self)} parameter updates sharded"]
+        rows = [("parameter", "layer", "ranks", "whole", "sharded", "why")]
+        rows += [(z.label, layer or "-", _ranks(z.whole.mesh), str(z.whole), "-" if z.sharded is None else str(z.sharded),
+                  z.reason) for z, layer in zip(self, self.layers)]  # fmt: skip
+        return "\n".join(lines + text_table(rows, "  "))
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceDecision:
+    """Sequence parallelism: the mesh dim (``axis``) and each value it placed (``values``:
+    :class:`~autopar.rewrites.sequence_parallel.SequenceSplit`, split along ``seq_dim`` or, at
+    a region's edge, whole), with the layer making each (``layers``). ``print`` it for a table."""
+
+    axis: str
+    values: tuple[Any, ...]
+    layers: tuple[str, ...]
+
+    def __str__(self) -> str:
+        split = sum(v.seq_dim is not None for v in self.values)
+        lines = [f"sequence parallel over {self.axis!r}: {split} activations split along the sequence, "
+                 f"{len(self.values) - split} kept whole at region edges"]  # fmt: skip
+        rows = [("value", "layer", "sequence dim", "why")]
+        rows += [(v.label, layer or "-", "whole" if v.seq_dim is None else str(v.seq_dim), v.why)
+                 for v, layer in zip(self.values, self.layers)]  # fmt: skip
+        return "\n".join(lines + text_table(rows, "  "))
 
 
 class Decisions:
@@ -143,8 +310,8 @@ class Decisions:
         )  # fmt: skip
 
     # ---- communication -----------------------------------------------------------------
-    def reshards(self) -> tuple[ReshardDecision, ...]:
-        """Every planned reshard, in plan order."""
+    def reshards(self) -> Reshards:
+        """Every planned reshard, in plan order (a tuple that prints as a table)."""
         out = []
         for planned in self._state.reshards:
             need = planned.need
@@ -153,7 +320,7 @@ class Decisions:
                 need.site.kind.value, need.have, need.need, tuple(step.kind.value for step in planned.plan.steps),
                 planned.plan.bytes, planned.plan.time, planned.reason, planned.shared_with,
             ))  # fmt: skip
-        return tuple(out)
+        return Reshards(out)
 
     def collectives(self, rank: int) -> list[Any]:
         """``rank``'s collectives in program order (``dist.comm_ops(rank)``)."""
@@ -167,6 +334,7 @@ class Decisions:
         return PipelineDecision(
             plan.meshes, plan.stages, plan.micro_batches, plan.schedule_name,
             tuple(tuple(plan.actions[r]) for r in range(len(plan.meshes))), self._shared(),
+            stage_layers(self._state.graph, plan.stage_of, len(plan.stages)),
         )  # fmt: skip
 
     def _shared(self) -> tuple[SharedParameterDecision, ...]:
@@ -186,15 +354,26 @@ class Decisions:
             out.append(SharedParameterDecision(graph.values[param].label, owner, tuple(readers), copies))
         return tuple(out)
 
-    def zero(self) -> tuple[Any, ...]:
+    def zero(self) -> ZeroDecisions:
         """ZeRO's decision per parameter update (:class:`~autopar.passes.zero_sharding.ZeroShard`:
-        the shard placement, or why it stays whole); empty without ZeRO."""
-        return tuple(self._state.zero)
+        the shard placement, or why it stays whole), a tuple that prints as a table; empty
+        without ZeRO."""
+        from autopar.causes import parameter_layer
 
-    def sequence(self) -> Any:
-        """Sequence parallelism's regions (:class:`~autopar.rewrites.sequence_parallel.SequenceRegions`),
-        or None."""
-        return self._state.sequence
+        graph = self._state.graph
+        zero = tuple(self._state.zero)
+        return ZeroDecisions(zero, self._dist.strategy.zero_stage, tuple(parameter_layer(graph, z.param) for z in zero))
+
+    def sequence(self) -> SequenceDecision | None:
+        """Sequence parallelism's mesh dim and the values it placed (each a
+        :class:`~autopar.rewrites.sequence_parallel.SequenceSplit`), or None."""
+        from autopar.causes import layer_of
+
+        regions = self._state.sequence
+        if regions is None:
+            return None
+        layers = tuple(layer_of(self._state.graph, v.key[0]) for v in regions.values)
+        return SequenceDecision(regions.axis, tuple(regions.values), layers)
 
     def rewrites(self) -> tuple[tuple[str, str], ...]:
         """Each serial rewrite that ran (:mod:`autopar.rewrites`) and its one-line report, in order."""

@@ -23,6 +23,7 @@ from autopar.errors import AutoparError, NativeUnsupported
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan
+from autopar.runtime.paddle_log import quiet_paddle_logs
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import checksum, digest, first_mismatch, generator_state, use_generator_state
 
@@ -86,6 +87,7 @@ class Executor:
         check_every: int | None = CHECK_EVERY,
     ) -> None:  # fmt: skip
         _check_arguments(dist, rank, communicator)
+        quiet_paddle_logs()  # before the communicator: its store logs too
         if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, numbers.Integral) or check_every < 1):
             raise AutoparError(f"check_every must be a number of steps >= 1 (or None: never), got {check_every!r}")
         self.check_every = check_every

@@ -29,6 +29,7 @@ import numpy as np
 
 from autopar.collective import Collective
 from autopar.errors import AutoparError
+from autopar.index_feeds import check_index_feed
 from autopar.rank_plan import RankPlan, ValueKey
 from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
 from autopar.rewrites.whole_feeds import WHOLE_BATCH
@@ -146,6 +147,7 @@ class PipelineRunner(RankRunner):
         for name, array in feed.items():
             dim = self.role.feed_dims.get(name)
             array = np.asarray(array)
+            check_index_feed(name, array, self.plan.values.index_uses.get(name, ()))  # (elements named in the whole batch)
             if name not in feeds or dim is None:
                 for k in range(count):
                     micro[k][name] = array

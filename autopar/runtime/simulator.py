@@ -22,6 +22,7 @@ from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.rank_plan import RankPlan, ValueTable
 from autopar.runtime.p2p import Inbox
+from autopar.runtime.paddle_log import quiet_paddle_logs
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
 
@@ -63,6 +64,7 @@ def simulate_plans(
     plans: Mapping[int, RankPlan], feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any] = (),
     load_from: Any = None, save_to: Any = None,
 ) -> SimulationResult:  # fmt: skip
+    quiet_paddle_logs()
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
     runners = {rank: runner_for(plan, keys) for rank, plan in plans.items()}

@@ -1,25 +1,32 @@
 """``autopar.suggest``: the best plans for a program on ``world`` devices, ranked and explained
 (stage: strategy search, before compile).
 
-For each mesh shape (:mod:`.search`) the annotations are found from the program
-(:mod:`.annotations`: the feeds' batch dim, Megatron's column / row pairs of linears, a
-vocabulary-parallel embedding), analysed once (``autopar.analyze(..., placements=...)``, the
-program itself is not annotated), and every strategy of that shape is compiled from the
-analysis (or one derived from it) and priced from what compile planned (:mod:`.pricing`: no
-rank program is built). Plans whose parameter and optimizer memory alone cannot fit the budget
-are dropped before any compile. Every shape's plain strategies are priced first (each ZeRO
-stage, schedule and micro-batch count); sequence parallelism and recompute — which trade time
-for memory — only for the :data:`FURTHER` fastest shapes and for shapes where nothing fits yet,
-gradient accumulation only for the latter.
-The result is ranked by predicted step time among the plans that fit, then by memory; each
-:class:`Plan` says why in the user's terms, and ``plan.compile()`` gives its DistributedProgram.
+For each mesh shape (:mod:`.search`: the factorisations of the world, and the shapes on fewer
+devices that cannot grow — when the world does not divide the program well, leaving devices
+idle is the better plan, and the result says so: "uses 4 of 7 devices") the annotations are
+found from the program (:mod:`.annotations`: the feeds' batch dim, Megatron's column / row
+pairs of linears, a vocabulary-parallel embedding), analysed once
+(``autopar.analyze(..., placements=...)``, the program itself is not annotated), and every
+strategy of that shape is compiled from the analysis (or one derived from it) and priced from
+what compile planned (:mod:`.pricing`: no rank program is built). Plans whose parameter and
+optimizer memory alone cannot fit the budget are dropped before any compile; a shape on fewer
+devices is dropped when even one device's compute divided over its devices is slower than the
+best plan found. Every shape's plain strategies are priced first (each ZeRO stage, schedule and
+micro-batch count); sequence parallelism and recompute — which trade time for memory — for the
+:data:`FURTHER` fastest shapes and for every plain strategy that does not fit (its variants
+may), gradient accumulation only for shapes where nothing fits yet.
+The result is ranked by predicted step time among the plans that fit (a plan leaving devices idle
+after those that use more of them and are within :data:`TIE` of it), then by memory, near-ties shown as ties
+(:mod:`.plans`); each :class:`Plan` says why in the user's terms, and
+``plan.compile()`` gives its DistributedProgram. Arguments are read by :mod:`.arguments`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,163 +37,40 @@ from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
-from autopar.suggest.pricing import Price, price
-from autopar.suggest.search import Shape, accumulates, strategies, trades_time_for_memory
+from autopar.suggest import arguments
+from autopar.suggest.plans import TIE, Plan, Suggestions
+from autopar.suggest.pricing import price
+from autopar.suggest.search import Shape, accumulates, largest, most_stages, strategies, trades_time_for_memory
 from autopar.suggest.search import shapes as factorisations
+from autopar.suggest.tables import PlacementTable, Skipped, SkippedPlans
 from autopar.units import format_bytes, format_time
 
-
-@dataclass(frozen=True)
-class Plan:
-    """One candidate: a mesh, the annotations applied, a Strategy, and its predicted price."""
-
-    shape: Shape
-    mesh: ProcessMesh
-    strategy: Strategy
-    placements: Mapping[ValueKey, DistAttr] = field(repr=False)
-    price: Price
-    budget: int  # bytes per rank
-    split: str  # what the annotations split, in words
-    program: Any = field(repr=False, compare=False)
-    startup_program: Any = field(repr=False, compare=False)
-    analysis: Any = field(repr=False, compare=False)
-
-    @property
-    def fits(self) -> bool:
-        return self.price.memory <= self.budget
-
-    def compile(self) -> Any:
-        """The DistributedProgram of this plan (the program is compiled with the plan's
-        annotations; it is not annotated)."""
-        import autopar
-
-        return autopar.compile(self.program, self.mesh, self.startup_program, self.strategy, analysis=self.analysis)
-
-    @property
-    def features(self) -> str:
-        s, out = self.strategy, []
-        if s.zero_stage:
-            out.append(f"ZeRO-{s.zero_stage}")
-        if s.sequence_parallel:
-            out.append("SP")
-        if s.recompute:
-            out.append("recompute")
-        if s.pipeline is not None and s.pipeline.stages == 1:
-            out.append(f"accumulate m={s.pipeline.micro_batches}")
-        elif s.pipeline is not None:
-            out.append(f"{s.pipeline.schedule} m={s.pipeline.micro_batches}")
-        return ", ".join(out) or "-"
-
-    @property
-    def why(self) -> str:
-        """One paragraph: what each rank holds and runs, where the time goes, the memory."""
-        p, s = self.price, self.shape
-        parts = []
-        if s.dp > 1:
-            parts.append(f"the batch is split over {s.dp} data-parallel ranks (one gradient sync per step)")
-        if s.mp > 1:
-            parts.append(f"{self.split} over {s.mp} tensor-parallel ranks of one node")
-        if s.pp > 1:
-            parts.append(f"the layers are cut into {s.pp} pipeline stages balanced by predicted time")
-        if self.strategy.zero_stage:
-            what = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}
-            parts.append(f"ZeRO-{self.strategy.zero_stage} shards the {what[self.strategy.zero_stage]} over the data ranks")
-        if self.strategy.sequence_parallel:
-            parts.append("sequence parallelism splits the activations between tensor-parallel regions")
-        if self.strategy.recompute:
-            parts.append("each layer's activations are recomputed in the backward instead of kept")
-        if self.strategy.pipeline is not None and self.strategy.pipeline.stages == 1:
-            m = self.strategy.pipeline.micro_batches
-            parts.append(f"gradients are accumulated over {m} micro-batches (one micro-batch's activations held at a time)")
-        head = "; ".join(parts) or "one device runs the whole program"
-        room = "fits" if self.fits else "does NOT fit"
-        return (
-            f"{head[0].upper()}{head[1:]}. Step {format_time(p.step)} = compute {format_time(p.compute)} + "
-            f"communication {format_time(p.communication)} + bubble {format_time(p.bubble)}; "
-            f"{format_bytes(p.sent)} sent per step; peak {format_bytes(p.memory)} per rank "
-            f"({format_bytes(p.parameter_memory)} parameters, gradients and optimizer states), which {room} "
-            f"in {format_bytes(self.budget)}."
-        )
-
-    def row(self) -> tuple[str, ...]:
-        p = self.price
-        return (str(self.shape), self.features, format_time(p.step), format_time(p.compute), format_time(p.communication),
-                format_time(p.bubble), format_bytes(p.memory), "yes" if self.fits else "no")  # fmt: skip
-
-    def __str__(self) -> str:
-        return f"{self.shape} [{self.features}]: {self.why}"
-
-
-class Suggestions(list):
-    """The ranked plans (a list of :class:`Plan`), with what the search did: ``searched``
-    candidates priced, ``pruned`` by memory before compiling, ``skipped`` shapes and why,
-    ``seconds`` it took. ``str()`` is a table."""
-
-    searched: int = 0
-    pruned: int = 0
-    seconds: float = 0.0
-    skipped: tuple[tuple[str, str], ...] = ()
-
-    def __str__(self) -> str:
-        head = ("mesh", "strategy", "step", "compute", "comm", "bubble", "peak mem", "fits")
-        rows = [head] + [plan.row() for plan in self]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"{self.searched} candidates priced, {self.pruned} pruned by memory, in {self.seconds:.1f} s")
-        lines += [f"skipped {shape}: {why}" for shape, why in self.skipped]
-        if self:
-            lines += ["", f"best: {self[0]}"]
-        return "\n".join(lines)
+__all__ = ["FURTHER", "TIE", "Plan", "Suggestions", "price_plan", "suggest"]
 
 
 def suggest(
-    program: Any, world: int, startup_program: Any = None, memory_per_rank: int | None = None,
-    cluster: str | None = None, top: int = 5, shapes: Iterable[Shape | tuple[int, int, int]] | None = None,
+    program: Any, world: int, startup_program: Any = None, memory_per_rank: int | str | None = None,
+    cluster: str | Any = None, top: int = 5, shapes: Iterable[Shape | Sequence[int]] | None = None,
+    all_devices: bool = False,
 ) -> Suggestions:  # fmt: skip
     """The ``top`` plans for ``program`` on ``world`` devices (see the module docstring).
-    ``memory_per_rank``: bytes (default: the profile's device memory); ``cluster``: a cost
-    profile name or path (default: the hardware in use); ``shapes``: only these mesh shapes
-    (``Shape`` or ``(dp, mp, pp)``; default: every factorisation of ``world``)."""
-    only = shapes
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise AutoparError(f"suggest: world must be a positive number of devices, got {world!r}")
-    if not isinstance(top, int) or top < 1:
-        raise AutoparError(f"suggest: top must be a positive int, got {top!r}")
+    ``memory_per_rank``: bytes, or a size such as ``"80GB"`` (default: the profile's device
+    memory); ``cluster``: a cost profile name, a JSON path or a ``Cluster`` (default: the
+    hardware in use); ``shapes``: only these mesh shapes (``Shape`` or ``(dp, mp, pp)``, on at
+    most ``world`` devices; default: every factorisation of ``world`` and the shapes on fewer
+    devices that cannot grow); ``all_devices``: only plans that use every device."""
+    arguments.programs("suggest", program, startup_program)
+    world = arguments.count("suggest", "world", world, "number of devices")
+    top = arguments.count("suggest", "top", top)
+    only = None if shapes is None else arguments.shapes("suggest", shapes, world)
+    cluster = arguments.profile("suggest", cluster)
+    budget = arguments.budget("suggest", memory_per_rank)
+    arguments.warn_annotated("suggest", program)
     started = time.perf_counter()
-    graph, batch, profile, budget = _setting(program, cluster, memory_per_rank)
-    out, skipped = Suggestions(), []
-    weights = _parameter_bytes(graph)
-    tried: dict[Shape, _Shape] = {}
-    for shape in factorisations(world) if only is None else _given_shapes(only, world):
-        try:
-            tried[shape] = _shape_entry(graph, shape, batch, profile, cluster)
-        except _Unfit as why:
-            skipped.append((str(shape), str(why)))
-
-    def run(entry: _Shape, chosen: list[Strategy]) -> None:
-        for strategy in chosen:
-            if _memory_floor(weights, entry.shape, strategy) > budget:
-                out.pruned += 1
-                continue
-            try:
-                plan = entry.priced(program, startup_program, strategy, budget)
-            except AutoparError as error:
-                skipped.append((f"{entry.shape} [{strategy}]", str(error).splitlines()[0]))
-                continue
-            out.searched += 1
-            out.append(plan)
-
+    search = _Search(program, startup_program, world, cluster, budget)
     with gc_paused():  # (once for the whole search: each compile's own pause ended in a collection's worth of work)
-        for entry in tried.values():  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
-            run(entry, [s for s in entry.strategies if not trades_time_for_memory(s)])
-        best = sorted(tried.values(), key=_Shape.best_step)
-        for entry in tried.values():  # SP and recompute where they may change the answer: the best shapes, or none fits
-            short = not any(plan.fits for plan in entry.plans)  # (and only then gradient accumulation)
-            if entry in best[:FURTHER] or short:
-                run(entry, [s for s in entry.strategies if trades_time_for_memory(s) and (short or not accumulates(s))])
-    out.sort(key=lambda plan: (not plan.fits, plan.price.step if plan.fits else plan.price.memory, plan.price.memory))
-    del out[top:]
-    out.skipped = tuple(skipped)
+        search.run(only if only is not None else search.shapes(all_devices))
+    out = search.result(top, memory_per_rank)
     out.seconds = time.perf_counter() - started
     return out
 
@@ -195,27 +79,179 @@ FURTHER = 3  # shapes whose sequence-parallel and recompute variants are priced 
 
 
 def price_plan(
-    program: Any, shape: Shape | tuple[int, int, int], strategy: Strategy | None = None, startup_program: Any = None,
-    memory_per_rank: int | None = None, cluster: str | None = None,
+    program: Any, shape: Shape | Sequence[int], strategy: Strategy | None = None, startup_program: Any = None,
+    memory_per_rank: int | str | None = None, cluster: str | Any = None,
 ) -> Plan:  # fmt: skip
     """One given plan priced as :func:`suggest` prices its candidates: ``shape`` (``Shape`` or
     ``(dp, mp, pp)``) with the annotations the search would find for it, and ``strategy``
     (default: none of the features; its ``cluster`` is used when ``cluster`` is not given) —
-    a published recipe beside the search's choice, say."""
+    a published recipe beside the search's choice, say. Arguments as :func:`suggest`'s."""
+    arguments.programs("price_plan", program, startup_program)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise AutoparError(f"price_plan: strategy must be an autopar.Strategy or None, got a {type(strategy).__name__}")
     strategy = strategy or Strategy()
-    cluster = cluster or strategy.cluster
-    graph, batch, profile, budget = _setting(program, cluster, memory_per_rank)
-    (shape,) = _given_shapes([shape], None)
-    strategy = dataclasses.replace(strategy, cluster=cluster)
-    try:
-        entry = _shape_entry(graph, shape, batch, profile, cluster)
-    except _Unfit as why:
-        raise AutoparError(f"price_plan: {shape}: {why}") from None
-    return entry.priced(program, startup_program, strategy, budget)
+    cluster = arguments.profile("price_plan", cluster) or strategy.cluster
+    (shape,) = arguments.shapes("price_plan", [shape], None)
+    search = _Search(program, startup_program, shape.world, cluster, arguments.budget("price_plan", memory_per_rank))
+    why = search.unfit(shape, strategy)
+    if why is not None:
+        raise AutoparError(f"price_plan: {shape}: {why}")
+    return search.entry(shape).priced(program, startup_program, dataclasses.replace(strategy, cluster=cluster), search.budget)
 
 
-class _Unfit(Exception):
-    """Why a mesh shape cannot take the program."""
+class _Search:
+    """One search's state: the program's graph and batch, the profile, the budget, the shapes
+    tried and the plans priced."""
+
+    def __init__(self, program: Any, startup: Any, world: int, cluster: str | None, budget: int | None) -> None:
+        self.program, self.startup, self.world, self.cluster = program, startup, world, cluster
+        self.graph, self.batch, self.profile, self.budget = _setting(program, cluster, budget)
+        self.weights = _parameter_bytes(self.graph)
+        self.stages = most_stages(self.graph)
+        self.entries: dict[Shape, _Shape] = {}
+        self.plans: list[Plan] = []
+        self.skipped: list[Skipped] = []
+        self.pruned = 0
+        self.least = float("inf")  # the least memory any candidate needs (its floor when pruned)
+        self._split: dict[int, Any] = {}  # mp -> TensorParallel (or None: nothing to split)
+
+    def shapes(self, all_devices: bool) -> list[Shape]:
+        """The world's factorisations, then (unless ``all_devices``) the shapes on fewer devices
+        that cannot grow (:func:`.search.largest`)."""
+        out = list(factorisations(self.world))
+        if not all_devices:
+            data = [d for d in range(1, self.world + 1) if self.batch % d == 0]
+            fewer = largest(self.world, data, range(1, self.world + 1), lambda s: self.unfit(s) is None)
+            out += [s for s in fewer if s.world < self.world]
+        return out
+
+    def unfit(self, shape: Shape, given: Strategy | None = None) -> str | None:
+        """Why ``shape`` cannot take the program (None: it can), with the ``given`` strategy or
+        (None) with the search's, whose pipelines need as many micro-batches as stages."""
+        rows = self.batch // shape.dp
+        if self.batch % shape.dp:
+            return f"the batch of {self.batch} rows does not split over {shape.dp} data ranks"
+        straddling = _straddling(shape, self.profile.devices_per_node)
+        if straddling:
+            return (f"tensor parallelism over {shape.mp} ranks would cross nodes of {self.profile.devices_per_node} "
+                    f"devices (ranks {straddling}): it must divide the node")  # fmt: skip
+        if shape.pp > self.stages:
+            return f"the program's forward has {self.stages} layer(s) to cut, fewer than {shape.pp} stages"
+        if given is None and shape.pp > rows:
+            return f"{rows} rows per data rank cannot make the {shape.pp} micro-batches {shape.pp} stages need"
+        if shape.mp > 1 and not self.split(shape.mp):
+            return f"nothing found to split over {shape.mp} tensor ranks"
+        return None
+
+    def split(self, mp: int) -> Any:
+        from autopar.suggest.annotations import tensor_parallel
+
+        if mp not in self._split:
+            self._split[mp] = tensor_parallel(self.graph, mp)
+        return self._split[mp]
+
+    def entry(self, shape: Shape) -> _Shape:
+        """``shape``'s annotations and strategies (it takes the program: :meth:`unfit` is None)."""
+        from autopar.suggest.annotations import placements
+
+        if shape not in self.entries:
+            tp = self.split(shape.mp) if shape.mp > 1 else None
+            mesh = shape.mesh()
+            annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
+            annotated = PlacementTable(annotated, self.graph)
+            chosen = list(strategies(shape, self.batch, self.cluster))
+            self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world)
+        return self.entries[shape]
+
+    def run(self, shapes: Iterable[Shape]) -> None:
+        """Plain strategies of every shape (one device first: its compute bounds the shapes on
+        fewer devices), then the variants that trade time for memory where they may matter."""
+        for shape in shapes:
+            why = self.unfit(shape)
+            if why is not None:
+                self.skipped.append(Skipped(shape, why, world=self.world))
+            else:
+                self.entry(shape)
+        order = sorted(self.entries.values(), key=lambda e: (e.shape.world > 1, e.shape.world < self.world, -e.shape.world))
+        priced = [entry for entry in order if not self._beaten(entry)]
+        for entry in priced:  # the shape's plain analyses: every ZeRO stage, schedule and micro-batch count
+            self.price(entry, [s for s in entry.strategies if not trades_time_for_memory(s)])
+        best = sorted(priced, key=_Shape.best_step)[:FURTHER]
+        for entry in priced:  # SP and recompute where they may change the answer
+            self.price(entry, [s for s in entry.strategies if trades_time_for_memory(s) and self._worth(entry, s, best)])
+
+    def price(self, entry: _Shape, chosen: list[Strategy]) -> None:
+        for strategy in chosen:
+            floor = _memory_floor(self.weights, entry.shape, strategy)
+            if floor > self.budget:
+                self.pruned += 1
+                self.least = min(self.least, floor)
+                continue
+            try:
+                plan = entry.priced(self.program, self.startup, strategy, self.budget)
+            except AutoparError as error:
+                self.skipped.append(Skipped(entry.shape, str(error).splitlines()[0], strategy, self.world))
+                continue
+            self.least = min(self.least, plan.price.memory)
+            self.plans.append(plan)
+
+    def _worth(self, entry: _Shape, strategy: Strategy, best: list[_Shape]) -> bool:
+        """Whether to price a variant that trades time for memory: gradient accumulation where
+        nothing fits yet; SP and recompute on the fastest shapes, where nothing fits, and
+        wherever the plain strategy they vary does not fit."""
+        short = not any(plan.fits for plan in entry.plans)
+        if accumulates(strategy):
+            return short
+        if short or entry in best:
+            return True
+        plain = dataclasses.replace(strategy, sequence_parallel=False, recompute=False)
+        return not any(plan.fits and plan.strategy == plain for plan in entry.plans)
+
+    def _beaten(self, entry: _Shape) -> bool:
+        """A shape on fewer devices than the world whose compute cannot be less than one
+        device's divided over its devices, already slower than the best plan found (skipped)."""
+        one = self.entries.get(Shape(1, 1, 1))
+        n = entry.shape.world
+        if n == self.world or one is None or not one.plans or entry is one:
+            return False
+        bound = min(plan.price.compute for plan in one.plans) / n
+        best = min((plan.price.step for plan in self.plans if plan.fits), default=float("inf"))
+        if bound <= best:
+            return False
+        why = (f"at least {format_time(bound)} of compute (one device's / {n}), "
+               f"slower than the best plan found ({format_time(best)})")  # fmt: skip
+        self.skipped.append(Skipped(entry.shape, why, world=self.world))
+        return True
+
+    def result(self, top: int, given: Any) -> Suggestions:
+        """The ranked plans (see :class:`Suggestions`), the first ``top``."""
+        out = Suggestions(sorted(self.plans, key=_rank_key))
+        out.searched, out.pruned, out.skipped = len(self.plans), self.pruned, SkippedPlans(self.skipped)
+        if not any(plan.fits for plan in out):
+            least = f"; the least a plan needs is {format_bytes(self.least)}" if self.least < float("inf") else ""
+            hint = arguments.unit_hint(given, self.budget) if given is not None else ""
+            out.notes = (f"nothing fits in {format_bytes(self.budget)} per rank{least}", *([hint] if hint else []))
+            warnings.warn(f"suggest: {'; '.join(out.notes)}", UserWarning, stacklevel=3)
+        del out[top:]
+        return out
+
+
+def _rank_key(plan: Plan) -> tuple:
+    """Plans that fit by step, then the others by memory. A plan leaving devices idle goes after
+    plans that use more of them and are slower by less than :data:`TIE` x the idle fraction
+    (one device of 7: 4.3 %): asked for ``world`` devices, a tie (within the cost model's error)
+    goes to using them — more memory per rank to spare, no device idle."""
+    step = plan.price.step * (1 + (TIE * plan.idle / plan.world if plan.idle else 0.0))
+    return (not plan.fits, step if plan.fits else plan.price.memory, plan.price.memory, -plan.shape.world)
+
+
+def _straddling(shape: Shape, per_node: int) -> str:
+    """The first tensor-parallel group of ``shape``'s mesh (groups: runs of ``mp`` consecutive
+    ranks) that spans two nodes of ``per_node`` devices, as ``"6, 7, 8"``; empty: none does."""
+    for first in range(0, shape.world, shape.mp):
+        if first // per_node != (first + shape.mp - 1) // per_node:
+            return ", ".join(str(r) for r in range(first, first + shape.mp))
+    return ""
 
 
 def _setting(program: Any, cluster: str | None, memory_per_rank: int | None) -> tuple[ProgramGraph, int, Any, int]:
@@ -230,36 +266,6 @@ def _setting(program: Any, cluster: str | None, memory_per_rank: int | None) -> 
     return graph, batch, profile, int(memory_per_rank if memory_per_rank is not None else profile.device.memory_bytes)
 
 
-def _given_shapes(given: Iterable[Any], world: int | None) -> list[Shape]:
-    out = []
-    for item in given:
-        shape = item if isinstance(item, Shape) else None
-        if shape is None and isinstance(item, tuple) and len(item) == 3 and all(isinstance(n, int) and n >= 1 for n in item):
-            shape = Shape(*item)
-        if shape is None:
-            raise AutoparError(f"a mesh shape is a Shape or (dp, mp, pp) of positive ints, got {item!r}")
-        if world is not None and shape.world != world:
-            raise AutoparError(f"mesh shape {shape} has {shape.world} devices, not the world's {world}")
-        out.append(shape)
-    return out
-
-
-def _shape_entry(graph: ProgramGraph, shape: Shape, batch: int, profile: Any, cluster: str | None) -> _Shape:
-    """``shape``'s annotations and strategies; raises :class:`_Unfit` saying why it cannot take the program."""
-    from autopar.suggest.annotations import placements, tensor_parallel
-
-    if batch % shape.dp:
-        raise _Unfit(f"the batch of {batch} rows does not split over {shape.dp} data ranks")
-    if shape.mp > profile.devices_per_node:
-        raise _Unfit(f"tensor parallelism over {shape.mp} ranks would cross nodes of {profile.devices_per_node}")
-    tp = tensor_parallel(graph, shape.mp) if shape.mp > 1 else None
-    if shape.mp > 1 and not tp:
-        raise _Unfit(f"nothing found to split over {shape.mp} tensor ranks")
-    mesh = shape.mesh()
-    annotated = placements(graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
-    return _Shape(shape, mesh, annotated, _split_words(tp), list(strategies(shape, batch, cluster)))
-
-
 @dataclass(eq=False)
 class _Shape:
     """One mesh shape of a search: its annotations, strategies, analyses and priced plans."""
@@ -269,6 +275,7 @@ class _Shape:
     placements: Mapping[ValueKey, DistAttr]
     split: str
     strategies: list[Strategy]
+    world: int  # devices the search had
     analyses: dict[tuple, Any] = field(default_factory=dict)
     plans: list[Plan] = field(default_factory=list)
 
@@ -291,7 +298,7 @@ class _Shape:
         analysis = self.analysis(program, startup, strategy)
         dist = _compiled(program, self.mesh, startup, strategy, analysis)
         plan = Plan(self.shape, self.mesh, strategy, self.placements, price(dist.state), budget, self.split, program,
-                    startup, analysis)  # fmt: skip
+                    startup, analysis, self.world)  # fmt: skip
         self.plans.append(plan)
         return plan
 

@@ -1,24 +1,34 @@
 """A strategy's price from what compile planned, before any rank program exists (stage:
-strategy search).
+strategy search and cost report: the one pricing both ``autopar.suggest`` / ``price_plan`` and
+``DistributedProgram.cost`` use).
 
-A search prices hundreds of candidates; building their rank programs (what
-``DistributedProgram.cost`` reads) would cost more than the compiles. Everything needed is in
-the compile state: each op's placement gives its local shapes on a rank, the cost model's
-roofline prices them on the profile's device (:func:`autopar.cost_model.op_cost`), every
-planned reshard and fused bucket carries its predicted time, and the memory model takes the
-placements of parameters, gradients, optimizer states and the activations kept for backward.
+A search prices hundreds of candidates; building their rank programs would cost more than the
+compiles. Everything needed is in the compile state: each op's placement gives its local shapes
+on a rank, the cost model's roofline prices them on the profile's device
+(:func:`autopar.cost_model.op_cost`), every planned reshard and fused bucket carries its
+predicted time, and the memory model takes the placements of parameters, gradients, optimizer
+states and the activations kept for backward. :func:`rank_times` gives each rank's share of a
+step, :func:`step_price` the step from them; ``dist.cost`` asks them for every rank, the search
+for the first and last rank of each pipeline rank's mesh (ranks that differ only in their dp /
+mp coordinates hold pieces of one size, so a stage's first rank computes for all of them).
 
-The step, on the busiest rank of each pipeline rank (ranks that differ only in their dp / mp
-coordinates hold pieces of one size, so the first rank of each stage mesh stands for it):
+The step, on the busiest rank of each pipeline rank:
 - **compute**: forward + backward of every micro-batch, then the update (each op's roofline
   time at the rates the device achieves, or its kernel's measured rate, plus its fixed cost,
   ``device.op_seconds``: many small ops, as recompute and more micro-batches make, cost time;
   so do the ops compile adds around its collectives, :func:`added_ops`), and the fixed cost of each program
   run (``device.segment_seconds``: one a step, or one per pipeline phase); on a CPU whose
   processes outnumber its cores, all of it slower by their ratio (``device.shared_by``);
-- **communication**: every collective the rank takes part in, none assumed overlapped
-  (a per-micro-batch reshard ``m`` times, a gradient sync once; on a host backend each also
-  ends a program segment, which the cost model's collective times include);
+- **communication**: every collective the rank takes part in (a per-micro-batch reshard ``m``
+  times, a gradient sync once; on a host backend each also ends a program segment, which the
+  cost model's collective times include; where the job's processes outnumber the node's cores,
+  each one's fixed costs stretch by their ratio, :func:`~autopar.cost_model.comm.shared_cores_time`;
+  the vocabulary-parallel rewrite's all_reduces of one value per row included). Exposed, but for the data-parallel gradient buckets
+  where collectives run inside the program beside the compute (no host segment: NCCL on its own
+  stream): a bucket's all_reduce starts once the backward has made its last gradient and the
+  bucket before it is done, so it runs behind the rest of the last micro-batch's backward;
+  what ends after the backward is exposed (a gradient too big for a bucket, synced by its own
+  all_reduce, likewise; the bucket holding the first layers' gradients, made last, never hides);
 - **bubble**: pipeline ranks idle while the pipeline fills and drains — ``(p - 1)`` times the
   slowest stage's forward + backward of one micro-batch for FThenB and 1F1B, half of the
   backward less for ZB-H1 (its weight gradients fill the drain), divided by the virtual stages
@@ -30,14 +40,17 @@ all ``m``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from autopar.collective import CollectiveKind
 from autopar.collective_kinds import point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
-from autopar.cost_model.planner import group_at
+from autopar.cost_model.comm import shared_cores_time
+from autopar.cost_model.planner import group_at, plan_reshard
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
@@ -50,11 +63,12 @@ class Price:
     """Predicted seconds of one training step and bytes per rank (see the module docstring)."""
 
     compute: float
-    communication: float
+    communication: float  # exposed: not run behind compute
     bubble: float
     memory: int  # peak bytes on the fullest rank
     parameter_memory: int  # of which parameters, gradients and optimizer states
     sent: int  # bytes the busiest rank moves per step
+    hidden: float = 0.0  # communication seconds run behind the backward (not in ``step``)
 
     @property
     def step(self) -> float:
@@ -62,51 +76,124 @@ class Price:
 
 
 @dataclass(frozen=True, slots=True)
-class _StageTimes:
-    forward: float = 0.0
-    backward: float = 0.0
-    update: float = 0.0
-    per_micro_comm: float = 0.0
-    once_comm: float = 0.0
-    per_micro_sent: int = 0
-    once_sent: int = 0
+class RankTimes:
+    """One rank's share of a step (seconds; its processes' share of the cores and the ops
+    compile adds included): compute of one micro-batch and of the update, the program runs of a
+    step, the collectives it takes part in per micro-batch and once a step, and how much of the
+    latter runs behind its backward (see the module docstring)."""
+
+    rank: int
+    stage: int  # its pipeline rank's position (0 without a pipeline)
+    micro_batches: int
+    forward: float  # one micro-batch
+    backward: float
+    update: float
+    runs: float  # the fixed cost of the step's program runs
+    per_micro_comm: float
+    once_comm: float
+    per_micro_sent: int
+    once_sent: int
+    per_micro_collectives: int
+    once_collectives: int
+    hidden: float = 0.0  # of once_comm
+
+    @property
+    def compute(self) -> float:
+        return self.micro_batches * (self.forward + self.backward) + self.update + self.runs
+
+    @property
+    def communication(self) -> float:
+        """All its collectives' seconds in a step (exposed or not)."""
+        return self.micro_batches * self.per_micro_comm + self.once_comm
+
+    @property
+    def exposed(self) -> float:
+        return self.communication - self.hidden
+
+    @property
+    def sent(self) -> int:
+        return self.micro_batches * self.per_micro_sent + self.once_sent
+
+    @property
+    def collectives(self) -> int:
+        return self.micro_batches * self.per_micro_collectives + self.once_collectives
+
+    @property
+    def step(self) -> float:
+        """This rank alone, without a pipeline's bubble."""
+        return self.compute + self.exposed
 
 
 def price(state: CompileState) -> Price:
-    """The :class:`Price` of a planned compile state (no rank program is built)."""
-    pipeline = state.strategy.pipeline
+    """The :class:`Price` of a planned compile state (no rank program is built): the first and
+    last rank of each pipeline rank's mesh stand for it (the first computes for both)."""
     meshes = _stage_meshes(state)
+    ends = list(dict.fromkeys(r for mesh in meshes for r in (mesh.ranks[0], mesh.ranks[-1])))
+    return step_price(state, rank_times(state, ends, computing=[mesh.ranks[0] for mesh in meshes], meshes=meshes))
+
+
+def step_price(state: CompileState, times: dict[int, RankTimes]) -> Price:
+    """The step from the :func:`rank_times` of some of each stage's ranks: the slowest stage's
+    micro-batches and the largest update; the busiest rank's exposed communication; the bubble
+    (memory from each stage's first rank)."""
+    pipeline = state.strategy.pipeline
     micro = pipeline.micro_batches if pipeline is not None else 1
-    times = []
+    stages: dict[int, list[RankTimes]] = {}
+    for t in times.values():
+        stages.setdefault(t.stage, []).append(t)
+    slowest = max(times.values(), key=lambda t: t.forward + t.backward + t.per_micro_comm)
+    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times.values()) + slowest.runs
+    busiest = max(times.values(), key=lambda t: t.exposed)
+    bubble = 0.0
+    if pipeline is not None and len(stages) > 1:
+        zero_bubble = pipeline.schedule == "ZBH1"
+        fill = max(t.forward + (t.backward / 2 if zero_bubble else t.backward) for t in times.values())
+        virtual = max(len(state.pipeline.stages) // len(state.pipeline.meshes), 1) if state.pipeline is not None else 1
+        bubble = (len(stages) - 1) * fill / virtual
+    firsts = [min(ts, key=lambda t: t.rank).rank for _, ts in sorted(stages.items())]
+    memory, held = _memory(state, firsts, micro)
+    sent = max(t.sent for t in times.values())
+    return Price(compute, busiest.exposed, bubble, memory, held, sent, busiest.hidden)
+
+
+def rank_times(
+    state: CompileState, ranks: Iterable[int], computing: Iterable[int] | None = None, meshes: list[Any] | None = None
+) -> dict[int, RankTimes]:
+    """:class:`RankTimes` of each of ``ranks``. ``computing``: the ranks whose ops are priced
+    (default: all of ``ranks``); another rank takes the compute of the first of them on its
+    stage (a search prices a stage's first rank only). ``meshes``: each pipeline rank's mesh,
+    when the caller has them."""
+    ranks = list(dict.fromkeys(ranks))
+    computing = ranks if computing is None else list(dict.fromkeys(computing))
+    pipeline = state.strategy.pipeline
+    micro = pipeline.micro_batches if pipeline is not None else 1
     device = state.cluster.device
     shared = device.shared_by(min(len(state.mesh.ranks), state.cluster.devices_per_node))
     launch = device.op_seconds * shared if device.segment_seconds else 0.0  # (see added_ops)
-    firsts = [mesh.ranks[0] for mesh in meshes]
-    computed = _compute(state, firsts)
-    added = _added_ops(state, firsts) if launch else {}
-    communicated = _communication(state, list(dict.fromkeys(r for mesh in meshes for r in (mesh.ranks[0], mesh.ranks[-1]))))
-    for mesh in meshes:  # compute on the stage's first rank, communication on the busier of its first and last
-        forward, backward, update = (shared * seconds for seconds in computed[mesh.ranks[0]])
+    program_runs = 1 if pipeline is None else (3 if pipeline.schedule == "ZBH1" else 2) * micro + 1
+    runs = program_runs * device.segment_seconds * shared
+    stage_of = _stage_of(meshes or _stage_meshes(state), ranks)
+    # collectives inside the program (no host segment), beside the compute: gradient syncs overlap the backward
+    syncs = _gradient_syncs(state) if not device.segment_seconds else []
+    computed, ready = _compute(state, computing, {op for sync in syncs for op in sync.producers})
+    added = _added_ops(state, ranks) if launch else {}
+    communicated = _communication(state, ranks)
+    by_stage = {}
+    for rank in computing:
+        by_stage.setdefault(stage_of.get(rank, 0), rank)
+    out = {}
+    for rank in ranks:
+        source = rank if rank in computed else by_stage[stage_of[rank]]
+        forward, backward, update = (shared * seconds for seconds in computed[source])
         if launch:
-            per_micro_ops, once_ops = added[mesh.ranks[0]]
+            per_micro_ops, once_ops = added[rank]
             forward, update = forward + per_micro_ops * launch, update + once_ops * launch
-        ends = dict.fromkeys((mesh.ranks[0], mesh.ranks[-1]))
-        comm = max((communicated[rank] for rank in ends), key=lambda c: micro * c[0] + c[1])
-        times.append(_StageTimes(forward, backward, update, *comm))
-    slowest = max(times, key=lambda t: t.forward + t.backward + t.per_micro_comm)
-    per_micro = max(t.forward + t.backward for t in times)
-    runs = 1 if pipeline is None else (3 if pipeline.schedule == "ZBH1" else 2) * micro + 1  # program runs per step
-    compute = micro * (slowest.forward + slowest.backward) + max(t.update for t in times)
-    compute += runs * device.segment_seconds * shared
-    communication = max(micro * t.per_micro_comm + t.once_comm for t in times)
-    bubble = 0.0
-    if pipeline is not None and len(meshes) > 1:
-        fill = per_micro if pipeline.schedule != "ZBH1" else max(t.forward + t.backward / 2 for t in times)
-        virtual = max(len(state.pipeline.stages) // len(state.pipeline.meshes), 1) if state.pipeline is not None else 1
-        bubble = (len(meshes) - 1) * fill / virtual
-    memory, held = _memory(state, firsts, micro)
-    sent = max(micro * t.per_micro_sent + t.once_sent for t in times)
-    return Price(compute, communication, bubble, memory, held, sent)
+        hidden = 0.0
+        if syncs:
+            made = {op: shared * seconds for op, seconds in ready[source].items()}
+            hidden = _hidden(state, syncs, rank, made, backward)
+        out[rank] = RankTimes(rank, stage_of[rank], micro, forward, backward, update, runs, *communicated[rank], hidden)
+    return out
 
 
 def _stage_meshes(state: CompileState) -> list[Any]:
@@ -114,18 +201,89 @@ def _stage_meshes(state: CompileState) -> list[Any]:
     return [state.mesh] if state.strategy.pipeline is None else find_stages(state)[0]
 
 
-def _compute(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, float]]:
+def _stage_of(meshes: list[Any], ranks: list[int]) -> dict[int, int]:
+    """Each of ``ranks``' pipeline rank position (``meshes``: each pipeline rank's mesh)."""
+    out = {}
+    for position, mesh in enumerate(meshes):
+        for rank in _held_by(mesh, ranks):
+            out.setdefault(rank, position)
+    return out
+
+
+def _compute(
+    state: CompileState, ranks: list[int], producers: set[int] = frozenset()
+) -> tuple[dict[int, tuple[float, float, float]], dict[int, dict[int, float]]]:
     """Forward, backward (of one micro-batch) and update seconds of the ops of each of ``ranks``
-    (each op visited once: it is priced on those of ``ranks`` its mesh holds)."""
+    (each op visited once: it is priced on those of ``ranks`` its mesh holds); and, for each
+    of ``producers`` (op indices), the backward seconds up to its end on each rank."""
     graph, propagation, cluster = state.graph, state.propagation, state.cluster
     times = {rank: [0.0, 0.0, 0.0] for rank in ranks}
+    ready: dict[int, dict[int, float]] = {rank: {} for rank in ranks}
     column = {Role.FORWARD: 0, Role.OPTIMIZER: 2}
     for op in graph.ops:
         if op.name in FREE_OPS or op.index not in propagation.op_results:
             continue
         for rank in _held_by(propagation.op_meshes.get(op.index, state.mesh), ranks):
             times[rank][column.get(op.role, 1)] += _op_seconds(state, op, rank, cluster)
-    return {rank: (f, b, u) for rank, (f, b, u) in times.items()}
+            if op.index in producers:
+                ready[rank][op.index] = times[rank][1]
+    return {rank: (f, b, u) for rank, (f, b, u) in times.items()}, ready
+
+
+@dataclass(frozen=True, slots=True)
+class _Sync:
+    """A data-parallel gradient sync run once a step: a fused bucket, or one gradient's own
+    all_reduce (``planned``); ``producers``: the ops making its gradients."""
+
+    producers: tuple[int, ...]
+    bucket: Any = None
+    planned: Any = None
+
+    def seconds(self, rank: int, by_index: dict[int, Any]) -> float:
+        """What it costs ``rank`` (0: not taking part)."""
+        if self.bucket is not None:
+            return self.bucket.time if rank in _bucket_ranks(self.bucket, by_index) else 0.0
+        return sum(step.time for step in self.planned.plan.steps if not step.kind.is_local and _taking_part(step, [rank]))
+
+
+def _gradient_syncs(state: CompileState) -> list[_Sync]:
+    """The gradient buckets, and the gradients synced by all_reduces of their own (outside a
+    bucket: bigger than it, or fusion off) before the optimizer reads them."""
+    by_index = {planned.index: planned for planned in state.reshards}
+    syncs = [_Sync(tuple(by_index[m].need.value[0] for m in b.members if m in by_index), bucket=b) for b in state.buckets]
+    fused, graph = _fused(state), state.graph
+    for planned in state.reshards:
+        if planned.shared_with is not None or planned.index in fused:
+            continue
+        made_by = planned.need.value[0]
+        if graph.ops[planned.need.op].role is not Role.OPTIMIZER or graph.ops[made_by].role is not Role.BACKWARD:
+            continue
+        steps = [step for step in planned.plan.steps if not step.kind.is_local]
+        if steps and all(step.kind.value == "all_reduce" for step in steps):
+            syncs.append(_Sync((made_by,), planned=planned))
+    return syncs
+
+
+def _hidden(state: CompileState, syncs: list[_Sync], rank: int, ready: dict[int, float], backward: float) -> float:
+    """Seconds of ``rank``'s gradient syncs that run behind its backward (``ready``: backward
+    seconds up to the end of each op making a gradient; ``backward``: the whole micro-batch's).
+    Each sync starts when its last gradient is made and the one before it on the link is done
+    (one collective at a time, in the order they become ready); its time up to the backward's
+    end is hidden, the rest exposed: a sync of a gradient made at the end of the backward (the
+    first layers', and so the bucket holding them) is never hidden, and syncs longer than the
+    backward left after them show the rest."""
+    by_index = {planned.index: planned for planned in state.reshards}
+    starts = []
+    for sync in syncs:
+        seconds = sync.seconds(rank, by_index)
+        if seconds > 0:
+            starts.append((max((ready.get(op, backward) for op in sync.producers), default=backward), seconds))
+    free, hidden = 0.0, 0.0
+    for start, seconds in sorted(starts):
+        start = max(start, free)
+        free = start + seconds
+        hidden += max(0.0, min(free, backward) - start)
+    return hidden
 
 
 def _held_by(mesh: Any, ranks: list[int]) -> tuple[int, ...]:
@@ -139,32 +297,123 @@ def _ranks_in(mesh: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(rank for rank in ranks if rank in members)
 
 
-def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, int, int]]:
+def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, int, int, int, int]]:
     """Per each of ``ranks``: seconds of the collectives it takes part in per micro-batch and once
-    a step (a gradient sync, a fused bucket), and the bytes it sends in each (each planned
-    reshard visited once)."""
-    out = {rank: [0.0, 0.0, 0, 0] for rank in ranks}  # per micro-batch, once; sent per micro-batch, once
-    fused = _fused(state)
+    a step (a gradient sync, a fused bucket), the bytes it sends in each and their number (each
+    planned reshard visited once). Where the job's processes outnumber the node's cores, each
+    collective's fixed costs stretch (:func:`~autopar.cost_model.comm.shared_cores_time`)."""
+    out = {rank: [0.0, 0.0, 0, 0, 0, 0] for rank in ranks}  # per micro-batch, once: seconds, sent, collectives
+    cluster, fused = state.cluster, _fused(state)
+    processes = min(len(state.mesh.ranks), cluster.devices_per_node)
+    shared = cluster.device.shared_by(processes) > 1.0
     for planned in state.reshards:
         if planned.shared_with is not None or planned.index in fused:
             continue
-        once = state.graph.ops[planned.need.op].role is Role.OPTIMIZER
+        once = int(state.graph.ops[planned.need.op].role is Role.OPTIMIZER)
         for step in planned.plan.steps:
             if step.kind.is_local:  # (a local slice is a copy the compute side does not see: a few bytes)
                 continue
-            for rank, _ in _taking_part(step, ranks):
-                out[rank][1 if once else 0] += step.time
-                out[rank][3 if once else 2] += step.bytes
+            for rank, group in _taking_part(step, ranks):
+                out[rank][once] += step.time + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
+                out[rank][2 + once] += step.bytes
+                out[rank][4 + once] += 1
+    for op, plan in _row_reshards(state):  # (a vocabulary-parallel row's all_reduces, emitted by its rewrite)
+        once = int(op.role is Role.OPTIMIZER)
+        for step in plan.steps:
+            for rank, group in [] if step.kind.is_local else _taking_part(step, ranks):
+                out[rank][once] += step.time + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
+                out[rank][2 + once] += step.bytes
+                out[rank][4 + once] += 1
     by_index = {planned.index: planned for planned in state.reshards}
     for bucket in (*state.buckets, *state.zero_buckets):
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
-            out[rank][1] += bucket.time
+            stretch = 0.0
+            if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
+                stretch = _stretch(*found, cluster, processes)
+            out[rank][1] += bucket.time + stretch
             out[rank][3] += bucket.bytes
+            out[rank][5] += len(getattr(bucket, "split", ())) or 1  # (a gradient bucket as reduce_scatter + all_gather: 2)
     for bucket in state.site_buckets:  # the gathers one op reads, in one (per micro-batch: passes/site_fusion.py)
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
-            out[rank][0] += bucket.time
+            stretch = 0.0
+            if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
+                stretch = _stretch(*found, cluster, processes)
+            out[rank][0] += bucket.time + stretch
             out[rank][2] += bucket.bytes
-    return {rank: (a, b, int(c), int(d)) for rank, (a, b, c, d) in out.items()}
+            out[rank][4] += 1
+    return {rank: (a, b, int(c), int(d), e, f) for rank, (a, b, c, d, e, f) in out.items()}
+
+
+def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
+    """The all_reduces of one value per row that the vocabulary-parallel rewrite emits for an op
+    whose normalized axis (softmax, cross-entropy: Megatron's LM head) stays split
+    (:mod:`autopar.passes.vocab_parallel`): (op, planned reshard) each, planned as the rewrite
+    plans them, ``P(max|sum) -> R`` of the per-row tensor."""
+    from autopar.dist_attr import DistAttr
+    from autopar.passes.vocab_parallel import split_rows
+    from autopar.spmd.vocab_parallel import decompose
+
+    out = []
+    for op, split in split_rows(state):
+        required = state.propagation.op_results[op.index].inputs
+        dist, value = required[split.operand], state.graph.values[op.inputs[split.operand]]
+        others = {d: k for attr in required if attr is not None for d, k in attr.partial if d not in split.mesh_dims}
+        mapping = tuple(() if t == split.axis else dims for t, dims in enumerate(dist.mapping))
+        row = tuple(1 if t == split.axis else n for t, n in enumerate(value.shape))
+        reduces: list[str] = []
+        decompose(split, _RowKernels(reduces), [None] * len(op.inputs), op.attrs)
+        for reduce in reduces:
+            src = DistAttr.of(dist.mesh, mapping, {**others, **{d: reduce for d in split.mesh_dims}})
+            dst = DistAttr.of(dist.mesh, mapping, others)
+            if reduce.startswith("gather"):  # all_gather_rows of n values per row: S -> R of [.., n x ranks, ..]
+                count = int(reduce.split(":")[1]) * math.prod(dist.mesh.shape[d] for d in split.mesh_dims)
+                gathered = tuple(tuple(split.mesh_dims) if t == split.axis else dims for t, dims in enumerate(mapping))
+                src = DistAttr.of(dist.mesh, gathered, others)
+                shape = tuple(count if t == split.axis else n for t, n in enumerate(row))
+                out.append((op, plan_reshard(src, dst, shape, value.dtype, state.cluster)))
+                continue
+            out.append((op, plan_reshard(src, dst, row, value.dtype, state.cluster)))
+    return out
+
+
+class _RowKernels:
+    """The kernels a decomposition calls, computing nothing: the reductions its all_reduces take
+    (``gather:n`` for an all_gather of n values per row)."""
+
+    def __init__(self, reduces: list[str]) -> None:
+        self.reduces = reduces
+
+    def all_reduce(self, x: Any, reduce: str, what: str) -> Any:
+        self.reduces.append(reduce)
+
+    def all_gather_rows(self, xs: list[Any], what: str) -> list[Any]:
+        self.reduces.append(f"gather:{len(xs)}")
+        return [None] * len(xs)
+
+    def rows(self, ids: Any) -> tuple[None, None]:
+        return None, None
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: None
+
+
+@lru_cache(maxsize=1 << 12)
+def _stretch(kind: Any, group: tuple[int, ...], cluster: Any, processes: int) -> float:
+    return shared_cores_time("send_recv" if point_to_point(kind) else kind.value, group, cluster, processes)
+
+
+def _bucket_group(bucket: Any, by_index: dict[int, Any], rank: int) -> tuple[Any, tuple[int, ...]] | None:
+    """A fused bucket's collective kind and ``rank``'s group in it (a gradient bucket: its
+    all_reduce over its mesh dims; a ZeRO bucket: its members' step of its kind)."""
+    src = getattr(bucket, "src", None)
+    if src is not None:
+        return CollectiveKind.ALL_REDUCE, tuple(group_at(src.mesh, rank, bucket.mesh_dims))
+    for member in bucket.members:
+        for step in by_index[member].plan.steps:
+            if step.kind == bucket.kind:
+                for _, group in _taking_part(step, [rank]):
+                    return bucket.kind, tuple(group)
+    return None
 
 
 def added_ops(state: CompileState, rank: int) -> tuple[int, int]:

@@ -7,12 +7,21 @@ for a pipeline the micro-batch count and schedule (the stage cut is automatic: b
 predicted time), without one the micro-batches gradients are accumulated over. A shape is skipped, with the reason kept, where the program cannot take it:
 the batch does not divide over the data ranks, nothing is found to split over tensor ranks
 (:mod:`.annotations`), fewer repeated layers than stages.
+
+Fewer devices than the world: a world the program does not divide well (7 devices, a batch of
+8) leaves every factorisation of it crippled (a 7-stage pipeline), while 4 of the 7 run data
+parallel. So the search also tries the shapes on fewer devices that cannot grow
+(:func:`largest`): each combination of a data and a tensor size the program takes, with as
+many pipeline stages as still fit; a shape that can grow by a whole factor on the same world
+is assumed no faster than the grown one (more of one kind of parallelism divides the
+compute, its communication grows slower), except one device, which has none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.mesh import ProcessMesh
 from autopar.strategy import PipelineConfig, Strategy
@@ -50,6 +59,33 @@ def shapes(world: int) -> Iterator[Shape]:
     for mp in _divisors(world):
         for pp in _divisors(world // mp):
             yield Shape(world // (mp * pp), mp, pp)
+
+
+def largest(world: int, data: Iterable[int], tensor: Iterable[int], takes: Callable[[Shape], bool]) -> list[Shape]:
+    """The shapes on at most ``world`` devices, of ``data`` x ``tensor`` sizes and the most
+    pipeline stages that ``takes`` accepts, that no other such shape contains (every size at
+    least as large); one device (the plan without communication) always among them. Most
+    devices first."""
+    found = []
+    for dp in data:
+        for mp in tensor:
+            stages = (pp for pp in range(world // (dp * mp), 0, -1) if takes(Shape(dp, mp, pp)))
+            found += [Shape(dp, mp, pp) for pp in [next(stages, 0)] if pp]
+    grown = [s for s in found if not any(o != s and o.dp >= s.dp and o.mp >= s.mp and o.pp >= s.pp for o in found)]
+    if Shape(1, 1, 1) not in grown:
+        grown.append(Shape(1, 1, 1))
+    return sorted(grown, key=lambda s: (-s.world, s.mp, s.pp))
+
+
+def most_stages(graph: Any) -> int:
+    """The most pipeline stages the automatic cut can make of ``graph``'s forward layers (one
+    per distinct layer path; :mod:`autopar.rewrites.pipeline_cut`)."""
+    from autopar.graph import Role
+    from autopar.layer_paths import path_of
+    from autopar.op_kinds import SOURCE_OPS
+
+    forward = [op for op in graph.ops if op.role is Role.FORWARD and op.name not in SOURCE_OPS and op.inputs]
+    return max(len({path_of(op) for op in forward if path_of(op)}), 1)
 
 
 def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strategy]:

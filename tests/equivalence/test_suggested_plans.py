@@ -44,7 +44,7 @@ def test_the_best_plan_of_every_mesh_shape_equals_serial():
     seed = gpt_block_program(batch=8, seq=16, hidden=32, heads=4, vocab=64, layers=2, optimizer="sgd", seed=3, layer_calls=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plans = autopar.suggest(seed.main, 4, seed.startup, top=1000)
+        plans = autopar.suggest(seed.main, 4, seed.startup, top=1000, all_devices=True)
         best = {}
         for plan in plans:
             best.setdefault(str(plan.shape), plan)
@@ -73,7 +73,7 @@ def test_the_best_plan_of_every_mesh_shape_on_every_zoo_model_equals_serial(mode
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         best = {}
-        for plan in autopar.suggest(seed.main, 4, seed.startup, cluster="h100-node", top=1000):
+        for plan in autopar.suggest(seed.main, 4, seed.startup, cluster="h100-node", top=1000, all_devices=True):
             best.setdefault(str(plan.shape), plan)
         assert set(best) == {"dp=4", "dp=2 x mp=2", "mp=4", "dp=2 x pp=2", "mp=2 x pp=2", "pp=4"}
         for plan in best.values():

@@ -35,7 +35,8 @@ def test_a_model_with_room_to_spare_gets_pure_data_parallelism():
     assert best.strategy.zero_stage in (0, 1) and not best.strategy.recompute
     assert "8 data-parallel ranks" in best.why and "fits" in best.why
     assert plans.searched >= 50 and plans.pruned == 0 and len(plans) == 5
-    assert [p.price.step for p in plans if p.fits] == sorted(p.price.step for p in plans if p.fits)
+    busy = [p.price.step for p in plans if p.fits and not p.idle]  # (one device, 3 % faster here, is a tie: ranked after)
+    assert busy == sorted(busy)
 
 
 def test_a_model_whose_weights_and_adam_states_exceed_the_budget_gets_a_plan_that_fits():
@@ -84,9 +85,9 @@ def test_wrong_arguments_are_refused_by_name(kwargs, message):
 def test_the_command_line_prints_the_table(capsys):
     from autopar import cli
 
-    assert cli.main(["suggest", "examples/suggest_plans.py:program", "--world", "2", "--top", "2", "--memory", "64MiB"]) == 0
+    assert cli.main(["suggest", "examples/suggest_plans.py:program", "--world", "2", "--top", "2", "--memory", "64MiB", "--all-devices"]) == 0
     out = capsys.readouterr().out
-    assert "mesh" in out and "candidates priced" in out and "fits in 64 MiB" in out
+    assert "mesh" in out and "candidates priced" in out and "fits in 64 MiB" in out and "of 2 devices" not in out
     assert cli.parse_bytes("80GB") == 80 * 10**9 and cli.parse_bytes("512 MiB") == 512 << 20
     assert cli.main(["suggest", "examples/suggest_plans.py:program", "--world", "2", "--memory", "lots"]) == 2
     assert "expected a size" in capsys.readouterr().err
@@ -105,7 +106,7 @@ def test_only_the_shapes_asked_for_and_one_given_plan_priced_alike():
     chosen = next(p for p in plans if p.shape.mp == 2 and p.strategy.zero_stage == 1 and not p.strategy.recompute and not p.strategy.sequence_parallel)
     given = autopar.price_plan(seed.main, (2, 2, 1), autopar.Strategy(zero_stage=1), seed.startup, cluster="h100-node")
     assert given.price == chosen.price and given.strategy == chosen.strategy and given.placements == chosen.placements
-    with pytest.raises(AutoparError, match=r"mesh shape dp=2 x mp=4 has 8 devices, not the world's 4"):
+    with pytest.raises(AutoparError, match=r"mesh shape dp=2 x mp=4 has 8 devices, more than the world's 4"):
         autopar.suggest(seed.main, 4, seed.startup, cluster="h100-node", shapes=[(2, 4, 1)])
     with pytest.raises(AutoparError, match=r"a mesh shape is a Shape or \(dp, mp, pp\) of positive ints, got \(2, 2\)"):
         autopar.price_plan(seed.main, (2, 2), cluster="h100-node")

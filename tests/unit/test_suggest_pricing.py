@@ -26,15 +26,25 @@ def _gpt(names, strategy):
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_price_agrees_with_the_cost_report_of_the_rank_programs(zero):
+    """``dist.cost`` is the same pricing asked for every rank: its step is the price's; its
+    bytes and memory are the rank programs' (each rank's collectives); the compute priced from
+    the placements is the rank programs' own rooflines, read off their ops, within the ops
+    compile adds, a fixed cost per op and one program run."""
+    from autopar.inspect.cost_report import program_compute
+
     dist = _gpt(["dp", "mp"], autopar.Strategy(zero_stage=zero))
     priced, report = price(dist.state), dist.cost
     device = dist.state.cluster.device
+    assert report.step_time == pytest.approx(priced.step, rel=1e-9)
     assert priced.communication == pytest.approx(max(r.comm_time for r in report.ranks), rel=1e-9)
     assert priced.memory == max(report.peak_memory.values())
     assert priced.sent == max(report.comm_bytes.values())
-    compute = max(r.compute_time for r in report.ranks)  # (rooflines only: no launch cost per op)
+    for r in report.ranks:
+        assert r.comm_bytes == sum(c.bytes for c in dist.comm_ops(r.rank))
+        assert r.collectives == len(dist.comm_ops(r.rank))
+    compute = max(program_compute(dist.rank_plan(r.rank).program, dist.state.cluster) for r in report.ranks)
     launches = len(dist.rank_plan(0).program.global_block().ops) * device.op_seconds + device.segment_seconds
-    shared = device.shared_by(4)  # (the cost report prices one process alone)
+    shared = device.shared_by(4)  # (the rank programs' rooflines are one process alone)
     assert 0.5 * compute < priced.compute <= shared * (compute + launches)  # (rank programs add slices, concats, copies)
     assert priced.bubble == 0.0 and priced.step == priced.compute + priced.communication
 
