@@ -329,7 +329,8 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
             stretch = 0.0
             if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
-                stretch = _stretch(*found, cluster, processes)
+                kinds = [step.kind for step in getattr(bucket, "split", ())] or [found[0]]  # (reduce_scatter + all_gather)
+                stretch = sum(_stretch(kind, found[1], cluster, processes) for kind in kinds)
             out[rank][1] += bucket.time + stretch
             out[rank][3] += bucket.bytes
             out[rank][5] += len(getattr(bucket, "split", ())) or 1  # (a gradient bucket as reduce_scatter + all_gather: 2)
@@ -363,7 +364,6 @@ def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
         reduces: list[str] = []
         decompose(split, _RowKernels(reduces), [None] * len(op.inputs), op.attrs)
         for reduce in reduces:
-            src = DistAttr.of(dist.mesh, mapping, {**others, **{d: reduce for d in split.mesh_dims}})
             dst = DistAttr.of(dist.mesh, mapping, others)
             if reduce.startswith("gather"):  # all_gather_rows of n values per row: S -> R of [.., n x ranks, ..]
                 count = int(reduce.split(":")[1]) * math.prod(dist.mesh.shape[d] for d in split.mesh_dims)
@@ -372,6 +372,7 @@ def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
                 shape = tuple(count if t == split.axis else n for t, n in enumerate(row))
                 out.append((op, plan_reshard(src, dst, shape, value.dtype, state.cluster)))
                 continue
+            src = DistAttr.of(dist.mesh, mapping, {**others, **{d: reduce for d in split.mesh_dims}})
             out.append((op, plan_reshard(src, dst, row, value.dtype, state.cluster)))
     return out
 
