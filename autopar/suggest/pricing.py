@@ -23,7 +23,7 @@ The step, on the busiest rank of each pipeline rank:
   times, a gradient sync once; on a host backend each also ends a program segment, which the
   cost model's collective times include; where the job's processes outnumber the node's cores,
   each one's fixed costs stretch by their ratio, :func:`~autopar.cost_model.comm.shared_cores_time`;
-  the vocabulary-parallel rewrite's all_reduces of one value per row included). Exposed, but for the data-parallel gradient buckets
+  the vocabulary-parallel rewrite's collectives of a few values per row included). Exposed, but for the data-parallel gradient buckets
   where collectives run inside the program beside the compute (no host segment: NCCL on its own
   stream): a bucket's all_reduce starts once the backward has made its last gradient and the
   bucket before it is done, so it runs behind the rest of the last micro-batch's backward;
