@@ -14,7 +14,13 @@ dtype); each bucket is priced as its form on the flat buffer. Two packings are p
 cheaper kept: each gradient on its own cheapest plan's form, or each on the direct all_reduce
 over the dims it reduces (a dp x mp gradient replicated over mp then shares the dp bucket of
 the mp-split ones), a rerouted gradient staying on its own plan where the bucket would cost
-more than that. On a profile with native sub-groups (NCCL) both are the same. A gradient read
+more than that. On a profile with native sub-groups (NCCL) both are the same. A gradient whose
+own cheapest plan is the all_reduce decomposed (reduce_scatter + all_gather over the same dims:
+a 1 MiB gradient on ``cpu-shm``, 4 processes) joins the bucket whatever that plan's price: the
+decomposition is decided for the bucket, which is one all_reduce, so no gradient below the
+bucket size pays collectives of its own (measured there, an MLP 512-512-256-10 on dp=4: the
+step 8.0-9.0 ms with the gradient's own pair beside the bucket, 7.3-7.7 ms all in one
+all_reduce, 9.8-11.7 ms with the whole bucket decomposed, which the profile prices cheapest). A gradient read
 twice made complete (global-norm clipping: the norm, then the scaling before the optimizer) is
 one reshard whose result the later read shares: the bucket serves both reads, so a bucket's
 ``members`` are its gradients' reshards followed by the reads sharing them (those move nothing
@@ -36,18 +42,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import REDUCE_CODES
-from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at, plan_reshard
+from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import Role, ValueKey
+from autopar.graph import Role
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, GradientBucket, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import collective_op, read_site
+from autopar.passes.reshard_emission import read_site
 from autopar.propagation import SiteKind
 
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -148,7 +154,8 @@ def form_of(plan: ReshardPlan) -> Form | None:
 @dataclass(frozen=True)
 class Member:
     """A gradient reshard as a bucket member: ``plan`` (of ``form``) is what the bucket does for it;
-    ``rerouted`` when that is not its own cheapest plan (kept only where it pays)."""
+    ``rerouted`` when that is not its own cheapest plan (kept only where it pays, unless its own
+    plan is this all_reduce decomposed)."""
 
     planned: PlannedReshard
     plan: ReshardPlan
@@ -157,6 +164,11 @@ class Member:
     @property
     def rerouted(self) -> bool:
         return self.plan is not self.planned.plan
+
+    @property
+    def decomposed(self) -> bool:
+        """Its own plan is this all_reduce as a reduce_scatter then an all_gather."""
+        return decomposes(self.planned.plan, self.plan)
 
     @property
     def bytes(self) -> int:
@@ -178,8 +190,20 @@ class Candidate:
 
     def member(self, mode: str) -> Member | None:
         plan = self.planned.plan if mode == "own" or self.direct is None else self.direct
+        if self.direct is not None and decomposes(self.planned.plan, self.direct):
+            plan = self.direct  # (the decomposition is the bucket's to decide: one all_reduce)
         form = form_of(plan)
         return Member(self.planned, plan, form) if form is not None else None
+
+
+def decomposes(plan: ReshardPlan, all_reduce: ReshardPlan) -> bool:
+    """Whether ``plan`` is ``all_reduce`` (one step) as a reduce_scatter then an all_gather over
+    the same mesh dims."""
+    kinds = [step.kind for step in plan.steps]
+    if kinds != [CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER] or len(all_reduce.steps) != 1:
+        return False
+    dims = set(all_reduce.steps[0].mesh_dims)
+    return all(set(step.mesh_dims) == dims for step in plan.steps)
 
 
 def _candidates(state: CompileState) -> list[Candidate]:
@@ -211,11 +235,12 @@ def gradients_complete(state: CompileState) -> int:
 
 def _worth_fusing(state: CompileState, bucket: list[Member]) -> list[Member]:
     """``bucket`` without the rerouted members that cost less on their own plan than in the
-    bucket (one at a time, in order, against the bucket as it stands)."""
+    bucket (one at a time, in order, against the bucket as it stands); a member whose own plan
+    is the all_reduce decomposed stays."""
     kept = list(bucket)
     for member in bucket:
         alone = _cost(state, [m for m in kept if m is not member]) + member.planned.plan.time
-        if member.rerouted and alone < _cost(state, kept):
+        if member.rerouted and not member.decomposed and alone < _cost(state, kept):
             kept.remove(member)
     return kept
 
@@ -224,24 +249,14 @@ def _cost(state: CompileState, members: list[Member]) -> float:
     """Predicted time of these reshards: one fused bucket, or a lone member's own plan."""
     if len(members) <= 1:
         return sum(m.planned.plan.time for m in members)
-    return _bucket_plan(state, members).time
+    return _flat_plan(state, members).time
 
 
 def _total(state: CompileState, candidates: list[Candidate], buckets: list[list[Member]]) -> float:
     """Predicted time of every candidate: its bucket's, or its own plan's."""
     fused = {m.planned.index for b in buckets for m in b}
     alone = sum(c.planned.plan.time for c in candidates if c.planned.index not in fused)
-    return alone + sum(_bucket_plan(state, b).time for b in buckets)
-
-
-def _bucket_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
-    """How the bucket moves its flat buffer, the cheaper: one all_reduce (:func:`_flat_plan`), or
-    its reduce_scatter then all_gather (:func:`_split_plan`). Deciding the decomposition on the
-    whole bucket, not per gradient, keeps every gradient in it: a 1 MiB gradient that alone is
-    cheaper as reduce_scatter + all_gather (``cpu-shm``, 4 processes) no longer leaves the bucket
-    to pay two collectives of its own beside it."""
-    whole, split = _flat_plan(state, members), _split_plan(state, members)
-    return split if split is not None and split.time < whole.time else whole
+    return alone + sum(_flat_plan(state, b).time for b in buckets)
 
 
 def _flat_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
@@ -253,58 +268,30 @@ def _flat_plan(state: CompileState, members: list[Member]) -> ReshardPlan:
     return all_reduce_plan(src, dst, (numel,), form.dtype, state.cluster, zeroed=form.zeroed)
 
 
-def _split_plan(state: CompileState, members: list[Member]) -> ReshardPlan | None:
-    """The bucket's all_reduce as a reduce_scatter of the flat buffer (zero-padded to a multiple
-    of the group) then an all_gather of the reduced chunks, each one step of the planner; None
-    for a form that zeroes copies first, or where the planner moves a chunk otherwise."""
-    form = members[0].form
-    if form.zeroed:
-        return None
-    ranks = math.prod(form.mesh.shape[d] for d in form.mesh_dims)
-    numel = -(-sum(m.numel for m in members) // ranks) * ranks
-    pending = tuple((d, form.reduce) for d in form.mesh_dims)
-    src, dst = DistAttr.of(form.mesh, ((),), pending), DistAttr.of(form.mesh, ((),))
-    chunks = DistAttr.of(form.mesh, (form.mesh_dims,))
-    scatter = plan_reshard(src, chunks, (numel,), form.dtype, state.cluster)
-    gather = plan_reshard(chunks, dst, (numel,), form.dtype, state.cluster)
-    if scatter.kinds() != [CollectiveKind.REDUCE_SCATTER] or gather.kinds() != [CollectiveKind.ALL_GATHER]:
-        return None
-    return ReshardPlan(src, dst, (numel,), form.dtype, scatter.steps + gather.steps)
-
-
 def _bucket(state: CompileState, number: int, members: list[Member], sharing: list[PlannedReshard]) -> GradientBucket:
     """The bucket of ``members`` (the reshards it moves); ``sharing``: later reads of their results."""
-    form, plan = members[0].form, _bucket_plan(state, members)
-    split = plan.steps if plan.steps[0].kind is CollectiveKind.REDUCE_SCATTER else ()
+    form, plan = members[0].form, _flat_plan(state, members)
     names = ", ".join(state.label(m.planned.need.value) for m in members)
     over = "/".join(form.mesh.dim_names[d] for d in form.mesh_dims if d not in form.zeroed)
     layers = layers_text([value_layer(state.graph, m.planned.need.value) for m in members])
-    how = " (as reduce_scatter + all_gather: cheaper than one all_reduce of this size here)" if split else ""
     return GradientBucket(
         index=number, members=tuple(m.planned.index for m in members) + tuple(s.index for s in sharing),
-        mesh_dims=form.mesh_dims, reduce=form.reduce, src=plan.src if split else plan.steps[-1].src, dtype=form.dtype,
-        numel=plan.shape[0], bytes=int(sum(s.bytes for s in split) or sum(m.bytes for m in members)), time=plan.time,
-        zeroed=form.zeroed, split=split,
-        reason=f"{in_layer(f'gradient sync over {over}', layers)}: {len(members)} gradient all_reduces fused into one buffer{how}: {names}",
+        mesh_dims=form.mesh_dims, reduce=form.reduce, src=plan.steps[-1].src, dtype=form.dtype, numel=plan.shape[0],
+        bytes=int(sum(m.bytes for m in members)), time=plan.time, zeroed=form.zeroed,
+        reason=f"{in_layer(f'gradient sync over {over}', layers)}: {len(members)} gradient all_reduces fused into one buffer: {names}",
     )  # fmt: skip
 
 
 def emitted_ops(state: CompileState, bucket: GradientBucket, planned: list[PlannedReshard], rank: int) -> int:
     """How many ops :func:`_emit_bucket` adds to ``rank``'s program (what pricing counts: on a
-    host each op costs its launch): the flattened gradients joined, maybe zeroed, all-reduced
-    (or padded, reduce-scattered, all-gathered and unpadded), split and shaped back."""
+    host each op costs its launch): the flattened gradients joined, maybe zeroed, all-reduced,
+    split and shaped back."""
     members = [p for p in planned if p.shared_with is None]
     shaped = sum(1 for m in members if len(m.need.need.local_shape(m.plan.shape, rank)) != 1)
     zeroed = bool(bucket.zeroed) and rank != group_at(bucket.src.mesh, rank, bucket.zeroed)[0]
-    padded = bool(bucket.split) and _numel(members, rank) != bucket.numel
-    # concat 3, scale 2, all_reduce 1 (reduce_scatter and all_gather 2, pad: full + concat 4,
-    # unpad: slice 3), split 4 (each with its constants); a gradient of several dims flattened
-    # and shaped back: two reshapes of 2
-    return 3 + 2 * zeroed + 1 + bool(bucket.split) + 7 * padded + 4 + 4 * shaped
-
-
-def _numel(members: list[PlannedReshard], rank: int) -> int:
-    return sum(math.prod(m.need.need.local_shape(m.plan.shape, rank)) for m in members)
+    # concat 3, scale 2, all_reduce 1, split 4 (each with its constants); a gradient of several
+    # dims flattened and shaped back: two reshapes of 2
+    return 3 + 2 * zeroed + 1 + 4 + 4 * shaped
 
 
 def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, planned: list[PlannedReshard]) -> None:
@@ -315,90 +302,27 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, p
     paddle.pir.set_insertion_point(first_reader)
     inputs = [rp.current(m.need.value) for m in members]
     shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
-    group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
-    riders = _riders(state, rp, bucket, group, first_reader) if bucket.split else []
-    parts = [x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)]
-    parts += [paddle._C_ops.reshape(rp.produced(key), [-1]) for key in riders]
-    sizes = [math.prod(s) for s in shapes] + [math.prod(state.graph.values[key].shape) for key in riders]
-    flat = paddle._C_ops.concat(parts, 0)
+    flat = paddle._C_ops.concat([x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)], 0)
     if bucket.zeroed and rp.rank != group_at(bucket.src.mesh, rp.rank, bucket.zeroed)[0]:
         flat = paddle._C_ops.scale(flat, 0.0, 0.0, True)  # make_partial: one copy along ``zeroed`` is summed
+    group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
     ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
-    if bucket.split:
-        fused = _scatter_gather(state, rp, bucket, flat, sum(sizes), group, ring, riders)
-    else:
-        fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
-        total = sum(sizes)
-        collective = Collective(
-            kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
-            value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
-            shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
-            reason=bucket.reason, reduce=bucket.reduce,
-        )  # fmt: skip
-        rp.collectives.append((collective, fused.get_defining_op().id()))
-    pieces = paddle._C_ops.split(fused, sizes, 0)
+    fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
+    pieces = paddle._C_ops.split(fused, [math.prod(s) for s in shapes], 0)
     for member, piece, shape in zip(members, pieces, shapes):
         out = piece if len(shape) == 1 else paddle._C_ops.reshape(piece, list(shape))
         consumer, slot = read_site(state, rp, member)
         consumer.operand(slot).set_source(out)
         rp.resharded[member.index] = out
-    for key, piece in zip(riders, pieces[len(members) :]):
-        rp.fetched[key] = paddle._C_ops.reshape(piece, list(state.graph.values[key].shape))
     for read in planned:
         if read.shared_with is not None:
             consumer, slot = read_site(state, rp, read)
             consumer.operand(slot).set_source(rp.resharded[read.shared_with])
-
-
-def _riders(state: CompileState, rp: RankProgram, bucket: GradientBucket, group: tuple[int, ...], at: Any) -> list[ValueKey]:
-    """The fetches of ``rp`` that ride in a reduce_scatter + all_gather bucket: made whole by one
-    all_reduce over the bucket's group, reduction and dtype (a data-parallel loss), and made
-    before the bucket runs (``at``). An all_reduce bucket takes its riders in
-    :mod:`.fetch_replication`, which gives the others their own collectives."""
-    from autopar.passes.fetch_replication import whole_plan
-
-    if state.pipeline is not None:
-        return []  # (a pipeline's fetches are added up over micro-batches by its runner)
-    positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
-    out: list[ValueKey] = []
-    for key in rp.fetches:
-        plan = whole_plan(state, key)
-        if key in rp.fetched or key in out or plan.kinds() != [CollectiveKind.ALL_REDUCE]:
-            continue
-        step = plan.steps[0]
-        if step.group_of(rp.rank) != group or (step.reduce or "sum") != bucket.reduce or plan.dtype != bucket.dtype:
-            continue
-        producer = rp.produced(key).get_defining_op()
-        if producer is None or positions.get(producer.id(), positions[at.id()]) < positions[at.id()]:
-            out.append(key)
-    return out
-
-
-def _scatter_gather(
-    state: CompileState, rp: RankProgram, bucket: GradientBucket, flat: Any, numel: int, group: tuple[int, ...],
-    ring: int, riders: list[ValueKey],
-) -> Any:  # fmt: skip
-    """The bucket's all_reduce of ``flat`` (``numel`` elements) as its reduce_scatter then
-    all_gather: padded with zeros to the planned size (a multiple of the group), unpadded after."""
-    import paddle
-
-    padded = -(-numel // len(group)) * len(group)
-    if padded != numel:
-        flat = paddle._C_ops.concat([flat, paddle._C_ops.full([padded - numel], 0.0, flat.dtype, paddle.CPUPlace())], 0)
-    chunks = DistAttr.of(bucket.src.mesh, (bucket.mesh_dims,))
-    whole = DistAttr.of(bucket.src.mesh, ((),))
-    extra = "" if not riders else f"; fetched {', '.join(state.graph.values[k].label for k in riders)} rides along (no collective of its own)"
-    out = flat
-    for number, (step, src, dst, shape) in enumerate(
-        zip(bucket.split, (bucket.src, chunks), (chunks, whole), ((padded // len(group),), (padded,)))
-    ):
-        collective = Collective(
-            kind=step.kind, group=group, key=CollectiveKey("bucket", bucket.index, number),
-            value=f"bucket {bucket.index} ({len(bucket.members)} gradients)", src=src, dst=dst, shape=(padded,),
-            output_shape=shape, bytes=step.bytes, time=step.time, reason=bucket.reason + extra, reduce=bucket.reduce,
-            dtype=bucket.dtype,
-        )  # fmt: skip
-        out = collective_op(collective, out, ring)
-        out.set_type(paddle.pir.create_shaped_type(flat.type(), list(shape)))
-        rp.collectives.append((collective, out.get_defining_op().id()))
-    return out if padded == numel else paddle._C_ops.slice(out, [0], [0], [numel], [1], [])
+    total = sum(math.prod(s) for s in shapes)
+    collective = Collective(
+        kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
+        value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
+        shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
+        reason=bucket.reason, reduce=bucket.reduce,
+    )  # fmt: skip
+    rp.collectives.append((collective, fused.get_defining_op().id()))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from autopar.collective import Collective
-from autopar.cost_model.planner import ReshardPlan, ReshardStep
+from autopar.cost_model.planner import ReshardPlan
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey, once_per_graph
@@ -84,7 +84,6 @@ class GradientBucket:
     time: float
     reason: str
     zeroed: tuple[int, ...] = ()  # mesh dims along which all copies but the first are zeroed first (make_partial)
-    split: tuple[ReshardStep, ...] = ()  # its reduce_scatter and all_gather where those are cheaper (empty: one all_reduce)
 
 
 @dataclass

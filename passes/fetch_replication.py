@@ -73,7 +73,7 @@ def _replicate(state: CompileState, rp: RankProgram, index: int, key: ValueKey, 
 def _ride_in_buckets(state: CompileState, rp: RankProgram, plans: dict[ValueKey, ReshardPlan]) -> None:
     """Append each fetch that can ride in an emitted gradient bucket to the bucket's buffer
     (the first bucket that fits it); ``rp.fetched`` takes the split-off whole value."""
-    buckets = [n for n, (c, _) in enumerate(rp.collectives) if c.key.source == "bucket" and c.kind is CollectiveKind.ALL_REDUCE]
+    buckets = [n for n, (collective, _) in enumerate(rp.collectives) if collective.key.source == "bucket"]
     if not buckets or not plans:
         return
     ops = list(rp.program.global_block().ops)
@@ -81,7 +81,7 @@ def _ride_in_buckets(state: CompileState, rp: RankProgram, plans: dict[ValueKey,
     riders: dict[int, list[ValueKey]] = {}  # index in rp.collectives -> fetches riding
     for key, plan in plans.items():
         if key in rp.fetched:
-            continue  # (rode in a reduce_scatter + all_gather bucket: passes/allreduce_fusion.py)
+            continue  # (rode in ZeRO's buckets: passes/zero_fusion.py)
         for number in buckets:
             collective, op_id = rp.collectives[number]
             if _fits(plan, collective, rp, key, positions[op_id], positions):

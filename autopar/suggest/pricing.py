@@ -329,11 +329,10 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
             stretch = 0.0
             if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
-                kinds = [step.kind for step in getattr(bucket, "split", ())] or [found[0]]  # (reduce_scatter + all_gather)
-                stretch = sum(_stretch(kind, found[1], cluster, processes) for kind in kinds)
+                stretch = _stretch(*found, cluster, processes)
             out[rank][1] += bucket.time + stretch
             out[rank][3] += bucket.bytes
-            out[rank][5] += len(getattr(bucket, "split", ())) or 1  # (a gradient bucket as reduce_scatter + all_gather: 2)
+            out[rank][5] += 1
     for bucket in state.site_buckets:  # the gathers one op reads, in one (per micro-batch: passes/site_fusion.py)
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
             stretch = 0.0
