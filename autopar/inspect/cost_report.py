@@ -183,7 +183,6 @@ def _reads_data(op: Any, key: Any) -> bool:
 
 def cost_report(dist: Any) -> CostReport:
     """The :class:`CostReport` of a compiled program (see the module docstring)."""
-    from autopar.suggest.pricing import rank_times, step_price
 
     decisions = dist.decisions
     graph, placement = decisions.graph, decisions.placement
@@ -198,7 +197,7 @@ def cost_report(dist: Any) -> CostReport:
     zero = decisions.zero() if dist.strategy.zero_stage >= 2 else ()
     grads = {graph.values[z.param].name: z.sharded for z in zero if z.sharded is not None}
     memory = memory_per_rank(dist.mesh.ranks, params, acts, optimizer="sgd", grad_dists=grads)
-    times = rank_times(dist.state, dist.mesh.ranks)
+    times, step = decisions.priced()
     stages = 1 + max(t.stage for t in times.values())
     ranks = []
     for rank in dist.mesh.ranks:
@@ -207,7 +206,6 @@ def cost_report(dist: Any) -> CostReport:
         held = memory[rank].activations * _in_flight(dist.strategy.pipeline, t.stage, stages)
         mem = dataclasses.replace(memory[rank], optimizer_states=state_bytes, activations=held)
         ranks.append(RankCost(rank, t.compute, t.communication, t.sent, t.collectives, mem, t.hidden))
-    step = step_price(dist.state, times)
     origin = profile_origin(dist.strategy.cluster)
     return CostReport(cluster.name, tuple(ranks), _unpriced(graph), origin, step.bubble, step.step)
 
