@@ -325,22 +325,17 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
                 out[rank][2 + once] += step.bytes
                 out[rank][4 + once] += 1
     by_index = {planned.index: planned for planned in state.reshards}
-    for bucket in (*state.buckets, *state.zero_buckets):
+    # gradient and ZeRO buckets once a step; site buckets (the gathers one op reads, in one:
+    # passes/site_fusion.py) per micro-batch
+    timed = [(bucket, 1) for bucket in (*state.buckets, *state.zero_buckets)]
+    for bucket, once in timed + [(bucket, 0) for bucket in state.site_buckets]:
         for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
             stretch = 0.0
             if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
                 stretch = _stretch(*found, cluster, processes)
-            out[rank][1] += bucket.time + stretch
-            out[rank][3] += bucket.bytes
-            out[rank][5] += 1
-    for bucket in state.site_buckets:  # the gathers one op reads, in one (per micro-batch: passes/site_fusion.py)
-        for rank in _held_by_ranks(_bucket_ranks(bucket, by_index), ranks):
-            stretch = 0.0
-            if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
-                stretch = _stretch(*found, cluster, processes)
-            out[rank][0] += bucket.time + stretch
-            out[rank][2] += bucket.bytes
-            out[rank][4] += 1
+            out[rank][once] += bucket.time + stretch
+            out[rank][2 + once] += bucket.bytes
+            out[rank][4 + once] += 1
     return {rank: (a, b, int(c), int(d), e, f) for rank, (a, b, c, d, e, f) in out.items()}
 
 

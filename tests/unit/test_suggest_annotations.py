@@ -107,7 +107,9 @@ def test_zoo_model_split_as_found_equals_serial(case):
         dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
     collectives = dist.comm_ops(0)
     split = {graph.values[key].label for key in (*tp.column, *tp.row, *tp.vocab, *tp.column_bias)}
-    assert not [c for c in collectives if c.kind.value == "all_gather"]
+    # no split weight gathered (the vocabulary-parallel cross-entropy's one all_gather is of its
+    # rows' statistics: max, sum of exponentials, target logit)
+    assert not [c for c in collectives if c.kind.value == "all_gather" and c.key.source != "vocab"]
     assert len([c for c in collectives if set(c.group) == set(mesh.group_of(0, "mp"))]) < 2 * len(split)
     feeds = feeds_of(config, 4, 8, 3) if feeds_of is not None else None
     assert_simulation_equals_serial(seed, dist, classes=classes, feeds=feeds)
