@@ -1,5 +1,5 @@
 """``dist.decisions``, the public query API: per value, per reshard, per strategy feature; and
-the command line, the inspection modules and the README ask only it (no compile state)."""
+the command line, the inspection modules, the README and docs/ ask only it (no compile state)."""
 
 import re
 from pathlib import Path
@@ -46,10 +46,11 @@ def test_strategy_features_as_values():
     assert "kept" in str(recomputed.decisions.recompute()) or recomputed.decisions.recompute().dropped
 
 
-def test_the_command_line_inspection_and_readme_ask_only_the_query_api():
+def test_the_command_line_inspection_and_docs_ask_only_the_query_api():
     internal = re.compile(r"dist\.(state|graph|propagation)\b|\._by_impl")
-    files = [ROOT / "autopar/cli.py", ROOT / "README.md", *(p for p in (ROOT / "autopar/inspect").glob("*.py") if p.name != "query.py")]
-    found = [f"{p.name}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1) if internal.search(line)]
+    docs = [ROOT / "README.md", ROOT / "benchmarks/RESULTS.md", *(ROOT / "docs").glob("*.md")]
+    files = [ROOT / "autopar/cli.py", *docs, *(p for p in (ROOT / "autopar/inspect").glob("*.py") if p.name != "query.py")]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1) if internal.search(line)]
     assert not found, found
 
 

@@ -1,0 +1,140 @@
+"""Write docs/ops.md from the SPMD rule registry: each op, its rule and what the rule supports.
+
+The page is generated, never edited: ``tests/unit/test_docs.py`` fails when the committed
+docs/ops.md differs from what this prints. After changing a rule:
+
+    .venv/bin/python tools/gen_ops.py --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from autopar.spmd import RULES, SpmdRule
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "ops.md"
+
+HEADER = """# Ops and their SPMD rules
+
+Generated from the rule registry (`autopar/spmd/registry.py`) by `tools/gen_ops.py`; do not
+edit: `tests/unit/test_docs.py::test_ops_page_is_generated_from_the_registry` fails when this
+page and the registry differ. What the rules mean, and how to check one of your own:
+[rules.md](rules.md).
+
+Names are Paddle's PIR op names without `pd_op.`; an in-place variant (`relu_`) uses the rule
+of its name without the underscore. Ops sharing a row share one rule object (one
+registration). **Rule**: `equation` = an `EinsumRule` (the family is one equation over dim
+letters, both directions done by the engine), `grad equation` = an `EquationGradRule` (the grad
+op stated by its operands' letters), otherwise the hand-written class. **Partial inputs**: how
+an operand holding a pending sum (`P(sum)`) is taken — kept pending through the op, or made
+complete by a reduction planned in front of it. An op with no rule here runs replicated and is
+listed in `dist.report.unsupported_ops`.
+"""
+
+PARTIAL = {
+    None: "made complete",
+    "multi": "kept pending (one operand per mesh dim)",
+    "additive": "kept pending (all operands alike)",
+    "alike": "kept pending (whole operands made pending locally)",
+}
+ENGINE = ("EinsumRule", "EquationGradRule")
+
+
+def _markdown(text: str) -> str:
+    """Docstring markup to Markdown: ``code`` and :mod:`x` / :class:`x` / :func:`x` as `code`."""
+    return re.sub(r":(?:mod|class|func|meth|attr):`", "`", text).replace("``", "`")
+
+
+def _first_sentence(doc: str | None) -> str:
+    """The docstring's first sentence (a period outside `code` followed by a space), one line."""
+    if not doc:
+        return ""
+    paragraph = _markdown(" ".join(inspect.cleandoc(doc).split("\n\n")[0].split()))
+    ticks = 0
+    for i, char in enumerate(paragraph):
+        ticks += char == "`"
+        if char == "." and ticks % 2 == 0 and (i + 1 == len(paragraph) or paragraph[i + 1] == " "):
+            return paragraph[: i + 1]
+    return paragraph
+
+
+def _described_by(rule: SpmdRule):
+    """The function an engine rule is stated by (equation / letters), else the rule's class."""
+    return getattr(rule, "equation", None) or getattr(rule, "letters", None) or type(rule)
+
+
+def _rule_kind(rule: SpmdRule) -> str:
+    name = type(rule).__name__
+    return {"EinsumRule": "equation", "EquationGradRule": "grad equation"}.get(name, f"`{name}`")
+
+
+def _partial_inputs(rule: SpmdRule) -> str:
+    name = type(rule).__name__
+    if name == "EquationGradRule":
+        return "incoming gradients kept pending"
+    if name == "EinsumRule":
+        linearity = rule.linearity
+        return "per op (from its operands and attrs)" if callable(linearity) else PARTIAL.get(linearity, str(linearity))
+    return "see the rule"
+
+
+def _notes(rule: SpmdRule) -> str:
+    described = _described_by(rule)
+    notes = []
+    if described is not type(rule) or type(rule).__name__ not in ENGINE:
+        notes.append(_first_sentence(described.__doc__))
+    engine = type(rule).__name__ in ENGINE
+    if (engine and rule.scale is not None) or (not engine and type(rule).local_scale is not SpmdRule.local_scale):
+        notes.append("Local result rescaled.")
+    if rule.free_outputs:
+        notes.append("Outputs made in any split a reader fixes.")
+    return " ".join(n for n in notes if n).replace("|", "\\|")
+
+
+def render() -> str:
+    """The whole page, deterministic: families by module name, rows by their first op."""
+    rows: dict[int, list[str]] = defaultdict(list)
+    rules: dict[int, SpmdRule] = {}
+    for op_name, rule in RULES.items():
+        rows[id(rule)].append(op_name)
+        rules[id(rule)] = rule
+    families: dict[str, list[tuple[list[str], SpmdRule]]] = defaultdict(list)
+    for key, op_names in rows.items():
+        rule = rules[key]
+        families[_described_by(rule).__module__].append((sorted(op_names), rule))
+    lines = [HEADER]
+    lines.append(f"{len(RULES)} op names, {len(rows)} rules, {len(families)} families.\n")
+    for module in sorted(families):
+        path = module.replace(".", "/") + ".py"
+        lines.append(f"## {module.rsplit('.', 1)[1]} (`{path}`)\n")
+        summary = _first_sentence(sys.modules[module].__doc__)
+        if summary:
+            lines.append(summary + "\n")
+        lines.append("| ops | rule | partial inputs | notes |")
+        lines.append("|---|---|---|---|")
+        for op_names, rule in sorted(families[module], key=lambda row: row[0][0]):
+            ops = ", ".join(f"`{n}`" for n in op_names)
+            lines.append(f"| {ops} | {_rule_kind(rule)} | {_partial_inputs(rule)} | {_notes(rule)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help=f"write {PAGE.relative_to(ROOT)} instead of printing")
+    args = parser.parse_args()
+    text = render()
+    if args.write:
+        PAGE.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
