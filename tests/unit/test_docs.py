@@ -38,7 +38,11 @@ def test_every_test_the_docs_name_exists():
             missing.append(f"{where}: {path}")
             continue
         text = file.read_text() if names else ""
-        missing += [f"{where}: {path}::{n}" for n in names.split("::")[1:] if not re.search(rf"^\s*(def|class) {n}\b", text, re.M)]
+        missing += [
+            f"{where}: {path}::{n}"
+            for n in names.split("::")[1:]
+            if not re.search(rf"^\s*(def|class) {n}\b", text, re.M)
+        ]
     assert not missing, missing
 
 
@@ -77,6 +81,7 @@ def test_the_readme_example_runs_as_its_comments_say(capsys):
     for expression, comment in said:
         value = eval(expression, scope)
         assert comment in (repr(value), str(value)), (expression, comment, repr(value))
+    assert all(len(dist.comm_ops(rank)) == 2 for rank in range(4))  # "two collectives on each rank"
     collectives = dist.comm_ops(0)
     assert [(c.kind.value, list(c.group)) for c in collectives] == [("all_reduce", [0, 1]), ("all_reduce", [0, 2])]
     assert "row-parallel output" in collectives[0].reason and "bucket" in str(collectives[1])
