@@ -28,7 +28,7 @@ page and the registry differ. What the rules mean, and how to check one of your 
 [rules.md](rules.md).
 
 Names are Paddle's PIR op names without `pd_op.`; an in-place variant (`relu_`) uses the rule
-of its name without the underscore. Ops sharing a row share one rule object (one
+of its name without the underscore. Ops share a row when their rules read alike (most are one
 registration). **Rule**: `equation` = an `EinsumRule` (the family is one equation over dim
 letters, both directions done by the engine), `grad equation` = an `EquationGradRule` (the grad
 op stated by its operands' letters), otherwise the hand-written class. **Partial inputs**: how
@@ -42,6 +42,7 @@ PARTIAL = {
     "multi": "kept pending (one operand per mesh dim)",
     "additive": "kept pending (all operands alike)",
     "alike": "kept pending (whole operands made pending locally)",
+    "first": "kept pending in the first operand only (the others whole)",
 }
 ENGINE = ("EinsumRule", "EquationGradRule")
 
@@ -80,7 +81,9 @@ def _partial_inputs(rule: SpmdRule) -> str:
         return "incoming gradients kept pending"
     if name == "EinsumRule":
         linearity = rule.linearity
-        return "per op (from its operands and attrs)" if callable(linearity) else PARTIAL.get(linearity, str(linearity))
+        if callable(linearity):
+            return "per op: " + (_first_sentence(linearity.__doc__) or f"`{linearity.__name__}`")
+        return PARTIAL.get(linearity, str(linearity))
     return "see the rule"
 
 
@@ -88,7 +91,7 @@ def _notes(rule: SpmdRule) -> str:
     described = _described_by(rule)
     notes = []
     if described is not type(rule) or type(rule).__name__ not in ENGINE:
-        notes.append(_first_sentence(described.__doc__))
+        notes.append(_first_sentence(described.__doc__) or f"`{described.__name__}`")
     engine = type(rule).__name__ in ENGINE
     if (engine and rule.scale is not None) or (not engine and type(rule).local_scale is not SpmdRule.local_scale):
         notes.append("Local result rescaled.")
@@ -99,17 +102,16 @@ def _notes(rule: SpmdRule) -> str:
 
 def render() -> str:
     """The whole page, deterministic: families by module name, rows by their first op."""
-    rows: dict[int, list[str]] = defaultdict(list)
-    rules: dict[int, SpmdRule] = {}
+    rows: dict[tuple[str, ...], list[str]] = defaultdict(list)  # ops whose rules read alike share a row
+    rules = {id(rule) for rule in RULES.values()}
     for op_name, rule in RULES.items():
-        rows[id(rule)].append(op_name)
-        rules[id(rule)] = rule
-    families: dict[str, list[tuple[list[str], SpmdRule]]] = defaultdict(list)
-    for key, op_names in rows.items():
-        rule = rules[key]
-        families[_described_by(rule).__module__].append((sorted(op_names), rule))
+        row = (_described_by(rule).__module__, _rule_kind(rule), _partial_inputs(rule), _notes(rule))
+        rows[row].append(op_name)
+    families: dict[str, list[tuple[list[str], tuple[str, ...]]]] = defaultdict(list)
+    for row, op_names in rows.items():
+        families[row[0]].append((sorted(op_names), row[1:]))
     lines = [HEADER]
-    lines.append(f"{len(RULES)} op names, {len(rows)} rules, {len(families)} families.\n")
+    lines.append(f"{len(RULES)} op names, {len(rules)} rules, {len(families)} families.\n")
     for module in sorted(families):
         path = module.replace(".", "/") + ".py"
         lines.append(f"## {module.rsplit('.', 1)[1]} (`{path}`)\n")
@@ -118,9 +120,9 @@ def render() -> str:
             lines.append(summary + "\n")
         lines.append("| ops | rule | partial inputs | notes |")
         lines.append("|---|---|---|---|")
-        for op_names, rule in sorted(families[module], key=lambda row: row[0][0]):
+        for op_names, (kind, partial, notes) in sorted(families[module]):
             ops = ", ".join(f"`{n}`" for n in op_names)
-            lines.append(f"| {ops} | {_rule_kind(rule)} | {_partial_inputs(rule)} | {_notes(rule)} |")
+            lines.append(f"| {ops} | {kind} | {partial} | {notes} |")
         lines.append("")
     return "\n".join(lines)
 
