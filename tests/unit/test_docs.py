@@ -1,9 +1,13 @@
 """The README and docs/ say only what the tree holds: every test, file and link they name exists,
 and docs/ops.md is what the rule registry generates (so neither can rot)."""
 
+import contextlib
 import importlib.util
+import io
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -70,11 +74,20 @@ def test_the_readme_is_a_front_page_and_every_guide_is_linked_from_it():
     assert not unlinked, unlinked
 
 
-def test_the_readme_example_runs_as_its_comments_say(capsys):
+@pytest.fixture(scope="module")
+def readme_example():
+    """The README's annotated example, run: its variables, and what it printed."""
     readme = (ROOT / "README.md").read_text()
     example = readme.split("## An annotated example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     scope: dict = {}
-    exec(compile(example, "README.md", "exec"), scope)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(example, "README.md", "exec"), scope)
+    return example, scope, printed.getvalue()
+
+
+def test_the_readme_example_runs_as_its_comments_say(readme_example):
+    example, scope, printed = readme_example
     dist = scope["dist"]
     said = re.findall(r"^(dist\.dist_attr\([\w.]+\))\s+# (.+?)(?:: |$)", example, re.M)
     assert len(said) == 2
@@ -86,4 +99,12 @@ def test_the_readme_example_runs_as_its_comments_say(capsys):
     assert [(c.kind.value, list(c.group)) for c in collectives] == [("all_reduce", [0, 1]), ("all_reduce", [0, 2])]
     assert "row-parallel output" in collectives[0].reason and "bucket" in str(collectives[1])
     assert "reshards needed: 5" in str(dist.report)
-    assert "every value equals serial" in capsys.readouterr().out
+    assert "every value equals serial" in printed
+
+
+def test_the_passes_architecture_md_prints_are_the_readme_examples(readme_example):
+    """docs/architecture.md shows `print(dist.passes)` of the README's example."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    shown = text.split("print(dist.passes)", 1)[1].split("plan = ", 1)[0]
+    listed = re.compile(r"(\d+)\. (\w+\([^)]*\))")
+    assert listed.findall(shown) == listed.findall(str(readme_example[1]["dist"].passes))
