@@ -7,7 +7,7 @@
     autopar check TARGET              where the distributed run first differs from serial, op by
                                       op, on random feeds (exit 0 when every value equals, 1 not)
 
-How TARGET hands over its program (see the README):
+How TARGET hands over its program (see docs/debugging.md):
 
 * ``module:function`` or ``path/to/file.py:function`` — the function is called without
   arguments and returns a :class:`~autopar.DistributedProgram`, or a tuple

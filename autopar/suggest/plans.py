@@ -1,7 +1,7 @@
 """The plans a search found, as values and as the table a person reads (stage: strategy search).
 
 A :class:`Plan` is one candidate priced; :class:`Suggestions` the ranked list. The cost model is
-not exact (the README's measured rankings: predicted and measured steps agree in order, not to
+not exact (benchmarks/RESULTS.md, the measured rankings: predicted and measured steps agree in order, not to
 the percent), so plans whose predicted steps are within :data:`TIE` of each other are a tie, not
 a ranking: they share a rank (``Suggestions.ranks``; printed ``1=``), and the table says so.
 """
