@@ -23,7 +23,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check autopar passes cost_model tests examples benchmarks
+	$(VENV)/bin/ruff check autopar passes cost_model tests examples benchmarks tools
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_propagation.py
