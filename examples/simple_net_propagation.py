@@ -38,10 +38,9 @@ for name, value in [("x", net.feeds["x"]), ("label", net.feeds["label"])] + list
 print(f"{'loss':<28} {'[]':<14} {dist.dist_attr(net.loss)}")
 print()
 print("gradients:")
-for op in dist.graph.ops:
-    if op.name == "pd_op.matmul_grad":
-        w = dist.graph.values[op.inputs[1]].label
-        print(f"  d({w}) -> {dist.propagation.dist(op.outputs[1])}")
+for value in dist.decisions.values():  # the query API: every value's decided placement
+    if value.producer.startswith("pd_op.matmul_grad") and value.label.startswith("grad("):
+        print(f"  {value.label.split()[0]} -> {value.placement}")
 print()
 print(dist.report)
 print()
