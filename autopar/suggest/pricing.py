@@ -47,7 +47,7 @@ from functools import lru_cache
 from typing import Any
 
 from autopar.collective import CollectiveKind
-from autopar.collective_kinds import point_to_point
+from autopar.collective_kinds import kind_of, point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
 from autopar.cost_model.comm import shared_cores_time
 from autopar.cost_model.planner import group_at, plan_reshard
@@ -259,7 +259,7 @@ def _gradient_syncs(state: CompileState) -> list[_Sync]:
         if graph.ops[planned.need.op].role is not Role.OPTIMIZER or graph.ops[made_by].role is not Role.BACKWARD:
             continue
         steps = [step for step in planned.plan.steps if not step.kind.is_local]
-        if steps and all(step.kind.value == "all_reduce" for step in steps):
+        if steps and all(kind_of(step.kind).gradient_sync for step in steps):
             syncs.append(_Sync((made_by,), planned=planned))
     return syncs
 
