@@ -424,7 +424,7 @@ def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
 
 def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, int]]:
     """:func:`added_ops` of each of ``ranks`` (each planned reshard visited once)."""
-    from autopar.collective_kinds import KINDS, Local
+    from autopar.collective_kinds import KINDS, local
     from autopar.passes import allreduce_fusion, site_fusion, zero_fusion
 
     by_index = {planned.index: planned for planned in state.reshards}
@@ -438,7 +438,7 @@ def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, in
         for step in planned.plan.steps:
             kind = KINDS[step.kind]
             for rank, group in _taking_part(step, ranks):
-                ops[rank][once] += kind.ops_added(step, rank, group) if isinstance(kind, Local) else 1
+                ops[rank][once] += kind.ops_added(step, rank, group) if local(step.kind) else 1
                 involved.add(rank)
         if planned.need.site.kind is SiteKind.WRITE_BACK:
             for rank in involved:

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import KINDS, kind_of, perform, perform_for
+from autopar.collective_kinds import KINDS, Kind, kind_of, perform, perform_for, step_kinds
 from autopar.cost_model.comm import COLLECTIVES, coefficients
+from autopar.cost_model.planner import STEP_KINDS
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
@@ -28,6 +29,7 @@ def job(kind, **fields):
 def test_every_kind_has_one_entry():
     assert set(KINDS) == set(CollectiveKind)
     assert COLLECTIVES == ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+    assert STEP_KINDS == step_kinds() and set(CollectiveKind) - set(STEP_KINDS) == {CollectiveKind.SEND, CollectiveKind.RECV}
     with pytest.raises(AutoparError, match="unknown collective kind 'gather'"):
         kind_of("gather")
 
@@ -66,7 +68,8 @@ def test_prices_come_from_the_entries():
     assert kind_of("reduce_scatter").emulated_by is CollectiveKind.ALL_REDUCE and kind_of("all_to_all").emulated_by is CollectiveKind.ALL_GATHER
 
 
-KIND_NAMES = {kind.value for kind in CollectiveKind}
+KIND_NAMES = {kind.value for kind in CollectiveKind} | {kind.name for kind in CollectiveKind}
+KIND_CLASSES = {cls.__name__ for cls in (type(entry) for entry in KINDS.values()) for cls in cls.__mro__ if issubclass(cls, Kind)}
 PACKAGE = [ROOT / "autopar", ROOT / "passes", ROOT / "cost_model"]  # (pyproject.toml: passes/, cost_model/ install as autopar.*)
 TABLE = ROOT / "autopar/collective_kinds.py"
 
@@ -110,6 +113,8 @@ def decodes(source: str) -> list[int]:
             found = any(k is not None and _kind_list([k, k]) for k in node.keys)
         elif isinstance(node, ast.match_case):
             found = _names_a_kind(node.pattern)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass"):
+            found = any(isinstance(n, ast.Name) and n.id in KIND_CLASSES for n in ast.walk(node.args[-1]))
         else:
             found = False
         if found:
@@ -120,7 +125,8 @@ def decodes(source: str) -> list[int]:
 @pytest.mark.parametrize("line", [
     'if kind == "all_gather": pass', 'if c.kind.value in ("send", "recv"): pass', 'x = step.kind is CollectiveKind.SEND',
     'ok = k != "send_recv" or world == 2', 'if kinds == [CollectiveKind.ALL_REDUCE]: pass', 'table = {"all_reduce": 1, "broadcast": 2}',
-    'if job.kind.value == name: pass', 'match kind:\n    case "recv": pass',
+    'if job.kind.value == name: pass', 'match kind:\n    case "recv": pass', 'if c.kind.name == "SEND": pass',
+    'if isinstance(KINDS[kind], PointToPoint): pass',
 ])  # fmt: skip
 def test_the_guard_sees_a_decoded_kind(line):
     assert decodes(line)
