@@ -1,6 +1,7 @@
 """A collective kind is one entry (autopar/collective_kinds.py): its numpy meaning, its lowering
-per backend, its price and its reduce ops. Nothing else decodes a kind: the passes, backends and
-the cost model ask the table."""
+per backend, its price, its reduce ops and what the passes ask of it (``reduces``, ``sends``,
+``gradient_sync``, ...). Nothing else in the package decodes a kind: the passes, backends, the
+cost model, the CLI and the inspection modules ask the table (the guard below reads them all)."""
 
 import ast
 from pathlib import Path
