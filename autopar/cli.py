@@ -143,12 +143,13 @@ def placement_lines(dist: Any) -> list[str]:
 
 def collective_lines(dist: Any) -> list[str]:
     """Every collective, merged over ranks that run the same one in different groups."""
+    from autopar.collective_kinds import kind_of
     from autopar.units import format_bytes, format_time
 
     merged: dict[tuple, list[tuple[int, ...]]] = {}
     for rank in dist.mesh.ranks:
         for c in dist.comm_ops(rank):
-            key = (c.kind, c.reduce if c.kind in ("all_reduce", "reduce_scatter") else "", c.value, str(c.src),
+            key = (c.kind, c.reduce if kind_of(c.kind).reduces else "", c.value, str(c.src),
                    str(c.dst), c.bytes, c.time, c.reason)  # fmt: skip
             groups = merged.setdefault(key, [])
             if c.group not in groups:
@@ -190,11 +191,13 @@ def pipeline_lines(dist: Any) -> list[str]:
 def region_lines(dist: Any) -> list[str]:
     """Where a split value is gathered because the op reading it has no SPMD rule: where a
     parallel region ends, and why (add a rule, or annotate around the op)."""
+    from autopar.collective_kinds import kind_of
+
     unsupported = set(dist.report.unsupported_ops)
     lines = []
     for reshard in dist.decisions.reshards():
         kinds = set(reshard.kinds)
-        if reshard.op in unsupported and kinds & {"all_gather", "all_reduce"}:
+        if reshard.op in unsupported and any(kind_of(k).makes_whole for k in kinds):
             lines.append(
                 f"  {reshard.value} {reshard.have} is made whole ({', '.join(sorted(kinds))}) "
                 f"for {reshard.op}: it has no SPMD rule, so it runs replicated"

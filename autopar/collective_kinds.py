@@ -10,7 +10,12 @@ One class per :class:`~autopar.collective.CollectiveKind`, registered in :data:`
 - ``emulated_by``: the kind gloo runs instead (then the own piece is sliced locally);
 - ``host_op``: the Paddle op carrying it in a host-form rank program (the runtime performs it);
 - ``native_op``: its lowering for the native backend (None: the host op runs as it is);
-- ``eager``: how the host backend runs it over the whole world through Paddle's process group.
+- ``eager``: how the host backend runs it over the whole world through Paddle's process group;
+- what the passes ask instead of naming a kind: ``reduces``, ``gathers``, ``makes_whole``,
+  ``sends`` / ``receives``, ``crosses_meshes``, ``in_plans``, ``gradient_sync``, ``zero_bucket``,
+  ``decomposed`` / ``sliced`` (what it is made of, what it makes with a slice), ``slices`` /
+  ``makes_partial`` (the local steps);
+- ``calibration``: how the gloo calibration times it (cost_model/calibrate.py).
 
 Adding a kind is adding one class here: every pass, backend and price reads this table.
 """
@@ -98,6 +103,19 @@ class Kind:
     emulated_by: ClassVar[CollectiveKind | None] = None  # what gloo runs instead, then the own piece
     tree: ClassVar[bool] = False  # has a tree algorithm (NCCL's all_reduce, broadcast)
     sized_by_input: ClassVar[bool] = False  # its byte count is the input's (nccl-tests' convention), else the output's
+    gathers: ClassVar[bool] = False  # its output is the group's pieces joined (the input is 1/p of it)
+    makes_whole: ClassVar[bool] = False  # makes a piece or a partial value whole on every member
+    sends: ClassVar[bool] = False  # a rank program's sending half of a point-to-point move
+    receives: ClassVar[bool] = False  # ... and its receiving half
+    crosses_meshes: ClassVar[bool] = False  # moves a value between meshes (a pipeline's stages)
+    in_plans: ClassVar[bool] = True  # a planner step can have it (else only a rank program carries it)
+    gradient_sync: ClassVar[bool] = False  # a data-parallel gradient sync: gradient buckets fuse it, fetches ride it
+    zero_bucket: ClassVar[bool] = False  # ZeRO buckets fuse it (gradients scattered, parameters gathered)
+    decomposed: ClassVar[tuple[CollectiveKind, ...]] = ()  # the same result as these kinds over the same mesh dims
+    sliced: ClassVar[CollectiveKind | None] = None  # what it and a slice of the own piece (same mesh dims) make
+    slices: ClassVar[bool] = False  # the local step keeping the own piece
+    makes_partial: ClassVar[bool] = False  # the local step making a whole value partial
+    calibration_sizes: ClassVar[tuple[int, ...]] = ()  # extra sizes the gloo calibration times it at
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
@@ -152,12 +170,25 @@ class Kind:
         process group's tensor, or None when the kind (or its reduce op) cannot."""
         return None
 
+    def calibration(self, paddle: Any, dist: Any, count: int, rank: int, world: int) -> Any:
+        """A closure running it once over the world through Paddle's process group (gloo), its
+        comm.py size ``count`` float32 elements: what cost_model/calibrate.py times."""
+        raise ValueError(self.kind.value)
+
 
 class AllReduce(Kind):
     kind = CollectiveKind.ALL_REDUCE
     reduces = True
     tree = True
     sized_by_input = True
+    makes_whole = True
+    gradient_sync = True
+    decomposed = (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER)
+    sliced = CollectiveKind.REDUCE_SCATTER
+
+    def calibration(self, paddle, dist, count, rank, world):
+        x = paddle.ones([count], dtype="float32")
+        return lambda: dist.all_reduce(x)
 
     def perform(self, job, pieces):
         out = _reduce(pieces, job.reduce)
@@ -212,6 +243,14 @@ class AllReduce(Kind):
 
 class AllGather(Kind):
     kind = CollectiveKind.ALL_GATHER
+    gathers = True
+    makes_whole = True
+    zero_bucket = True
+    calibration_sizes = (192 << 20,)  # what an emulated all_to_all of 48 MiB over 4 ranks gathers
+
+    def calibration(self, paddle, dist, count, rank, world):  # nbytes = gathered output
+        piece = paddle.ones([count // world], dtype="float32")
+        return lambda: dist.all_gather([], piece)
 
     def perform(self, job, pieces):
         out = np.concatenate(pieces, axis=job.axis)
@@ -242,6 +281,12 @@ class ReduceScatter(Kind):
     reduces = True
     emulated_by = CollectiveKind.ALL_REDUCE
     sized_by_input = True
+    zero_bucket = True
+
+    def calibration(self, paddle, dist, count, rank, world):  # emulated: all_reduce of the input, keep the own chunk
+        x = paddle.ones([count], dtype="float32")
+        chunk = count // world
+        return lambda: dist.all_reduce(x) or x[rank * chunk : (rank + 1) * chunk].clone()
 
     def emulation_bytes(self, p, nbytes):
         return nbytes, nbytes / p  # all_reduce of the input, then the own chunk
@@ -275,6 +320,17 @@ class AllToAll(Kind):
     kind = CollectiveKind.ALL_TO_ALL
     emulated_by = CollectiveKind.ALL_GATHER
     sized_by_input = True
+
+    def calibration(self, paddle, dist, count, rank, world):  # emulated: all_gather every buffer, keep the own column
+        send = paddle.ones([count], dtype="float32")
+        chunk = count // world
+
+        def run():
+            parts: list = []
+            dist.all_gather(parts, send)
+            return paddle.concat([p[rank * chunk : (rank + 1) * chunk] for p in parts])
+
+        return run
 
     def emulation_bytes(self, p, nbytes):
         return nbytes * p, nbytes  # all_gather of every rank's whole send buffer, then the own pieces
@@ -312,6 +368,11 @@ class AllToAll(Kind):
 class Broadcast(Kind):
     kind = CollectiveKind.BROADCAST
     tree = True
+    crosses_meshes = True
+
+    def calibration(self, paddle, dist, count, rank, world):
+        x = paddle.ones([count], dtype="float32")
+        return lambda: dist.broadcast(x, src=0)
 
     def perform(self, job, pieces):
         return [pieces[job.root]] * len(pieces)
@@ -345,6 +406,14 @@ class PointToPoint(Kind):
     ``recv`` (receiver): the receiver's output is the sender's input."""
 
     kind = CollectiveKind.SEND_RECV
+    crosses_meshes = True
+
+    def calibration(self, paddle, dist, count, rank, world):
+        # pairs 0 -> 1, 2 -> 3, ... at once (every rank takes part: gloo's tags stay in step)
+        x = paddle.ones([count], dtype="float32")
+        if rank % 2 == 0:
+            return (lambda: dist.send(x, dst=rank + 1)) if rank + 1 < world else (lambda: None)
+        return lambda: dist.recv(x, src=rank - 1)
 
     def perform(self, job, pieces):
         return [None, pieces[0]]
@@ -364,10 +433,14 @@ class PointToPoint(Kind):
 
 class Send(PointToPoint):
     kind = CollectiveKind.SEND
+    sends = True
+    in_plans = False
 
 
 class Recv(PointToPoint):
     kind = CollectiveKind.RECV
+    receives = True
+    in_plans = False
 
 
 class Local(Kind):
@@ -389,6 +462,7 @@ class Local(Kind):
 
 class Slice(Local):
     kind = CollectiveKind.SLICE
+    slices = True
     emitted_ops = 3  # slice and its starts / ends
 
     def local_time(self, nbytes, reduce, cluster):
@@ -408,6 +482,7 @@ class Slice(Local):
 
 class MakePartial(Local):
     kind = CollectiveKind.MAKE_PARTIAL
+    makes_partial = True
     emitted_ops = 2  # scale and its factor (on the ranks whose copy is zeroed)
 
     def local_time(self, nbytes, reduce, cluster):
@@ -487,4 +562,15 @@ def local(kind: str | CollectiveKind) -> bool:
 
 def priced_kinds() -> Sequence[str]:
     """The kinds the cost model prices (the planner's step kinds that move data)."""
-    return tuple(k.value for k, entry in KINDS.items() if not isinstance(entry, Local) and k not in (CollectiveKind.SEND, CollectiveKind.RECV))
+    return tuple(k.value for k, entry in KINDS.items() if not isinstance(entry, Local) and entry.in_plans)
+
+
+def step_kinds() -> tuple[CollectiveKind, ...]:
+    """The kinds a planner step can have (all but a rank program's send / recv halves)."""
+    return tuple(k for k, entry in KINDS.items() if entry.in_plans)
+
+
+def composed(kinds: Sequence[str | CollectiveKind]) -> CollectiveKind | None:
+    """The one kind whose ``decomposed`` is ``kinds`` (None: no kind is made of them)."""
+    wanted = tuple(CollectiveKind(k) for k in kinds)
+    return next((k for k, entry in KINDS.items() if entry.decomposed and entry.decomposed == wanted), None)

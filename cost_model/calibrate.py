@@ -51,17 +51,19 @@ from typing import Any
 
 import numpy as np
 
+from autopar.collective_kinds import kind_of, point_to_point, priced_kinds
 from autopar.cost_model.cluster import EMULATIONS, Cluster, Device, Link, load_cluster
 from autopar.cost_model.comm import coefficients
 from autopar.cost_model.kernel_rates import measure_kernel_rates
 
-MEASURED = ("all_reduce", "all_gather", "broadcast", "send_recv", "exchange")
-SHM_MEASURED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+# all_reduce, all_gather, broadcast, send_recv (gloo emulates the others) and the host backend's exchange
+MEASURED = (*(k for k in priced_kinds() if kind_of(k).emulated_by is None), "exchange")
+SHM_MEASURED = tuple(priced_kinds())  # every priced kind: the shared-memory communicator runs each
 EMULATED = tuple(EMULATIONS)  # reduce_scatter, all_to_all: gloo has neither
 CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 40 << 20, 96 << 20)
 ROUNDS = 6  # each size is timed in 6 rounds spread over the run (a burst of load hits one round)
 KNEE = 32 << 20  # glibc's largest dynamic mmap threshold: every allocation this big is fresh memory
-EXTRA_SIZES = {"all_gather": (192 << 20,)}  # what an emulated all_to_all of 48 MiB over 4 ranks gathers
+EXTRA_SIZES = {k: kind_of(k).calibration_sizes for k in priced_kinds() if kind_of(k).calibration_sizes}  # all_gather: 192 MiB
 SUBGROUP = {"sub_all_reduce": "all_reduce", "sub_all_gather": "all_gather"}  # over ranks (0, 1), host backend
 PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_gloo.json"
 SHM_PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_shm.json"
@@ -362,7 +364,7 @@ def calibrate(
     samples = []
     for world in worlds:
         measured = SHM_MEASURED if communicator == "shm" else MEASURED
-        kinds = [k for k in measured if k != "send_recv" or world == 2]
+        kinds = [k for k in measured if world == 2 or not _in_pairs(k)]
         extra = {} if communicator == "shm" else EXTRA_SIZES
         samples += measure(
             world, sizes, kinds, sizes_of={k: sorted({*sizes, *more}) for k, more in extra.items()},
@@ -492,14 +494,14 @@ def _shm_worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
     def operation(kind: str, nbytes: int):
         count = max(nbytes // 4, world)
         count -= count % world
-        if kind == "send_recv":  # pairs 0 -> 1, 2 -> 3, ... at once
+        if point_to_point(kind):  # pairs 0 -> 1, 2 -> 3, ... at once
             x = np.ones(count, np.float32)
             pair = (rank - rank % 2, rank - rank % 2 + 1)
             if pair[1] >= world:
                 return lambda: None
             job = _shm_job("send" if rank == pair[0] else "recv", pair, (count,))
             return lambda: comm.run(job, x)
-        shape = (count // world,) if kind == "all_gather" else (count,)  # all_gather: nbytes = output
+        shape = (count // world,) if kind_of(kind).gathers else (count,)  # all_gather: nbytes = output
         job = _shm_job(kind, everyone, shape)
         x = np.ones(shape, np.float32)
         return lambda: comm.run(job, x)
@@ -508,6 +510,11 @@ def _shm_worker(plan: Mapping[str, Sequence[int]], out: str) -> None:
     gathered = comm.all_gather_object(np.array([t for ts in local.values() for t in ts], np.float64))
     _write_results(local, np.max(np.stack(gathered), axis=0), world, out if rank == 0 else None)
     barrier()
+
+
+def _in_pairs(kind: str) -> bool:
+    """Whether ``kind`` is timed in pairs (a point-to-point move: on 2 processes only)."""
+    return kind in priced_kinds() and point_to_point(kind)
 
 
 def _shm_job(kind: str, group: tuple[int, ...], shape: tuple[int, ...]):
@@ -538,51 +545,28 @@ def _operation(paddle, dist, kind: str, nbytes: int, rank: int, world: int):
     """A closure running one ``kind`` collective whose comm.py size is ``nbytes``."""
     count = max(nbytes // 4, world)
     count -= count % world
-    if kind in ("all_reduce", "broadcast", "send_recv", "reduce_scatter"):
-        x = paddle.ones([count], dtype="float32")
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(x)
-    if kind == "broadcast":
-        return lambda: dist.broadcast(x, src=0)
-    if kind == "reduce_scatter":  # emulated: all_reduce of the input, keep the own chunk
-        chunk = count // world
-        return lambda: dist.all_reduce(x) or x[rank * chunk : (rank + 1) * chunk].clone()
-    if kind == "send_recv":  # pairs 0 -> 1, 2 -> 3, ... at once (every rank takes part: gloo's tags stay in step)
-        if rank % 2 == 0:
-            return (lambda: dist.send(x, dst=rank + 1)) if rank + 1 < world else (lambda: None)
-        return lambda: dist.recv(x, src=rank - 1)
-    if kind == "all_gather":  # nbytes = gathered output
-        piece = paddle.ones([count // world], dtype="float32")
-        return lambda: dist.all_gather([], piece)
+    if kind in priced_kinds():  # (each kind's entry says how: autopar/collective_kinds.py, ``calibration``)
+        return kind_of(kind).calibration(paddle, dist, count, rank, world)
     if kind == "exchange":  # the host backend's sub-group transport; nbytes = gathered (world x input)
         mine = np.ones(count // world, np.float32)
         return lambda: dist.all_gather_object([], mine)
     if kind in SUBGROUP:  # the host backend's collective over ranks (0, 1) of a bigger world
         return _subgroup(dist, SUBGROUP[kind], count, rank)
-    if kind == "all_to_all":  # emulated: all_gather every send buffer, keep the own column
-        send = paddle.ones([count], dtype="float32")
-        chunk = count // world
-
-        def run():
-            parts: list = []
-            dist.all_gather(parts, send)
-            return paddle.concat([p[rank * chunk : (rank + 1) * chunk] for p in parts])
-
-        return run
     raise ValueError(kind)
 
 
 def _subgroup(dist, kind: str, count: int, rank: int):
     """What the host backend does for ``kind`` over ranks (0, 1) (autopar.runtime.gloo): every
     rank's input to every rank (all_gather_object), then the group's result in numpy."""
-    mine = np.ones(count // 2 if kind == "all_gather" else count, np.float32)  # all_gather: nbytes = output
+    gathers = kind_of(kind).gathers
+    mine = np.ones(count // 2 if gathers else count, np.float32)  # all_gather: nbytes = output
 
     def run():
         everyone: list = []
         dist.all_gather_object(everyone, mine)
         if rank > 1:
             return None
-        if kind == "all_gather":
+        if gathers:
             return np.concatenate(everyone[:2])
         return np.sum(np.stack(everyone[:2]), axis=0)
 

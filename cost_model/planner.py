@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.collective import CollectiveKind
-from autopar.collective_kinds import kind_of, point_to_point
+from autopar.collective_kinds import kind_of, point_to_point, step_kinds
 from autopar.cost_model import comm
 from autopar.cost_model.cluster import Cluster, default_cluster, dtype_bytes
 from autopar.dist_attr import DistAttr
@@ -49,9 +49,7 @@ from autopar.mesh import ProcessMesh
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.units import format_bytes, format_time  # noqa: F401  (re-exported: cost_model.planner.format_*)
 
-STEP_KINDS = tuple(CollectiveKind(k) for k in (
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "slice", "send_recv", "broadcast", "make_partial",
-))  # fmt: skip  (the kinds a plan step can have; one enum: autopar.collective.CollectiveKind)
+STEP_KINDS = step_kinds()  # the kinds a plan step can have, from the table (autopar/collective_kinds.py)
 _PS = 1e12  # search costs are integer picoseconds: exact sums, exact ties
 
 Box = tuple[tuple[int, int], ...]
@@ -251,7 +249,7 @@ def _concatenates(pieces: list[tuple[int, int]], bounds: tuple[int, int]) -> boo
     return at == stop
 
 
-def _step(p: _Problem, kind: str, dims: tuple[int, ...], src: DistAttr, dst: DistAttr, **extra) -> ReshardStep:
+def _step(p: _Problem, kind: CollectiveKind, dims: tuple[int, ...], src: DistAttr, dst: DistAttr, **extra) -> ReshardStep:
     groups = mesh_groups(p.mesh, dims)
     entry = kind_of(kind)
     nbytes = _piece_bytes(p, src if entry.sized_by_input else dst)  # (all_gather, slice, make_partial: their output)
@@ -288,12 +286,12 @@ def _edges_cached(p: _Problem, attr: DistAttr) -> tuple[ReshardStep, ...]:
 
 def _partial_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...], kind: str) -> list[ReshardStep]:
     """all_reduce; reduce_scatter onto any tensor dim, the new splits innermost in any order."""
-    out = [_step(p, "all_reduce", dims, attr, _moved(attr, dims, Replicate()), reduce=kind)]
+    out = [_step(p, CollectiveKind.ALL_REDUCE, dims, attr, _moved(attr, dims, Replicate()), reduce=kind)]
     for t in range(len(p.shape)):
         for order in itertools.permutations(dims):
             new = _moved(attr, order, Shard(t))
             if _contained(p, new, attr):
-                out.append(_step(p, "reduce_scatter", order, attr, new, tensor_dims=(t,), reduce=kind))
+                out.append(_step(p, CollectiveKind.REDUCE_SCATTER, order, attr, new, tensor_dims=(t,), reduce=kind))
     return out
 
 
@@ -303,11 +301,11 @@ def _shard_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...], t: int) -> 
     out = []
     new = _moved(attr, order, Replicate())
     if _gathered(p, new, attr, order, t):
-        out.append(_step(p, "all_gather", order, attr, new, tensor_dims=(t,)))
+        out.append(_step(p, CollectiveKind.ALL_GATHER, order, attr, new, tensor_dims=(t,)))
     for u in range(len(p.shape)):
         new = _moved(attr, order, Shard(u))
         if u != t and _gathered(p, new, attr, order, t):
-            out.append(_step(p, "all_to_all", order, attr, new, tensor_dims=(t, u)))
+            out.append(_step(p, CollectiveKind.ALL_TO_ALL, order, attr, new, tensor_dims=(t, u)))
     return out
 
 
@@ -318,9 +316,9 @@ def _replicate_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...]) -> list
         for order in itertools.permutations(dims):
             new = _moved(attr, order, Shard(t))
             if _contained(p, new, attr):
-                out.append(_step(p, "slice", order, attr, new, tensor_dims=(t,)))
+                out.append(_step(p, CollectiveKind.SLICE, order, attr, new, tensor_dims=(t,)))
     for kind in (k for k in p.kinds if _can_add_partial(attr, k)):
-        out.append(_step(p, "make_partial", dims, attr, _moved(attr, dims, Partial(kind)), reduce=kind))
+        out.append(_step(p, CollectiveKind.MAKE_PARTIAL, dims, attr, _moved(attr, dims, Partial(kind)), reduce=kind))
     return out
 
 
@@ -430,8 +428,8 @@ def all_reduce_plan(
     steps, before = [], src
     if zeroed:
         before = _moved(src, zeroed, Partial(kind))
-        steps.append(_step(problem, "make_partial", zeroed, src, before, reduce=kind))
-    steps.append(_step(problem, "all_reduce", tuple(sorted({*dropped, *zeroed})), before, dst, reduce=kind))
+        steps.append(_step(problem, CollectiveKind.MAKE_PARTIAL, zeroed, src, before, reduce=kind))
+    steps.append(_step(problem, CollectiveKind.ALL_REDUCE, tuple(sorted({*dropped, *zeroed})), before, dst, reduce=kind))
     return ReshardPlan(src, dst, shape_t, str(dtype).removeprefix("paddle."), tuple(steps))
 
 
@@ -532,8 +530,8 @@ def _plan_cross(
     first = _send(here, whole_here, whole_there, ((senders[0], root),))
     nbytes = first.bytes
     spread = ReshardStep(
-        "broadcast", tuple(range(dst.mesh.ndim)), (dst.mesh.ranks,), nbytes,
-        comm.collective_time("broadcast", dst.mesh.ranks, nbytes, cluster), whole_there, whole_there,
+        CollectiveKind.BROADCAST, tuple(range(dst.mesh.ndim)), (dst.mesh.ranks,), nbytes,
+        comm.collective_time(CollectiveKind.BROADCAST, dst.mesh.ranks, nbytes, cluster), whole_there, whole_there,
     )  # fmt: skip
     options.append(before + (first, spread) + after)
     return min(options, key=lambda steps: (sum(_cost(s) for s in steps), len(steps)))
@@ -576,5 +574,5 @@ def _send(p: _Problem, src: DistAttr, dst: DistAttr, pairs: tuple[tuple[int, int
     moving = tuple(pair for pair in pairs if pair[0] != pair[1])
     per_sender: dict[int, float] = {}
     for a, b in moving:
-        per_sender[a] = per_sender.get(a, 0.0) + comm.collective_time("send_recv", (a, b), nbytes, p.cluster)
-    return ReshardStep("send_recv", (), moving, nbytes, max(per_sender.values(), default=0.0), src, dst)
+        per_sender[a] = per_sender.get(a, 0.0) + comm.collective_time(CollectiveKind.SEND_RECV, (a, b), nbytes, p.cluster)
+    return ReshardStep(CollectiveKind.SEND_RECV, (), moving, nbytes, max(per_sender.values(), default=0.0), src, dst)

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import REDUCE_CODES
+from autopar.collective_kinds import REDUCE_CODES, kind_of
 from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
@@ -141,10 +141,10 @@ class Form:
 
 def form_of(plan: ReshardPlan) -> Form | None:
     """The bucket form of a plan that is one all_reduce, maybe after a make_partial (None: another)."""
-    steps, kinds = plan.steps, [step.kind for step in plan.steps]
-    if kinds == [CollectiveKind.ALL_REDUCE]:
+    steps, entries = plan.steps, [kind_of(step.kind) for step in plan.steps]
+    if len(entries) == 1 and entries[0].gradient_sync:
         zeroed: tuple[int, ...] = ()
-    elif kinds == [CollectiveKind.MAKE_PARTIAL, CollectiveKind.ALL_REDUCE] and steps[0].reduce == steps[1].reduce == "sum":
+    elif len(entries) == 2 and entries[0].makes_partial and entries[1].gradient_sync and steps[0].reduce == steps[1].reduce == "sum":
         zeroed = tuple(sorted(steps[0].mesh_dims))
     else:
         return None
@@ -199,8 +199,8 @@ class Candidate:
 def decomposes(plan: ReshardPlan, all_reduce: ReshardPlan) -> bool:
     """Whether ``plan`` is ``all_reduce`` (one step) as a reduce_scatter then an all_gather over
     the same mesh dims."""
-    kinds = [step.kind for step in plan.steps]
-    if kinds != [CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER] or len(all_reduce.steps) != 1:
+    kinds = tuple(step.kind for step in plan.steps)
+    if len(all_reduce.steps) != 1 or not kinds or kinds != kind_of(all_reduce.steps[0].kind).decomposed:
         return False
     dims = set(all_reduce.steps[0].mesh_dims)
     return all(set(step.mesh_dims) == dims for step in plan.steps)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.collective import Collective, CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.cost_model.cluster import dtype_bytes
 from autopar.cost_model.planner import ReshardPlan
@@ -94,7 +94,7 @@ def _ride_in_buckets(state: CompileState, rp: RankProgram, plans: dict[ValueKey,
 def _fits(plan: ReshardPlan, bucket: Collective, rp: RankProgram, key: ValueKey, at: int, positions: dict[int, int]) -> bool:
     """Whether the fetch's reshard is the bucket's all_reduce (same group, reduction, dtype) and
     the fetched value is made before the bucket runs."""
-    if [step.kind for step in plan.steps] != [CollectiveKind.ALL_REDUCE]:
+    if len(plan.steps) != 1 or plan.steps[0].kind is not bucket.kind:
         return False
     step = plan.steps[0]
     if step.group_of(rp.rank) != bucket.group or (step.reduce or "sum") != bucket.reduce or plan.dtype != bucket.dtype:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, Role
 from autopar.mesh import ProcessMesh
@@ -113,7 +114,7 @@ def _split_backward(rp: RankProgram) -> None:
     gradients only), which the schedule runs later to fill bubbles. A grad op making both
     gradients (matmul_grad) stays whole in I, so W holds only what no input gradient needs."""
     ops = list(rp.program.global_block().ops)
-    sends = {op_id for c, op_id in rp.collectives if c.kind.value == "send"}
+    sends = {op_id for c, op_id in rp.collectives if kind_of(c.kind).sends}
     for op in ops:
         phase = rp.phases.get(op.id())
         if phase is not None and phase.kind is B:
@@ -275,7 +276,7 @@ def _labels(state: CompileState, rp: RankProgram, ops: list[Any], serial: dict[i
         following[i] = nxt
         if labels[i] is not None:
             nxt = (labels[i], keep[i])
-    sends = {op_id for c, op_id in rp.collectives if c.kind.value == "send"}
+    sends = {op_id for c, op_id in rp.collectives if kind_of(c.kind).sends}
     position = {op.id(): i for i, op in enumerate(ops)}
     previous: Phase | None = None
     out: list[Phase] = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import KINDS, Local, PointToPoint
+from autopar.collective_kinds import KINDS, point_to_point
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
@@ -109,10 +109,10 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
     if group is None:
         return x
     entry = KINDS[step.kind]
-    if isinstance(entry, PointToPoint):
+    if point_to_point(step.kind):
         return _point_to_point(state, rp, step, x, value, reason, key, group)
     local = step.dst.local_shape(value.shape, rank)
-    if isinstance(entry, Local):
+    if step.kind.is_local:
         out = entry.local_op(step, x, tuple(value.shape), rank, group)
         if out is x:
             return x

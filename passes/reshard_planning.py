@@ -16,7 +16,7 @@ from functools import partial
 from typing import ClassVar
 
 from autopar.causes import in_layer, layer_of, parameter_layer, reshard_cause
-from autopar.collective import CollectiveKind
+from autopar.collective_kinds import kind_of
 from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
@@ -95,7 +95,7 @@ def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan, writt
     value = state.graph.values[need.value]
     reader = state.graph.ops[need.op]
     for step in plan.steps:
-        if step.kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) and state.strategy.pipeline is None:
+        if kind_of(step.kind).crosses_meshes and state.strategy.pipeline is None:
             raise AutoparError(f"reshard of {value.label} across meshes ({step}): meshes of several stages need a pipeline")
     if need.site.kind is not SiteKind.BEFORE_READ:
         return

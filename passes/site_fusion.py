@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.collective_kinds import kind_of
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.passes.allreduce_fusion import gradients_complete
@@ -98,7 +99,7 @@ def _gathers_in_blocks(planned: PlannedReshard) -> bool:
     gathered tensor dim, whose pieces are equal on every rank of each group (even: one
     reshape lays the gathered rows out)."""
     steps = planned.plan.steps
-    if planned.need.site.kind is not SiteKind.BEFORE_READ or len(steps) != 1 or steps[0].kind is not CollectiveKind.ALL_GATHER:
+    if planned.need.site.kind is not SiteKind.BEFORE_READ or len(steps) != 1 or not kind_of(steps[0].kind).gathers:
         return False
     step, have, need = steps[0], planned.need.have, planned.need.need
     if len(step.mesh_dims) != 1 or len(step.tensor_dims) != 1 or have.partial:
@@ -113,14 +114,16 @@ def _gathers_in_blocks(planned: PlannedReshard) -> bool:
 def _reduces(planned: PlannedReshard) -> bool:
     """A before-read reshard of one all_reduce (the pieces keep their shape)."""
     steps = planned.plan.steps
-    return planned.need.site.kind is SiteKind.BEFORE_READ and len(steps) == 1 and steps[0].kind is CollectiveKind.ALL_REDUCE
+    if planned.need.site.kind is not SiteKind.BEFORE_READ or len(steps) != 1:
+        return False
+    return kind_of(steps[0].kind).makes_whole and kind_of(steps[0].kind).reduces
 
 
 def _bucket(state: CompileState, number: int, members: list[PlannedReshard]) -> SiteBucket:
     step = members[0].plan.steps[0]
     mesh, ranks, kind = step.src.mesh, len(step.groups[0]), step.kind
     numel = sum(math.prod(m.need.have.local_shape(m.plan.shape, step.groups[0][0])) for m in members)
-    if kind is CollectiveKind.ALL_GATHER:
+    if kind_of(kind).gathers:
         src, dst, numel = DistAttr.of(mesh, (tuple(step.mesh_dims),)), DistAttr.of(mesh, ((),)), numel * ranks
     else:
         src, dst = DistAttr.of(mesh, ((),), tuple((d, step.reduce or "sum") for d in step.mesh_dims)), DistAttr.of(mesh, ((),))
@@ -143,7 +146,7 @@ def emitted_ops(bucket: SiteBucket, members: list[PlannedReshard], rank: int) ->
     split 4, transpose 1)."""
     if members[0].plan.steps[0].group_of(rank) is None:
         return 0
-    if bucket.kind is CollectiveKind.ALL_REDUCE:
+    if not kind_of(bucket.kind).gathers:  # (an all_reduce)
         return 3 + 1 + 4 + 4 * len(members)  # concat, all_reduce, split; each flattened and shaped back
     ops = 3 + 1 + 2 + 4  # concat, all_gather, reshape to rows, split
     for member in members:
@@ -162,7 +165,7 @@ def _emit(state: CompileState, rp: RankProgram, bucket: SiteBucket, members: lis
     pieces = [m.need.have.local_shape(m.plan.shape, rp.rank) for m in members]
     sizes = [math.prod(s) for s in pieces]
     flat = paddle._C_ops.concat([paddle._C_ops.reshape(rp.current(m.need.value), [-1]) for m in members], 0)
-    gather = bucket.kind is CollectiveKind.ALL_GATHER
+    gather = kind_of(bucket.kind).gathers
     total = sum(sizes) * (len(group) if gather else 1)
     mesh = step.src.mesh
     pending = () if gather else tuple((d, bucket.reduce) for d in step.mesh_dims)

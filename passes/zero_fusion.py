@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from autopar.causes import gradients, in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.collective_kinds import composed, kind_of
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.graph import Role, ValueKey
@@ -91,7 +92,7 @@ class ZeroBucketFusion(Pass):
                 members = [by_index[i] for i in bucket.members]
                 if members[0].plan.steps[0].group_of(rp.rank) is None:
                     continue  # (another pipeline stage's parameters)
-                if bucket.kind is CollectiveKind.REDUCE_SCATTER:
+                if kind_of(bucket.kind).reduces:  # (a reduce_scatter of gradients, else an all_gather)
                     carried = _emit_scatter(state, rp, bucket, members, riders)
                 else:
                     _emit_gather(state, rp, bucket, members, list(zip(riders, carried)))
@@ -107,8 +108,8 @@ def _riders(state: CompileState, rp: RankProgram, by_index: dict[int, PlannedRes
     from autopar.passes.fetch_replication import whole_plan
 
     mine = [b for b in state.zero_buckets if by_index[b.members[0]].plan.steps[0].group_of(rp.rank) is not None]
-    scatters = [b for b in mine if b.kind is CollectiveKind.REDUCE_SCATTER]
-    gathers = [b for b in mine if b.kind is CollectiveKind.ALL_GATHER]
+    scatters = [b for b in mine if kind_of(b.kind).reduces]
+    gathers = [b for b in mine if not kind_of(b.kind).reduces]
     if state.pipeline is not None or not rp.fetches or len(scatters) != 1 or len(gathers) != 1:
         return []
     first = by_index[scatters[0].members[0]]
@@ -118,9 +119,10 @@ def _riders(state: CompileState, rp: RankProgram, by_index: dict[int, PlannedRes
     positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
     start = positions[rp.ops[min(by_index[i].need.op for i in scatters[0].members)].id()]
     out: list[ValueKey] = []
+    rides = composed([scatters[0].kind, gathers[0].kind])  # (the all_reduce the two buckets make)
     for key in rp.fetches:
         plan = whole_plan(state, key)
-        if key in rp.fetched or key in out or plan.kinds() != [CollectiveKind.ALL_REDUCE] or plan.dtype != first.plan.dtype:
+        if key in rp.fetched or key in out or plan.kinds() != [rides] or plan.dtype != first.plan.dtype:
             continue
         if plan.steps[0].group_of(rp.rank) != group or (plan.steps[0].reduce or "sum") != "sum":
             continue
@@ -145,13 +147,14 @@ def _groups(state: CompileState) -> list[tuple[CollectiveKind, list[PlannedResha
         if planned.shared_with is not None or planned.index in shared:
             continue
         site, kind = planned.need.site.kind, _fusable_kind(planned)
-        if site is SiteKind.BEFORE_READ and kind is CollectiveKind.REDUCE_SCATTER:
+        scatters = kind is not None and kind_of(kind).reduces  # (else an all_gather)
+        if site is SiteKind.BEFORE_READ and scatters:
             if state.graph.ops[planned.need.op].role is not Role.OPTIMIZER:
                 continue
-        elif site is SiteKind.AFTER_PRODUCER and kind is CollectiveKind.REDUCE_SCATTER:
+        elif site is SiteKind.AFTER_PRODUCER and scatters:
             if planned.need.value not in grads:
                 continue
-        elif not (site is SiteKind.WRITE_BACK and kind is CollectiveKind.ALL_GATHER):
+        elif not (site is SiteKind.WRITE_BACK and kind is not None and not scatters):
             continue
         key = (site, kind, planned.need.have.mesh, steps[0].mesh_dims, planned.plan.dtype)
         groups.setdefault(key, []).append(planned)
@@ -163,16 +166,17 @@ def _fusable_kind(planned: PlannedReshard) -> CollectiveKind | None:
     an all_gather), or a reduce_scatter for an all_reduce then a slice of the own shard along
     the same mesh dims (``P(sum) -> S``: what a reduce_scatter makes); else None."""
     steps = planned.plan.steps
-    if len(steps) == 1 and steps[0].kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER):
+    if len(steps) == 1 and kind_of(steps[0].kind).zero_bucket:
         return steps[0].kind
-    kinds = [step.kind for step in steps]
-    if kinds != [CollectiveKind.ALL_REDUCE, CollectiveKind.SLICE] or tuple(steps[0].mesh_dims) != tuple(steps[1].mesh_dims):
+    if len(steps) != 2 or kind_of(steps[0].kind).sliced is None or not kind_of(steps[1].kind).slices:
+        return None
+    if tuple(steps[0].mesh_dims) != tuple(steps[1].mesh_dims):
         return None
     have, need = planned.need.have, planned.need.need
     dims = set(steps[0].mesh_dims)
     if set(have.partial_dims) != dims or need.partial or set(need.sharded_mesh_dims()) - set(have.sharded_mesh_dims()) != dims:
         return None
-    return CollectiveKind.REDUCE_SCATTER
+    return kind_of(steps[0].kind).sliced
 
 
 def _read_after_made(state: CompileState, members: list[PlannedReshard]) -> list[PlannedReshard]:
@@ -195,7 +199,7 @@ def _bucket(state: CompileState, number: int, kind: CollectiveKind, members: lis
     flat = (chunk * len(group),)
     whole = DistAttr.of(mesh, ((),))
     split = DistAttr.of(mesh, (tuple(step.mesh_dims),))
-    if kind is CollectiveKind.REDUCE_SCATTER:
+    if kind_of(kind).reduces:
         src = DistAttr.of(mesh, ((),), tuple((d, step.reduce or "sum") for d in step.mesh_dims))
         plan = plan_reshard(src, split, flat, members[0].plan.dtype, state.cluster)
     else:
@@ -206,7 +210,7 @@ def _bucket(state: CompileState, number: int, kind: CollectiveKind, members: lis
         SiteKind.AFTER_PRODUCER: "gradient reduce_scatters after backward",
         SiteKind.WRITE_BACK: "write-back all_gathers",
     }[members[0].need.site.kind]
-    feature = "ZeRO gradient sync" if kind is CollectiveKind.REDUCE_SCATTER else "ZeRO parameter gather"
+    feature = "ZeRO gradient sync" if kind_of(kind).reduces else "ZeRO parameter gather"
     layers = layers_text([value_layer(state.graph, m.need.value) for m in members])
     return ZeroBucket(
         number, kind, tuple(m.index for m in members), int(sum(s.bytes for s in plan.steps)), plan.time,
@@ -259,7 +263,7 @@ def emitted_ops(bucket: ZeroBucket, members: list[PlannedReshard], rank: int) ->
     for member in members:
         sizes, shape = _sizes(member, group), member.plan.shape
         padded = 2 * (len(shape) != 1)  # (_padded: flattened unless 1-d, padded with a full + concat)
-        if bucket.kind is CollectiveKind.REDUCE_SCATTER:
+        if kind_of(bucket.kind).reduces:
             have, sharded = member.need.have, member.need.need
             if _in_blocks(have, sharded, shape, rank, group):
                 ops += 2
@@ -306,11 +310,11 @@ def _record(
 ) -> Any:  # fmt: skip
     import paddle
 
-    chunk = math.prod(x.shape) // (len(group) if bucket.kind is CollectiveKind.REDUCE_SCATTER else 1)
+    scatter = kind_of(bucket.kind).reduces
+    chunk = math.prod(x.shape) // (len(group) if scatter else 1)
     total = chunk * len(group)
     mesh = step.src.mesh
     split = DistAttr.of(mesh, (tuple(step.mesh_dims),))
-    scatter = bucket.kind is CollectiveKind.REDUCE_SCATTER
     collective = Collective(
         kind=bucket.kind, group=group, key=CollectiveKey("zero_bucket", bucket.index),
         value=f"zero bucket {bucket.index} ({len(bucket.members)} tensors)",

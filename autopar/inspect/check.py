@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.rank_plan import ValueKey
 
@@ -467,7 +468,7 @@ def _explained(dist: Any, found: Difference) -> Difference:
     for rank in dist.mesh.ranks:
         for c in dist.comm_ops(rank):
             if c.value in labels or any(f"{label}," in c.reason or c.reason.endswith(label) for label in labels):
-                kind = "send/recv" if c.kind.value in ("send", "recv") else str(c.kind)
+                kind = "send/recv" if kind_of(c.kind).sends or kind_of(c.kind).receives else str(c.kind)
                 text = f"{kind}(group={sorted(c.group)}) {c.value} {c.src} -> {c.dst}: {c.reason}"
                 seen.setdefault(c.key, text if len(text) <= 300 else text[:299] + "…")
     return dataclasses.replace(found, collectives=tuple(seen.values()))

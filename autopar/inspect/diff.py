@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.collective_kinds import kind_of
 from autopar.inspect.view import OpView, Port, RankView, rank_view
 from autopar.units import format_bytes, format_time
 
@@ -69,7 +70,7 @@ def comm_note(op: OpView) -> str:
     c = op.comm
     if c is None:
         return ""
-    kind = f"{c.kind}({c.reduce})" if c.kind in ("all_reduce", "reduce_scatter") else c.kind
+    kind = f"{c.kind}({c.reduce})" if kind_of(c.kind).reduces else c.kind
     return (
         f"#     {kind} over {list(c.group)}: {format_bytes(c.bytes)}, {format_time(c.time)}; "
         f"{c.value} {c.src} -> {c.dst}; {c.reason}"

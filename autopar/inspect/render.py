@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autopar.collective_kinds import kind_of
 from autopar.graph import Role
 from autopar.inspect.view import OpView, RankView
 from autopar.op_kinds import SOURCE_OPS
@@ -57,7 +58,7 @@ def _op_node(op: OpView, name: str) -> Node:
     style = {"shape": "box", "style": "filled", "fillcolor": "white"}
     if op.comm is not None:
         c = op.comm
-        kind = f"{c.kind.upper()} ({c.reduce})" if c.kind in ("all_reduce", "reduce_scatter") else c.kind.upper()
+        kind = f"{c.kind.upper()} ({c.reduce})" if kind_of(c.kind).reduces else c.kind.upper()
         label = "\n".join([
             kind,
             f"group {list(c.group)} · {format_bytes(c.bytes)} · {format_time(c.time)}",

@@ -129,11 +129,11 @@ def process_links(rank: int, store: Any) -> Links:
 def send_or_recv(rank: int, store: Any, job: Any, x: np.ndarray, timeout: float) -> np.ndarray | None:
     """A pipeline send (returns None at once: buffered) or recv (the sender's array stamped
     with the collective's key: value, micro-batch — not the next message on the link)."""
-    from autopar.collective import CollectiveKind
+    from autopar.collective_kinds import kind_of
 
     sender, receiver = job.group
     links = process_links(rank, store)
-    if job.kind is CollectiveKind.SEND:
+    if kind_of(job.kind).sends:
         links.send(receiver, x, job.key)
         return None
     return links.recv(sender, job.key, timeout)

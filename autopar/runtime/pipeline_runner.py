@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from autopar.collective import Collective
+from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.index_feeds import check_index_feed
 from autopar.rank_plan import RankPlan, ValueKey
@@ -82,9 +83,9 @@ class PipelineRunner(RankRunner):
         steps: list[Step] = []
         updated = False
         ends = {label: self._ends(jobs) for label, jobs in self.jobs_of.items()}
-        # (phase, micro-batch, "recv" / "send") a p2p action runs: only those edges leave the phase
+        # (phase, micro-batch, "in" (a recv) / "out" (a send)) a p2p action runs: only those edges leave the phase
         edges = {
-            (self._p2p_phase(a), a.micro_batch, "recv" if a.kind in RECV_KINDS else "send")
+            (self._p2p_phase(a), a.micro_batch, "in" if a.kind in RECV_KINDS else "out")
             for a in self.role.actions if a.kind in RECV_KINDS or a.kind in SEND_KINDS
         }  # fmt: skip
         for number, action in enumerate(self.role.actions):
@@ -93,7 +94,7 @@ class PipelineRunner(RankRunner):
                 label = Phase.of(action)
                 leading, body, trailing = ends.get(label, ((), (), ()))
                 body = (
-                    (() if (label, k, "recv") in edges else leading) + body + (() if (label, k, "send") in edges else trailing)
+                    (() if (label, k, "in") in edges else leading) + body + (() if (label, k, "out") in edges else trailing)
                 )
                 steps.append(("begin", number, k))
                 steps += [("job", i, k) for i in body]
@@ -105,7 +106,7 @@ class PipelineRunner(RankRunner):
             elif kind is OPTIMIZER and not updated:  # one update for all the rank's stages
                 updated = True
                 steps.append(("begin", number, 0))
-                stages = sorted({a.stage for a in self.role.actions if a.kind.value in ("B", "W")})
+                stages = sorted({a.stage for a in self.role.actions if a.kind in (B, W)})
                 steps += [("accumulate", stage, k) for stage in stages for k in range(1, self.role.micro_batches)]
                 steps += [("job", i, 0) for i in self.jobs_of.get(UPDATE, [])]
                 steps.append(("fetch", number, 0))
@@ -115,14 +116,18 @@ class PipelineRunner(RankRunner):
     def _ends(self, jobs: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """A phase's jobs as (the recvs it starts with, the rest, the sends it ends with)."""
 
-        def p2p(index: int, kind: str) -> bool:
+        def receives(index: int) -> bool:
             job = self.host.jobs[index]
-            return not isinstance(job, Segment) and job.collective.kind.value == kind
+            return not isinstance(job, Segment) and kind_of(job.collective.kind).receives
+
+        def sends(index: int) -> bool:
+            job = self.host.jobs[index]
+            return not isinstance(job, Segment) and kind_of(job.collective.kind).sends
 
         start, stop = 0, len(jobs)
-        while start < stop and p2p(jobs[start], "recv"):
+        while start < stop and receives(jobs[start]):
             start += 1
-        while stop > start and p2p(jobs[stop - 1], "send"):
+        while stop > start and sends(jobs[stop - 1]):
             stop -= 1
         return tuple(jobs[:start]), tuple(jobs[start:stop]), tuple(jobs[stop:])
 
@@ -257,7 +262,7 @@ class PipelineRunner(RankRunner):
 
     def collective_input(self) -> np.ndarray:
         job, micro_batch = self._job()
-        if job.collective.kind.value == "recv":
+        if kind_of(job.collective.kind).receives:
             return np.zeros((0,), dtype="float32")  # a recv sends nothing
         if job.from_feed:
             return self.micro_feeds[micro_batch][job.input]

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.collective import CollectiveKind
-from autopar.collective_kinds import perform, point_to_point
+from autopar.collective_kinds import kind_of, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
@@ -113,7 +112,7 @@ def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: d
         while job is not None and point_to_point(job.kind):
             sender, receiver = job.group
             inbox = mailbox.setdefault(receiver, Inbox())
-            if job.kind is CollectiveKind.SEND:
+            if kind_of(job.kind).sends:
                 inbox.put(sender, job.key, runners[rank].collective_input())
                 runners[rank].finish_collective(None)
             elif inbox.ready(sender, job.key):

@@ -47,7 +47,7 @@ from functools import lru_cache
 from typing import Any
 
 from autopar.collective import CollectiveKind
-from autopar.collective_kinds import point_to_point
+from autopar.collective_kinds import kind_of, point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
 from autopar.cost_model.comm import shared_cores_time
 from autopar.cost_model.planner import group_at, plan_reshard
@@ -259,7 +259,7 @@ def _gradient_syncs(state: CompileState) -> list[_Sync]:
         if graph.ops[planned.need.op].role is not Role.OPTIMIZER or graph.ops[made_by].role is not Role.BACKWARD:
             continue
         steps = [step for step in planned.plan.steps if not step.kind.is_local]
-        if steps and all(step.kind.value == "all_reduce" for step in steps):
+        if steps and all(kind_of(step.kind).gradient_sync for step in steps):
             syncs.append(_Sync((made_by,), planned=planned))
     return syncs
 
@@ -424,7 +424,7 @@ def added_ops(state: CompileState, rank: int) -> tuple[int, int]:
 
 def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, int]]:
     """:func:`added_ops` of each of ``ranks`` (each planned reshard visited once)."""
-    from autopar.collective_kinds import KINDS, Local
+    from autopar.collective_kinds import KINDS, local
     from autopar.passes import allreduce_fusion, site_fusion, zero_fusion
 
     by_index = {planned.index: planned for planned in state.reshards}
@@ -438,7 +438,7 @@ def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, in
         for step in planned.plan.steps:
             kind = KINDS[step.kind]
             for rank, group in _taking_part(step, ranks):
-                ops[rank][once] += kind.ops_added(step, rank, group) if isinstance(kind, Local) else 1
+                ops[rank][once] += kind.ops_added(step, rank, group) if local(step.kind) else 1
                 involved.add(rank)
         if planned.need.site.kind is SiteKind.WRITE_BACK:
             for rank in involved:

@@ -1,16 +1,18 @@
 """A collective kind is one entry (autopar/collective_kinds.py): its numpy meaning, its lowering
-per backend, its price and its reduce ops. Nothing else decodes a kind: the passes, backends and
-the cost model ask the table."""
+per backend, its price, its reduce ops and what the passes ask of it (``reduces``, ``sends``,
+``gradient_sync``, ...). Nothing else in the package decodes a kind: the passes, backends, the
+cost model, the CLI and the inspection modules ask the table (the guard below reads them all)."""
 
-import re
+import ast
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import KINDS, kind_of, perform, perform_for
+from autopar.collective_kinds import KINDS, Kind, kind_of, perform, perform_for, step_kinds
 from autopar.cost_model.comm import COLLECTIVES, coefficients
+from autopar.cost_model.planner import STEP_KINDS
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
@@ -28,6 +30,7 @@ def job(kind, **fields):
 def test_every_kind_has_one_entry():
     assert set(KINDS) == set(CollectiveKind)
     assert COLLECTIVES == ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+    assert STEP_KINDS == step_kinds() and set(CollectiveKind) - set(STEP_KINDS) == {CollectiveKind.SEND, CollectiveKind.RECV}
     with pytest.raises(AutoparError, match="unknown collective kind 'gather'"):
         kind_of("gather")
 
@@ -66,11 +69,77 @@ def test_prices_come_from_the_entries():
     assert kind_of("reduce_scatter").emulated_by is CollectiveKind.ALL_REDUCE and kind_of("all_to_all").emulated_by is CollectiveKind.ALL_GATHER
 
 
+KIND_NAMES = {kind.value for kind in CollectiveKind} | {kind.name for kind in CollectiveKind}
+KIND_CLASSES = {cls.__name__ for cls in (type(entry) for entry in KINDS.values()) for cls in cls.__mro__ if issubclass(cls, Kind)}
+PACKAGE = [ROOT / "autopar", ROOT / "passes", ROOT / "cost_model"]  # (pyproject.toml: passes/, cost_model/ install as autopar.*)
+TABLE = ROOT / "autopar/collective_kinds.py"
+
+
+def _names_a_kind(node: ast.AST) -> bool:
+    """``node`` holds a kind's name (``"send"``) or member (``CollectiveKind.SEND``)."""
+    return any(
+        (isinstance(n, ast.Constant) and n.value in KIND_NAMES)
+        or (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "CollectiveKind")
+        for n in ast.walk(node)
+    )
+
+
+def _kind_value(node: ast.AST) -> bool:
+    """``node`` reads ``<x>.kind.value`` (a kind compared by its text)."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "value" and isinstance(n.value, ast.Attribute) and n.value.attr == "kind"
+               for n in ast.walk(node))  # fmt: skip
+
+
+def _kind_list(elements: list) -> bool:
+    """A literal list of two kinds or more (names or members) and nothing else (a list of op
+    names that holds ``"all_reduce"`` is not one)."""
+    return len(elements) >= 2 and all(
+        (isinstance(e, ast.Constant) and e.value in KIND_NAMES)
+        or (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "CollectiveKind")
+        for e in elements
+    )
+
+
+def decodes(source: str) -> list[int]:
+    """Lines of ``source`` that decode a collective kind: a comparison naming a kind (by name or
+    member, send / recv included) or reading ``.kind.value``, a literal list or set of kinds, a
+    dict keyed by kinds, a ``match`` case on a kind."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            found = any(_names_a_kind(o) or _kind_value(o) for o in (node.left, *node.comparators))
+        elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            found = _kind_list(node.elts)
+        elif isinstance(node, ast.Dict):
+            found = any(k is not None and _kind_list([k, k]) for k in node.keys)
+        elif isinstance(node, ast.match_case):
+            found = _names_a_kind(node.pattern)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass"):
+            found = any(isinstance(n, ast.Name) and n.id in KIND_CLASSES for n in ast.walk(node.args[-1]))
+        else:
+            found = False
+        if found:
+            lines.add(node.pattern.lineno if isinstance(node, ast.match_case) else node.lineno)
+    return sorted(lines)
+
+
+@pytest.mark.parametrize("line", [
+    'if kind == "all_gather": pass', 'if c.kind.value in ("send", "recv"): pass', 'x = step.kind is CollectiveKind.SEND',
+    'ok = k != "send_recv" or world == 2', 'if kinds == [CollectiveKind.ALL_REDUCE]: pass', 'table = {"all_reduce": 1, "broadcast": 2}',
+    'if job.kind.value == name: pass', 'match kind:\n    case "recv": pass', 'if c.kind.name == "SEND": pass',
+    'if isinstance(KINDS[kind], PointToPoint): pass',
+])  # fmt: skip
+def test_the_guard_sees_a_decoded_kind(line):
+    assert decodes(line)
+
+
+def test_the_guard_lets_kinds_be_made_and_asked():
+    assert decodes('c = Collective(kind=CollectiveKind.SEND)\nif kind_of(c.kind).sends: pass\nops = {"print", "all_reduce", "send_v2"}') == []
+
+
 def test_no_other_module_decodes_a_kind():
-    """Branches on a kind's name or enum member live in collective_kinds.py only."""
-    decode = re.compile(r"""kind\s*(==|!=|is|is not|in)\s*(\(?["'](all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|slice|make_partial|send_recv)["']|\(?CollectiveKind\.(ALL_REDUCE|ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL|BROADCAST|SLICE|MAKE_PARTIAL|SEND_RECV)\b)""")
-    places = [ROOT / "autopar/runtime", ROOT / "passes/reshard_emission.py", ROOT / "passes/backend_lowering.py",
-              ROOT / "cost_model/comm.py", ROOT / "cost_model/planner.py", ROOT / "autopar/collective.py"]  # fmt: skip
-    files = [f for p in places for f in ([p] if p.is_file() else sorted(p.glob("*.py")))]
-    found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1) if decode.search(line)]
+    """Branches on a kind (its name, its member or its ``.value``; send / recv included) live in
+    collective_kinds.py only: everywhere else in the package asks the kind's entry."""
+    files = [f for place in PACKAGE for f in sorted(place.rglob("*.py")) if f != TABLE]
+    found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in decodes(f.read_text())]
     assert not found, found
