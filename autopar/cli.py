@@ -103,9 +103,8 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 def key_activations(dist: Any) -> list[Any]:
     """Feeds, layer outputs (a forward value leaving its layer), resharded values, the loss."""
     from autopar.graph import Role
-    from autopar.inspect.view import layer_of
 
-    graph = dist.decisions.graph
+    graph = dist.decisions.serial()
     resharded = {r.key for r in dist.decisions.reshards()}
     forward = [
         op for op in graph.ops if op.role is Role.FORWARD and op.name not in ("pd_op.full_int_array", "pd_op.full")
@@ -116,8 +115,8 @@ def key_activations(dist: Any) -> list[Any]:
             if key is None or graph.values[key].kind not in ("activation", "feed"):
                 continue
             value = graph.values[key]
-            layer = layer_of(graph, op.index)
-            leaves = layer and any(layer_of(graph, u) != layer for u in value.users)
+            layer = op.layer
+            leaves = layer and any(graph.ops[u].layer != layer for u in value.users)
             if value.kind == "feed" or leaves or key in resharded:
                 keys.append(key)
     last = next((k for op in reversed(forward) for k in op.outputs if k is not None), None)
@@ -134,7 +133,7 @@ def placement_lines(dist: Any) -> list[str]:
         attr = value.placement
         local = str(list(attr.local_shape(value.shape, rank0))) if rank0 in attr.mesh.ranks else "-"
         made = "-" if value.kind in ("parameter", "feed") else value.producer.split(".", 1)[-1] + (f" ({value.layer})" if value.layer else "")
-        return decisions.graph.values[value.key].label, value.kind, made, str(list(value.shape)), str(attr), local
+        return decisions.serial().values[value.key].label, value.kind, made, str(list(value.shape)), str(attr), local
 
     rows += [row(v) for v in decisions.values(("parameter",))]
     rows += [row(decisions.value(k)) for k in key_activations(dist)]
@@ -236,7 +235,7 @@ def dead_op_lines(dist: Any) -> list[str]:
 def explain_text(dist: Any, target: str = "") -> str:
     lines = [
         f"autopar explain {target}".rstrip(),
-        f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.decisions.graph)} serial ops",
+        f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.decisions.ops())} serial ops",
         "",
     ]
     lines += dead_op_lines(dist)

@@ -136,7 +136,7 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
     keys = _keys(dist)
     for item in fetch_list or ():
         if dist.key(item) not in keys:
-            raise AutoparError(f"check cannot compare {dist.decisions.graph.values[dist.key(item)].label}: it has no captured value")
+            raise AutoparError(f"check cannot compare {dist.decisions.serial().values[dist.key(item)].label}: it has no captured value")
     start = generator_state()
     distributed = _distributed_values(dist, keys, feeds)
     use_generator_state(start)
@@ -151,9 +151,9 @@ def random_feeds(dist: Any, steps: int = 1, seed: int = 0, int_high: int = 2) ->
 
     from autopar.testing.serial import random_feeds as draw
 
-    graph = dist.decisions.graph
+    values = dist.decisions.serial().values
     declared = {
-        name: SimpleNamespace(shape=graph.values[key].declared or graph.values[key].shape, dtype=graph.values[key].dtype)
+        name: SimpleNamespace(shape=values[key].program_shape, dtype=values[key].dtype)
         for name, key in dist.values.named("feed").items()
     }  # (the whole batch, not one micro-batch)
     return draw(declared, steps, seed=seed, classes=int_high)
@@ -178,7 +178,7 @@ def _keys(dist: Any) -> list[ValueKey]:
     carry their value in the op and every segment makes them again)."""
     from autopar.op_kinds import CONSTANT_OPS
 
-    graph, values = dist.decisions.graph, dist.values
+    graph, values = dist.decisions.serial(), dist.values
 
     def compared(key: ValueKey) -> bool:
         value, op = graph.values[key], graph.ops[key[0]]
@@ -226,7 +226,7 @@ def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str
     from autopar.runtime.simulator import run_step, runner_for, start_ranks
 
     plans = {rank: dist.rank_plan(rank) for rank in dist.mesh.ranks}
-    named = {k: dist.decisions.graph.values[k].name for k in keys if dist.values.info(k).kind in ("parameter", "state")}
+    named = {k: dist.decisions.serial().values[k].name for k in keys if dist.values.info(k).kind in ("parameter", "state")}
     runners = {}
     for rank, plan in plans.items():  # (parameters and states: read by name once the step is done)
         mine = [k for k in keys if k not in named and (k in plan.replaced or plan.op_positions[k[0]] >= 0)]
@@ -261,9 +261,7 @@ class _Rebuilt:
 
 
 def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: list[dict]) -> CheckReport:
-    from autopar.causes import layer_of
-
-    graph = dist.decisions.graph
+    graph = dist.decisions.serial()
     differences: list[Difference] = []
     per_layer: dict[str, list] = {}
     compared = 0
@@ -286,7 +284,7 @@ def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: l
             scale = max(float(np.max(np.abs(reference))) if reference.size else 0.0, terms)
             allowed = _allowance(graph, key, maker, want, gaps, scale)
             found = _difference(dist, step, key, maker, reference, rebuilt, allowed, scale, errors, gaps)
-            layer = layer_of(graph, maker)
+            layer = graph.ops[maker].layer
             stats = per_layer.setdefault(layer, [0, 0, 0.0, ""])
             stats[0] += 1
             if found is not None:
@@ -422,7 +420,7 @@ def _difference(
 ) -> Difference | None:  # fmt: skip
     got = rebuilt.array
     if got.shape != want.shape:
-        raise AutoparError(f"check: {dist.decisions.graph.values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
+        raise AutoparError(f"check: {dist.decisions.serial().values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
     wide, serial = got.astype("float64"), want.astype("float64")
     gap = np.abs(wide - serial)
     max_abs = float(np.nanmax(gap)) if gap.size else 0.0
@@ -440,15 +438,13 @@ def _difference(
     differs = max_abs > allowed
     if not differs and not rebuilt.replicas:
         return None
-    from autopar.causes import layer_of
-
     where = tuple(int(i) for i in np.unravel_index(int(np.nanargmax(gap)), gap.shape)) if gap.size else ()
     if rebuilt.split_dim is not None and where:  # the micro-batch holding that row
         micro_batch = where[rebuilt.split_dim] // rebuilt.per_micro_batch[0].shape[rebuilt.split_dim]
     rel = gap / np.maximum(np.abs(serial), scale * 1e-3 if scale else 1e-30)
-    graph = dist.decisions.graph
+    graph = dist.decisions.serial()
     return Difference(
-        step=step, key=key, value=dist.decisions.label(key), op=str(graph.ops[maker]), layer=layer_of(graph, maker),
+        step=step, key=key, value=dist.decisions.label(key), op=str(graph.ops[maker]), layer=graph.ops[maker].layer,
         error=error, tolerance=tolerance, max_abs=max_abs, max_rel=float(np.nanmax(rel)) if rel.size else 0.0, where=where,
         serial=float(serial[where]) if serial.size else 0.0, distributed=float(wide[where]) if wide.size else 0.0,
         placement=str(dist.values.info(key).produced), micro_batch=micro_batch, replicas=rebuilt.replicas,
@@ -461,7 +457,7 @@ def _explained(dist: Any, found: Difference) -> Difference:
     """``found`` with the collectives that fed its op: those moving one of its inputs."""
     import dataclasses
 
-    graph = dist.decisions.graph
+    graph = dist.decisions.serial()
     op = graph.ops[makers(graph).get(found.key, found.key[0])]
     labels = {graph.values[k].label for k in op.inputs if k is not None} | {dist.decisions.label(k) for k in op.inputs if k is not None}
     seen: dict[Any, str] = {}  # one line per collective (a send and its recv share their key)

@@ -162,7 +162,7 @@ def kept_copies(decisions: Any) -> tuple[list[TensorInfo], frozenset[tuple[int, 
     of a column-parallel linear under sequence parallelism, read again by its matmul_grad): kept
     until the backward in place of the value for that read. Also the (op index, value) reads
     they serve."""
-    graph, reshards = decisions.graph, decisions.reshards()
+    graph, reshards = decisions.serial(), decisions.reshards()
     planned = {r.index: r for r in reshards}
     kept, served = {}, set()
     for p in reshards:
@@ -185,13 +185,13 @@ def cost_report(dist: Any) -> CostReport:
     """The :class:`CostReport` of a compiled program (see the module docstring)."""
 
     decisions = dist.decisions
-    graph, placement = decisions.graph, decisions.placement
+    graph, placement = decisions.serial(), decisions.placement
     cluster = decisions.cluster
     params = [TensorInfo(v.name or v.label, v.shape, v.dtype, placement(k)) for k, v in graph.values.items()
               if v.kind == "parameter"]  # fmt: skip
     copies, served = kept_copies(decisions)
     acts = [TensorInfo(graph.values[k].label, graph.values[k].shape, graph.values[k].dtype, placement(k))
-            for k in saved_activations(graph, served)] + copies  # fmt: skip
+            for k in decisions.saved_activations(served)] + copies  # fmt: skip
     states = [(v, placement(k)) for k, v in graph.values.items() if v.kind == "state"]
     # ZeRO-2/3: each rank keeps only its shard of each gradient (stage 1 keeps it whole)
     zero = decisions.zero() if dist.strategy.zero_stage >= 2 else ()

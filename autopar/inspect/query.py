@@ -14,6 +14,8 @@ knows them (:mod:`autopar.text_table`).
     d.pipeline().shared              # parameters read on several stages: owner and copies
     d.pipeline().layers[0]           # the layers stage 0 runs ("GPT/Embedding", "GPT/Block", ...)
     d.zero(), d.sequence(), d.recompute()
+    d.ops()[8].layer                 # OpDecision: the serial op #8, its role, layer and operands
+    d.serial().values[key].users     # SerialValue: a value as the program has it (shape, users)
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from autopar.dist_attr import DistAttr
@@ -47,6 +50,64 @@ class ValueDecision:
     decided_by: str
     producer: str  # the op making it, e.g. "pd_op.matmul#8"
     layer: str  # the layer path of its producer ("" when none is known)
+
+
+@dataclass(frozen=True, slots=True)
+class SerialValue:
+    """One value of the analysed serial program as the program has it, before any placement:
+    its name (parameters, feeds, states), kind, shape (one micro-batch's under a pipeline;
+    ``program_shape`` the program's) and the ops reading it."""
+
+    key: ValueKey
+    name: str | None
+    kind: str  # "parameter", "feed", "state", "activation", "constant", "vector"
+    shape: tuple[int, ...]
+    program_shape: tuple[int, ...]
+    dtype: str
+    users: tuple[int, ...]  # the indices of the ops reading it
+
+    @property
+    def label(self) -> str:
+        """Its name, or ``%op.result`` (the short form; :meth:`Decisions.label` says more)."""
+        return self.name or f"%{self.key[0]}.{self.key[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class OpDecision:
+    """One op of the analysed serial program: what it is (``name``, ``attrs``), which part of
+    the step it belongs to (``role``) and which layer (``layer``, "" when none is known), the
+    values it reads and makes (keys; None for an absent operand or a result nobody needs).
+    ``str`` is ``pd_op.matmul#8``."""
+
+    index: int
+    name: str
+    role: Role
+    layer: str
+    inputs: tuple[ValueKey | None, ...]
+    outputs: tuple[ValueKey | None, ...]
+    shape_only: frozenset[int]  # input positions read for their shape only (no-need-buffer)
+    recomputes: int | None  # a recompute clone: the forward op whose results it makes again
+    attrs: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def short_name(self) -> str:
+        return self.name.split(".", 1)[-1]
+
+    def __str__(self) -> str:
+        return f"{self.name}#{self.index}"
+
+
+@dataclass(frozen=True, slots=True)
+class SerialProgram:
+    """The analysed serial program as values: its ops in program order (``ops[i].index == i``)
+    and every value by key, in program order."""
+
+    ops: tuple[OpDecision, ...]
+    values: Mapping[ValueKey, SerialValue] = field(compare=False)
+
+    def tensor_keys(self) -> Iterator[ValueKey]:
+        """Every value but the vectors (``builtin.combine`` / ``split`` plumbing)."""
+        return (k for k, v in self.values.items() if v.kind != "vector")
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +313,21 @@ class SequenceDecision:
         return "\n".join(lines + text_table(rows, "  "))
 
 
+def _serial_program(graph: ProgramGraph) -> SerialProgram:
+    from autopar.causes import layer_of
+
+    ops = tuple(
+        OpDecision(op.index, op.name, op.role, layer_of(graph, op.index), tuple(op.inputs), tuple(op.outputs),
+                   op.shape_only, op.recomputes, MappingProxyType(dict(op.attrs)))
+        for op in graph.ops
+    )  # fmt: skip
+    values = {
+        key: SerialValue(key, v.name, v.kind, tuple(v.shape), tuple(v.program_shape), v.dtype, tuple(v.users))
+        for key, v in graph.values.items()
+    }
+    return SerialProgram(ops, MappingProxyType(values))
+
+
 class Decisions:
     """The query API of one DistributedProgram (``dist.decisions``); see the module docstring."""
 
@@ -259,17 +335,31 @@ class Decisions:
         """``state``: what compile decided for ``dist`` (its CompileState; only this API reads it)."""
         self._dist = dist
         self._state = state
+        self._serial: SerialProgram | None = None
 
     # ---- the program as analysed ---------------------------------------------------------
-    @property
-    def graph(self) -> ProgramGraph:
-        """The analysed serial program's graph view (ops with roles and layers, values with
-        shapes): read it, never edit it."""
-        return self._state.graph
+    def serial(self) -> SerialProgram:
+        """The analysed serial program's ops (roles, layers, operands) and values (shapes, users)."""
+        if self._serial is None:
+            self._serial = _serial_program(self._state.graph)
+        return self._serial
+
+    def ops(self) -> tuple[OpDecision, ...]:
+        """The analysed serial program's ops, in program order (``serial().ops``)."""
+        return self.serial().ops
+
+    def saved_activations(self, served: frozenset[tuple[int, ValueKey]] = frozenset()) -> tuple[ValueKey, ...]:
+        """Forward values a backward op reads, kept until the backward (a read for the shape
+        only keeps nothing, nor does a read in ``served``: (op index, value) pairs a kept reshard
+        copy serves)."""
+        from autopar.inspect.cost_report import saved_activations
+
+        return tuple(saved_activations(self._state.graph, served))
 
     @property
     def program(self) -> Any:
-        """The serial program compile analysed (recompute's rewrite of yours, when it applies)."""
+        """The serial program compile analysed (recompute's rewrite of yours, when it applies):
+        a Paddle program, the one to run for a serial reference."""
         return self._state.graph.program
 
     @property

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.causes import layer_of
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
 from autopar.graph import Role
@@ -107,7 +106,7 @@ def rank_view(dist: Any, rank: int, after: str | None = None) -> RankView:
     """Rank ``rank``'s program (as it is after the pass ``after``, default: all passes) read
     against the serial program."""
     plan = dist.rank_plan(rank, after=after)
-    graph = dist.decisions.graph
+    graph = dist.decisions.serial()
     serial_ops = list(dist.decisions.program.global_block().ops)  # (the serial program after recompute's rewrite, if any)
     serial_labels = {
         r.id: graph.values[(i, j)].label
@@ -188,7 +187,7 @@ def _kept_view(graph, serial_op, op, index, labels, keys, serial_labels, dist) -
     }
     changed = attrs or any(p.changed or p.rewired for p in operands + results)
     return OpView("changed" if changed else "same", node.name, operands, results, node.role, index,
-                  layer_of(graph, index), attrs)  # fmt: skip
+                  node.layer, attrs)  # fmt: skip
 
 
 def _added_view(op: Any, labels: dict[str, str], keys: dict[str, Any], dist: Any, comm: Collective | None) -> OpView:

@@ -20,9 +20,9 @@ def test_the_automatic_cut_falls_between_the_decoder_layers(micro_batches):
     seed = nested_decoder(layers=4)
     config = autopar.PipelineConfig(micro_batches=micro_batches, stages=2)
     dist = autopar.compile(seed.main, PP, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=config))
-    graph, meshes = dist.decisions.graph, dist.decisions.pipeline().meshes
+    meshes = dist.decisions.pipeline().meshes
     layer_stage = {}
-    for op in graph.ops:
+    for op in dist.decisions.ops():
         path = path_of(op)
         if op.role is Role.FORWARD and len(path) >= 3 and path[2].startswith("DecoderLayer"):
             layer_stage.setdefault(path[2], set()).add(meshes.index(dist.decisions.value(op.outputs[0]).placement.mesh))
@@ -34,8 +34,8 @@ def test_the_automatic_cut_falls_between_the_decoder_layers(micro_batches):
 
 def _recomputed_layers(dist):
     report = dist.decisions.recompute()
-    graph = dist.decisions.graph
-    return {path_of(graph.ops[origin])[2] if len(path_of(graph.ops[origin])) > 2 else "/".join(path_of(graph.ops[origin]))
+    ops = dist.decisions.ops()
+    return {path_of(ops[origin])[2] if len(path_of(ops[origin])) > 2 else "/".join(path_of(ops[origin]))
             for origin in report.clones.values()}  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """``dist.decisions``, the public query API: per value, per reshard, per strategy feature; and
 the command line, the inspection modules, the README and docs/ ask only it (no compile state)."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -47,11 +48,33 @@ def test_strategy_features_as_values():
 
 
 def test_the_command_line_inspection_and_docs_ask_only_the_query_api():
-    internal = re.compile(r"dist\.(state|graph|propagation)\b|\._by_impl")
+    # the compile state, and the analysed graph reached through the query API (``decisions.graph``,
+    # ``d.graph.ops``, ``graph = ...decisions.graph`` then ``graph.values``): answers only
+    internal = re.compile(r"dist\.(state|graph|propagation)\b|\._by_impl|\b(decisions|d)\.graph\b|\.graph\.(values|ops)\b")
     docs = [ROOT / "README.md", ROOT / "benchmarks/RESULTS.md", *(ROOT / "docs").glob("*.md")]
-    files = [ROOT / "autopar/cli.py", *docs, *(p for p in (ROOT / "autopar/inspect").glob("*.py") if p.name != "query.py")]
+    files = [ROOT / "autopar/cli.py", *docs, *(p for p in (ROOT / "autopar/inspect").glob("*.py") if p.name != "query.py"),
+             *(ROOT / "examples").rglob("*.py")]  # fmt: skip
     found = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1) if internal.search(line)]
     assert not found, found
+
+
+def test_the_query_api_hands_out_no_graph():
+    _, dist = build("simple dp2")
+    assert not hasattr(dist.decisions, "graph")
+
+
+def test_ops_and_serial_values_say_what_the_program_is():
+    seed, dist = build("simple dp2xmp2")
+    d = dist.decisions
+    ops, serial = d.ops(), d.serial()
+    assert ops == serial.ops and [op.index for op in ops] == list(range(len(ops)))
+    matmul = next(op for op in ops if op.name == "pd_op.matmul")
+    assert str(matmul) == f"pd_op.matmul#{matmul.index}" and matmul.role.value == "forward" and matmul.layer.startswith("Linear")
+    weight = d.value(seed.layers["linear1"].weight.name)
+    assert weight.key in matmul.inputs and serial.values[weight.key].label == weight.label
+    assert matmul.index in serial.values[weight.key].users and serial.values[matmul.outputs[0]].kind == "activation"
+    assert set(d.saved_activations()) <= set(serial.tensor_keys())
+    assert hash(matmul) == hash(dataclasses.replace(matmul))
 
 
 def test_a_value_of_another_program_is_refused_by_name():
