@@ -21,7 +21,9 @@ class CollectiveKind(str, enum.Enum):
 
     ``SEND_RECV`` is the planner's point-to-point move between meshes; each rank program
     carries it as a ``SEND`` (sender) or a ``RECV`` (receiver). ``SLICE`` and ``MAKE_PARTIAL``
-    are local: no data leaves the rank.
+    are local: no data leaves the rank, declared with the member (``is_local``: a Collective
+    validates its kind by it here; the table, autopar.collective_kinds, operates on Collectives,
+    so it sits above this module; a test checks its ``Local`` entries are these).
     """
 
     ALL_REDUCE = "all_reduce"
@@ -32,15 +34,19 @@ class CollectiveKind(str, enum.Enum):
     SEND = "send"
     RECV = "recv"
     SEND_RECV = "send_recv"
-    SLICE = "slice"
-    MAKE_PARTIAL = "make_partial"
+    SLICE = "slice", True
+    MAKE_PARTIAL = "make_partial", True
+
+    def __new__(cls, value: str, local: bool = False) -> CollectiveKind:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member._local = local
+        return member
 
     @property
     def is_local(self) -> bool:
-        """No data leaves the rank (its entry in autopar.collective_kinds says so)."""
-        from autopar.collective_kinds import local
-
-        return local(self)
+        """No data leaves the rank."""
+        return self._local
 
     def __str__(self) -> str:
         return self.value

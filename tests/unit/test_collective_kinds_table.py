@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import KINDS, Kind, kind_of, perform, perform_for, step_kinds
+from autopar.collective_kinds import KINDS, Kind, kind_of, local, perform, perform_for, step_kinds
 from autopar.cost_model.comm import COLLECTIVES, coefficients
 from autopar.cost_model.planner import STEP_KINDS
 from autopar.dist_attr import DistAttr
@@ -33,6 +33,12 @@ def test_every_kind_has_one_entry():
     assert STEP_KINDS == step_kinds() and set(CollectiveKind) - set(STEP_KINDS) == {CollectiveKind.SEND, CollectiveKind.RECV}
     with pytest.raises(AutoparError, match="unknown collective kind 'gather'"):
         kind_of("gather")
+
+
+def test_the_vocabulary_and_the_table_agree_on_local_kinds():
+    # a member declares is_local (a Collective validates its kind by it); the table's Local entries are those kinds
+    assert {kind for kind in CollectiveKind if kind.is_local} == {kind for kind in CollectiveKind if local(kind)}
+    assert CollectiveKind("slice").is_local and CollectiveKind.SLICE == "slice" and not CollectiveKind.SEND.is_local
 
 
 @pytest.mark.parametrize("kind, fields", [("all_reduce", {}), ("all_reduce", {"reduce": "avg"}), ("all_gather", {"axis": 1}),
