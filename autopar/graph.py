@@ -374,3 +374,15 @@ def once_per_graph(find: Callable[[ProgramGraph], Any]) -> Callable[[ProgramGrap
         return result
 
     return cached
+
+
+def copied_keys(mapping: Mapping[ValueKey, Any], copies: Mapping[int, int]) -> dict[ValueKey, Any]:
+    """``mapping`` with the results of each copied op (``copies``: new op -> the op it copies)
+    given what the results of the op it copies have."""
+    by_op: dict[int, list[tuple[int, Any]]] = {}
+    for (i, j), v in mapping.items():
+        by_op.setdefault(i, []).append((j, v))
+    out = dict(mapping)
+    for new, source in copies.items():
+        out.update({(new, j): v for j, v in by_op.get(source, ())})
+    return out

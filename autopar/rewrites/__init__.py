@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autopar.annotate import annotations_of
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import ProgramGraph, Role, ValueKey
+from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
 from autopar.rewrites.dead_ops import dead_ops
@@ -373,18 +373,6 @@ def reshard_copies(graph: ProgramGraph, user: Mapping[ValueKey, DistAttr], op_me
         index for index, mesh in op_meshes.items()
         if graph.ops[index].name == "pd_op.assign" and (index, 0) in user and user[(index, 0)].mesh == mesh
     }  # fmt: skip
-
-
-def copied_keys(mapping: Mapping[ValueKey, Any], copies: Mapping[int, int]) -> dict[ValueKey, Any]:
-    """``mapping`` with the results of each copied op (``copies``: new op -> the op it copies)
-    given what the results of the op it copies have."""
-    by_op: dict[int, list[tuple[int, Any]]] = {}
-    for (i, j), v in mapping.items():
-        by_op.setdefault(i, []).append((j, v))
-    out = dict(mapping)
-    for new, source in copies.items():
-        out.update({(new, j): v for j, v in by_op.get(source, ())})
-    return out
 
 
 def _onto_stages(

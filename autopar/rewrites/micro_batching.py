@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
+from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate
 from autopar.rewrites.whole_feeds import WHOLE_BATCH, feed_only
@@ -69,8 +69,6 @@ class MicroBatching:
         (a training dropout recomputed from its kept mask, ``x * cast(mask) / (1 - p)``) is
         placed as its rule says from what it reads, in program order; one without a rule is
         refused by name."""
-        from autopar.rewrites import copied_keys
-
         placements = copied_keys({(positions[i], j): d for (i, j), d in self.placements.items() if positions[i] is not None}, copies)
         scales = {positions[i]: f for i, f in self.scales.items() if positions[i] is not None}
         scales.update({new: scales[source] for new, source in copies.items() if source in scales})
