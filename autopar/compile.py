@@ -9,16 +9,12 @@ program is a clone.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
-from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
-from autopar.dist_attr import DistAttr
+from autopar.analysis import Analysis, analyze_state, effective_strategy
 from autopar.distributed_program import DistributedProgram
-from autopar.errors import AnnotationError, AutoparError
+from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
-from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
@@ -34,10 +30,8 @@ from autopar.passes.site_fusion import SiteFusion
 from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
-from autopar.propagation import transplant
-from autopar.rewrites import Analysed, apply_all, rewrites_for
-from autopar.rewrites.recompute import regathered
-from autopar.strategy import PipelineConfig, Strategy
+from autopar.rewrites import rewrites_for
+from autopar.strategy import Strategy
 
 
 def compile(  # noqa: A001  (the public name the design card fixes)
@@ -56,8 +50,6 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     to plan from instead of analysing again (strategies differing in the ZeRO stage, fusion or
     the schedule share one).
     """
-    from autopar.analysis import Analysis
-
     if callback is not None and not callable(callback):
         raise AutoparError(f"callback must be callable (pass, state, rank_program_or_None) or None, got {type(callback).__name__}")
     if analysis is not None and not isinstance(analysis, Analysis):
@@ -106,26 +98,6 @@ def _warn_lost_splits(state: CompileState) -> None:
         )
 
 
-def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | None) -> Strategy:
-    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages."""
-    if not isinstance(mesh, ProcessMesh):
-        raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-    strategy = _checked(strategy)
-    if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
-        strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
-    return strategy
-
-
-def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
-    """Whether shard_op placed ops on sub-meshes, or (on a mesh whose first dim is ``pp``, as
-    Paddle names it) shard_tensor / reshard placed values on its stages."""
-    notes = annotations_of(program)
-    meshes = list(notes.ops.values())
-    if mesh.dim_names[0] == "pp":
-        meshes += [attr.mesh for attr, _ in notes.tensors.values()]
-    return any(m != mesh and not m.same_grid(mesh) and mesh.contains(m) for m in meshes)
-
-
 def passes_for(strategy: Strategy) -> list[Pass]:
     """The declared pass list of a Strategy (``dist.passes`` prints it)."""
     passes: list[Pass] = [Partition()]
@@ -143,206 +115,3 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
     passes += [FetchReplication(), BackendLowering()]
     return passes
-
-
-def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
-    """The analysis: graph view, annotations, the Strategy's serial rewrites
-    (:mod:`autopar.rewrites`, each returning a new value) and propagation."""
-    strategy = _checked(strategy)
-    work = apply_all(rewrites_for(strategy), analysis_start(program, mesh, startup_program, strategy))
-    return state_of(work, strategy, startup_program)
-
-
-def analysis_start(
-    program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy, placements: Mapping[ValueKey, DistAttr] | None = None
-) -> Analysed:  # fmt: skip
-    """The analysis before any rewrite: the program checked, its graph view, the user's
-    annotations and op placements (``placements``: a plan's annotations by value key, used
-    instead of the program's — strategy search tries plans without annotating the program)."""
-    if not isinstance(mesh, ProcessMesh):
-        raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-    _check_program(program, "program")
-    if startup_program is not None:
-        _check_program(startup_program, "startup_program")
-    if strategy.pipeline is not None:
-        _check_pipeline_dim(mesh)
-    graph = ProgramGraph(program)
-    _check_static_shapes(graph)
-    _check_startup(graph, startup_program)
-    if placements is not None:
-        user, op_meshes = dict(placements), {}
-    else:
-        warn_foreign_annotations(program, graph)
-        user, op_meshes = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None), _op_meshes(program, graph, mesh)
-    _refuse_meaningless_partials(graph, user)
-    return Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, op_meshes)
-
-
-def state_of(work: Analysed, strategy: Strategy, startup_program: Any) -> CompileState:
-    """The compile state of the rewritten analysis ``work``: propagated, checked."""
-    _check_pieces(work.graph, work.user)
-    _refuse_annotations_off_their_stage(work.graph, work.user, work.op_meshes)
-    propagation = work.propagate()
-    _refuse_annotations_off_their_stage(work.graph, work.user, propagation.op_meshes)
-    return CompileState(work.graph, propagation, work.mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
-                        sequence=work.sequence, recompute=work.recompute, regather=regathered(work.recompute, work.graph, strategy),
-                        rewrites=work.reports)  # fmt: skip
-
-
-def _refuse_meaningless_partials(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
-    """Partial annotations with no defined value: on a parameter or optimizer state (initialized
-    whole by the start-up program and updated in place), or mixing reductions that do not
-    commute. (A Partial *feed* has one: rank 0 of each group gets the value, the others the
-    reduction's identity; an intermediate is resharded after its producer.)"""
-    for key, attr in user.items():
-        value = graph.values[key]
-        kinds = set(attr.partial_dims.values())
-        if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
-            raise AnnotationError(
-                f"tensor {value.label!r} is annotated {attr}: pending {' and '.join(sorted(kinds))} reductions do not "
-                "commute, so the value they stand for is ambiguous; use one kind (sum and avg may be mixed)"
-            )
-        if attr.is_partial and value.kind in ("parameter", "state"):
-            raise AnnotationError(
-                f"{value.kind} {value.label!r} is annotated {attr}: a {value.kind} cannot be Partial (it is "
-                "initialized whole and updated in place); annotate it Shard or Replicate"
-            )
-
-
-def _check_program(program: Any, what: str) -> None:
-    import paddle
-
-    if isinstance(program, paddle.pir.Program):
-        return
-    if is_legacy(program):
-        raise AutoparError(f"{what} is a legacy (non-PIR) Program: build the program under PIR (the default in Paddle 3)")
-    raise AutoparError(f"compile needs a Paddle static (PIR) Program as {what}, got {type(program).__name__}")
-
-
-def _check_static_shapes(graph: ProgramGraph) -> None:
-    """autopar slices feeds, parameters and states by their sizes: each needs a static shape.
-    (Auxiliary op outputs such as batch_norm's reserve space may keep a -1.)"""
-    for value in graph.values.values():
-        if value.name is not None and any(size < 0 for size in value.shape):
-            raise AutoparError(
-                f"tensor {value.label!r} has shape {list(value.shape)}: autopar needs static shapes; "
-                "declare every size (the global batch too) when building the program"
-            )
-
-
-def _check_startup(graph: ProgramGraph, startup: Any) -> None:
-    """Every parameter and persistable state of the program must be made by the startup
-    program, by name and shape (a startup of another net fails later inside Paddle)."""
-    if startup is None:
-        return
-    made = {}
-    for op in startup.global_block().ops:
-        attrs = op.attrs()
-        name = attrs.get("parameter_name") if op.name() == "builtin.set_parameter" else attrs.get("output_name")
-        if op.name() in ("builtin.set_parameter", "builtin.shadow_output") and name is not None:
-            made[str(name)] = tuple(int(s) for s in op.operand_source(0).shape)
-    needed = [v for v in graph.values.values() if v.kind in ("parameter", "state")]
-    missing = sorted(v.name for v in needed if v.name not in made)
-    if missing:
-        shown = ", ".join(map(repr, missing[:6])) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise AutoparError(
-            f"startup_program does not initialize {shown} of the program: pass the startup program built "
-            "with it (paddle.static.program_guard(main, startup))"
-        )
-    for v in needed:
-        if made[v.name] != tuple(v.shape):
-            raise AutoparError(
-                f"startup_program initializes {v.name!r} with shape {list(made[v.name])}, the program declares "
-                f"{list(v.shape)}: pass the startup program built with it"
-            )
-
-
-def _checked(strategy: Any) -> Strategy:
-    if strategy is not None and not isinstance(strategy, Strategy):
-        raise AutoparError(f"strategy must be an autopar.Strategy, got {type(strategy).__name__}")
-    strategy = strategy or Strategy()
-    strategy.check_implemented()
-    return strategy
-
-
-def _cluster(strategy: Strategy) -> Any:
-    from autopar.cost_model.cluster import default_cluster, load_cluster
-
-    return load_cluster(strategy.cluster) if strategy.cluster else default_cluster()
-
-
-def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, staged: bool = False) -> dict[ValueKey, DistAttr]:
-    placements = {}
-    for impl_id, (attr, label) in annotations_of(program).tensors.items():
-        key = graph._by_impl.get(impl_id)
-        if key is None:
-            raise AnnotationError(f"tensor {label!r} is annotated but is not a value of the compiled program")
-        if not mesh.contains(attr.mesh):
-            raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh}, which is not a sub-mesh of {mesh}")
-        if attr.mesh != mesh and attr.mesh.same_grid(mesh):  # a slice of size-1 dims away: the same placement
-            attr = transplant(attr, mesh)
-        if attr.mesh != mesh and not (staged and attr.mesh.size < mesh.size):
-            why = (
-                "annotate with the mesh given to compile" if attr.mesh.size == mesh.size
-                else "sub-mesh placements land with the pipeline (place a stage's ops with shard_op)"
-            )  # fmt: skip
-            raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh} but compile was given {mesh}; {why}")
-        placements[key] = attr
-    return placements
-
-
-def _refuse_annotations_off_their_stage(
-    graph: ProgramGraph, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]
-) -> None:  # fmt: skip
-    """An intermediate annotated on a mesh its producer does not run on (a stage-0 output
-    annotated on ``mesh[1]``) is refused: a value has one placement, made where its op runs;
-    moving it to another stage is ``autopar.reshard`` (before: an internal MeshError when rank
-    programs were built). Asked before propagation with the ops placed so far (propagation
-    could not price such a read), and after it with the ops it placed."""
-    for key, attr in user.items():
-        made_on = op_meshes.get(key[0])
-        if made_on is None or graph.values[key].kind != "activation" or set(attr.mesh.ranks) <= set(made_on.ranks):
-            continue
-        raise AnnotationError(
-            f"tensor {graph.values[key].label!r} is made by {graph.ops[key[0]]} on {made_on} but annotated on {attr.mesh}: "
-            f"annotate it on the mesh its op runs on, or move it with autopar.reshard(value, mesh, placements), which "
-            "returns a copy placed there"
-        )
-
-
-def _check_pieces(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:
-    """No annotation may leave a rank an empty piece (of one micro-batch, under a pipeline)."""
-    for key, attr in user.items():
-        value = graph.values[key]
-        for tensor_dim, size in enumerate(value.shape):
-            parts = attr.shard_index(tensor_dim, attr.mesh.ranks[0])[1]
-            if parts > size:
-                raise AnnotationError(
-                    f"tensor {value.label!r} of shape {list(value.shape)}: dim {tensor_dim} ({size} elements) split into "
-                    f"{parts} pieces would leave ranks an empty piece"
-                )
-
-
-def _check_pipeline_dim(mesh: ProcessMesh) -> None:
-    """Pipeline stages run over mesh dim 0 (``mesh[i]`` is stage ``i``'s sub-mesh). A mesh
-    naming its pipeline dim elsewhere would cut the stages over another dim (the rank plans
-    deadlocked)."""
-    if mesh.ndim > 1 and "pp" in mesh.dim_names and mesh.dim_names[0] != "pp":
-        names = ["pp", *(n for n in mesh.dim_names if n != "pp")]
-        raise AutoparError(
-            f"a pipeline runs its stages over mesh dim 0, which {mesh} names {mesh.dim_names[0]!r}; "
-            f"put 'pp' first: ProcessMesh(..., dim_names={names}) with the ranks arranged to match"
-        )
-
-
-def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int, ProcessMesh]:
-    by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases  # (the user's op ids after a serial rewrite)
-    meshes = {}
-    for op_id, op_mesh in annotations_of(program).ops.items():
-        if op_id not in by_id:
-            continue  # an op erased from the program after shard_op recorded it
-        op = graph.ops[by_id[op_id]]
-        if not mesh.contains(op_mesh):
-            raise AnnotationError(f"op {op} is placed by shard_op on {op_mesh}, which is not a sub-mesh of {mesh}")
-        meshes[op.index] = mesh if op_mesh.same_grid(mesh) else op_mesh
-    return meshes

@@ -1,6 +1,6 @@
 """Propagation speed on GPT-style programs (forward + backward + AdamW, hidden 1024).
 
-Times graph building + propagation (``autopar.compile.analyze_state``) — median of runs — for
+Times graph building + propagation (``autopar.analysis.analyze_state``) — median of runs — for
 12 / 24 / 48 layers with Megatron annotations on the weights and data parallel on the batch
 (a 2 x 2 mesh). Targets: 24 layers under 1 s; t(48) / t(24) <= 2.2 (linear scaling). Printed
 beside it: compile (analysis + every pass's planning) + ``rank_plan(0)`` (one rank's program
@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")
 from timing import median_time  # noqa: E402  (benchmarks/timing.py)
 
 import autopar  # noqa: E402
-from autopar.compile import analyze_state  # noqa: E402
+from autopar.analysis import analyze_state  # noqa: E402
 from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
 
 

@@ -190,7 +190,7 @@ class _ShardBatch(Rewrite):
 
 
 def _analysed(seed, mesh, *rewrites):
-    from autopar.compile import _op_meshes, _user_placements
+    from autopar.analysis import _op_meshes, _user_placements
     from autopar.cost_model.cluster import default_cluster
     from autopar.graph import ProgramGraph
     from autopar.rewrites import Analysed, apply_all

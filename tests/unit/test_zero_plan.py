@@ -167,7 +167,8 @@ def test_stage_two_bucket_runs_right_after_its_last_gradient():
 def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
     """ZeRO's shard placements and reshards are a new value derived from the analysis, which
     stays as it was (for another strategy to derive from)."""
-    from autopar.compile import analyze_state, passes_for
+    from autopar.analysis import analyze_state
+    from autopar.compile import passes_for
     from autopar.passes.base import PassPipeline
 
     seed = simple_net(batch=8, sizes=SIZES, optimizer="adam")
