@@ -44,6 +44,7 @@ from typing import Any
 
 from autopar.collective_kinds import KINDS
 from autopar.errors import CostModelError
+from autopar.runtime.host_comm import one_host_default
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -424,14 +425,12 @@ def hardware_profile(cuda: bool | None = None, shared_memory: bool | None = None
     """The shipped profile for this machine: ``h100-node`` (the only shipped GPU profile) with a
     CUDA build of Paddle and a visible GPU; else the CPU runtime's collectives, calibrated:
     ``cpu-shm`` where a one-machine job talks through shared memory
-    (:func:`autopar.runtime.shm.one_host_default`), ``cpu-gloo`` where it uses gloo.
+    (:func:`autopar.runtime.host_comm.one_host_default`), ``cpu-gloo`` where it uses gloo.
     ``cuda`` / ``shared_memory`` override the detection (tests)."""
     gpu = _hardware_has_gpu() if cuda is None else cuda
     if gpu:
         return ProfileChoice(GPU_PROFILE, "a CUDA build of Paddle sees a GPU; the only shipped GPU profile")
     if shared_memory is None:
-        from autopar.runtime.shm import one_host_default
-
         shared_memory = one_host_default()
     if shared_memory:
         return ProfileChoice(SHM_PROFILE, "no GPU visible to Paddle: the ranks run on the CPU, one machine's through shared memory")

@@ -32,7 +32,6 @@ import atexit
 import contextlib
 import os
 import pickle
-import platform
 import secrets
 import time
 import zlib
@@ -46,11 +45,11 @@ from autopar.collective import Collective
 from autopar.collective_kinds import KINDS, perform_for, point_to_point
 from autopar.errors import AutoparError
 from autopar.rank_status import WATCHDOG_MARGIN, collective_timeout, waiting
+from autopar.runtime.host_comm import ENV, choice, x86_64
 from autopar.runtime.jobs import ScopeCall, collective_label
 
 T = TypeVar("T")
 
-ENV = "AUTOPAR_HOST_COMM"  # "gloo" forces the gloo communicator; "shm" requires this one
 SLOTS = 2
 MAX_DIMS = 8
 # header fields (int64): post, group code, group count, dtype code, ndim, generation, dims...
@@ -62,30 +61,16 @@ MIN_CAPACITY = 1 << 16
 SLEEP = 20e-6  # seconds between checks once a wait is not over at once (Linux rounds it up to ~60 us)
 
 
-def _choice() -> str:
-    choice = os.environ.get(ENV, "").strip().lower()
-    if choice not in ("", "gloo", "shm"):
-        raise AutoparError(f"{ENV} must be 'gloo' or 'shm', got {choice!r}")
-    return choice
-
-
-def one_host_default() -> bool:
-    """Whether a job whose ranks all run on this host talks through shared memory: an x86-64
-    CPU and not turned off (``AUTOPAR_HOST_COMM=gloo``). (The cost profile for CPU jobs follows
-    it: ``cpu-shm`` or ``cpu-gloo``.)"""
-    return platform.machine().lower() in ("x86_64", "amd64") and _choice() != "gloo"
-
-
 def available(world: int) -> bool:
     """Whether the ranks of this job can use shared memory: all on this host (the launcher's
     endpoints name one host), an x86-64 CPU, and not turned off (``AUTOPAR_HOST_COMM=gloo``)."""
-    choice = _choice()
+    chosen = choice()
     endpoints = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
     hosts = {e.rsplit(":", 1)[0] for e in endpoints}
-    fits = len(hosts) == 1 and len(endpoints) == world and platform.machine().lower() in ("x86_64", "amd64")
-    if choice == "shm" and not fits:
+    fits = len(hosts) == 1 and len(endpoints) == world and x86_64()
+    if chosen == "shm" and not fits:
         raise AutoparError(f"{ENV}=shm, but the ranks are not all on one x86-64 host (endpoints: {endpoints})")
-    return fits and choice != "gloo"
+    return fits and chosen != "gloo"
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

@@ -140,7 +140,6 @@ def test_a_tiny_tree_shows_its_cycle(tmp_path, monkeypatch):
 
 REMAINING = (
     "passes.base <-> 4 passes (its TYPE_CHECKING types); "
-    "cost_model.cluster -> runtime.shm -> runtime.native -> rank_plan -> rewrites -> cost_model; "
     "autopar <-> suggest / suggest.plans / testing.serial (from autopar import ...), "
     "distributed_program -> inspect.query -> suggest"
 )
