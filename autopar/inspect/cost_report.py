@@ -1,7 +1,7 @@
 """``DistributedProgram.cost``: predicted step time, comm bytes and peak memory per rank
 (stage: cost report).
 
-Time is the strategy search's pricing (:mod:`autopar.suggest.pricing`, one pricing for both),
+Time is the strategy search's pricing (:mod:`autopar.pricing`, one pricing for both),
 asked for every rank: each op's roofline on the rank's local shapes (from the placements
 compile planned) at the rates the profile's device achieves plus its fixed cost, every
 micro-batch's forward and backward and the update, the step's program runs, the collectives

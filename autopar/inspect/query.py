@@ -470,10 +470,10 @@ class Decisions:
         return tuple(self._state.rewrites)
 
     def priced(self) -> tuple[dict[int, Any], Any]:
-        """The step as the search prices it (:mod:`autopar.suggest.pricing`, one pricing for
+        """The step as the search prices it (:mod:`autopar.pricing`, one pricing for
         ``dist.cost`` and ``price_plan``): each rank's :class:`RankTimes` and the step's
         :class:`Price` (bubble, step)."""
-        from autopar.suggest.pricing import rank_times, step_price
+        from autopar.pricing import rank_times, step_price
 
         times = rank_times(self._state, self._state.mesh.ranks)
         return times, step_price(self._state, times)

@@ -31,15 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.analysis import analysed_fields, analyze
+from autopar.compile import compile as compile_program
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.pricing import price
 from autopar.strategy import Strategy
 from autopar.suggest import arguments
 from autopar.suggest.plans import TIE, Plan, Suggestions
-from autopar.suggest.pricing import price
 from autopar.suggest.search import Shape, accumulates, largest, most_stages, strategies, trades_time_for_memory
 from autopar.suggest.search import shapes as factorisations
 from autopar.suggest.tables import PlacementTable, Skipped, SkippedPlans
@@ -310,11 +311,9 @@ class _Shape:
 def _compiled(program: Any, mesh: ProcessMesh, startup: Any, strategy: Strategy, analysis: Any) -> Any:
     import warnings
 
-    import autopar
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.compile(program, mesh, startup, strategy, analysis=analysis)
+        return compile_program(program, mesh, startup, strategy, analysis=analysis)
 
 
 def _parameter_bytes(graph: ProgramGraph) -> tuple[int, int]:

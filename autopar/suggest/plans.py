@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.compile import compile as compile_program
 from autopar.dist_attr import DistAttr
 from autopar.graph import ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.pricing import Price
 from autopar.strategy import Strategy
-from autopar.suggest.pricing import Price
 from autopar.suggest.search import Shape
 from autopar.suggest.tables import SkippedPlans, strategy_words
 from autopar.units import format_bytes, format_time
@@ -58,9 +59,7 @@ class Plan:
     def compile(self) -> Any:
         """The DistributedProgram of this plan (the program is compiled with the plan's
         annotations; it is not annotated)."""
-        import autopar
-
-        return autopar.compile(self.program, self.mesh, self.startup_program, self.strategy, analysis=self.analysis)
+        return compile_program(self.program, self.mesh, self.startup_program, self.strategy, analysis=self.analysis)
 
     @property
     def features(self) -> str:

@@ -57,11 +57,11 @@ def assert_simulation_equals_serial(
     dict per step instead of random ones."""
     import paddle
 
-    import autopar
+    from autopar.runtime.simulator import simulate
 
     feeds = feeds if feeds is not None else random_feeds(seed.feeds, steps, classes=classes)
     start = paddle.get_rng_state()
-    result = autopar.simulate(dist, feeds, [seed.loss])
+    result = simulate(dist, feeds, [seed.loss])
     paddle.set_rng_state(start)
     serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
     for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):

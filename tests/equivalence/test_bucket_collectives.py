@@ -12,7 +12,7 @@ rides in the buckets too: the step has no other collective."""
 import pytest
 
 import autopar
-from autopar.suggest.pricing import added_ops
+from autopar.pricing import added_ops
 from autopar.testing.models import mlp
 from autopar.testing.serial import assert_simulation_equals_serial
 

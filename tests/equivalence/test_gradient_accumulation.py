@@ -11,7 +11,7 @@ import paddle
 import pytest
 
 import autopar
-from autopar.suggest.pricing import price
+from autopar.pricing import price
 from autopar.testing.models import SeedProgram, annotate_megatron, gpt_block_program
 from autopar.testing.serial import assert_simulation_equals_serial
 

@@ -9,7 +9,7 @@ import paddle
 import pytest
 
 import autopar
-from autopar.suggest.pricing import added_ops
+from autopar.pricing import added_ops
 from autopar.testing.models import SeedProgram, make_optimizer
 from autopar.testing.serial import assert_simulation_equals_serial
 

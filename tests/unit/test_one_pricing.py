@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import autopar
-from autopar.suggest.pricing import _hidden, _Sync, rank_times
+from autopar.pricing import _hidden, _Sync, rank_times
 from autopar.testing.models import gpt_block_program
 
 ZOO = ("gpt2", "llama", "bert", "vit", "mixer")

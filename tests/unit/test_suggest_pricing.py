@@ -1,4 +1,4 @@
-"""A candidate's price from the compile state alone (autopar/suggest/pricing.py) agrees with the
+"""A candidate's price from the compile state alone (autopar/pricing.py) agrees with the
 cost report built from the rank programs: communication and memory exactly where no pipeline
 runs, compute within the rank programs' own extra ops,
 a fixed cost per op and one program run; a pipeline pays its bubble and its per-micro-batch collectives once per
@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 import autopar
-from autopar.suggest.pricing import price
+from autopar.pricing import price
 from autopar.testing.models import annotate_megatron, gpt_block_program
 
 
@@ -63,7 +63,7 @@ def test_a_pipeline_pays_its_bubble_and_each_micro_batch():
 
 def test_a_zero_bucket_under_a_pipeline_is_paid_by_its_own_stage_only():
     from autopar.passes.pipeline_split import find_stages
-    from autopar.suggest.pricing import _bucket_ranks
+    from autopar.pricing import _bucket_ranks
 
     seed = gpt_block_program(batch=8, seq=16, hidden=64, heads=4, vocab=128, layers=4, optimizer="adamw", seed=1, layer_calls=True)
     strategy = autopar.Strategy(zero_stage=2, pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
@@ -83,7 +83,7 @@ def test_pricing_counts_the_ops_compile_adds(zero, ranks, sizes):
     them without building a rank program: its count equals what the rank programs hold beyond
     the serial program, less the partition's rescaling of the mean over the split batch (two
     scales, four ops). Without it a ZeRO plan, ~10 ops per parameter more, priced as plain dp."""
-    from autopar.suggest.pricing import added_ops
+    from autopar.pricing import added_ops
     from autopar.testing.models import simple_net
 
     seed = simple_net(batch=9, sizes=sizes, optimizer="adam")
@@ -99,7 +99,7 @@ def test_the_count_holds_beside_tensor_and_sequence_parallelism():
     """dp x mp (gradients zeroed on all but one tensor rank before their bucket), with and
     without SP and ZeRO: what the count leaves out is the partition's rescaling alone, the same
     on every rank under every strategy."""
-    from autopar.suggest.pricing import added_ops
+    from autopar.pricing import added_ops
 
     left_out = set()
     for zero in (0, 2):

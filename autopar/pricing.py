@@ -1,6 +1,8 @@
 """A strategy's price from what compile planned, before any rank program exists (stage:
 strategy search and cost report: the one pricing both ``autopar.suggest`` / ``price_plan`` and
-``DistributedProgram.cost`` use).
+``DistributedProgram.cost`` use). It sits below both: the query API (``dist.decisions.priced()``)
+and the search (``autopar.suggest``, which compiles) import it; it reads the compile state, so it is
+no inspection module (those ask the query API only).
 
 A search prices hundreds of candidates; building their rank programs would cost more than the
 compiles. Everything needed is in the compile state: each op's placement gives its local shapes
