@@ -27,14 +27,13 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey, once_per_graph
 from autopar.mesh import ProcessMesh
+from autopar.passes.results import SiteBucket, ZeroShard
 from autopar.propagation import PropagationResult, ReshardNeed
 
 if TYPE_CHECKING:  # (the passes that make these values import this module)
     from autopar.cost_model.cluster import Cluster
     from autopar.passes.pipeline_split import PipelinePlan
-    from autopar.passes.site_fusion import SiteBucket
     from autopar.passes.zero_fusion import ZeroBucket
-    from autopar.passes.zero_sharding import ZeroShard
     from autopar.rewrites import Rewrite
     from autopar.rewrites.micro_batching import MicroBatching
     from autopar.rewrites.recompute import Recomputation

@@ -33,27 +33,15 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from autopar.collective import Collective, CollectiveKey, CollectiveKind
+from autopar.collective import Collective, CollectiveKey
 from autopar.collective_kinds import kind_of
 from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.passes.allreduce_fusion import gradients_complete
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site
+from autopar.passes.results import SiteBucket
 from autopar.propagation import SiteKind
-
-
-@dataclass(frozen=True, slots=True)
-class SiteBucket:
-    """All_gathers (or all_reduces) of several values read at one site, in one collective."""
-
-    index: int
-    kind: CollectiveKind
-    members: tuple[int, ...]  # planned reshard indices, program order
-    bytes: int
-    time: float
-    reason: str
-    reduce: str = "sum"  # (all_reduce)
 
 
 @dataclass(frozen=True)

@@ -34,31 +34,9 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, Role, ValueKey
 from autopar.passes.base import CompileState, Pass
+from autopar.passes.results import ZeroShard
 from autopar.propagation import Priority, PropagationResult, ReshardNeed, ReshardSite, SiteKind, ValueState
 from autopar.spmd import RuleResult, get_rule
-
-
-@dataclass(frozen=True, slots=True)
-class ZeroShard:
-    """ZeRO's decision for one parameter's update.
-
-    ``whole``: the placement the update had under plain data parallelism (the parameter's);
-    ``sharded``: the placement states, gradient and update take (None: left whole, ``reason``
-    says why).
-    """
-
-    param: ValueKey
-    label: str
-    update_op: int
-    whole: DistAttr
-    sharded: DistAttr | None
-    reason: str
-    gradient: ValueKey | None = None  # the value the update reads as the gradient
-
-    def __str__(self) -> str:
-        if self.sharded is None:
-            return f"{self.label}: left whole ({self.reason})"
-        return f"{self.label}: updated as {self.sharded} (was {self.whole})"
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,8 @@ def test_a_tiny_tree_shows_its_cycle(tmp_path, monkeypatch):
 
 
 REMAINING = (
-    "passes.base <-> 4 passes (its TYPE_CHECKING types: PipelinePlan, SiteBucket, ZeroBucket, ZeroShard)"
+    "passes.base <-> passes.zero_fusion, passes.pipeline_split (CompileState's field types ZeroBucket and "
+    "PipelinePlan, under TYPE_CHECKING: to move into passes/results.py once the kind work in those two files lands)"
 )
 
 

@@ -1,0 +1,51 @@
+"""The values the planning passes decide and ``CompileState`` holds (stage: passes, compile time).
+
+A pass module imports :mod:`autopar.passes.base` (``Pass``, ``CompileState``) and makes one of
+these; ``CompileState`` names them as its fields' types. So they live here, below both: plain
+frozen values over placements, meshes and collective kinds, importing no pass. (Each pass module
+re-exports its own: ``autopar.passes.zero_sharding.ZeroShard`` is this ``ZeroShard``.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.collective import CollectiveKind
+from autopar.dist_attr import DistAttr
+from autopar.graph import ValueKey
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroShard:
+    """ZeRO's decision for one parameter's update.
+
+    ``whole``: the placement the update had under plain data parallelism (the parameter's);
+    ``sharded``: the placement states, gradient and update take (None: left whole, ``reason``
+    says why).
+    """
+
+    param: ValueKey
+    label: str
+    update_op: int
+    whole: DistAttr
+    sharded: DistAttr | None
+    reason: str
+    gradient: ValueKey | None = None  # the value the update reads as the gradient
+
+    def __str__(self) -> str:
+        if self.sharded is None:
+            return f"{self.label}: left whole ({self.reason})"
+        return f"{self.label}: updated as {self.sharded} (was {self.whole})"
+
+
+@dataclass(frozen=True, slots=True)
+class SiteBucket:
+    """All_gathers (or all_reduces) of several values read at one site, in one collective."""
+
+    index: int
+    kind: CollectiveKind
+    members: tuple[int, ...]  # planned reshard indices, program order
+    bytes: int
+    time: float
+    reason: str
+    reduce: str = "sum"  # (all_reduce)
