@@ -27,13 +27,11 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey, once_per_graph
 from autopar.mesh import ProcessMesh
-from autopar.passes.results import SiteBucket, ZeroShard
+from autopar.passes.results import PipelinePlan, SiteBucket, ZeroBucket, ZeroShard
 from autopar.propagation import PropagationResult, ReshardNeed
 
-if TYPE_CHECKING:  # (the passes that make these values import this module)
+if TYPE_CHECKING:  # (types only; tests/unit/test_import_cycles.py counts these imports too)
     from autopar.cost_model.cluster import Cluster
-    from autopar.passes.pipeline_split import PipelinePlan
-    from autopar.passes.zero_fusion import ZeroBucket
     from autopar.rewrites import Rewrite
     from autopar.rewrites.micro_batching import MicroBatching
     from autopar.rewrites.recompute import Recomputation

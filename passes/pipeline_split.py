@@ -24,7 +24,6 @@ planned once at compile for the whole pipeline; ``dist.schedule(rank)`` returns 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,36 +33,10 @@ from autopar.graph import VECTOR_OPS, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.schedule import UPDATE, Action, B, F, I, Phase, W, verified_schedule
+from autopar.passes.results import PipelinePlan
+from autopar.schedule import UPDATE, B, F, I, Phase, W, verified_schedule
 
 PHASES = {Role.FORWARD: F, Role.BACKWARD: B}  # an op's role -> its phase's kind (the optimizer's: UPDATE)
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Stages and schedule of a pipelined program (rank-independent).
-
-    ``meshes``: the pipeline ranks' sub-meshes (``mesh[i]``), in the order the forward pass first
-    reaches them; ``stages``: each stage's index into ``meshes`` (stage ``s`` on ``meshes[s % p]``:
-    with virtual stages a pipeline rank holds several, Megatron's looping placement).
-    """
-
-    meshes: tuple[ProcessMesh, ...]
-    stages: tuple[int, ...]
-    stage_of: Mapping[int, int]  # serial op index -> stage (sources and constants: absent)
-    micro_batches: int
-    schedule_name: str
-    actions: Mapping[int, tuple[Action, ...]]  # pipeline rank -> its verified actions (send/recv included)
-
-    def pipeline_rank(self, rank: int) -> int:
-        for index, mesh in enumerate(self.meshes):
-            if rank in mesh.ranks:
-                return index
-        raise AutoparError(f"rank {rank} holds no pipeline stage (stage meshes: {', '.join(map(str, self.meshes))})")
-
-    def stages_of(self, rank: int) -> set[int]:
-        mine = self.pipeline_rank(rank)
-        return {stage for stage, index in enumerate(self.stages) if index == mine}
 
 
 @dataclass(frozen=True)

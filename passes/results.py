@@ -8,11 +8,15 @@ re-exports its own: ``autopar.passes.zero_sharding.ZeroShard`` is this ``ZeroSha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from autopar.collective import CollectiveKind
 from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
 from autopar.graph import ValueKey
+from autopar.mesh import ProcessMesh
+from autopar.schedule import Action
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +53,42 @@ class SiteBucket:
     time: float
     reason: str
     reduce: str = "sum"  # (all_reduce)
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroBucket:
+    """Reduce_scatters (or write-back all_gathers) of several parameters in one collective."""
+
+    index: int
+    kind: CollectiveKind
+    members: tuple[int, ...]  # planned reshard indices, program order
+    bytes: int
+    time: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages and schedule of a pipelined program (rank-independent).
+
+    ``meshes``: the pipeline ranks' sub-meshes (``mesh[i]``), in the order the forward pass first
+    reaches them; ``stages``: each stage's index into ``meshes`` (stage ``s`` on ``meshes[s % p]``:
+    with virtual stages a pipeline rank holds several, Megatron's looping placement).
+    """
+
+    meshes: tuple[ProcessMesh, ...]
+    stages: tuple[int, ...]
+    stage_of: Mapping[int, int]  # serial op index -> stage (sources and constants: absent)
+    micro_batches: int
+    schedule_name: str
+    actions: Mapping[int, tuple[Action, ...]]  # pipeline rank -> its verified actions (send/recv included)
+
+    def pipeline_rank(self, rank: int) -> int:
+        for index, mesh in enumerate(self.meshes):
+            if rank in mesh.ranks:
+                return index
+        raise AutoparError(f"rank {rank} holds no pipeline stage (stage meshes: {', '.join(map(str, self.meshes))})")
+
+    def stages_of(self, rank: int) -> set[int]:
+        mine = self.pipeline_rank(rank)
+        return {stage for stage, index in enumerate(self.stages) if index == mine}

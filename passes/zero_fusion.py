@@ -39,19 +39,8 @@ from autopar.graph import Role, ValueKey
 from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site, replace_uses
+from autopar.passes.results import ZeroBucket
 from autopar.propagation import SiteKind
-
-
-@dataclass(frozen=True, slots=True)
-class ZeroBucket:
-    """Reduce_scatters (or write-back all_gathers) of several parameters in one collective."""
-
-    index: int
-    kind: CollectiveKind
-    members: tuple[int, ...]  # planned reshard indices, program order
-    bytes: int
-    time: float
-    reason: str
 
 
 @dataclass(frozen=True)
