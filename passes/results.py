@@ -43,8 +43,11 @@ class ZeroShard:
 
 
 @dataclass(frozen=True, slots=True)
-class SiteBucket:
-    """All_gathers (or all_reduces) of several values read at one site, in one collective."""
+class FusedBucket:
+    """Several planned reshards moved as one collective of their flat buffer: ZeRO's
+    reduce_scatters (or write-back all_gathers) of several parameters (:data:`ZeroBucket`,
+    passes/zero_fusion.py), or the all_gathers (or all_reduces) of several values one op reads
+    (:data:`SiteBucket`, passes/site_fusion.py)."""
 
     index: int
     kind: CollectiveKind
@@ -52,19 +55,10 @@ class SiteBucket:
     bytes: int
     time: float
     reason: str
-    reduce: str = "sum"  # (all_reduce)
+    reduce: str = "sum"  # (a reduction's operator)
 
 
-@dataclass(frozen=True, slots=True)
-class ZeroBucket:
-    """Reduce_scatters (or write-back all_gathers) of several parameters in one collective."""
-
-    index: int
-    kind: CollectiveKind
-    members: tuple[int, ...]  # planned reshard indices, program order
-    bytes: int
-    time: float
-    reason: str
+ZeroBucket = SiteBucket = FusedBucket
 
 
 @dataclass(frozen=True)
