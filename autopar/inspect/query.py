@@ -25,13 +25,22 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.dist_attr import DistAttr
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.layer_paths import Path, call_class, path_of, repeated_depth
 from autopar.mesh import ProcessMesh
 from autopar.text_table import text_table
+
+if TYPE_CHECKING:
+    from autopar.collective import Collective
+    from autopar.cost_model.cluster import Cluster
+    from autopar.passes.results import ZeroShard
+    from autopar.pricing import Price, RankTimes
+    from autopar.rewrites.recompute import Recomputation
+    from autopar.rewrites.sequence_parallel import SequenceSplit
+    from autopar.schedule import Action
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +182,7 @@ class PipelineDecision:
     stages: tuple[int, ...]
     micro_batches: int
     schedule: str
-    actions: tuple[tuple[Any, ...], ...]
+    actions: tuple[tuple[Action, ...], ...]
     shared: tuple[SharedParameterDecision, ...]
     layers: tuple[tuple[str, ...], ...] = ()
 
@@ -277,7 +286,7 @@ class ZeroDecisions(tuple):
     stage: int
     layers: tuple[str, ...]
 
-    def __new__(cls, shards: tuple[Any, ...] = (), stage: int = 0, layers: tuple[str, ...] = ()) -> ZeroDecisions:
+    def __new__(cls, shards: tuple[ZeroShard, ...] = (), stage: int = 0, layers: tuple[str, ...] = ()) -> ZeroDecisions:
         made = super().__new__(cls, shards)
         made.stage, made.layers = stage, layers or ("",) * len(shards)
         return made
@@ -300,7 +309,7 @@ class SequenceDecision:
     a region's edge, whole), with the layer making each (``layers``). ``print`` it for a table."""
 
     axis: str
-    values: tuple[Any, ...]
+    values: tuple[SequenceSplit, ...]
     layers: tuple[str, ...]
 
     def __str__(self) -> str:
@@ -363,7 +372,7 @@ class Decisions:
         return self._state.graph.program
 
     @property
-    def cluster(self) -> Any:
+    def cluster(self) -> Cluster:
         """The cost model's cluster the plan was priced on."""
         return self._state.cluster
 
@@ -412,7 +421,7 @@ class Decisions:
             ))  # fmt: skip
         return Reshards(out)
 
-    def collectives(self, rank: int) -> list[Any]:
+    def collectives(self, rank: int) -> list[Collective]:
         """``rank``'s collectives in program order (``dist.comm_ops(rank)``)."""
         return self._dist.comm_ops(rank)
 
@@ -469,7 +478,7 @@ class Decisions:
         """Each serial rewrite that ran (:mod:`autopar.rewrites`) and its one-line report, in order."""
         return tuple(self._state.rewrites)
 
-    def priced(self) -> tuple[dict[int, Any], Any]:
+    def priced(self) -> tuple[dict[int, RankTimes], Price]:
         """The step as the search prices it (:mod:`autopar.pricing`, one pricing for
         ``dist.cost`` and ``price_plan``): each rank's :class:`RankTimes` and the step's
         :class:`Price` (bubble, step)."""
@@ -478,7 +487,7 @@ class Decisions:
         times = rank_times(self._state, self._state.mesh.ranks)
         return times, step_price(self._state, times)
 
-    def recompute(self) -> Any:
+    def recompute(self) -> Recomputation | None:
         """Recompute's rewrite and report (:class:`~autopar.rewrites.recompute.Recomputation`: ``print``
         it), or None."""
         return self._state.recompute

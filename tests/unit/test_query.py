@@ -83,3 +83,19 @@ def test_a_value_of_another_program_is_refused_by_name():
     _, dist = build("simple dp2")
     with pytest.raises(autopar.AutoparError, match="no parameter, feed or state named 'nope'"):
         dist.decisions.value("nope")
+
+
+def test_the_query_api_answers_name_their_types():
+    """No answer of the query API (a dataclass field of query.py, a public method's return) is
+    typed ``Any`` — but ``program``, which is a Paddle program (issue 37 item 4)."""
+    import ast
+
+    tree = ast.parse((ROOT / "autopar/inspect/query.py").read_text())
+    vague = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and "Any" in ast.unparse(node.annotation):
+            vague.append(f"field {ast.unparse(node.target)}: {ast.unparse(node.annotation)}")
+        elif isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.name != "program":
+            if node.returns is not None and "Any" in ast.unparse(node.returns):
+                vague.append(f"{node.name}() -> {ast.unparse(node.returns)}")
+    assert not vague, vague
