@@ -47,7 +47,10 @@ def test_kernel_rates_of_profiled_training_steps():
         "import json, paddle; from autopar.cost_model.kernel_rates import measure_kernel_rates; "
         "paddle.enable_static(); print(json.dumps(measure_kernel_rates(paddle)))"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    for _ in range(3):  # Paddle's profiler itself fails now and then (std::bad_alloc in stop(), SIGSEGV): a fresh try
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        if run.returncode == 0 or "profiler" not in run.stderr and run.returncode > 0:
+            break
     assert run.returncode == 0, run.stderr[-2000:]
     rates, matmul = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"gelu_grad", "layer_norm_grad", "add_grad", "softmax", "silu", "adamw", "adam", "momentum", "sgd"} <= rates.keys()
