@@ -11,6 +11,7 @@ computes it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import reprlib
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,9 @@ from autopar.errors import AutoparError
 from autopar.index_feeds import IndexUse, check_index_feed
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
+from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
+from autopar.pipeline_lowering import Piece, RankAction, cut, lower
+from autopar.schedule import Action, Phase
 
 ValueKey = tuple[int, int]
 
@@ -132,19 +136,33 @@ class Compute:
 class PipelineRole:
     """What a pipelined rank runs: its stage's verified schedule, one micro-batch at a time.
 
-    ``phases``: per op of the program, the :class:`~autopar.schedule.Phase` it runs in (``F0``,
-    ``B1``, ...: once per micro-batch; ``OPT``: once per step). ``feed_dims``: each feed's dim cut into micro-batches.
-    ``summed``: values pending a sum over the micro-batches (losses, gradients): a fetch adds
-    its micro-batches' pieces, the update reads the accumulated gradients.
+    ``actions``: the rank's stage-level schedule (``1RECV_F0``, ``1F0``, ..., send / recv
+    included, verified for the whole pipeline at compile). ``phases``: per op of the program,
+    the :class:`~autopar.schedule.Phase` it runs in (``F0``, ``B1``, ...: once per micro-batch;
+    ``OPT``: once per step). ``pieces`` and ``steps``: the executable schedule lowered from both
+    (:mod:`autopar.pipeline_lowering`): the program cut per action, and the actions the runner
+    walks, transfers named; :class:`RankPlan` fills them when it is built. ``feed_dims``: each
+    feed's dim cut into micro-batches. ``summed``: values pending a sum over the micro-batches
+    (losses, gradients): a fetch adds its micro-batches' pieces, the update reads the
+    accumulated gradients.
     """
 
     stage: int
-    actions: tuple[Any, ...]  # autopar.schedule.Action values, send / recv included
+    actions: tuple[Action, ...]
     micro_batches: int
-    phases: tuple[Any, ...]  # autopar.schedule.Phase per op
+    phases: tuple[Phase, ...]
     feed_dims: Mapping[str, int]
     summed: frozenset[ValueKey]
     split: frozenset[ValueKey] = frozenset()  # values split over the micro-batches (not fetched)
+    pieces: tuple[Piece, ...] = ()
+    steps: tuple[RankAction, ...] = ()
+
+    def lowered(self, collectives: Sequence[tuple[Collective, int]], free: frozenset[int]) -> PipelineRole:
+        """This role with its executable schedule: the program cut into pieces at its transfers
+        and buckets (``free``: op positions every piece re-makes, see :func:`~autopar.pipeline_lowering.cut`),
+        the schedule lowered onto them."""
+        pieces = cut(self.phases, collectives, free)
+        return dataclasses.replace(self, pieces=pieces, steps=lower(self.actions, pieces, self.micro_batches))
 
 
 @dataclass(frozen=True)
@@ -168,6 +186,15 @@ class RankPlan:
     fetch_positions: tuple[tuple[int, int], ...] = ()  # where (op position, result), in ``fetches`` order
     pipeline: PipelineRole | None = None
     learning_rate: LearningRateSchedule | None = None  # written into the scope before each step
+
+    def __post_init__(self) -> None:
+        """A pipelined plan is built with its executable schedule (lowered here, once, when the
+        compiler makes the plan; a plan rebuilt with a role that has one keeps it)."""
+        role = self.pipeline
+        if role is not None and not role.steps:
+            ops = self.program.global_block().ops
+            free = frozenset(i for i, op in enumerate(ops) if op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0))
+            object.__setattr__(self, "pipeline", role.lowered(self.collectives, free))
 
     @property
     def world_size(self) -> int:

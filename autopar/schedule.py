@@ -48,6 +48,15 @@ class ActionKind(str, Enum):
     SEND_B = "SEND_B"  # send this stage's input gradient to the previous stage
     RECV_B = "RECV_B"  # receive the next stage's input gradient
     OPTIMIZER = "OPT"  # the stage's optimizer step, once per training step
+    # executable only (a rank's lowered schedule, autopar.pipeline_lowering.RankAction): each
+    # names what it moves or touches, never a stage-level abstraction
+    SEND = "SEND"  # one transfer's sending half (its value, micro-batch and peer named)
+    RECV = "RECV"  # ... and its receiving half
+    ACCUMULATE = "ACC"  # add a micro-batch's gradients of a stage into micro-batch 0's
+    REDUCE_GRAD = "REDUCE_GRAD"  # a gradient bucket's reduction (data-parallel sync, ZeRO scatter)
+    UNSHARD = "UNSHARD"  # a ZeRO-3 gather of sharded parameters before their use
+    RESHARD = "RESHARD"  # dropping the gathered copy again
+    SYNC = "SYNC"  # a step-wide agreement of every rank (found_inf)
 
     def __str__(self) -> str:
         return self.value
@@ -61,6 +70,7 @@ INPUT_GRAD_KINDS = frozenset({B, I})  # the backwards whose input gradient goes 
 SEND_KINDS = frozenset({SEND_F, SEND_B})
 RECV_KINDS = frozenset({RECV_F, RECV_B})
 _PAIR_KIND = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
+SCHEDULE_KINDS = COMPUTE_KINDS | SEND_KINDS | RECV_KINDS | {OPTIMIZER}  # what an abstract schedule's Action may do
 
 class Phase(str):
     """What a rank runs for one compute action of its schedule: ``F0`` (stage 0's forward of a
@@ -110,8 +120,8 @@ class Action:
     def __post_init__(self) -> None:
         if not _is_index(self.stage):
             raise ScheduleError(f"Action stage must be an int >= 0, got {self.stage!r}")
-        if not isinstance(self.kind, ActionKind):
-            raise ScheduleError(f"Action kind must be an ActionKind, got {self.kind!r}")
+        if not isinstance(self.kind, ActionKind) or self.kind not in SCHEDULE_KINDS:
+            raise ScheduleError(f"Action kind must be an ActionKind of a schedule ({', '.join(sorted(k.value for k in SCHEDULE_KINDS))}), got {self.kind!r}")
         if self.kind is OPTIMIZER and self.micro_batch is not None:
             raise ScheduleError(f"the optimizer runs once per step, not per micro-batch; got {self.micro_batch!r}")
         if self.kind is not OPTIMIZER and not _is_index(self.micro_batch):

@@ -23,29 +23,40 @@ collectives and one segment (each segment run costs an interpreter run).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.op_kinds import CONSTANT_FILLS, CONSTANT_OPS, SOURCE_OPS
 from autopar.rank_plan import RankPlan
 from autopar.runtime.jobs import CollectiveCall, Job, Segment
-from autopar.schedule import UPDATE
+from autopar.schedule import UPDATE, Phase
 
 
 @dataclass
 class HostPlan:
     """One rank's jobs, plus where each exported value lives in the scope.
 
-    Pipelined plans: ``phases[i]`` is job ``i``'s :class:`~autopar.schedule.Phase` (``F0``, ``B1``, ``OPT``; a segment never spans
-    two) and ``accumulated`` the scope names made once per micro-batch and read by the update
-    (gradients: the runner sums them over the micro-batches).
+    Pipelined plans: ``pieces[i]`` is job ``i``'s piece of the plan's executable schedule (the
+    program cut per action at compile, :mod:`autopar.pipeline_lowering`; a segment never spans
+    two), ``jobs_of`` each piece's jobs in order, and ``accumulated`` the scope names made once
+    per micro-batch and read by the update (gradients: the runner sums them over the
+    micro-batches), ``accumulated_phases`` the phase making each.
     """
 
     jobs: list[Job]
     names: dict[tuple[int, int], str]  # (op position in the rank program, result) -> scope name
-    phases: list[Any] = field(default_factory=list)  # each job's autopar.schedule.Phase ("" when not pipelined)
+    pieces: list[int] = field(default_factory=list)  # each job's piece (-1 when not pipelined)
     accumulated: list[str] = field(default_factory=list)
-    accumulated_phases: list[Any] = field(default_factory=list)  # the Phase making each accumulated name
+    accumulated_phases: list[Phase] = field(default_factory=list)
+
+    @functools.cached_property
+    def jobs_of(self) -> dict[int, tuple[int, ...]]:
+        """Each piece's job indices, in order (a piece of sources only has none)."""
+        found: dict[int, list[int]] = {}
+        for index, piece in enumerate(self.pieces):
+            found.setdefault(piece, []).append(index)
+        return {piece: tuple(jobs) for piece, jobs in found.items()}
 
 
 def _scope_name(op: Any, position: int, result: int, prefix: str = "autopar") -> str:
@@ -79,9 +90,13 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
     program = plan.program
     ops = list(program.global_block().ops)
     comm_at = {position: collective for collective, position in plan.collectives}
-    phase = plan.pipeline.phases if plan.pipeline is not None else ("",) * len(ops)
+    role = plan.pipeline
+    piece = [-1] * len(ops)
+    for index, cut in enumerate(role.pieces if role is not None else ()):
+        for member in cut.ops:
+            piece[member] = index
     position = {op.id(): i for i, op in enumerate(ops)}
-    runs = _runs(len(ops), comm_at, phase)
+    runs = _runs(len(ops), comm_at, piece)
     if plan.pipeline is None:
         runs = _hoisted(runs, ops, position)
     segment_of = {i: k for k, (kind, members) in enumerate(runs) if kind == "segment" for i in members}
@@ -98,28 +113,30 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
     crossing = _crossing_values(ops, producer, segment_of, comm_at, exports)
     names = {key: _scope_name(ops[key[0]], *key, prefix) for key in crossing}
     jobs: list[Job] = []
-    phases: list[Any] = []
+    pieces: list[int] = []
     for k, (kind, members) in enumerate(runs):
         if kind == "segment":
             mine = {i for i, s in segment_of.items() if s == k}
             if any(not _is_source(ops[i]) for i in mine):
                 jobs.append(_segment(program, k, mine, crossing, names, segment_of))
-                phases.append(phase[min(mine)])
+                pieces.append(piece[min(mine)])
             continue
         (hi,) = members
-        phases.append(phase[hi])
+        pieces.append(piece[hi])
         source = producer[ops[hi].operand_source(0).id]
         if is_feed(ops[source[0]]):  # fed per run, never in the scope: read from the feed dict
             jobs.append(CollectiveCall(comm_at[hi], str(ops[source[0]].attrs()["name"]), names[(hi, 0)], from_feed=True))
             continue
         source_name = names.get(source) or _scope_name(ops[source[0]], *source, prefix)
         jobs.append(CollectiveCall(comm_at[hi], source_name, names[(hi, 0)]))
-    accumulated = _accumulated(ops, crossing, phase, position) if plan.pipeline is not None else []
-    return HostPlan(jobs, names, phases, [names[k] for k in accumulated], [phase[k[0]] for k in accumulated])
+    if role is None:
+        return HostPlan(jobs, names, pieces)
+    accumulated = _accumulated(ops, crossing, role.phases, position)
+    return HostPlan(jobs, names, pieces, [names[k] for k in accumulated], [role.phases[k[0]] for k in accumulated])
 
 
-def _runs(count: int, comm_at: dict, phase: tuple[str, ...]) -> list[tuple[str, list[int]]]:
-    """Segments (maximal runs of ops in one phase between collectives) and collectives, in order."""
+def _runs(count: int, comm_at: dict, phase: list[int]) -> list[tuple[str, list[int]]]:
+    """Segments (maximal runs of ops in one piece between collectives) and collectives, in order."""
     runs: list[tuple[str, list[int]]] = [("segment", [])]
     for i in range(count):
         if i in comm_at:
@@ -160,7 +177,7 @@ def _touches(members: list[int], made_by: int, value: Any, ops: list[Any]) -> bo
     return made_by in members or any(ops[i].operand_source(j).is_same(value) for i in members for j in range(ops[i].num_operands()))
 
 
-def _accumulated(ops: list[Any], crossing: set, phase: tuple[str, ...], position: dict) -> list[tuple[int, int]]:
+def _accumulated(ops: list[Any], crossing: set, phase: tuple[Phase, ...], position: dict) -> list[tuple[int, int]]:
     """Crossing values made per micro-batch (F / B) and read by the once-per-step update."""
     out = []
     for key in sorted(crossing):

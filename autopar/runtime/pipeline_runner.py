@@ -1,28 +1,31 @@
-"""PipelineRunner: a pipelined rank's step, walked as its schedule's actions (stage: runtime).
+"""PipelineRunner: a pipelined rank's step, walked as its executable schedule (stage: runtime).
 
-The rank's host plan is cut into phases (:class:`~autopar.schedule.Phase`: ``F0``, ``B1``, ...
-per micro-batch, ``OPT`` once per step). A
-step splits each global feed into the micro-batches, then follows the schedule: ``F`` / ``B``
-of micro-batch ``k`` run that phase's jobs from micro-batch ``k``'s own copy of the host plan,
-whose values passed between jobs have their own scope names (its activations stay in the
-rank's scope from its forward to its backward, whatever runs in between); after a ``B`` the
-gradients are kept per micro-batch; at ``OPT`` a small program adds them, in the rank's scope,
-into micro-batch 0's (which the update reads), whatever order the backwards ran in (zero-bubble
-defers weight gradients), and the update runs once. (Measured: running the same segments in one child scope
-per micro-batch instead fails inside Paddle's cached interpreters on the second step.) The steps are the schedule's own actions in their order
-(:meth:`PipelineRunner._steps`): a RECV action runs the recvs its phase starts with, a SEND
-action the sends it ends with (p2p in the middle of a phase, where a cut inside a residual
-block crosses twice, runs inside it); each is stamped with its micro-batch, and a recv takes the message of its own key (:mod:`autopar.runtime.p2p`), not the
-next one on the link: the order of the messages need not be the same at both ends. Fetches add
-up their micro-batches' pieces (a loss is a partial sum over them); values split over the
-micro-batches are not fetched.
+The rank plan carries the schedule already lowered onto its program
+(:attr:`~autopar.rank_plan.PipelineRole.steps`, :mod:`autopar.pipeline_lowering`): the
+program cut into pieces, and :class:`~autopar.pipeline_lowering.RankAction` values each running
+one piece for one micro-batch — compute (``F`` / ``B`` / ``I`` / ``W`` / ``OPT``), ``SEND`` /
+``RECV`` naming their transfer, bucket collectives, ``ACCUMULATE``. The runner checks the list
+(:func:`~autopar.pipeline_lowering.verify_rank`) and walks it through one dispatch table keyed by
+the action's kind; it derives nothing from the schedule itself.
+
+A step splits each global feed into the micro-batches. A piece of micro-batch ``k`` runs its
+jobs from micro-batch ``k``'s own copy of the host plan, whose values passed between jobs have
+their own scope names (its activations stay in the rank's scope from its forward to its
+backward, whatever runs in between). ``ACCUMULATE`` adds a micro-batch's gradients of a stage,
+in the rank's scope, into micro-batch 0's (which the update reads), whatever order the backwards
+ran in (zero-bubble defers weight gradients); the update runs once. (Measured: running the same
+segments in one child scope per micro-batch instead fails inside Paddle's cached interpreters on
+the second step.) Each transfer's collective is stamped with its micro-batch; the host backend's
+recv takes the message of its own key (:mod:`autopar.runtime.p2p`). Fetches add up their
+micro-batches' pieces (a loss is a partial sum over them); values split over the micro-batches
+are not fetched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,25 +34,25 @@ from autopar.collective import Collective
 from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.index_feeds import check_index_feed
+from autopar.pipeline_lowering import ACCUMULATE, PIECE_KINDS, RankAction, verify_rank
 from autopar.rank_plan import RankPlan, ValueKey
 from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
 from autopar.rewrites.whole_feeds import WHOLE_BATCH
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner
-from autopar.schedule import COMPUTE_KINDS, OPTIMIZER, RECV_F, RECV_KINDS, SEND_F, SEND_KINDS, UPDATE, B, F, I, Phase, W
+from autopar.schedule import COMPUTE_KINDS, OPTIMIZER, UPDATE, Action, ActionKind, B, F, I, W
 from autopar.schedule_timeline import Span
-
-Step = tuple[str, int, int]  # ("job", job, micro-batch), ("accumulate", stage, k), ("fetch", action, k),
-# ("begin" / "end", action number, k): the timeline's spans
 
 
 class PipelineRunner(RankRunner):
     def __init__(self, plan: RankPlan, fetch_keys: Sequence[ValueKey], scope: Any = None, capture: bool = False) -> None:
         """``capture``: keep every fetch key's piece of each micro-batch (:meth:`captured`),
         values split over the micro-batches and the update's own included (``autopar.check``)."""
+        role = plan.pipeline
+        verify_rank(plan.rank, role.pieces, role.steps, role.micro_batches)  # before anything is built or runs
         super().__init__(plan, fetch_keys, scope)
-        role = self.role = plan.pipeline
+        self.role = role
         self.capture = capture
         self.by_micro_batch: dict[ValueKey, dict[int, np.ndarray]] = {}
         for key in self.fetch_keys:
@@ -62,83 +65,28 @@ class PipelineRunner(RankRunner):
         self.hosts: list[HostPlan] = [self.host] + [
             build_host_plan(plan, exports, f"autopar.r{next(_RUNNERS)}.mb{k}") for k in range(1, role.micro_batches)
         ]
-        self.jobs_of: dict[Phase, list[int]] = {}  # phase (F0, B2, OPT) -> job indices
-        for index, label in enumerate(self.host.phases):
-            self.jobs_of.setdefault(label, []).append(index)
-        self.fetch_label = {k: role.phases[pos[0]] for k, pos in self.exports.items() if pos[0] >= 0}  # (>= 0: made here)
-        if capture:  # parameters and states, read by name: as the step leaves them
-            self.fetch_label |= {k: UPDATE for k in self.fetch_label if plan.values.info(k).kind in ("parameter", "state")}
-        self.steps: list[Step] = self._steps()
+        piece_of = {op: index for index, piece in enumerate(role.pieces) for op in piece.ops}
+        self.fetched_by: dict[int, list[ValueKey]] = {}  # piece -> the fetch keys it makes (read once it ran)
+        for key, position in self.exports.items():
+            if position[0] >= 0:  # (>= 0: made here)
+                self.fetched_by.setdefault(piece_of[position[0]], []).append(key)
+        if capture:  # parameters and states, read by name: as the step leaves them, after the update's last piece
+            last = max(i for i, piece in enumerate(role.pieces) if piece.phase == UPDATE)
+            for key in [k for pieces in self.fetched_by.values() for k in pieces]:
+                if plan.values.info(key).kind in ("parameter", "state"):
+                    for keys in self.fetched_by.values():
+                        if key in keys:
+                            keys.remove(key)
+                    self.fetched_by.setdefault(last, []).append(key)
+        self.handlers: dict[ActionKind, Callable[[RankAction], Collective | None]] = {
+            kind: self._run_piece for kind in PIECE_KINDS
+        } | {ACCUMULATE: self._accumulate}
         self.micro_feeds: list[dict[str, np.ndarray]] = []
         self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program
         self.pieces: dict[ValueKey, list[np.ndarray]] = {}
         self.spans: list[Span] = []  # the last step's compute actions as they ran (start, end)
+        self.job = 0  # the next job of the current action's piece
         self._began = self._waited = self._asked = 0.0
-
-    def _steps(self) -> list[Step]:
-        """The schedule's actions, in order, as the jobs they run: ``RECV_*`` the p2p recvs a
-        phase starts with, ``F`` / ``B`` / ``I`` / ``W`` its compute (and any p2p in its
-        middle: a cut inside a residual block crosses twice in one phase), ``SEND_*`` the sends
-        it ends with, ``OPT`` the accumulation of every micro-batch's gradients and the update."""
-        steps: list[Step] = []
-        updated = False
-        ends = {label: self._ends(jobs) for label, jobs in self.jobs_of.items()}
-        # (phase, micro-batch, "in" (a recv) / "out" (a send)) a p2p action runs: only those edges leave the phase
-        edges = {
-            (self._p2p_phase(a), a.micro_batch, "in" if a.kind in RECV_KINDS else "out")
-            for a in self.role.actions if a.kind in RECV_KINDS or a.kind in SEND_KINDS
-        }  # fmt: skip
-        for number, action in enumerate(self.role.actions):
-            kind, k = action.kind, action.micro_batch
-            if kind in COMPUTE_KINDS:
-                label = Phase.of(action)
-                leading, body, trailing = ends.get(label, ((), (), ()))
-                body = (
-                    (() if (label, k, "in") in edges else leading) + body + (() if (label, k, "out") in edges else trailing)
-                )
-                steps.append(("begin", number, k))
-                steps += [("job", i, k) for i in body]
-                steps.append(("fetch", number, k))
-                steps.append(("end", number, k))
-            elif kind in RECV_KINDS or kind in SEND_KINDS:
-                leading, _, trailing = ends.get(self._p2p_phase(action), ((), (), ()))
-                steps += [("job", i, k) for i in (leading if kind in RECV_KINDS else trailing)]
-            elif kind is OPTIMIZER and not updated:  # one update for all the rank's stages
-                updated = True
-                steps.append(("begin", number, 0))
-                stages = sorted({a.stage for a in self.role.actions if a.kind in (B, W)})
-                steps += [("accumulate", stage, k) for stage in stages for k in range(1, self.role.micro_batches)]
-                steps += [("job", i, 0) for i in self.jobs_of.get(UPDATE, [])]
-                steps.append(("fetch", number, 0))
-                steps.append(("end", number, 0))
-        return steps
-
-    def _ends(self, jobs: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """A phase's jobs as (the recvs it starts with, the rest, the sends it ends with)."""
-
-        def receives(index: int) -> bool:
-            job = self.host.jobs[index]
-            return not isinstance(job, Segment) and kind_of(job.collective.kind).receives
-
-        def sends(index: int) -> bool:
-            job = self.host.jobs[index]
-            return not isinstance(job, Segment) and kind_of(job.collective.kind).sends
-
-        start, stop = 0, len(jobs)
-        while start < stop and receives(jobs[start]):
-            start += 1
-        while stop > start and sends(jobs[stop - 1]):
-            stop -= 1
-        return tuple(jobs[:start]), tuple(jobs[start:stop]), tuple(jobs[stop:])
-
-    def _p2p_phase(self, action: Any) -> Phase:
-        """The phase whose edges a send / recv action runs: the forward's for ``*_F``, the
-        backward's for ``*_B`` (zero-bubble: the input-gradient half's, or, on the first
-        stage, which sends no input gradient, the weight-gradient half's)."""
-        if action.kind in (SEND_F, RECV_F):
-            return Phase(F, action.stage)
-        phases = [Phase(kind, action.stage) for kind in (I, B, W)]
-        return next((phase for phase in phases if phase in self.jobs_of), phases[1])
 
     # ---- feeds ------------------------------------------------------------------------
     def set_feeds(self, feed: Mapping[str, Any]) -> None:
@@ -175,46 +123,65 @@ class PipelineRunner(RankRunner):
             for k, feeds in enumerate(self.micro_feeds):
                 feeds[MICRO_BATCH_FEED] = np.array([k], dtype="int64")
         self.feeds = self.micro_feeds[-1]
-        self.position = 0
+        self.position = self.job = 0
         self.pieces, self.by_micro_batch = {}, {}
         self.spans, self._began = [], 0.0
 
     # ---- stepping ---------------------------------------------------------------------
+    def _jobs(self, action: RankAction) -> tuple[int, ...]:
+        return self.hosts[action.micro_batch].jobs_of.get(action.piece, ())
+
     def _job(self) -> tuple[Any, int]:
-        _, index, micro_batch = self.steps[self.position]
-        return self.hosts[micro_batch].jobs[index], micro_batch
+        action = self.role.steps[self.position]
+        return self.hosts[action.micro_batch].jobs[self._jobs(action)[self.job]], action.micro_batch
 
     def run_until_collective(self) -> Collective | None:
-
-        while self.position < len(self.steps):
-            what, index, micro_batch = self.steps[self.position]
-            if what == "job":
-                job, _ = self._job()
-                if not isinstance(job, Segment):
-                    self._asked = time.perf_counter()
-                    return _stamped(job.collective, micro_batch)
-                feeds = self.micro_feeds[micro_batch]
-                self.run_program((micro_batch, index), job.program, {n: feeds[n] for n in job.feeds})
-            elif what == "accumulate":  # every backward done: into micro-batch 0's names, which the update reads
-                self.run_program(("add", micro_batch, index), self._adder(micro_batch, index), {})
-            elif what == "begin":
-                self._began, self._waited = time.perf_counter(), 0.0
-            elif what == "end":  # time spent waiting on its collectives (a recv first of all) is idle, not work
-                self.spans.append(Span(self.role.actions[index], self._began + self._waited, time.perf_counter()))
-            elif what == "fetch":
-                self._stash(index, micro_batch)
-            self.position += 1
+        """Walk the actions from where the last collective left off: each by its kind's handler,
+        which returns the collective the driver performs next, or None once the action is done."""
+        steps = self.role.steps
+        while self.position < len(steps):
+            found = self.handlers[steps[self.position].kind](steps[self.position])
+            if found is not None:
+                self._asked = time.perf_counter()
+                return found
+            self.position, self.job = self.position + 1, 0
         return None
+
+    def _run_piece(self, action: RankAction) -> Collective | None:
+        """Run the action's piece for its micro-batch from job ``self.job`` on, up to its next
+        collective; at its end, stash the fetches it made and close its span (compute only)."""
+        jobs, host, k = self._jobs(action), self.hosts[action.micro_batch], action.micro_batch
+        if self.job == 0:
+            self._began, self._waited = time.perf_counter(), 0.0
+        while self.job < len(jobs):
+            job = host.jobs[jobs[self.job]]
+            if not isinstance(job, Segment):
+                return _stamped(job.collective, k)
+            feeds = self.micro_feeds[k]
+            self.run_program((k, jobs[self.job]), job.program, {n: feeds[n] for n in job.feeds})
+            self.job += 1
+        self._stash(action)
+        if action.kind in COMPUTE_KINDS or action.kind is OPTIMIZER:  # time waiting on its collectives is idle, not work
+            stage = action.stage if action.stage is not None else self.role.stage
+            done = Action(stage, action.kind, None if action.kind is OPTIMIZER else k)
+            start = self._began + self._waited
+            if self.spans and self.spans[-1].action == done:  # one phase cut at its transfers: one span
+                start = self.spans.pop().start
+            self.spans.append(Span(done, start, time.perf_counter()))
+        return None
+
+    def _accumulate(self, action: RankAction) -> None:
+        """Micro-batch ``k``'s values of a stage that the update reads, added into micro-batch 0's."""
+        self.run_program(("add", action.micro_batch, action.stage), self._adder(action.micro_batch, action.stage), {})
 
     def collectives(self) -> list[Collective]:
         """This rank's collectives of one step in the order it meets them, each stamped with its
-        micro-batch: a message is matched to its recv by that key, not by its place on the link
-        (a cut inside a residual block sends both ways within one backward)."""
+        micro-batch (a message is matched to its recv by that key)."""
         return [
-            _stamped(self.hosts[k].jobs[index].collective, k)
-            for what, index, k in self.steps
-            if what == "job" and not isinstance(self.hosts[k].jobs[index], Segment)
-        ]
+            _stamped(self.hosts[a.micro_batch].jobs[index].collective, a.micro_batch)
+            for a in self.role.steps if a.piece is not None
+            for index in self._jobs(a) if not isinstance(self.hosts[a.micro_batch].jobs[index], Segment)
+        ]  # fmt: skip
 
     def _adder(self, micro_batch: int, stage: int) -> Any:
         """A program adding micro-batch ``micro_batch``'s values of ``stage`` that the update reads
@@ -241,19 +208,13 @@ class PipelineRunner(RankRunner):
         self.adders[(micro_batch, stage)] = program
         return program
 
-    def _stash(self, number: int, micro_batch: int) -> None:
-        action = self.role.actions[number]
-        label = Phase.of(action)
-        for key, found in self.fetch_label.items():
-            if found != label:
-                continue
-            if key in self.fed:
-                piece = self.micro_feeds[micro_batch][self.fed[key]]
-            else:
-                piece = self.read(self.hosts[micro_batch].names[self.exports[key]])
+    def _stash(self, action: RankAction) -> None:
+        for key in self.fetched_by.get(action.piece, ()):
+            k = action.micro_batch
+            piece = self.micro_feeds[k][self.fed[key]] if key in self.fed else self.read(self.hosts[k].names[self.exports[key]])
             self.pieces.setdefault(key, []).append(piece)
             if self.capture:
-                self.by_micro_batch.setdefault(key, {})[micro_batch] = piece
+                self.by_micro_batch.setdefault(key, {})[k] = piece
 
     def captured(self) -> dict[ValueKey, dict[int, np.ndarray]]:
         """The last step's piece of each fetch key per micro-batch (one, numbered 0, for a value
@@ -273,7 +234,7 @@ class PipelineRunner(RankRunner):
         self._waited += time.perf_counter() - self._asked
         if output is not None:
             self.write(job.output, output)
-        self.position += 1
+        self.job += 1
 
     # ---- results ---------------------------------------------------------------------
     def fetch_pieces(self) -> list[np.ndarray | None]:

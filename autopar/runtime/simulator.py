@@ -19,6 +19,7 @@ from autopar.collective_kinds import kind_of, perform, point_to_point
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
+from autopar.pipeline_lowering import verify_links
 from autopar.rank_plan import RankPlan, ValueTable
 from autopar.runtime.p2p import Inbox
 from autopar.runtime.paddle_log import quiet_paddle_logs
@@ -66,6 +67,9 @@ def simulate_plans(
     quiet_paddle_logs()
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
+    pipelined = {rank: plan.pipeline.steps for rank, plan in plans.items() if plan.pipeline is not None}
+    if pipelined:  # every rank's executable schedule checked together before any runs
+        verify_links(pipelined)
     runners = {rank: runner_for(plan, keys) for rank, plan in plans.items()}
     start_ranks(runners)
     if load_from is not None:
