@@ -31,10 +31,12 @@ The step, on the busiest rank of each pipeline rank:
   bucket before it is done, so it runs behind the rest of the last micro-batch's backward;
   what ends after the backward is exposed (a gradient too big for a bucket, synced by its own
   all_reduce, likewise; the bucket holding the first layers' gradients, made last, never hides);
-- **bubble**: pipeline ranks idle while the pipeline fills and drains — ``(p - 1)`` times the
-  slowest stage's forward + backward of one micro-batch for FThenB and 1F1B, half of the
-  backward less for ZB-H1 (its weight gradients fill the drain), divided by the virtual stages
-  for the interleaved schedule.
+- **bubble**: pipeline ranks idle while the pipeline fills and drains — the verified schedule
+  replayed with each stage's forward and backward of one micro-batch (:func:`pipeline_bubble`),
+  less the busiest rank's own work: with equal stages ``(p - 1)`` times forward + backward for
+  FThenB and 1F1B, divided by the virtual stages for the interleaved schedule, and for ZB-H1
+  (forward, input and weight gradient equally long) ``(p - 1)`` forwards (its weight gradients
+  fill the drain).
 Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states, and the kept
 activations times the micro-batches in flight (1F1B and ZB-H1: ``p - s`` on stage ``s``; FThenB:
 all ``m``).
@@ -58,6 +60,7 @@ from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
 from autopar.passes.pipeline_split import find_stages
 from autopar.propagation import SiteKind
+from autopar.schedule import Action, ActionKind, replay, stage_to_rank, verified_schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +151,42 @@ def step_price(state: CompileState, times: dict[int, RankTimes]) -> Price:
     busiest = max(times.values(), key=lambda t: t.exposed)
     bubble = 0.0
     if pipeline is not None and len(stages) > 1:
-        zero_bubble = pipeline.schedule == "ZBH1"
-        fill = max(t.forward + (t.backward / 2 if zero_bubble else t.backward) for t in times.values())
         virtual = max(len(state.pipeline.stages) // len(state.pipeline.meshes), 1) if state.pipeline is not None else 1
-        bubble = (len(stages) - 1) * fill / virtual
+        per_rank = tuple(
+            tuple(max(getattr(t, part) for t in stages[s]) for part in ("forward", "backward", "per_micro_comm")) for s in sorted(stages)
+        )  # fmt: skip
+        bubble = pipeline_bubble(pipeline.schedule, micro, virtual, per_rank)
     firsts = [min(ts, key=lambda t: t.rank).rank for _, ts in sorted(stages.items())]
     memory, held = _memory(state, firsts, micro)
     sent = max(t.sent for t in times.values())
     return Price(compute, busiest.exposed, bubble, memory, held, sent, busiest.hidden)
+
+
+@lru_cache(maxsize=256)
+def pipeline_bubble(schedule: str, micro_batches: int, virtual_stages: int, per_rank: tuple[tuple[float, ...], ...]) -> float:
+    """The time the pipeline's ranks idle in a step: the verified schedule replayed
+    (:func:`autopar.schedule.replay`) with each pipeline rank's ``(forward, backward[,
+    transfers])`` of one micro-batch (``per_rank``, in pipeline-rank order; a virtual stage takes
+    its share, a zero-bubble half half the backward; a send half the transfers, so a recv waits
+    for its message), less the busiest rank's own work. Equal stages without transfers give the
+    closed forms: ``(p - 1)(F + B)`` for FThenB and 1F1B, ``(p - 1) F`` for ZB-H1 when
+    ``F = B / 2``, and ``(p - 1)(F + B) / v`` interleaved."""
+    num_ranks = len(per_rank)
+    actions = verified_schedule(schedule, num_ranks, micro_batches, virtual_stages)
+    share = {
+        ActionKind.F: lambda f, b, c: f, ActionKind.B: lambda f, b, c: b, ActionKind.I: lambda f, b, c: b / 2,
+        ActionKind.W: lambda f, b, c: b / 2, ActionKind.SEND_F: lambda f, b, c: c / 2, ActionKind.SEND_B: lambda f, b, c: c / 2,
+    }  # fmt: skip
+
+    def duration(action: Action) -> float:
+        timed = share.get(action.kind)
+        times = (*per_rank[stage_to_rank(action.stage, num_ranks)], 0.0)[:3]
+        return 0.0 if timed is None else timed(*times) / virtual_stages
+
+    ends = replay(actions, duration)
+    makespan = max((spans[-1][1] for spans in ends.values() if spans), default=0.0)
+    work = max(sum(duration(action) for action in mine) for mine in actions.values())
+    return max(makespan - work, 0.0)
 
 
 def rank_times(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -480,15 +480,16 @@ def _check_rank_order(rank: int, actions: list[Action], num_stages: int, micro_b
 
 
 def replay(
-    schedule: Mapping[int, list[Action]], durations: Mapping[ActionKind, float] | None = None
+    schedule: Mapping[int, Sequence[Action]], durations: Mapping[ActionKind, float] | Callable[[Action], float] | None = None
 ) -> dict[int, list[tuple[float, float]]]:
     """Run every rank's list in order; per rank the (start, end) of each action.
 
     An action starts when its rank's previous one ends; a recv also not before the send it pairs
-    with ends (sends are buffered and never wait). ``durations`` per kind, 0 for kinds not given. Raises
+    with ends (sends are buffered and never wait). ``durations`` per kind, 0 for kinds not given,
+    or per action (a callable: each stage its own times, as the pricing gives them). Raises
     :class:`ScheduleError` listing where each rank is stuck if no rank can progress (deadlock).
     """
-    durations = durations or {}
+    duration = durations if callable(durations) else (lambda action, times=durations or {}: times.get(action.kind, 0.0))
     times: dict[int, list[tuple[float, float]]] = {rank: [] for rank in schedule}
     clock = dict.fromkeys(schedule, 0.0)
     send_end: dict[Action, float] = {}
@@ -503,7 +504,7 @@ def replay(
                     if _pair(action) not in send_end:
                         break
                     start = max(start, send_end[_pair(action)])
-                clock[rank] = start + durations.get(action.kind, 0.0)
+                clock[rank] = start + duration(action)
                 times[rank].append((start, clock[rank]))
                 if action.kind in SEND_KINDS:
                     send_end[action] = clock[rank]

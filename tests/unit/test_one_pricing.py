@@ -37,7 +37,9 @@ def test_dist_cost_and_price_plan_agree_on_the_zoo(model, cluster):
     plain, accumulated = (min(r.compute_time for r in costs[n].ranks) for n in ("plain", "accumulated"))
     assert accumulated > plain  # the same rows in four runs, each op's fixed cost four times
     pipelined = costs["pipelined"]
-    assert pipelined.bubble > 0 and pipelined.step_time > max(r.compute_time for r in pipelined.ranks)
+    # (the bubble is the schedule's replay: where the first stage is the slow one, as bert's embedding makes it on
+    # h100, the second waits but the first never does, and the step has no bubble)
+    assert pipelined.bubble >= 0 and pipelined.step_time > max(r.compute_time for r in pipelined.ranks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         two = autopar.price_plan(seed.main, (1, 1, 2), autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2)),
