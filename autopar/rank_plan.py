@@ -157,6 +157,14 @@ class PipelineRole:
     pieces: tuple[Piece, ...] = ()
     steps: tuple[RankAction, ...] = ()
 
+    def cut_from_phases(self) -> bool:
+        """Whether ``pieces`` cover the program's ops as ``phases`` place them (a role whose
+        phases were edited since, as ``autopar.testing.faults`` does, must be lowered anew)."""
+        covered = sum(len(piece.ops) for piece in self.pieces)
+        return bool(self.steps) and covered == len(self.phases) and all(
+            self.phases[op] == piece.phase for piece in self.pieces for op in piece.ops
+        )  # fmt: skip
+
     def lowered(self, collectives: Sequence[tuple[Collective, int]], free: frozenset[int]) -> PipelineRole:
         """This role with its executable schedule: the program cut into pieces at its transfers
         and buckets (``free``: op positions every piece re-makes, see :func:`~autopar.pipeline_lowering.cut`),
@@ -189,9 +197,10 @@ class RankPlan:
 
     def __post_init__(self) -> None:
         """A pipelined plan is built with its executable schedule (lowered here, once, when the
-        compiler makes the plan; a plan rebuilt with a role that has one keeps it)."""
+        compiler makes the plan; a plan rebuilt with a role whose pieces still match its phases
+        keeps its steps, reordered or not; one whose phases were edited is lowered anew)."""
         role = self.pipeline
-        if role is not None and not role.steps:
+        if role is not None and not role.cut_from_phases():
             ops = self.program.global_block().ops
             free = frozenset(i for i, op in enumerate(ops) if op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0))
             object.__setattr__(self, "pipeline", role.lowered(self.collectives, free))
