@@ -260,7 +260,8 @@ def verify_rank(rank: int, pieces: Sequence[Piece], actions: Sequence[RankAction
             if (action.piece, action.micro_batch) in where:
                 raise ScheduleError(f"rank {rank}: {action.at(position)} runs its piece a second time for micro-batch {action.micro_batch}")
             where[(action.piece, action.micro_batch)] = position
-    ran_phases = {(pieces[p].phase, k) for p, k in where}
+    phases_run = {pieces[p].phase for p, _ in where} | {UPDATE}  # (a phase of another stage's ops may never run here)
+    ran_phases = {(phase, k) for phase in phases_run for k in (range(micro_batches) if phase != UPDATE else (0,))}
     for phase, k in sorted(ran_phases, key=str):
         members = [i for i, piece in enumerate(pieces) if piece.phase == phase]
         missing = [i for i in members if (i, k) not in where]
