@@ -14,10 +14,13 @@ looping placement; one stage per rank without virtual stages).
 
 Communication semantics (what :func:`verify` and :func:`replay` assume): each ordered pair of
 ranks is one FIFO *link*, the k-th recv on a link takes the k-th send; a send is buffered (it
-returns at once, like PyTorch's ``isend``); a recv blocks until its send is issued. The runtimes
-give more: they match each message to its recv by the transfer's key (value, micro-batch), so a
-compiled program whose stage boundary is crossed several times per phase — whose messages need
-not follow these schedules' link order — still gets the right tensor (:mod:`autopar.runtime.p2p`).
+returns at once, like PyTorch's ``isend``); a recv blocks until its send is issued. A rank
+runs these actions lowered onto its program (:mod:`autopar.pipeline_lowering`: the transfers
+the program really makes, each named, verified again for all ranks together); the host backend
+matches each message to its recv by its transfer (value, micro-batch), so a program whose stage
+boundary is crossed several times per phase still gets the right tensor
+(:mod:`autopar.runtime.p2p`), and ``in_link_order`` puts the recvs in link order for an in-order
+transport.
 """
 
 from __future__ import annotations

@@ -72,12 +72,9 @@ class PipelineRunner(RankRunner):
                 self.fetched_by.setdefault(piece_of[position[0]], []).append(key)
         if capture:  # parameters and states, read by name: as the step leaves them, after the update's last piece
             last = max(i for i, piece in enumerate(role.pieces) if piece.phase == UPDATE)
-            for key in [k for pieces in self.fetched_by.values() for k in pieces]:
-                if plan.values.info(key).kind in ("parameter", "state"):
-                    for keys in self.fetched_by.values():
-                        if key in keys:
-                            keys.remove(key)
-                    self.fetched_by.setdefault(last, []).append(key)
+            kept = [k for keys in self.fetched_by.values() for k in keys if plan.values.info(k).kind in ("parameter", "state")]
+            self.fetched_by = {piece: [k for k in keys if k not in kept] for piece, keys in self.fetched_by.items()}
+            self.fetched_by.setdefault(last, []).extend(kept)
         self.handlers: dict[ActionKind, Callable[[RankAction], Collective | None]] = {
             kind: self._run_piece for kind in PIECE_KINDS
         } | {ACCUMULATE: self._accumulate}
