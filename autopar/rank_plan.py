@@ -27,7 +27,7 @@ from autopar.index_feeds import IndexUse, check_index_feed
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
-from autopar.pipeline_lowering import Piece, RankAction, cut, lower
+from autopar.pipeline_lowering import Piece, RankAction, cut, lower, verify_rank
 from autopar.schedule import Action, Phase
 
 ValueKey = tuple[int, int]
@@ -203,7 +203,9 @@ class RankPlan:
         if role is not None and not role.cut_from_phases():
             ops = self.program.global_block().ops
             free = frozenset(i for i, op in enumerate(ops) if op.name() in SOURCE_OPS or (op.name() in CONSTANT_OPS and op.num_operands() == 0))
-            object.__setattr__(self, "pipeline", role.lowered(self.collectives, free))
+            role = role.lowered(self.collectives, free)
+            verify_rank(self.rank, role.pieces, role.steps, role.micro_batches)
+            object.__setattr__(self, "pipeline", role)
 
     @property
     def world_size(self) -> int:
