@@ -262,8 +262,11 @@ def verify_rank(rank: int, pieces: Sequence[Piece], actions: Sequence[RankAction
             where[(action.piece, action.micro_batch)] = position
     phases_run = {pieces[p].phase for p, _ in where} | {UPDATE}  # (a phase of another stage's ops may never run here)
     ran_phases = {(phase, k) for phase in phases_run for k in (range(micro_batches) if phase != UPDATE else (0,))}
+    members_of: dict[Phase, list[int]] = defaultdict(list)
+    for i, piece in enumerate(pieces):
+        members_of[piece.phase].append(i)
     for phase, k in sorted(ran_phases, key=str):
-        members = [i for i, piece in enumerate(pieces) if piece.phase == phase]
+        members = members_of[phase]
         missing = [i for i in members if (i, k) not in where]
         if missing:
             raise ScheduleError(f"rank {rank}: piece {missing[0]} of {phase} never runs for micro-batch {k}")
@@ -316,6 +319,10 @@ def _check_update(
     update = [p for p, a in enumerate(actions) if a.piece is not None and pieces[a.piece].phase == UPDATE]
     first_update = update[0] if update else len(actions)
     seen: set[tuple[int, int]] = set()
+    done: dict[tuple[int | None, int], tuple[int, Phase]] = {}  # (stage, micro-batch) -> its last piece's position
+    for (phase, k), (_, last) in span.items():
+        if (phase.stage, k) not in done or done[(phase.stage, k)][0] < last:
+            done[(phase.stage, k)] = (last, phase)
     for position, action in enumerate(actions):
         if position > first_update and (action.piece is None or pieces[action.piece].phase != UPDATE):
             raise ScheduleError(f"rank {rank}: {action.at(position)} runs after the update started ({actions[first_update]})")
@@ -324,9 +331,9 @@ def _check_update(
         if action.micro_batch == 0 or (action.stage, action.micro_batch) in seen:
             raise ScheduleError(f"rank {rank}: {action.at(position)}: each stage adds micro-batches 1.. once into micro-batch 0's")
         seen.add((action.stage, action.micro_batch))
-        for (phase, k), (_, last) in span.items():
-            if phase.stage == action.stage and k == action.micro_batch and last > position:
-                raise ScheduleError(f"rank {rank}: {action.at(position)} runs before {phase} of micro-batch {k} is done")
+        last, phase = done.get((action.stage, action.micro_batch), (-1, None))
+        if last > position:
+            raise ScheduleError(f"rank {rank}: {action.at(position)} runs before {phase} of micro-batch {action.micro_batch} is done")
     backward = {phase.stage for phase, _ in span if phase.kind in (B, I, W)}
     for stage in sorted(backward):
         for k in range(1, micro_batches):

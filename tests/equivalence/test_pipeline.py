@@ -45,6 +45,10 @@ def test_data_parallel_inside_the_stages():
     dist = _compile(seed, mesh, 2)
     assert {c.kind.value for c in dist.comm_ops(0)} >= {"send", "recv", "all_reduce"}
     assert all(c.group in ((0, 2), (2, 0)) for c in dist.comm_ops(0) if c.kind.value in ("send", "recv"))
+    # the gradient bucket's all_reduce is an action of its own in the executable schedule: once per step, after
+    # micro-batch 1's gradients are accumulated, between the update's pieces
+    steps = [str(a) for a in dist.rank_plan(0).pipeline.steps]
+    assert steps[-4] == "0ACC1" and [s.split("#")[0] for s in steps[-3:]] == ["OPT", "REDUCE_GRAD", "OPT"]
     assert_simulation_equals_serial(seed, dist)
 
 
