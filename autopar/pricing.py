@@ -60,7 +60,7 @@ from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState
 from autopar.passes.pipeline_split import find_stages
 from autopar.propagation import SiteKind
-from autopar.schedule import Action, ActionKind, replay, stage_to_rank, verified_schedule
+from autopar.schedule import Action, ActionKind, replay, verified_schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,15 +173,17 @@ def pipeline_bubble(schedule: str, micro_batches: int, virtual_stages: int, per_
     ``F = B / 2``, and ``(p - 1)(F + B) / v`` interleaved."""
     num_ranks = len(per_rank)
     actions = verified_schedule(schedule, num_ranks, micro_batches, virtual_stages)
-    share = {
-        ActionKind.F: lambda f, b, c: f, ActionKind.B: lambda f, b, c: b, ActionKind.I: lambda f, b, c: b / 2,
-        ActionKind.W: lambda f, b, c: b / 2, ActionKind.SEND_F: lambda f, b, c: c / 2, ActionKind.SEND_B: lambda f, b, c: c / 2,
-    }  # fmt: skip
+    timed: dict[tuple[ActionKind, int], float] = {}  # (kind, pipeline rank) -> one action's seconds
+    for rank, times in enumerate(per_rank):
+        forward, backward, transfers = (*times, 0.0)[:3]
+        parts = {
+            ActionKind.F: forward, ActionKind.B: backward, ActionKind.I: backward / 2, ActionKind.W: backward / 2,
+            ActionKind.SEND_F: transfers / 2, ActionKind.SEND_B: transfers / 2,
+        }  # fmt: skip
+        timed |= {(kind, rank): seconds / virtual_stages for kind, seconds in parts.items()}
 
     def duration(action: Action) -> float:
-        timed = share.get(action.kind)
-        times = (*per_rank[stage_to_rank(action.stage, num_ranks)], 0.0)[:3]
-        return 0.0 if timed is None else timed(*times) / virtual_stages
+        return timed.get((action.kind, action.stage % num_ranks), 0.0)
 
     ends = replay(actions, duration)
     makespan = max((spans[-1][1] for spans in ends.values() if spans), default=0.0)

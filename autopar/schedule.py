@@ -26,7 +26,7 @@ transport.
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -496,22 +496,26 @@ def replay(
     times: dict[int, list[tuple[float, float]]] = {rank: [] for rank in schedule}
     clock = dict.fromkeys(schedule, 0.0)
     send_end: dict[Action, float] = {}
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, actions in schedule.items():
-            while len(times[rank]) < len(actions):
-                action = actions[len(times[rank])]
-                start = clock[rank]
-                if action.kind in RECV_KINDS:
-                    if _pair(action) not in send_end:
-                        break
-                    start = max(start, send_end[_pair(action)])
-                clock[rank] = start + duration(action)
-                times[rank].append((start, clock[rank]))
-                if action.kind in SEND_KINDS:
-                    send_end[action] = clock[rank]
-                progressed = True
+    waiting: dict[Action, int] = {}  # a send not made yet -> the rank whose recv waits for it
+    ready = deque(schedule)  # (each rank runs until a recv blocks it, and again once its send is made: linear)
+    while ready:
+        rank = ready.popleft()
+        actions, spans = schedule[rank], times[rank]
+        while len(spans) < len(actions):
+            action = actions[len(spans)]
+            start = clock[rank]
+            if action.kind in RECV_KINDS:
+                send = _pair(action)
+                if send not in send_end:
+                    waiting[send] = rank
+                    break
+                start = max(start, send_end[send])
+            clock[rank] = start + duration(action)
+            spans.append((start, clock[rank]))
+            if action.kind in SEND_KINDS:
+                send_end[action] = clock[rank]
+                if action in waiting:
+                    ready.append(waiting.pop(action))
     stuck = []
     for rank, actions in schedule.items():
         if len(times[rank]) < len(actions):
