@@ -12,6 +12,9 @@ all_reduce         the buffer               ring ``2(p-1)a + 2(p-1)/p n b``;
 all_gather         the gathered output      ``(p-1)a + (p-1)/p n b``
 reduce_scatter     the full input           ``(p-1)a + (p-1)/p n b``
 all_to_all         one rank's send buffer   ``(p-1)a + (p-1)/p n b`` (pairwise exchange)
+all_to_all_v       the busiest rank's       ``(p-1)a + n b`` (pairwise exchange; uneven pieces:
+                   bytes in or out          ``AllToAllV.traffic(splits, row bytes)``)
+permute            one rank's input         ``a + n b`` (every rank sends and receives at once)
 broadcast          the buffer               chain ``(p-1)a + n b``;
                                             binomial tree ``ceil(log2 p)(a + n b)``
 send_recv          the message              ``a + n b``
@@ -48,7 +51,7 @@ from autopar.collective_kinds import kind_of, priced_kinds
 from autopar.cost_model.cluster import Cluster, Link
 from autopar.errors import CostModelError
 
-COLLECTIVES = priced_kinds()  # ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+COLLECTIVES = priced_kinds()  # all_reduce, all_gather, reduce_scatter, all_to_all, permute, all_to_all_v, broadcast, send_recv
 
 
 def _log2(p: int) -> int:

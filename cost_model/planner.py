@@ -576,3 +576,20 @@ def _send(p: _Problem, src: DistAttr, dst: DistAttr, pairs: tuple[tuple[int, int
     for a, b in moving:
         per_sender[a] = per_sender.get(a, 0.0) + comm.collective_time(CollectiveKind.SEND_RECV, (a, b), nbytes, p.cluster)
     return ReshardStep(CollectiveKind.SEND_RECV, (), moving, nbytes, max(per_sender.values(), default=0.0), src, dst)
+
+
+def plan_ring_shift(
+    attr: DistAttr, mesh_dim: int, shape: Sequence[int], dtype: str = "float32", cluster: Cluster | None = None
+) -> ReshardStep:
+    """One ring shift of a value placed as ``attr`` along ``mesh_dim``: every group of that mesh
+    dim passes each rank's piece on to the next rank (a ``permute``, shift 1; ring attention's
+    key / value rotation). The placement stays ``attr`` (each rank then holds its neighbour's
+    piece); priced by the table's formula for the largest piece (the groups run at once)."""
+    if not 0 <= mesh_dim < attr.mesh.ndim:
+        raise CostModelError(f"ring shift of {attr}: mesh dim {mesh_dim} is not a dim of {attr.mesh}")
+    if cluster is None:
+        cluster = default_cluster().fitted(attr.mesh.ranks)
+    nbytes = max(math.prod(attr.local_shape(tuple(shape), r)) for r in attr.mesh.ranks) * dtype_bytes(dtype)
+    groups = mesh_groups(attr.mesh, (mesh_dim,))
+    time = comm.groups_time(CollectiveKind.PERMUTE, groups, nbytes, cluster)
+    return ReshardStep(CollectiveKind.PERMUTE, (mesh_dim,), groups, int(nbytes), time, attr, attr)

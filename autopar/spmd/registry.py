@@ -11,13 +11,20 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from autopar.spmd.base import SpmdRule
+from autopar.spmd.lowering import Lowering
 
 RULES: dict[str, SpmdRule] = {}
 
 R = TypeVar("R", bound=SpmdRule)
 
 
-def register_rule(rule: SpmdRule, *op_names: str) -> SpmdRule:
+def register_rule(rule: SpmdRule, *op_names: str, lowering: Lowering | None = None) -> SpmdRule:
+    """Register ``rule`` for ``op_names``; ``lowering``: the per-rank rewrite its ops need
+    (:mod:`autopar.spmd.lowering`), declared on the rule."""
+    if lowering is not None:
+        if rule.lowering is not None and rule.lowering != lowering:
+            raise ValueError(f"{type(rule).__name__} already declares the lowering {rule.lowering}, not {lowering}")
+        rule.lowering = lowering
     for name in op_names:
         if name in RULES:
             raise ValueError(f"an SPMD rule for {name!r} is already registered ({type(RULES[name]).__name__})")
@@ -49,3 +56,16 @@ def get_rule(op_name: str) -> SpmdRule | None:
     if key.endswith("_") and key[:-1] in RULES:
         return RULES[key[:-1]]
     return None
+
+
+def lowerings() -> tuple[Lowering, ...]:
+    """Every lowering a registered rule declares, in their declared order (one pass walks them)."""
+    found: dict[str, Lowering] = {}
+    for rule in RULES.values():
+        if rule.lowering is not None and found.setdefault(rule.lowering.name, rule.lowering) != rule.lowering:
+            raise ValueError(f"two different lowerings are named {rule.lowering.name!r}")
+    ordered = sorted(found.values(), key=lambda lowering: lowering.order)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.order == b.order:
+            raise ValueError(f"the lowerings {a} and {b} declare the same order {a.order}")
+    return tuple(ordered)

@@ -29,7 +29,9 @@ def job(kind, **fields):
 
 def test_every_kind_has_one_entry():
     assert set(KINDS) == set(CollectiveKind)
-    assert COLLECTIVES == ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+    assert COLLECTIVES == (
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "all_to_all_v", "broadcast", "send_recv"
+    )
     assert STEP_KINDS == step_kinds() and set(CollectiveKind) - set(STEP_KINDS) == {CollectiveKind.SEND, CollectiveKind.RECV}
     with pytest.raises(AutoparError, match="unknown collective kind 'gather'"):
         kind_of("gather")
