@@ -56,7 +56,7 @@ from autopar.spmd.base import (
 )
 from autopar.spmd.lowering import Lowering, OpSite
 from autopar.spmd.operands import LETTERS, letters, without_partial
-from autopar.spmd.registry import op_key, register
+from autopar.spmd.registry import declare, op_key, register
 
 CHANNEL_LAST = ("NHWC", "NDHWC", "NLC", "NWC")
 
@@ -199,3 +199,6 @@ def split_statistics(
         return None
     count = math.prod(int(x_shape[d]) for d in axes)
     return SplitStatistics(key, channel, axes, dims, count, local_statistics(attrs))
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("batch_norm", "batch_norm_", normalizing=True)

@@ -26,7 +26,7 @@ from autopar.spmd.base import RuleContext, RuleResult, TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.lowering import Lowering, OpSite
 from autopar.spmd.operands import letters
-from autopar.spmd.registry import op_key, register_rule
+from autopar.spmd.registry import declare, op_key, register_rule
 
 
 def _dropout(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -78,3 +78,6 @@ class DropoutRule(EinsumRule):
 
 register_rule(DropoutRule(_dropout, tensors=1), "dropout", lowering=DROPOUT_SLICES)
 register_rule(EquationGradRule(_dropout_grad_letters, grad=1, tensors=2, shape_only=()), "dropout_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("dropout", flops_per_element=2, keeps_split=True, sequence_local=True)

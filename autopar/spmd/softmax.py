@@ -31,7 +31,7 @@ from typing import Any
 from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_backward, einsum_forward
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.operands import axis_attr, letters
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.registry import declare, register, register_rule
 from autopar.spmd.vocab_parallel import VOCAB_ROWS, class_parallel
 
 
@@ -104,3 +104,7 @@ register_rule(
     "cross_entropy_with_softmax_grad",
     lowering=VOCAB_ROWS,
 )
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("log_softmax", to_loss=True)
+declare("softmax", keeps_split=True, to_loss=True)
