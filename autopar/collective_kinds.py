@@ -32,6 +32,7 @@ from autopar.collective import Collective, CollectiveKind
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.pieces import REDUCERS
+from autopar.placement import Partial, Placement, Replicate, Shard
 
 REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3, "avg": 4}  # Paddle's reduce_type attribute
 
@@ -116,6 +117,9 @@ class Kind:
     slices: ClassVar[bool] = False  # the local step keeping the own piece
     makes_partial: ClassVar[bool] = False  # the local step making a whole value partial
     calibration_sizes: ClassVar[tuple[int, ...]] = ()  # extra sizes the gloo calibration times it at
+    # the planner's move: the placement a step of this kind takes a mesh dim from, and to (None: the
+    # planner makes no such step; cost_model/planner.py builds its edges from these)
+    move: ClassVar[tuple[type[Placement], type[Placement]] | None] = None
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
@@ -178,6 +182,7 @@ class Kind:
 
 class AllReduce(Kind):
     kind = CollectiveKind.ALL_REDUCE
+    move = (Partial, Replicate)
     reduces = True
     tree = True
     sized_by_input = True
@@ -243,6 +248,7 @@ class AllReduce(Kind):
 
 class AllGather(Kind):
     kind = CollectiveKind.ALL_GATHER
+    move = (Shard, Replicate)
     gathers = True
     makes_whole = True
     zero_bucket = True
@@ -278,6 +284,7 @@ class AllGather(Kind):
 
 class ReduceScatter(Kind):
     kind = CollectiveKind.REDUCE_SCATTER
+    move = (Partial, Shard)
     reduces = True
     emulated_by = CollectiveKind.ALL_REDUCE
     sized_by_input = True
@@ -318,6 +325,7 @@ class ReduceScatter(Kind):
 
 class AllToAll(Kind):
     kind = CollectiveKind.ALL_TO_ALL
+    move = (Shard, Shard)
     emulated_by = CollectiveKind.ALL_GATHER
     sized_by_input = True
 
@@ -559,6 +567,7 @@ class Local(Kind):
 
 class Slice(Local):
     kind = CollectiveKind.SLICE
+    move = (Replicate, Shard)
     slices = True
     emitted_ops = 3  # slice and its starts / ends
 
@@ -579,6 +588,7 @@ class Slice(Local):
 
 class MakePartial(Local):
     kind = CollectiveKind.MAKE_PARTIAL
+    move = (Replicate, Partial)
     makes_partial = True
     emitted_ops = 2  # scale and its factor (on the ranks whose copy is zeroed)
 
@@ -661,6 +671,11 @@ def local(kind: str | CollectiveKind) -> bool:
 def priced_kinds() -> Sequence[str]:
     """The kinds the cost model prices (the planner's step kinds that move data)."""
     return tuple(k.value for k, entry in KINDS.items() if not isinstance(entry, Local) and entry.in_plans)
+
+
+def moves_from(source: type[Placement]) -> tuple[tuple[CollectiveKind, type[Placement]], ...]:
+    """``(kind, target placement)`` of every planner move out of a ``source`` placement, in table order."""
+    return tuple((k, entry.move[1]) for k, entry in KINDS.items() if entry.move is not None and entry.move[0] is source)
 
 
 def step_kinds() -> tuple[CollectiveKind, ...]:

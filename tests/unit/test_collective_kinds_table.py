@@ -151,3 +151,31 @@ def test_no_other_module_decodes_a_kind():
     files = [f for place in PACKAGE for f in sorted(place.rglob("*.py")) if f != TABLE]
     found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in decodes(f.read_text())]
     assert not found, found
+
+
+def test_the_planners_moves_are_the_tables(monkeypatch):
+    """The planner's edges are the entries' ``move``s: taking all_to_all's away makes S(0) -> S(1)
+    an all_gather then a slice; the kinds it never plans (permute, all_to_all_v) have none."""
+    from autopar.collective_kinds import AllToAll, moves_from
+    from autopar.cost_model import planner
+    from autopar.cost_model.cluster import shipped_profile
+    from autopar.placement import Partial, Replicate, Shard
+
+    assert moves_from(Partial) == ((CollectiveKind.ALL_REDUCE, Replicate), (CollectiveKind.REDUCE_SCATTER, Shard))
+    assert moves_from(Shard) == ((CollectiveKind.ALL_GATHER, Replicate), (CollectiveKind.ALL_TO_ALL, Shard))
+    assert moves_from(Replicate) == ((CollectiveKind.SLICE, Shard), (CollectiveKind.MAKE_PARTIAL, Partial))
+    assert kind_of("permute").move is None and kind_of("all_to_all_v").move is None
+    mesh, cluster = ProcessMesh([0, 1, 2, 3], ["x"]), shipped_profile("h100-node")
+    src, dst = DistAttr.of(mesh, ((0,), ())), DistAttr.of(mesh, ((), (0,)))
+
+    def kinds() -> list[str]:
+        planner._planned.cache_clear()
+        planner._plan_cached.cache_clear()
+        planner._edges_cached.cache_clear()
+        return [str(k) for k in planner.plan_reshard(src, dst, (64, 64), "float32", cluster).kinds()]
+
+    assert kinds() == ["all_to_all"]
+    monkeypatch.setattr(AllToAll, "move", None)
+    assert kinds() == ["all_gather", "slice"]
+    monkeypatch.undo()
+    assert kinds() == ["all_to_all"]
