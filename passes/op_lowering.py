@@ -32,7 +32,8 @@ from autopar.spmd.vocab_parallel import VOCAB_ROWS
 
 Emitter = Callable[[CompileState, RankProgram, OpNode, Any], None]
 
-# lowering name -> what one rank's program gets in place of a matched op (insertion point set)
+# lowering name -> what one rank's program gets in place of a matched op (inside the program guard;
+# each emitter sets its insertion point: before the op, or after it for the local-statistics average)
 EMITTERS: dict[str, Emitter] = {
     VOCAB_ROWS.name: vocab_parallel.rewrite,
     BATCH_STATISTICS.name: batch_norm_stats.rewrite,
@@ -42,6 +43,10 @@ EMITTERS: dict[str, Emitter] = {
 
 @dataclass(frozen=True)
 class OpLowering(Pass):
+    """Every lowering the registry declares, in their order; the rank program then has each
+    lowering's stage (``rows-rewritten``, ``statistics-rewritten``, ``dropout-sliced``) and
+    ``ops-lowered``."""
+
     name: ClassVar[str] = "op_lowering"
     plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
@@ -63,3 +68,4 @@ class OpLowering(Pass):
                 if rp.rank in state.propagation.op_meshes.get(op.index, state.mesh).ranks and rp.ops[op.index] is not None:
                     EMITTERS[lowering.name](state, rp, op, decision)
             paddle.pir.reset_insertion_point_to_end()
+        rp.stages.extend(lowering.ensures for lowering in lowerings())
