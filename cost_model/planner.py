@@ -62,7 +62,8 @@ class ReshardStep:
     ``mesh_dims``: the mesh dims of ``src.mesh`` the step runs along (() for send_recv);
     ``groups``: the rank groups (send_recv: ``(from, to)`` pairs; broadcast: root first);
     ``tensor_dims``: gathered / scattered / sliced tensor dim, ``(from, to)`` for all_to_all;
-    ``reduce``: the reduction of all_reduce / reduce_scatter / make_partial.
+    ``reduce``: the reduction of all_reduce / reduce_scatter / make_partial; ``shift``: a
+    permute's ring shift (:func:`plan_ring_shift`).
     """
 
     kind: CollectiveKind
@@ -74,6 +75,7 @@ class ReshardStep:
     dst: DistAttr
     tensor_dims: tuple[int, ...] = ()
     reduce: str | None = None
+    shift: int = 0  # permute: each rank's piece goes to the rank ``shift`` places on in its group
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, CollectiveKind):
@@ -610,4 +612,4 @@ def plan_ring_shift(
     nbytes = max(math.prod(attr.local_shape(tuple(shape), r)) for r in attr.mesh.ranks) * dtype_bytes(dtype)
     groups = mesh_groups(attr.mesh, (mesh_dim,))
     time = comm.groups_time(CollectiveKind.PERMUTE, groups, nbytes, cluster)
-    return ReshardStep(CollectiveKind.PERMUTE, (mesh_dim,), groups, int(nbytes), time, attr, attr)
+    return ReshardStep(CollectiveKind.PERMUTE, (mesh_dim,), groups, int(nbytes), time, attr, attr, shift=1)

@@ -183,7 +183,7 @@ def test_a_ring_shift_is_planned_and_priced_by_the_table():
     keys = DistAttr.of(mesh, ((0,), (1,), ()))  # [batch, sequence, hidden]: batch over dp, sequence over cp
     step = plan_ring_shift(keys, 1, (8, 4096, 1024), "bfloat16", cluster)
     piece = 4 * 1024 * 1024 * 2  # one rank's block: 4 x 1024 x 1024 bf16
-    assert step.kind is CollectiveKind.PERMUTE and step.src == step.dst == keys
+    assert step.kind is CollectiveKind.PERMUTE and step.src == step.dst == keys and step.shift == 1
     assert step.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and step.bytes == piece
     link = cluster.link_for((0, 1, 2, 3), "permute")
     assert step.time == pytest.approx(link.latency + piece / link.bandwidth + cluster.device.segment_seconds)
