@@ -45,7 +45,9 @@ def test_the_vocabulary_and_the_table_agree_on_local_kinds():
 
 @pytest.mark.parametrize("kind, fields", [("all_reduce", {}), ("all_reduce", {"reduce": "avg"}), ("all_gather", {"axis": 1}),
                                           ("reduce_scatter", {"axis": 1}), ("reduce_scatter", {"reduce": "max"}),
-                                          ("all_to_all", {"axis": 0, "split_axis": 1}), ("broadcast", {"root": 1})])  # fmt: skip
+                                          ("all_to_all", {"axis": 0, "split_axis": 1}), ("broadcast", {"root": 1}),
+                                          ("permute", {"shift": 1}), ("all_to_all_v", {"splits": ((2, 4), (5, 1))}),
+                                          ("all_to_all_v", {"axis": 1, "split_axis": 0, "splits": ((4, 2), (4, 2))})])  # fmt: skip
 def test_one_members_output_alone_is_bit_equal_to_the_whole_collectives(kind, fields):
     """What the host communicators compute for their own rank (a reduce_scatter reduces its own
     piece of each input only) is exactly that rank's output of the whole collective."""
