@@ -120,6 +120,9 @@ class Kind:
     # the planner's move: the placement a step of this kind takes a mesh dim from, and to (None: the
     # planner makes no such step; cost_model/planner.py builds its edges from these)
     move: ClassVar[tuple[type[Placement], type[Placement]] | None] = None
+    # gloo has no such collective: the host backend runs it by an exchange even over the whole world
+    # (``eager``), so a ``world_exchange`` profile prices it as one (cost_model/comm.py)
+    exchanged: ClassVar[bool] = False
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
@@ -389,6 +392,7 @@ class Permute(Kind):
 
     kind = CollectiveKind.PERMUTE
     sized_by_input = True
+    exchanged = True
 
     def calibration(self, paddle, dist, count, rank, world):  # as the host backend runs it: an exchange
         mine = np.ones(count, np.float32)
@@ -424,6 +428,7 @@ class AllToAllV(Kind):
 
     kind = CollectiveKind.ALL_TO_ALL_V
     sized_by_input = True
+    exchanged = True
 
     def calibration(self, paddle, dist, count, rank, world):  # as the host backend runs it: an exchange
         mine = np.ones(count, np.float32)

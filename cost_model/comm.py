@@ -36,7 +36,9 @@ What runs on the profile is what is priced:
   is not the whole world, when the world is known (``world_size``, or the union of the groups
   given to :func:`groups_time`), costs a world exchange (:func:`exchange_time`): every rank's
   input gathered by every rank (``world x`` the input bytes, pickled), then the group's result
-  computed locally. The whole world's all_reduce / all_gather / broadcast stay native.
+  computed locally. The whole world's all_reduce / all_gather / broadcast stay native; a kind
+  gloo lacks that the host backend exchanges even over the world (``exchanged``: permute,
+  all_to_all_v) costs the exchange there too.
   (The host backend also exchanges a *world* reduce_scatter / all_to_all; the native backend,
   which the executor picks when every collective spans the world, runs the lowered form
   priced here.)
@@ -110,9 +112,9 @@ def _time(kind: str, group: tuple[int, ...], nbytes: float, cluster: Cluster, wo
         return 0.0
     if world is not None and not set(group) <= world:
         raise CostModelError(f"{kind}: group {list(group)} is not inside the world of ranks 0..{len(world) - 1}")
-    if world is not None and cluster.subgroups == "world_exchange" and set(group) != world:
-        return exchange_time(kind, p, nbytes, tuple(sorted(world)), cluster)
     entry = kind_of(kind)
+    if world is not None and cluster.subgroups == "world_exchange" and (set(group) != world or entry.exchanged):
+        return exchange_time(kind, p, nbytes, tuple(sorted(world)), cluster)
     if kind in cluster.emulated:
         moved, copied = entry.emulation_bytes(p, nbytes)
         return _time(entry.emulated_by.value, group, moved, cluster, None) + local_copy_time(copied, cluster)

@@ -207,3 +207,16 @@ def test_an_uneven_all_to_all_is_priced_by_its_busiest_member():
         3 * link.latency + nbytes / link.bandwidth + cluster.device.segment_seconds
     )
     assert comm.coefficients("permute", 4, 100.0) == (1.0, 100.0)
+
+
+def test_on_gloo_a_world_permute_is_priced_as_the_exchange_that_runs_it():
+    """gloo has no permute or all_to_all_v: the host backend exchanges every rank's input even over
+    the whole world (``eager``), so the cpu-gloo profile (``world_exchange``) prices that."""
+    cluster = shipped_profile("cpu-gloo")
+    segment = cluster.device.segment_seconds
+    for kind in ("permute", "all_to_all_v"):
+        got = comm.collective_time(kind, (0, 1, 2, 3), 4096, cluster, world_size=4)
+        assert got == pytest.approx(comm.exchange_time(kind, 4, 4096, (0, 1, 2, 3), cluster) + segment)
+    native = comm.collective_time("all_reduce", (0, 1, 2, 3), 4096, cluster, world_size=4)
+    link = cluster.link_for((0, 1, 2, 3), "all_reduce")
+    assert native == pytest.approx(comm.algorithm_time("all_reduce", 4, 4096, link) + segment)  # gloo runs it itself
