@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.graph import ProgramGraph, Role, ValueKey, once_per_graph
+from autopar.spmd import ops_where
 
-NORM_OPS = frozenset({"squared_l2_norm", "p_norm"})
+NORM_OPS = ops_where("global_norm", short=True)
 # what global-norm clipping does between the per-gradient norms and the scale it applies
-NORM_PLUMBING = frozenset({"stack", "sum", "add_n", "add", "concat", "scale", "cast", "sqrt", "combine", "maximum", "divide"})
+NORM_PLUMBING = ops_where("norm_plumbing", short=True)
 # how a clipped (or otherwise rescaled) gradient is made from the raw one
-RESCALES = frozenset({"multiply", "scale", "cast", "divide"})
-MATMULS = frozenset({"matmul", "linear", "bmm", "einsum", "fused_gemm_epilogue"})
+RESCALES = ops_where("rescales", short=True)
+MATMULS = ops_where("matmul_like", short=True)
 LAYERS_SHOWN = 3
 
 

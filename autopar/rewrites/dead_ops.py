@@ -33,10 +33,9 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.rewrites.recompute import RANDOM_OPS
+from autopar.spmd import ops_where
 
-SIDE_EFFECT_OPS = frozenset(
-    {"print", "barrier", "send_v2", "recv_v2", "p_send", "p_recv", "all_reduce", "all_gather", "broadcast"}
-)
+SIDE_EFFECT_OPS = ops_where("side_effect", short=True)  # never dead: they act beyond their results
 SHOWN = 6  # removed ops named in the one-line report
 
 

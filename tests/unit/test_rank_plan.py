@@ -83,8 +83,8 @@ def test_passes_are_declared_and_printable():
     _, dist = _compile(autopar.ProcessMesh([0, 1], ["dp"]), allreduce_bucket_mb=1.0)
     text = str(dist.passes)
     assert dist.passes.names() == [
-        "partition", "reshard_planning", "reshard_emission", "site_fusion", "allreduce_fusion", "vocab_parallel",
-        "batch_norm_stats", "dropout_slicing", "fetch_replication", "backend_lowering",
+        "partition", "reshard_planning", "reshard_emission", "site_fusion", "allreduce_fusion", "op_lowering",
+        "fetch_replication", "backend_lowering",
     ]
     assert "allreduce_fusion(bucket_bytes=1048576)" in text
     _, unfused = _compile(autopar.ProcessMesh([0, 1], ["dp"]), fuse_allreduce=False)
