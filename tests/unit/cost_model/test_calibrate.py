@@ -84,3 +84,37 @@ def test_kernel_rates_of_profiled_training_steps():
     } <= rates.keys()
     assert not rates.keys() & {*kernel_rates.PRODUCTS, *kernel_rates.SHAPE_ONLY}
     assert all(rate >= 0 for rate in rates.values()) and matmul > 0
+
+
+def test_the_tool_refits_saved_samples_into_a_profile(tmp_path):
+    """``tools/calibrate.py --samples-from`` as a script (its own imports, no measuring: the
+    device kept from the shipped profile): samples of a known link fit back to it, written as
+    a profile the cost model loads."""
+    import json
+    import subprocess
+
+    from autopar.cost_model.cluster import load_cluster
+    from autopar.cost_model.comm import coefficients
+    from autopar.cost_model.profile_fit import MEASURED, vars_of
+
+    alpha, beta, sizes = 3e-5, 2e-9, [4096, 1 << 20, 16 << 20]
+    samples = []
+    for kind in MEASURED:
+        formula = "all_gather" if kind == "exchange" else kind
+        for world in (2, 4):
+            for n in sizes:
+                steps, moved = coefficients(formula, world, n)
+                samples.append(Sample(kind, world, n, steps * alpha + moved * beta))
+    saved, out = tmp_path / "samples.json", tmp_path / "profile.json"
+    saved.write_text(json.dumps([vars_of(s) for s in samples]))
+    argv = [sys.executable, str(TOOLS / "calibrate.py"), "--samples-from", str(saved), "--device-from", "cpu-gloo",
+            "--out", str(out), "--worlds", "2", "4", "--sizes", *map(str, sizes)]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cluster = load_cluster(out)
+    link = dict(cluster.collectives)["all_reduce"]
+    assert link.latency == pytest.approx(alpha, rel=1e-3) and link.bandwidth == pytest.approx(1 / beta, rel=1e-3)
+    assert (
+        cluster.device == load_cluster("cpu-gloo").device
+        and "kept from an earlier calibration" in dict(cluster.sources)["device"]
+    )
