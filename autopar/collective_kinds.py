@@ -15,7 +15,7 @@ One class per :class:`~autopar.collective.CollectiveKind`, registered in :data:`
   ``sends`` / ``receives``, ``crosses_meshes``, ``in_plans``, ``gradient_sync``, ``zero_bucket``,
   ``decomposed`` / ``sliced`` (what it is made of, what it makes with a slice), ``slices`` /
   ``makes_partial`` (the local steps);
-- ``calibration``: how the gloo calibration times it (cost_model/calibrate.py).
+- ``calibration``: how the gloo calibration times it (tools/calibrate.py).
 
 Adding a kind is adding one class here: every pass, backend and price reads this table.
 """
@@ -179,7 +179,7 @@ class Kind:
 
     def calibration(self, paddle: Any, dist: Any, count: int, rank: int, world: int) -> Any:
         """A closure running it once over the world through Paddle's process group (gloo), its
-        comm.py size ``count`` float32 elements: what cost_model/calibrate.py times."""
+        comm.py size ``count`` float32 elements: what tools/calibrate.py times."""
         raise ValueError(self.kind.value)
 
 

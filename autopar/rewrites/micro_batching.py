@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.feed_names import (
+    MICRO_BATCH_FEED as MICRO_BATCH_FEED,  # (its home is the leaf feed_names: the runtime reads it)
+)
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate
@@ -39,9 +42,6 @@ from autopar.spmd.batch_norm import split_statistics
 from autopar.spmd.vocab_parallel import split_row
 
 SHAPE_ATTR_OPS = ("pd_op.reshape", "pd_op.reshape_", "pd_op.full", "pd_op.expand")
-# the feed holding the number of the micro-batch a pipelined program runs (int64, shape [1]): the
-# runner feeds it per micro-batch; a training dropout picks that micro-batch's rows of its mask
-MICRO_BATCH_FEED = "autopar.micro_batch"
 
 
 @dataclass(frozen=True)
