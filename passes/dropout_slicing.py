@@ -16,7 +16,7 @@ Micro-batches are the same split along time: micro-batch ``k`` of ``m`` holds bl
 the dim micro-batching splits (:mod:`autopar.rewrites.micro_batching`), and every micro-batch
 runs the same program. So under micro-batching the mask is drawn over the whole step's shape
 (one micro-batch's times ``m`` along that dim), block ``k`` is cut out with ``k`` read from the
-feed :data:`~autopar.rewrites.micro_batching.MICRO_BATCH_FEED` (the pipeline runner feeds each
+feed :data:`~autopar.feed_names.MICRO_BATCH_FEED` (the pipeline runner feeds each
 micro-batch its number), and then the rank's box of the micro-batch (pp x dp: its dp shard)::
 
     scaled = dropout(ones(step shape), seed, p)[block k][box]
@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.feed_names import MICRO_BATCH_FEED
 from autopar.graph import OpNode
 from autopar.passes.base import CompileState, RankProgram
 from autopar.passes.reshard_emission import replace_uses
-from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
 from autopar.spmd.dropout import SlicedDropout
 
 

@@ -19,7 +19,7 @@ An op that needs a value whole over the batch before the optimizer (batch statis
 reshape folding the batch into another dim) cannot run one micro-batch at a time: refused
 by name. A training dropout can: each micro-batch applies its rows of the serial whole-batch
 mask (:mod:`autopar.passes.dropout_slicing` draws it and picks them by the micro-batch's
-number, fed as :data:`MICRO_BATCH_FEED`).
+number, fed as :data:`autopar.feed_names.MICRO_BATCH_FEED`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from dataclasses import dataclass
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.feed_names import (
-    MICRO_BATCH_FEED as MICRO_BATCH_FEED,  # (its home is the leaf feed_names: the runtime reads it)
-)
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate

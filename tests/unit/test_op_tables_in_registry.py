@@ -34,8 +34,6 @@ REMAINING = {
     "autopar/rewrites/micro_batching.py:SHAPE_ATTR_OPS",
     "autopar/rewrites/static_shapes.py:SHAPE_OPS",
     "cost_model/compute.py:OPTIMIZERS",
-    "cost_model/kernel_rates.py:PRODUCTS",
-    "cost_model/kernel_rates.py:SHAPE_ONLY",
 }
 # words that name ops and also reductions or collective kinds: a table of those alone is no op table
 NOT_ONLY_OPS = {"sum", "max", "min", "prod", "avg", "mean"} | {kind.value for kind in CollectiveKind}
