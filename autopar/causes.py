@@ -187,8 +187,8 @@ def reshard_cause(state: Any, need: Any) -> str:
     return cause
 
 
-# a split that a reshape or a split into chunks cannot carry, and how to keep it (explain)
-LAYOUT_READERS = ("reshape", "split", "split_with_num")
+# a split that a reshape or a split into chunks cannot carry (ops declaring takes_apart), and how to keep it (explain)
+LAYOUT_READERS = ops_where("takes_apart", short=True)
 LAYOUT_HINT = (
     "the pieces of the split dim do not line up with what this op takes apart: a fused q/k/v "
     "projection split by columns and laid out [3, heads, head_dim] puts q's and k's columns on one "

@@ -27,7 +27,7 @@ Shape = Sequence[int]
 
 ELEMENTWISE = trait_values("flops_per_element")  # FLOPs per output element, declared beside the ops' rules
 REDUCTIONS = ("sum", "mean", "max", "min", "reduce_sum", "reduce_mean", "prod")
-OPTIMIZERS = {"sgd": (2, 0), "momentum": (4, 1), "adam": (12, 2), "adamw": (14, 2)}  # FLOPs/elem, states
+OPTIMIZERS = trait_values("optimizer_cost")  # {"adam": (FLOPs per element, states), ...}, declared beside the rules
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,12 +33,12 @@ from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate
 from autopar.rewrites.whole_feeds import WHOLE_BATCH, feed_only
-from autopar.spmd import RuleContext, TensorSpec, get_rule
+from autopar.spmd import RuleContext, TensorSpec, get_rule, ops_where
 from autopar.spmd.base import SpmdRule
 from autopar.spmd.batch_norm import split_statistics
 from autopar.spmd.vocab_parallel import split_row
 
-SHAPE_ATTR_OPS = ("pd_op.reshape", "pd_op.reshape_", "pd_op.full", "pd_op.expand")
+SHAPE_ATTR_OPS = ops_where("shape_attr")  # (reshape, full, expand)
 
 
 @dataclass(frozen=True)

@@ -103,3 +103,4 @@ register_rule(EquationGradRule(_slice_grad_letters, grad=1, tensors=2, shape_onl
 declare("concat", keeps_split=True, norm_plumbing=True)
 declare("slice", keeps_split=True, passes_ids=True, to_loss=True)
 declare("split", "split_with_num", "unbind", keeps_split=True)
+declare("split", "split_with_num", takes_apart=True)

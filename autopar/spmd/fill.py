@@ -104,4 +104,6 @@ class AssignValueRule(SpmdRule):
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("assign_value_", neutral_source=True)
 declare("full", "full_int_array", free=True, neutral_source=True)
+declare("full", shape_attr=True)
+declare("full", "full_like", loss_seed=True)
 declare("full_like", flops_per_element=0, keeps_split=True, neutral_source=True)

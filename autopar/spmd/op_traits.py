@@ -17,14 +17,16 @@ declare(
     "poisson", "randint", "randperm", "rrelu", "truncated_gaussian_random", "uniform",
     random=True,
 )
-declare("bmm", keeps_split=True, matmul_like=True)
-declare("builtin.combine", free=True, keeps_split=True, norm_plumbing=True)
+declare("bmm", keeps_split=True, matmul_like=True, contracts=True)
+declare("builtin.combine", free=True, keeps_split=True, norm_plumbing=True, packs_vector=True)
+declare("lamb_", "adagrad_", "rmsprop_", updates_parameter=True)  # (no rule yet: refused at propagation, with a role)
+declare("fill_constant", "ones_like", loss_seed=True)
 declare("builtin.parameter", "builtin.shadow_output", free=True)
-declare("builtin.split", free=True, keeps_split=True)
+declare("builtin.split", free=True, keeps_split=True, packs_vector=True)
 declare("data", free=True, neutral_source=True)
 declare(
     "elu", "hardswish", "leaky_relu", "mish", "relu6", "scaled_dot_product_attention", "softplus", "swish",
     keeps_split=True,
 )
-declare("fused_gemm_epilogue", "linear", matmul_like=True)
-declare("shape", "shape64", neutral_source=True)
+declare("fused_gemm_epilogue", "linear", matmul_like=True, contracts=True)
+declare("shape", "shape64", neutral_source=True, shape_read=True)

@@ -92,6 +92,14 @@ TRAIT_MEANINGS: dict[str, str] = {
     "norm_plumbing": "what global-norm clipping does between the per-gradient norms and the scale (causes)",
     "rescales": "makes a clipped (or otherwise rescaled) gradient from the raw one (causes)",
     "matmul_like": "a matrix product (causes)",
+    "takes_apart": "takes a dim apart by sizes (reshape, split): a split dim's pieces may not line up with them (explain's hint)",
+    "shape_read": "returns its input's shape as a tensor: of a static shape, a constant (the static-shape rewrite)",
+    "shape_attr": "writes a shape into an attribute (a reshape's target, a full's shape) that shrinks with a micro-batch",
+    "contracts": "sums its input's last dim (a _grad: its rows) into each output: rounding grows with that length (autopar.check)",
+    "updates_parameter": "an optimizer's in-place update of a parameter: its op is in the update phase (graph roles)",
+    "loss_seed": "a constant that may seed the backward (the loss gradient's ones) (graph roles)",
+    "packs_vector": "packs values into a vector or takes one apart (builtin.combine / split): the graph reads through it",
+    "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }
 TRAITS: dict[str, dict[str, object]] = {}  # op name without "pd_op." (other dialects kept: "builtin.split") -> trait -> value
 

@@ -205,6 +205,8 @@ def _unsqueeze_target(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, A
 
 
 register_rule(ReshapeLikeRule(_reshape_target), "reshape")
+declare("reshape", takes_apart=True)
+declare("reshape", "reshape_", shape_attr=True)
 register_rule(ReshapeLikeRule(_flatten_target), "flatten")
 register_rule(ReshapeLikeRule(_squeeze_target), "squeeze")
 register_rule(ReshapeLikeRule(_unsqueeze_target), "unsqueeze")
