@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-SHAPE_OPS = ("pd_op.shape", "pd_op.shape64")
+from autopar.spmd import ops_where
+
+SHAPE_OPS = ops_where("shape_read")  # (pd_op.shape, pd_op.shape64)
 
 
 @dataclass(frozen=True)

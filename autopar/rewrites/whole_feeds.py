@@ -18,12 +18,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.feed_names import WHOLE_BATCH
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS
 from autopar.rewrites.recompute import clone_reading
-
-WHOLE_BATCH = "@whole_batch"
 
 
 def feed_only(graph: ProgramGraph, key: ValueKey) -> bool:
