@@ -108,6 +108,8 @@ class RankAction:
             raise ScheduleError(f"{self.kind.name}: a piece is run by the compute and collective kinds only, got piece={self.piece!r}")
         if (self.kind in TRANSFER_KINDS) != (self.transfer is not None):
             raise ScheduleError(f"{self.kind.name}: SEND and RECV, and only they, name their transfer")
+        if self.transfer is not None and self.transfer.key.micro_batch != self.micro_batch:
+            raise ScheduleError(f"{self.kind.name} of micro-batch {self.micro_batch} names a transfer of another: {self.transfer}")
         if (self.kind in COMPUTE_KINDS | {ACCUMULATE}) != (self.stage is not None):
             raise ScheduleError(f"{self.kind.name}: compute and ACCUMULATE name their stage, others do not; got stage={self.stage!r}")
 
@@ -250,7 +252,8 @@ def _action(pieces: Sequence[Piece], index: int, micro_batch: int) -> RankAction
 def verify_rank(rank: int, pieces: Sequence[Piece], actions: Sequence[RankAction], micro_batches: int) -> None:
     """Check one rank's executable schedule before it runs; raise :class:`ScheduleError` naming
     the action: each piece run once per micro-batch (the update's once), a phase's pieces in
-    program order, ``F`` before ``B`` / ``I`` before ``W`` of one micro-batch, each
+    program order (a recv, which reads nothing, may run earlier), ``F`` before ``B`` / ``I``
+    before ``W`` of one micro-batch, each
     ``ACCUMULATE`` after its micro-batch's backward of the stage, the update after everything
     else."""
     where: dict[tuple[int, int], int] = {}  # (piece, micro-batch) -> position

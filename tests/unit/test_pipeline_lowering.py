@@ -4,8 +4,9 @@ update (op 3). Every fault names the action and why it may not run there."""
 
 import pytest
 
+from autopar.collective import CollectiveKey
 from autopar.errors import ScheduleError
-from autopar.pipeline_lowering import ACCUMULATE, SEND, Piece, RankAction, cut, lower, verify_rank
+from autopar.pipeline_lowering import ACCUMULATE, SEND, Piece, RankAction, Transfer, cut, lower, verify_rank
 from autopar.schedule import OPTIMIZER, UPDATE, Action, B, F, Phase
 
 PIECES = (Piece(Phase(F, 0), (0, 1), F), Piece(Phase(B, 0), (2,), B), Piece(UPDATE, (3,), OPTIMIZER))
@@ -46,6 +47,10 @@ def test_a_run_of_sources_joins_its_phases_compute():
         (lambda: RankAction(ACCUMULATE, 1, 0, piece=0), "a piece is run by the compute and collective kinds only"),
         (lambda: RankAction("F", 0, 0, 0), "a rank action's kind is one of"),
         (lambda: Piece(Phase(F, 0), (0,), SEND), "a SEND piece needs collective"),
+        (
+            lambda: RankAction(SEND, 1, piece=1, transfer=Transfer(CollectiveKey("reshard", 3, 0, 0), 0, 1)),
+            "SEND of micro-batch 1 names a transfer of another",
+        ),
     ],
 )
 def test_bad_actions_are_refused(make, message):
