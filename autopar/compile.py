@@ -100,10 +100,11 @@ def _warn_lost_splits(state: CompileState) -> None:
 
 def passes_for(strategy: Strategy) -> list[Pass]:
     """The declared pass list of a Strategy (``dist.passes`` prints it)."""
-    passes: list[Pass] = [Partition()]
+    pipelined = strategy.pipeline is not None
+    passes: list[Pass] = [Partition(pipelined=pipelined)]
     if strategy.zero_stage:
-        passes.append(ZeroSharding(strategy.zero_stage))
-    passes += [ReshardPlanning(), ReshardEmission(), SiteFusion()]
+        passes.append(ZeroSharding(strategy.zero_stage, pipelined=pipelined))
+    passes += [ReshardPlanning(pipelined=pipelined), ReshardEmission(), SiteFusion()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:
