@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
 from autopar.dist_attr import DistAttr
@@ -37,15 +37,19 @@ from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import AnalysedProgram, CompileState
-from autopar.propagation import transplant
-from autopar.rewrites import Analysed, applied, apply_all, derived, rewrites_for
+from autopar.propagation import PropagationResult, transplant
+from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived, rewrites_for
 from autopar.rewrites.recompute import regathered
-from autopar.strategy import PipelineConfig, Strategy
+from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
 
+if TYPE_CHECKING:
+    from paddle.pir import Program
+
+AnalysedField = int | bool | str | tuple[str, ...] | None  # the value of one of ANALYSED
 ANALYSED = ("micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm")
 
 
-def analysed_fields(strategy: Strategy) -> dict[str, Any]:
+def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
     """The fields of ``strategy`` an analysis depends on (see the module docstring)."""
     pipeline = strategy.pipeline
     return {
@@ -63,20 +67,20 @@ def analysed_fields(strategy: Strategy) -> dict[str, Any]:
 class Analysis:
     """One program analysed on one mesh for the strategies that share :func:`analysed_fields`."""
 
-    program: Any
+    program: Program
     mesh: ProcessMesh
-    startup_program: Any
-    fields: tuple[tuple[str, Any], ...]
+    startup_program: Program | None
+    fields: tuple[tuple[str, AnalysedField], ...]
     state: AnalysedProgram  # read only: each compile plans its own CompileState over it
-    rewrites: tuple[Any, ...] = ()  # the serial rewrites run (autopar.rewrites), in order
-    steps: tuple[Any, ...] = ()  # the analysis before them, then after each (autopar.rewrites.Analysed values)
+    rewrites: tuple[Rewrite, ...] = ()  # the serial rewrites run (autopar.rewrites), in order
+    steps: tuple[Analysed, ...] = ()  # the analysis before them, then after each
 
     @property
-    def graph(self) -> Any:
+    def graph(self) -> ProgramGraph:
         return self.state.graph
 
     @property
-    def propagation(self) -> Any:
+    def propagation(self) -> PropagationResult:
         return self.state.propagation
 
     def check(self, program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> None:
@@ -113,7 +117,7 @@ def analyze(
     adds sequence parallelism reuses ``base``'s propagation as its first one. The result is the
     analysis ``analyze`` would make without ``base``."""
     with gc_paused():
-        strategy = effective_strategy(program, mesh, strategy)
+        strategy = effective_strategy(program, mesh, strategy).strategy
         rewrites = rewrites_for(strategy)
         if base is None:
             steps = applied(rewrites, analysis_start(program, mesh, startup_program, strategy, placements))
@@ -134,14 +138,17 @@ def _check_base(base: Analysis, program: Any, mesh: ProcessMesh, startup_program
         raise AutoparError(f"analyze(base=...): the base analysis priced another cluster ({dict(base.fields)['cluster']!r})")
 
 
-def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | None) -> Strategy:
-    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages."""
+def effective_strategy(program: Program, mesh: ProcessMesh, strategy: Strategy | None) -> EffectiveStrategy:
+    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages:
+    a new value recorded beside the user's (which stays as given)."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-    strategy = _checked(strategy)
-    if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
-        strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
-    return strategy
+    checked = _checked(strategy)
+    if checked.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
+        staged = dataclasses.replace(checked, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
+        why = "pipeline=PipelineConfig() (one micro-batch): the annotations place ops or values on sub-meshes of the mesh"
+        return EffectiveStrategy(strategy, staged, (why,))
+    return EffectiveStrategy(strategy, checked)
 
 
 def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
@@ -196,6 +203,7 @@ def analysed_program(work: Analysed, strategy: Strategy, startup_program: Any) -
     return AnalysedProgram(
         work.graph, propagation, work.mesh, cluster=work.cluster, startup=startup_program, micro=work.micro, recompute=work.recompute,
         sequence=work.sequence, regather=frozenset(regathered(work.recompute, work.graph, strategy)), rewrites=work.reports,
+        single_stage=strategy.pipeline is not None and strategy.pipeline.stages == 1,
     )  # fmt: skip
 
 

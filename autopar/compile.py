@@ -55,7 +55,8 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     if analysis is not None and not isinstance(analysis, Analysis):
         raise AutoparError(f"analysis must be what autopar.analyze returned, got {type(analysis).__name__}")
     with gc_paused():
-        strategy = effective_strategy(program, mesh, strategy)
+        effective = effective_strategy(program, mesh, strategy)
+        strategy = effective.strategy
         pipeline = PassPipeline(tuple(passes_for(strategy)), callback, rewrites_for(strategy))
         if analysis is None:
             state = analyze_state(program, mesh, startup_program, strategy)
@@ -64,7 +65,7 @@ def compile(  # noqa: A001  (the public name the design card fixes)
             state = analysis.state_for(strategy)
         pipeline.plan(state)
         _warn_lost_splits(state)
-        return DistributedProgram(program, startup_program, state, pipeline)
+        return DistributedProgram(program, startup_program, state, pipeline, effective)
 
 
 def _warn_lost_splits(state: CompileState) -> None:

@@ -55,7 +55,7 @@ from autopar.cost_model.comm import shared_cores_time
 from autopar.cost_model.planner import group_at, plan_reshard
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
-from autopar.passes.base import CompileState
+from autopar.passes.base import CompileState, GradientBucket, PlannedReshard
 from autopar.passes.pipeline_split import find_stages
 from autopar.propagation import SiteKind
 
@@ -238,8 +238,8 @@ class _Sync:
     all_reduce (``planned``); ``producers``: the ops making its gradients."""
 
     producers: tuple[int, ...]
-    bucket: Any = None
-    planned: Any = None
+    bucket: GradientBucket | None = None
+    planned: PlannedReshard | None = None
 
     def seconds(self, rank: int, by_index: dict[int, Any]) -> float:
         """What it costs ``rank`` (0: not taking part)."""

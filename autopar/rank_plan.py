@@ -15,7 +15,7 @@ import functools
 import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,11 @@ from autopar.errors import AutoparError
 from autopar.index_feeds import IndexUse, check_index_feed
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
+
+    from autopar.schedule import Action, Phase
 
 ValueKey = tuple[int, int]
 
@@ -139,9 +144,9 @@ class PipelineRole:
     """
 
     stage: int
-    actions: tuple[Any, ...]  # autopar.schedule.Action values, send / recv included
+    actions: tuple[Action, ...]  # send / recv included
     micro_batches: int
-    phases: tuple[Any, ...]  # autopar.schedule.Phase per op
+    phases: tuple[Phase, ...]  # per op
     feed_dims: Mapping[str, int]
     summed: frozenset[ValueKey]
     split: frozenset[ValueKey] = frozenset()  # values split over the micro-batches (not fetched)
@@ -155,8 +160,8 @@ class RankPlan:
     rank: int
     mesh: ProcessMesh
     backend: str
-    program: Any
-    startup: Any  # None when compile had no startup program
+    program: Program
+    startup: Program | None  # None when compile had no startup program
     collectives: tuple[tuple[Collective, int], ...]  # (value, position of the op carrying it), program order
     rings: Mapping[tuple[int, ...], int]  # groups this rank is in -> communicator id
     values: ValueTable

@@ -31,7 +31,7 @@ from autopar.passes.results import PipelinePlan, SiteBuckets, ZeroBuckets, ZeroP
 from autopar.propagation import PropagationResult, ReshardNeed
 
 if TYPE_CHECKING:  # (types only; tests/unit/test_import_cycles.py counts these imports too)
-    from paddle.pir import Program
+    from paddle.pir import Operation, Program, Value
 
     from autopar.cost_model.cluster import Cluster
     from autopar.rewrites import Rewrite
@@ -118,6 +118,7 @@ class AnalysedProgram:
     sequence: SequenceRegions | None = None  # sequence parallelism's split activations (autopar.rewrites.sequence_parallel.SequenceRegions)
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward (recompute)
     rewrites: tuple[tuple[str, str], ...] = ()  # (rewrite, its report) of each serial rewrite, in order (autopar.rewrites)
+    single_stage: bool = False  # the Strategy's pipeline has one stage: the whole mesh (PipelineConfig(stages=1))
 
 
 _RESULT_FIELDS = {"pipeline": PipelinePlan, "zero_buckets": ZeroBuckets, "site_buckets": SiteBuckets}
@@ -262,32 +263,32 @@ class RankProgram:
     """One rank's program under construction (a clone of the serial one)."""
 
     rank: int
-    program: Any
-    ops: list[Any]  # serial op index -> op of the clone (None: erased, another pipeline stage's)
+    program: Program
+    ops: list[Operation | None]  # serial op index -> op of the clone (None: erased, another pipeline stage's)
     backend: str = "host"  # the form built: "host" (collectives run by the runtime) or "native"
-    startup: Any = None  # the rank's startup program: serial initial values, sliced
+    startup: Program | None = None  # the rank's startup program: serial initial values, sliced
     collectives: list[tuple[Collective, int]] = field(default_factory=list)  # (value, id of the op carrying it)
-    replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after a local-scale correction
-    final: dict[ValueKey, Any] = field(default_factory=dict)  # value after its after-producer reshard
-    resharded: dict[int, Any] = field(default_factory=dict)  # planned reshard index -> its result
+    replaced: dict[ValueKey, Value] = field(default_factory=dict)  # value after a local-scale correction
+    final: dict[ValueKey, Value] = field(default_factory=dict)  # value after its after-producer reshard
+    resharded: dict[int, Value] = field(default_factory=dict)  # planned reshard index -> its result
     rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # groups this rank is in -> ring id
     stages: list[str] = field(default_factory=list)
     fetches: tuple[ValueKey, ...] = ()  # values the runtime fetches (made whole by fetch_replication)
-    fetched: dict[ValueKey, Any] = field(default_factory=dict)  # fetch -> its whole value
+    fetched: dict[ValueKey, Value] = field(default_factory=dict)  # fetch -> its whole value
     phases: dict[int, Phase] = field(default_factory=dict)  # op id -> pipeline phase (autopar.schedule.Phase: F0, B1, OPT)
     update_side: set[int] = field(default_factory=set)  # ids of ops inserted for a read by an update: run with it
 
-    def value(self, key: ValueKey) -> Any:
+    def value(self, key: ValueKey) -> Value:
         """The serial value's result in this clone, as its op made it."""
         return self.ops[key[0]].result(key[1])
 
-    def produced(self, key: ValueKey) -> Any:
+    def produced(self, key: ValueKey) -> Value:
         """The serial value as its producer makes it (after a local-scale correction, if any):
         what a fetch reads, in the produced placement."""
         replaced = self.replaced.get(key)
         return replaced if replaced is not None else self.value(key)
 
-    def current(self, key: ValueKey) -> Any:
+    def current(self, key: ValueKey) -> Value:
         """What later ops read for the serial value: in its final placement (after an
         after-producer reshard, if any)."""
         final = self.final.get(key)

@@ -16,7 +16,10 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 SHAPE_OPS = ("pd_op.shape", "pd_op.shape64")
 
@@ -25,7 +28,7 @@ SHAPE_OPS = ("pd_op.shape", "pd_op.shape64")
 class StaticShapes:
     """The rewritten program (op indices unchanged: each shape op's place holds its constant)."""
 
-    program: Any
+    program: Program
     replaced: tuple[str, ...]  # the shape ops, as ``pd_op.shape64#12``
 
     def __str__(self) -> str:
