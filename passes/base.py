@@ -146,6 +146,7 @@ class CompileState:
         self.rewrite_dim_sets: set[tuple[int, ...]] = set()  # mesh dims of collectives local rewrites emit
         self.stages: list[str] = ["propagated"]
         self._results: dict[type, object] = {}
+        self._reshards: tuple[PlannedReshard, ...] | None = None  # (read per op and per rank: made once per result)
         self._dim_sets: list[tuple[int, ...]] | None = None
 
     def record(self, result: object) -> None:
@@ -154,6 +155,7 @@ class CompileState:
         if kind in self._results:
             raise AutoparError(f"the compile already has a {kind.__name__}: a pass's result is recorded once")
         self._results[kind] = result
+        self._reshards = None
         if isinstance(result, ZeroPlan):
             self.propagation, self.regather = result.propagation, self.regather | result.regather
 
@@ -188,13 +190,13 @@ class CompileState:
     @property
     def reshards(self) -> tuple[PlannedReshard, ...]:
         """The planned reshards (reshard planning's, with those gradient fusion rerouted)."""
-        planned = self.result(PlannedReshards)
-        if planned is None:
-            return ()
-        fusion = self.result(GradientFusion)
-        if fusion is None or not fusion.rerouted:
-            return planned.reshards
-        return tuple(fusion.rerouted.get(p.index, p) for p in planned.reshards)
+        if self._reshards is None:
+            planned, fusion = self.result(PlannedReshards), self.result(GradientFusion)
+            found = planned.reshards if planned is not None else ()
+            if fusion is not None and fusion.rerouted:
+                found = tuple(fusion.rerouted.get(p.index, p) for p in found)
+            self._reshards = found
+        return self._reshards
 
     @property
     def buckets(self) -> tuple[GradientBucket, ...]:
