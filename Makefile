@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench profiles clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_check.py
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_vs_paddle.py
+
+# re-measure this machine's CPU profiles (cost_model/profiles/cpu_shm.json, cpu_gloo.json; about
+# four minutes each, on an idle machine): the measuring is a tool, the cost model only reads them
+profiles: $(STAMP)
+	$(PY) tools/calibrate.py --communicator shm
+	$(PY) tools/calibrate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

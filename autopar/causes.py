@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.graph import ProgramGraph, Role, ValueKey, once_per_graph
+from autopar.spmd import ops_where
 
-NORM_OPS = frozenset({"squared_l2_norm", "p_norm"})
+NORM_OPS = ops_where("global_norm", short=True)
 # what global-norm clipping does between the per-gradient norms and the scale it applies
-NORM_PLUMBING = frozenset({"stack", "sum", "add_n", "add", "concat", "scale", "cast", "sqrt", "combine", "maximum", "divide"})
+NORM_PLUMBING = ops_where("norm_plumbing", short=True)
 # how a clipped (or otherwise rescaled) gradient is made from the raw one
-RESCALES = frozenset({"multiply", "scale", "cast", "divide"})
-MATMULS = frozenset({"matmul", "linear", "bmm", "einsum", "fused_gemm_epilogue"})
+RESCALES = ops_where("rescales", short=True)
+MATMULS = ops_where("matmul_like", short=True)
 LAYERS_SHOWN = 3
 
 
@@ -186,8 +187,8 @@ def reshard_cause(state: Any, need: Any) -> str:
     return cause
 
 
-# a split that a reshape or a split into chunks cannot carry, and how to keep it (explain)
-LAYOUT_READERS = ("reshape", "split", "split_with_num")
+# a split that a reshape or a split into chunks cannot carry (ops declaring takes_apart), and how to keep it (explain)
+LAYOUT_READERS = ops_where("takes_apart", short=True)
 LAYOUT_HINT = (
     "the pieces of the split dim do not line up with what this op takes apart: a fused q/k/v "
     "projection split by columns and laid out [3, heads, head_dim] puts q's and k's columns on one "

@@ -19,6 +19,9 @@ from autopar.dist_attr import DistAttr
 class CollectiveKind(str, enum.Enum):
     """Kinds of step a reshard is made of; compares equal to its name (``CollectiveKind.ALL_REDUCE == "all_reduce"``).
 
+    ``PERMUTE`` is a ring shift over a group (context parallelism's ring attention passes its
+    key / value blocks on with it); ``ALL_TO_ALL_V`` an all_to_all whose pieces have sizes per
+    (sender, receiver) pair (MoE's token dispatch), MPI's ``Alltoallv``.
     ``SEND_RECV`` is the planner's point-to-point move between meshes; each rank program
     carries it as a ``SEND`` (sender) or a ``RECV`` (receiver). ``SLICE`` and ``MAKE_PARTIAL``
     are local: no data leaves the rank, declared with the member (``is_local``: a Collective
@@ -31,6 +34,8 @@ class CollectiveKind(str, enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
+    PERMUTE = "permute"
+    ALL_TO_ALL_V = "all_to_all_v"
     SEND = "send"
     RECV = "recv"
     SEND_RECV = "send_recv"
@@ -78,7 +83,10 @@ class Collective:
     pieces allowed). reduce_scatter: piece ``i`` (``numpy.array_split`` bounds along ``axis``)
     of the reduction. broadcast: ``group[root]``'s input. all_to_all: input split along
     ``split_axis``, piece ``j`` to ``group[j]``, received pieces concatenated along ``axis``.
-    send / recv: ``group = (sender, receiver)``.
+    send / recv: ``group = (sender, receiver)``. permute: member ``i`` sends its input to member
+    ``(i + shift) % p`` and receives member ``(i - shift) % p``'s. all_to_all_v: as all_to_all,
+    but member ``i`` sends ``splits[i][j]`` elements along ``split_axis`` to member ``j`` (its
+    pieces in order); ``splits`` empty: even pieces, as all_to_all.
     ``bytes``: the planner's nccl-tests size on this collective; ``time``: predicted seconds.
     """
 
@@ -98,15 +106,23 @@ class Collective:
     split_axis: int = 0
     root: int = 0
     dtype: str = "float32"
+    shift: int = 0  # permute: member i sends to member (i + shift) % p
+    splits: tuple[tuple[int, ...], ...] = ()  # all_to_all_v: splits[i][j] = what member i sends member j
+
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, CollectiveKind):
             object.__setattr__(self, "kind", CollectiveKind(self.kind))
         if self.kind.is_local:
             raise ValueError(f"{self.kind} is a local step, not a collective")
+        p = len(self.group)
+        if self.splits and (len(self.splits) != p or any(len(row) != p or min(row) < 0 for row in self.splits)):
+            raise ValueError(f"{self.kind} of {self.value}: splits must be {p} x {p} counts >= 0, got {self.splits}")
 
     def __str__(self) -> str:
+        extra = f", shift={self.shift}" if self.shift else ""
+        extra += f", splits={[list(row) for row in self.splits]}" if self.splits else ""
         return (
-            f"{self.kind}(group={list(self.group)}, {self.bytes} B, {self.time * 1e6:.1f}us) "
+            f"{self.kind}(group={list(self.group)}{extra}, {self.bytes} B, {self.time * 1e6:.1f}us) "
             f"{self.value}: {self.src} -> {self.dst} — {self.reason}"
         )

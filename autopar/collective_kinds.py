@@ -15,7 +15,7 @@ One class per :class:`~autopar.collective.CollectiveKind`, registered in :data:`
   ``sends`` / ``receives``, ``crosses_meshes``, ``in_plans``, ``gradient_sync``, ``zero_bucket``,
   ``decomposed`` / ``sliced`` (what it is made of, what it makes with a slice), ``slices`` /
   ``makes_partial`` (the local steps);
-- ``calibration``: how the gloo calibration times it (cost_model/calibrate.py).
+- ``calibration``: how the gloo calibration times it (tools/calibrate.py).
 
 Adding a kind is adding one class here: every pass, backend and price reads this table.
 """
@@ -32,6 +32,7 @@ from autopar.collective import Collective, CollectiveKind
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.pieces import REDUCERS
+from autopar.placement import Partial, Placement, Replicate, Shard
 
 REDUCE_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3, "avg": 4}  # Paddle's reduce_type attribute
 
@@ -116,6 +117,12 @@ class Kind:
     slices: ClassVar[bool] = False  # the local step keeping the own piece
     makes_partial: ClassVar[bool] = False  # the local step making a whole value partial
     calibration_sizes: ClassVar[tuple[int, ...]] = ()  # extra sizes the gloo calibration times it at
+    # the planner's move: the placement a step of this kind takes a mesh dim from, and to (None: the
+    # planner makes no such step; cost_model/planner.py builds its edges from these)
+    move: ClassVar[tuple[type[Placement], type[Placement]] | None] = None
+    # gloo has no such collective: the host backend runs it by an exchange even over the whole world
+    # (``eager``), so a ``world_exchange`` profile prices it as one (cost_model/comm.py)
+    exchanged: ClassVar[bool] = False
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
@@ -172,12 +179,13 @@ class Kind:
 
     def calibration(self, paddle: Any, dist: Any, count: int, rank: int, world: int) -> Any:
         """A closure running it once over the world through Paddle's process group (gloo), its
-        comm.py size ``count`` float32 elements: what cost_model/calibrate.py times."""
+        comm.py size ``count`` float32 elements: what tools/calibrate.py times."""
         raise ValueError(self.kind.value)
 
 
 class AllReduce(Kind):
     kind = CollectiveKind.ALL_REDUCE
+    move = (Partial, Replicate)
     reduces = True
     tree = True
     sized_by_input = True
@@ -243,6 +251,7 @@ class AllReduce(Kind):
 
 class AllGather(Kind):
     kind = CollectiveKind.ALL_GATHER
+    move = (Shard, Replicate)
     gathers = True
     makes_whole = True
     zero_bucket = True
@@ -278,6 +287,7 @@ class AllGather(Kind):
 
 class ReduceScatter(Kind):
     kind = CollectiveKind.REDUCE_SCATTER
+    move = (Partial, Shard)
     reduces = True
     emulated_by = CollectiveKind.ALL_REDUCE
     sized_by_input = True
@@ -318,6 +328,7 @@ class ReduceScatter(Kind):
 
 class AllToAll(Kind):
     kind = CollectiveKind.ALL_TO_ALL
+    move = (Shard, Shard)
     emulated_by = CollectiveKind.ALL_GATHER
     sized_by_input = True
 
@@ -363,6 +374,105 @@ class AllToAll(Kind):
         parts = len(comm.group)
         gathered = _paddle_gather_along(x, comm.axis, ring, parts)
         return _paddle_own_slice(gathered, comm.split_axis, parts, comm.group.index(rank))
+
+
+def _exchanged(job: Collective, x: np.ndarray, backend: Any) -> np.ndarray:
+    """A world collective the host backend runs as an exchange: every rank's array to every rank
+    (``backend.gathered``), then this rank's output by the reference meaning."""
+    by_rank = backend.gathered(x)
+    index = job.group.index(backend.rank)
+    return KINDS[job.kind].perform_for(job, [by_rank[r] for r in job.group], index)
+
+
+class Permute(Kind):
+    """A ring shift over the group: member ``i`` sends its input to member ``(i + shift) % p`` and
+    receives member ``(i - shift) % p``'s (JAX's ``ppermute`` by a fixed shift; ring attention
+    passes its key / value blocks on with it). Every member sends and receives one message at
+    once: one step of its input's bytes."""
+
+    kind = CollectiveKind.PERMUTE
+    sized_by_input = True
+    exchanged = True
+
+    def calibration(self, paddle, dist, count, rank, world):  # as the host backend runs it: an exchange
+        mine = np.ones(count, np.float32)
+        return lambda: dist.all_gather_object([], mine)
+
+    def perform(self, job, pieces):
+        p = len(pieces)
+        return [pieces[(i - job.shift) % p] for i in range(p)]
+
+    def perform_for(self, job, pieces, index):
+        return pieces[(index - job.shift) % len(pieces)]
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return 1.0, float(nbytes)
+
+    def exchange(self, p, nbytes):
+        return nbytes, nbytes  # each rank sends its input, keeps one received input
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        return paddle._C_ops.assign(x)  # a carrier: the runtime performs the Collective it names
+
+    def eager(self, job, x, backend):
+        return _exchanged(job, x, backend)
+
+
+class AllToAllV(Kind):
+    """An all_to_all with a size per (sender, receiver) pair (MPI's ``Alltoallv``; MoE's token
+    dispatch): member ``i`` cuts its input along ``split_axis`` into ``splits[i]`` (in group order)
+    and member ``j`` joins the ``j``-th pieces of every member along ``axis``. ``nbytes`` is the
+    busiest member's traffic: the larger of what leaves it and what arrives (:meth:`traffic`)."""
+
+    kind = CollectiveKind.ALL_TO_ALL_V
+    sized_by_input = True
+    exchanged = True
+
+    def calibration(self, paddle, dist, count, rank, world):  # as the host backend runs it: an exchange
+        mine = np.ones(count, np.float32)
+        return lambda: dist.all_gather_object([], mine)
+
+    @staticmethod
+    def _pieces(job: Collective, x: np.ndarray, sender: int) -> list[np.ndarray]:
+        p = len(job.group)
+        sizes = job.splits[sender] if job.splits else [hi - lo for lo, hi in (shard_bounds(x.shape[job.split_axis], p, j) for j in range(p))]
+        if sum(sizes) != x.shape[job.split_axis]:
+            raise AutoparError(
+                f"all_to_all_v of {job.value}: member {job.group[sender]} sends {list(sizes)} (sum {sum(sizes)}) "
+                f"along dim {job.split_axis} of an input of shape {list(x.shape)}"
+            )
+        return np.split(x, np.cumsum(sizes)[:-1], axis=job.split_axis)
+
+    def perform(self, job, pieces):
+        return [self.perform_for(job, pieces, i) for i in range(len(pieces))]
+
+    def perform_for(self, job, pieces, index):
+        return np.concatenate([self._pieces(job, x, i)[index] for i, x in enumerate(pieces)], axis=job.axis)
+
+    @staticmethod
+    def traffic(splits: Sequence[Sequence[int]], bytes_per_count: float) -> float:
+        """The busiest member's bytes: max over members of what it sends others and what others
+        send it (its own piece stays): the ``nbytes`` the price reads."""
+        p = len(splits)
+        sent = [sum(splits[i][j] for j in range(p) if j != i) for i in range(p)]
+        received = [sum(splits[i][j] for i in range(p) if i != j) for j in range(p)]
+        return max([*sent, *received], default=0) * float(bytes_per_count)
+
+    def coefficients(self, p, nbytes, algorithm="ring"):
+        return float(p - 1), float(nbytes)  # pairwise exchange: p - 1 steps, the busiest member's bytes
+
+    def exchange(self, p, nbytes):
+        return nbytes, nbytes
+
+    def host_op(self, comm, x, ring):
+        import paddle
+
+        return paddle._C_ops.assign(x)  # a carrier, typed to this rank's output by the emitter
+
+    def eager(self, job, x, backend):
+        return _exchanged(job, x, backend)
 
 
 class Broadcast(Kind):
@@ -462,6 +572,7 @@ class Local(Kind):
 
 class Slice(Local):
     kind = CollectiveKind.SLICE
+    move = (Replicate, Shard)
     slices = True
     emitted_ops = 3  # slice and its starts / ends
 
@@ -482,6 +593,7 @@ class Slice(Local):
 
 class MakePartial(Local):
     kind = CollectiveKind.MAKE_PARTIAL
+    move = (Replicate, Partial)
     makes_partial = True
     emitted_ops = 2  # scale and its factor (on the ranks whose copy is zeroed)
 
@@ -507,7 +619,8 @@ class MakePartial(Local):
 
 
 KINDS: dict[CollectiveKind, Kind] = {cls.kind: cls() for cls in (
-    AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, PointToPoint, Send, Recv, Slice, MakePartial,
+    AllReduce, AllGather, ReduceScatter, AllToAll, Permute, AllToAllV, Broadcast, PointToPoint, Send, Recv, Slice,
+    MakePartial,
 )}  # fmt: skip
 
 
@@ -563,6 +676,11 @@ def local(kind: str | CollectiveKind) -> bool:
 def priced_kinds() -> Sequence[str]:
     """The kinds the cost model prices (the planner's step kinds that move data)."""
     return tuple(k.value for k, entry in KINDS.items() if not isinstance(entry, Local) and entry.in_plans)
+
+
+def moves_from(source: type[Placement]) -> tuple[tuple[CollectiveKind, type[Placement]], ...]:
+    """``(kind, target placement)`` of every planner move out of a ``source`` placement, in table order."""
+    return tuple((k, entry.move[1]) for k, entry in KINDS.items() if entry.move is not None and entry.move[0] is source)
 
 
 def step_kinds() -> tuple[CollectiveKind, ...]:

@@ -19,15 +19,13 @@ from autopar.mesh import ProcessMesh
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import CompileState, Pass, PassPipeline
-from autopar.passes.batch_norm_stats import BatchNormStats
-from autopar.passes.dropout_slicing import DropoutSlicing
 from autopar.passes.fetch_replication import FetchReplication
+from autopar.passes.op_lowering import OpLowering
 from autopar.passes.partition import Partition
 from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.site_fusion import SiteFusion
-from autopar.passes.vocab_parallel import VocabParallel
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import rewrites_for
@@ -110,9 +108,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:
             passes.append(ZeroBucketFusion(strategy.bucket_bytes))
-    passes.append(VocabParallel())
-    passes.append(BatchNormStats(local=strategy.local_batch_norm))
-    passes.append(DropoutSlicing())
+    passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
     passes += [FetchReplication(), BackendLowering()]

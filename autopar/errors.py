@@ -47,3 +47,11 @@ class ScheduleError(AutoparError):
 
 class CheckpointError(AutoparError):
     """A checkpoint that cannot be written or read: names the tensor and the file at fault."""
+
+
+def removed_error(label: str) -> AutoparError:
+    """The refusal of a fetch of a value removed as dead."""
+    return AutoparError(
+        f"{label} was removed as dead before analysis: nothing in the program reads it. To fetch it, "
+        "call autopar.keep(value) while building the program, before autopar.compile"
+    )

@@ -24,13 +24,12 @@ import networkx as nx
 
 from autopar.errors import AutoparError
 from autopar.op_kinds import SOURCE_OPS
+from autopar.spmd import ops_where
 
 ValueKey = tuple[int, int]  # (op index, result index)
 
-VECTOR_OPS = ("builtin.combine", "builtin.split")
-OPTIMIZER_OPS = frozenset(
-    {"pd_op.sgd_", "pd_op.momentum_", "pd_op.adam_", "pd_op.adamw_", "pd_op.lamb_", "pd_op.adagrad_", "pd_op.rmsprop_"}
-)
+VECTOR_OPS = ops_where("packs_vector")  # builtin.combine / builtin.split (declared in the rule registry)
+OPTIMIZER_OPS = ops_where("updates_parameter")  # sgd_, adamw_, ...
 
 
 UPDATE_ROLE = 2  # Paddle's op_role attribute of the optimizer phase
@@ -296,7 +295,7 @@ def assign_roles(graph: ProgramGraph) -> None:
     _link_forward_ops(graph)
 
 
-SEED_OPS = ("pd_op.full", "pd_op.full_like", "pd_op.ones_like", "pd_op.fill_constant")
+SEED_OPS = ops_where("loss_seed")
 
 
 def _seed_ops(graph: ProgramGraph, first_grad: int) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.feed_names import WHOLE_BATCH
 
 if TYPE_CHECKING:  # the runtime imports this module: no compiler module at run time
     from autopar.graph import OpNode, ProgramGraph, ValueKey
@@ -72,8 +73,6 @@ class IndexUse:
 
 def index_uses(graph: ProgramGraph) -> dict[str, tuple[IndexUse, ...]]:
     """Feed name -> the index uses its elements reach (feeds never read as an index absent)."""
-    from autopar.rewrites.whole_feeds import WHOLE_BATCH
-
     readers: dict[ValueKey, list[tuple[OpNode, int]]] = defaultdict(list)
     for op in graph.ops:
         for position, key in enumerate(op.inputs):

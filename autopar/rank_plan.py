@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar.collective import Collective
 from autopar.dist_attr import DistAttr
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, removed_error
 from autopar.index_feeds import IndexUse, check_index_feed
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
@@ -81,8 +81,6 @@ class ValueTable:
             )
         key = self._resolve(item)
         if key is None and item.id in self._removed:
-            from autopar.rewrites.dead_ops import removed_error
-
             raise removed_error(self._removed[item.id])
         if key is None:
             raise AutoparError(

@@ -3,9 +3,9 @@ reshard planner's choices measured on 4 processes.
 
 **Accuracy.** Each world size runs one set of worker processes that time every collective, in
 rounds spread over the run (a burst of load from elsewhere hits every kind alike; each figure
-is the lower quartile over reps of the slowest rank: ``calibrate.summary``), on two disjoint
-size sets: the calibration sizes (6 KiB x 4^k, 40 MiB, 96 MiB: what ``python -m
-autopar.cost_model.calibrate`` uses; all_gather also at 192 MiB, since an emulated all_to_all
+is the lower quartile over reps of the slowest rank: ``profile_fit.summary``), on two disjoint
+size sets: the calibration sizes (6 KiB x 4^k, 40 MiB, 96 MiB: what
+``tools/calibrate.py`` uses; all_gather also at 192 MiB, since an emulated all_to_all
 gathers p times its send buffer) and the evaluation sizes (4 KiB x 4^k up to 64 MiB). The profile is fitted on the calibration samples only; the
 table compares its predictions with the evaluation samples. reduce_scatter and all_to_all run
 as their gloo emulations (all_reduce / all_gather of the whole send buffer plus a slice, what
@@ -36,21 +36,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from autopar.cost_model.calibrate import (
-    CALIBRATION_SIZES,
-    EMULATED,
-    EXTRA_SIZES,
-    MEASURED,
-    ROUNDS,
-    SUBGROUP,
-    build_profile,
-    measure,
-    run_processes,
-    summary,
-)
 from autopar.cost_model.cluster import load_cluster
 from autopar.cost_model.comm import collective_time
 from autopar.cost_model.planner import format_bytes, format_time
+from autopar.cost_model.profile_fit import (
+    CALIBRATION_SIZES,
+    EMULATED,
+    MEASURED,
+    ROUNDS,
+    build_profile,
+    summary,
+    vars_of,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # the calibration's measuring (tools/calibrate.py)
+from calibrate import EXTRA_SIZES, SUBGROUP, measure, run_processes  # noqa: E402
 
 EVALUATION_SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB ... 64 MiB
 SUBGROUP_SIZES = tuple(n for n in EVALUATION_SIZES if n <= 16 << 20)
@@ -299,8 +299,6 @@ def main(argv: list[str] | None = None) -> None:
         worlds = (2, 4)
         samples = measure_accuracy(worlds)
         if args.samples:
-            from autopar.cost_model.calibrate import vars_of
-
             Path(args.samples).write_text(json.dumps([vars_of(s) for s in samples]))
         report_accuracy(samples, worlds)
     if not args.skip_decompositions:

@@ -6,7 +6,7 @@ per direction per device) and a :class:`Device` (peak FLOP/s per dtype, memory b
 memory size). Profiles are JSON files (:func:`load_cluster` / :meth:`Cluster.save`); the
 shipped ones are ``h100-node`` (8 x H100 SXM per node, NVLink + 400 Gb/s InfiniBand, figures
 cited in the file), ``cpu-shm`` and ``cpu-gloo`` (this machine's CPU runtime over shared memory
-and over gloo, written by ``python -m autopar.cost_model.calibrate [--communicator shm]``).
+and over gloo, written by ``tools/calibrate.py [--communicator shm]``).
 Without a profile named, :func:`default_cluster` takes the one for the hardware in use
 (:func:`hardware_profile`: a GPU profile with a CUDA build and a visible GPU, else the CPU
 profile of the communicator a one-machine job uses).
@@ -44,7 +44,7 @@ from typing import Any
 
 from autopar.collective_kinds import KINDS
 from autopar.errors import CostModelError
-from autopar.runtime.host_comm import one_host_default
+from autopar.host_comm import one_host_default
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -147,7 +147,7 @@ class Device:
     one program run on the host (the host backend ends a program segment at every collective
     and a pipeline runs one per phase; 0 where collectives run inside the program).
     ``kernel_seconds``: seconds per element (of an op's largest operand) each kernel took in
-    training steps (cpu profiles: :mod:`~autopar.cost_model.kernel_rates`); an op of a measured
+    training steps (cpu profiles: ``tools/kernel_rates.py``); an op of a measured
     kernel costs at least its elements times that; absent: the roofline alone.
     """
 
@@ -425,7 +425,7 @@ def hardware_profile(cuda: bool | None = None, shared_memory: bool | None = None
     """The shipped profile for this machine: ``h100-node`` (the only shipped GPU profile) with a
     CUDA build of Paddle and a visible GPU; else the CPU runtime's collectives, calibrated:
     ``cpu-shm`` where a one-machine job talks through shared memory
-    (:func:`autopar.runtime.host_comm.one_host_default`), ``cpu-gloo`` where it uses gloo.
+    (:func:`autopar.host_comm.one_host_default`), ``cpu-gloo`` where it uses gloo.
     ``cuda`` / ``shared_memory`` override the detection (tests)."""
     gpu = _hardware_has_gpu() if cuda is None else cuda
     if gpu:

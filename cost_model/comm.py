@@ -12,6 +12,9 @@ all_reduce         the buffer               ring ``2(p-1)a + 2(p-1)/p n b``;
 all_gather         the gathered output      ``(p-1)a + (p-1)/p n b``
 reduce_scatter     the full input           ``(p-1)a + (p-1)/p n b``
 all_to_all         one rank's send buffer   ``(p-1)a + (p-1)/p n b`` (pairwise exchange)
+all_to_all_v       the busiest rank's       ``(p-1)a + n b`` (pairwise exchange; uneven pieces:
+                   bytes in or out          ``AllToAllV.traffic(splits, row bytes)``)
+permute            one rank's input         ``a + n b`` (every rank sends and receives at once)
 broadcast          the buffer               chain ``(p-1)a + n b``;
                                             binomial tree ``ceil(log2 p)(a + n b)``
 send_recv          the message              ``a + n b``
@@ -33,7 +36,9 @@ What runs on the profile is what is priced:
   is not the whole world, when the world is known (``world_size``, or the union of the groups
   given to :func:`groups_time`), costs a world exchange (:func:`exchange_time`): every rank's
   input gathered by every rank (``world x`` the input bytes, pickled), then the group's result
-  computed locally. The whole world's all_reduce / all_gather / broadcast stay native.
+  computed locally. The whole world's all_reduce / all_gather / broadcast stay native; a kind
+  gloo lacks that the host backend exchanges even over the world (``exchanged``: permute,
+  all_to_all_v) costs the exchange there too.
   (The host backend also exchanges a *world* reduce_scatter / all_to_all; the native backend,
   which the executor picks when every collective spans the world, runs the lowered form
   priced here.)
@@ -48,7 +53,7 @@ from autopar.collective_kinds import kind_of, priced_kinds
 from autopar.cost_model.cluster import Cluster, Link
 from autopar.errors import CostModelError
 
-COLLECTIVES = priced_kinds()  # ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+COLLECTIVES = priced_kinds()  # all_reduce, all_gather, reduce_scatter, all_to_all, permute, all_to_all_v, broadcast, send_recv
 
 
 def _log2(p: int) -> int:
@@ -107,9 +112,9 @@ def _time(kind: str, group: tuple[int, ...], nbytes: float, cluster: Cluster, wo
         return 0.0
     if world is not None and not set(group) <= world:
         raise CostModelError(f"{kind}: group {list(group)} is not inside the world of ranks 0..{len(world) - 1}")
-    if world is not None and cluster.subgroups == "world_exchange" and set(group) != world:
-        return exchange_time(kind, p, nbytes, tuple(sorted(world)), cluster)
     entry = kind_of(kind)
+    if world is not None and cluster.subgroups == "world_exchange" and (set(group) != world or entry.exchanged):
+        return exchange_time(kind, p, nbytes, tuple(sorted(world)), cluster)
     if kind in cluster.emulated:
         moved, copied = entry.emulation_bytes(p, nbytes)
         return _time(entry.emulated_by.value, group, moved, cluster, None) + local_copy_time(copied, cluster)

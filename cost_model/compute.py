@@ -21,16 +21,13 @@ from typing import Any
 
 from autopar.cost_model.cluster import Cluster, dtype_bytes
 from autopar.errors import CostModelError
+from autopar.spmd import trait_values
 
 Shape = Sequence[int]
 
-ELEMENTWISE = {  # FLOPs per output element
-    "add": 1, "subtract": 1, "multiply": 1, "divide": 1, "maximum": 1, "minimum": 1, "scale": 2,
-    "relu": 1, "sigmoid": 4, "tanh": 4, "exp": 1, "sqrt": 1, "square": 1, "gelu": 8, "silu": 5,
-    "dropout": 2, "cast": 0, "assign": 0, "full_like": 0,
-}  # fmt: skip
+ELEMENTWISE = trait_values("flops_per_element")  # FLOPs per output element, declared beside the ops' rules
 REDUCTIONS = ("sum", "mean", "max", "min", "reduce_sum", "reduce_mean", "prod")
-OPTIMIZERS = {"sgd": (2, 0), "momentum": (4, 1), "adam": (12, 2), "adamw": (14, 2)}  # FLOPs/elem, states
+OPTIMIZERS = trait_values("optimizer_cost")  # {"adam": (FLOPs per element, states), ...}, declared beside the rules
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.collective import CollectiveKind
-from autopar.collective_kinds import kind_of, point_to_point, step_kinds
+from autopar.collective_kinds import kind_of, moves_from, point_to_point, step_kinds
 from autopar.cost_model import comm
 from autopar.cost_model.cluster import Cluster, default_cluster, dtype_bytes
 from autopar.dist_attr import DistAttr
@@ -62,7 +62,8 @@ class ReshardStep:
     ``mesh_dims``: the mesh dims of ``src.mesh`` the step runs along (() for send_recv);
     ``groups``: the rank groups (send_recv: ``(from, to)`` pairs; broadcast: root first);
     ``tensor_dims``: gathered / scattered / sliced tensor dim, ``(from, to)`` for all_to_all;
-    ``reduce``: the reduction of all_reduce / reduce_scatter / make_partial.
+    ``reduce``: the reduction of all_reduce / reduce_scatter / make_partial; ``shift``: a
+    permute's ring shift (:func:`plan_ring_shift`).
     """
 
     kind: CollectiveKind
@@ -74,6 +75,7 @@ class ReshardStep:
     dst: DistAttr
     tensor_dims: tuple[int, ...] = ()
     reduce: str | None = None
+    shift: int = 0  # permute: each rank's piece goes to the rank ``shift`` places on in its group
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, CollectiveKind):
@@ -285,40 +287,58 @@ def _edges_cached(p: _Problem, attr: DistAttr) -> tuple[ReshardStep, ...]:
 
 
 def _partial_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...], kind: str) -> list[ReshardStep]:
-    """all_reduce; reduce_scatter onto any tensor dim, the new splits innermost in any order."""
-    out = [_step(p, CollectiveKind.ALL_REDUCE, dims, attr, _moved(attr, dims, Replicate()), reduce=kind)]
-    for t in range(len(p.shape)):
-        for order in itertools.permutations(dims):
-            new = _moved(attr, order, Shard(t))
-            if _contained(p, new, attr):
-                out.append(_step(p, CollectiveKind.REDUCE_SCATTER, order, attr, new, tensor_dims=(t,), reduce=kind))
+    """The table's moves out of ``Partial(kind)`` over ``dims`` (all_reduce; reduce_scatter onto
+    any tensor dim, the new splits innermost in any order)."""
+    out = []
+    for step_kind, target in moves_from(Partial):
+        if target is Replicate:
+            out.append(_step(p, step_kind, dims, attr, _moved(attr, dims, Replicate()), reduce=kind))
+        elif target is Shard:
+            out += _split_onto(p, attr, dims, step_kind, reduce=kind)
     return out
 
 
 def _shard_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...], t: int) -> list[ReshardStep]:
-    """all_gather / all_to_all of t's splits over ``dims``: the group runs in t's split order."""
+    """The table's moves out of t's splits over ``dims`` (all_gather; all_to_all onto another
+    tensor dim): the group runs in t's split order."""
     order = tuple(d for d in attr.mapping[t] if d in dims)
     out = []
-    new = _moved(attr, order, Replicate())
-    if _gathered(p, new, attr, order, t):
-        out.append(_step(p, CollectiveKind.ALL_GATHER, order, attr, new, tensor_dims=(t,)))
-    for u in range(len(p.shape)):
-        new = _moved(attr, order, Shard(u))
-        if u != t and _gathered(p, new, attr, order, t):
-            out.append(_step(p, CollectiveKind.ALL_TO_ALL, order, attr, new, tensor_dims=(t, u)))
+    for step_kind, target in moves_from(Shard):
+        if target is Replicate:
+            new = _moved(attr, order, Replicate())
+            if _gathered(p, new, attr, order, t):
+                out.append(_step(p, step_kind, order, attr, new, tensor_dims=(t,)))
+        elif target is Shard:
+            for u in range(len(p.shape)):
+                new = _moved(attr, order, Shard(u))
+                if u != t and _gathered(p, new, attr, order, t):
+                    out.append(_step(p, step_kind, order, attr, new, tensor_dims=(t, u)))
     return out
 
 
 def _replicate_edges(p: _Problem, attr: DistAttr, dims: tuple[int, ...]) -> list[ReshardStep]:
-    """slice onto any tensor dim (the new splits innermost, in any order); make_partial."""
+    """The table's moves out of whole copies over ``dims`` (slice onto any tensor dim, the new
+    splits innermost in any order; make_partial)."""
+    out = []
+    for step_kind, target in moves_from(Replicate):
+        if target is Shard:
+            out += _split_onto(p, attr, dims, step_kind)
+        elif target is Partial:
+            for kind in (k for k in p.kinds if _can_add_partial(attr, k)):
+                out.append(_step(p, step_kind, dims, attr, _moved(attr, dims, Partial(kind)), reduce=kind))
+    return out
+
+
+def _split_onto(p: _Problem, attr: DistAttr, dims: tuple[int, ...], kind: CollectiveKind, reduce: str | None = None) -> list[ReshardStep]:
+    """Steps of ``kind`` splitting any tensor dim over ``dims`` (innermost, in any order) where each
+    rank's new piece lies inside what it holds (slice, reduce_scatter)."""
     out = []
     for t in range(len(p.shape)):
         for order in itertools.permutations(dims):
             new = _moved(attr, order, Shard(t))
             if _contained(p, new, attr):
-                out.append(_step(p, CollectiveKind.SLICE, order, attr, new, tensor_dims=(t,)))
-    for kind in (k for k in p.kinds if _can_add_partial(attr, k)):
-        out.append(_step(p, CollectiveKind.MAKE_PARTIAL, dims, attr, _moved(attr, dims, Partial(kind)), reduce=kind))
+                extra = {"reduce": reduce} if reduce is not None else {}
+                out.append(_step(p, kind, order, attr, new, tensor_dims=(t,), **extra))
     return out
 
 
@@ -576,3 +596,20 @@ def _send(p: _Problem, src: DistAttr, dst: DistAttr, pairs: tuple[tuple[int, int
     for a, b in moving:
         per_sender[a] = per_sender.get(a, 0.0) + comm.collective_time(CollectiveKind.SEND_RECV, (a, b), nbytes, p.cluster)
     return ReshardStep(CollectiveKind.SEND_RECV, (), moving, nbytes, max(per_sender.values(), default=0.0), src, dst)
+
+
+def plan_ring_shift(
+    attr: DistAttr, mesh_dim: int, shape: Sequence[int], dtype: str = "float32", cluster: Cluster | None = None
+) -> ReshardStep:
+    """One ring shift of a value placed as ``attr`` along ``mesh_dim``: every group of that mesh
+    dim passes each rank's piece on to the next rank (a ``permute``, shift 1; ring attention's
+    key / value rotation). The placement stays ``attr`` (each rank then holds its neighbour's
+    piece); priced by the table's formula for the largest piece (the groups run at once)."""
+    if not 0 <= mesh_dim < attr.mesh.ndim:
+        raise CostModelError(f"ring shift of {attr}: mesh dim {mesh_dim} is not a dim of {attr.mesh}")
+    if cluster is None:
+        cluster = default_cluster().fitted(attr.mesh.ranks)
+    nbytes = max(math.prod(attr.local_shape(tuple(shape), r)) for r in attr.mesh.ranks) * dtype_bytes(dtype)
+    groups = mesh_groups(attr.mesh, (mesh_dim,))
+    time = comm.groups_time(CollectiveKind.PERMUTE, groups, nbytes, cluster)
+    return ReshardStep(CollectiveKind.PERMUTE, (mesh_dim,), groups, int(nbytes), time, attr, attr, shift=1)

@@ -1,5 +1,6 @@
 """Batch norm over a split batch with global statistics, equal to serial (stage: comm-inserted
--> statistics-rewritten).
+-> statistics-rewritten; the emitter of the lowering :data:`~autopar.spmd.batch_norm.BATCH_STATISTICS`
+the batch_norm rules declare, run by :mod:`autopar.passes.op_lowering`).
 
 The rules of :mod:`autopar.spmd.batch_norm` keep x's batch (and spatial) split through
 ``batch_norm`` / ``batch_norm_`` / ``batch_norm_grad``; Paddle's kernel would normalize each
@@ -22,7 +23,7 @@ the whole batch's count per channel, sums run over x's statistic dims:
 The in-place ``batch_norm_`` writes mean_out / variance_out into the running statistics
 (``assign_out_``), as the serial op does.
 
-``Strategy(local_batch_norm=True)`` (``BatchNormStats(local=True)``): classic per-rank batch
+``Strategy(local_batch_norm=True)`` (the ops' ``autopar.local_statistics`` attribute): classic per-rank batch
 norm, NOT equal to serial — each rank normalizes its rows with its own statistics, forward and
 backward run Paddle's own kernels, scale_grad / bias_grad are partial sums that join the
 gradient sync (rules: :data:`~autopar.spmd.batch_norm.LOCAL_STATISTICS`). The running mean /
@@ -52,16 +53,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from autopar.causes import in_layer, layer_of
 from autopar.collective import CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.graph import OpNode
-from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.base import CompileState, RankProgram
 from autopar.passes.reshard_emission import emit_step, replace_uses
-from autopar.spmd.batch_norm import SplitStatistics, split_statistics
+from autopar.spmd.batch_norm import SplitStatistics
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,48 +74,9 @@ class StatValue:
     dtype: str
 
 
-def split_ops(state: CompileState) -> list[tuple[OpNode, SplitStatistics]]:
-    """Every batch_norm (grad) op normalizing over rows split between ranks, in program order."""
-    found = []
-    for op in state.graph.ops:
-        result = state.propagation.op_results.get(op.index)
-        if result is None or not op.inputs or op.inputs[0] is None:
-            continue
-        split = split_statistics(op.name, op.attrs, result.inputs, state.graph.values[op.inputs[0]].shape)
-        if split is not None:
-            found.append((op, split))
-    return found
-
-
-@dataclass(frozen=True)
-class BatchNormStats(Pass):
-    """``local``: per-rank statistics (``Strategy(local_batch_norm=True)``, see the module
-    docstring): the ops keep Paddle's kernels, only the running statistics are averaged."""
-
-    local: bool = False
-
-    name: ClassVar[str] = "batch_norm_stats"
-    plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
-    emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
-    emit_ensures: ClassVar[str] = "statistics-rewritten"
-
-    def plan(self, state: CompileState) -> None:
-        state.rewrite_dim_sets.update(tuple(split.mesh_dims) for _, split in split_ops(state))
-
-    def emit(self, state: CompileState, rp: RankProgram) -> None:
-        import paddle
-
-        with paddle.static.program_guard(rp.program):
-            for op, split in split_ops(state):
-                if (
-                    rp.rank in state.propagation.op_meshes.get(op.index, state.mesh).ranks
-                    and rp.ops[op.index] is not None
-                ):
-                    _rewrite(state, rp, op, split)
-            paddle.pir.reset_insertion_point_to_end()
-
-
-def _rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitStatistics) -> None:
+def rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitStatistics) -> None:
+    """Replace ``op`` in ``rp`` by its global-statistics form, or (local statistics) average its running
+    statistics after it (the emitter of :data:`~autopar.spmd.batch_norm.BATCH_STATISTICS`)."""
     import paddle
 
     serial = rp.ops[op.index]

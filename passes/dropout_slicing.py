@@ -1,5 +1,7 @@
 """Dropout slicing: a training dropout on a split input applies exactly its slice of the serial
-mask, with no communication (stage: comm-inserted -> dropout-sliced).
+mask, with no communication (stage: comm-inserted -> dropout-sliced; the emitter of the lowering
+:data:`~autopar.spmd.dropout.DROPOUT_SLICES` dropout's rule declares, run by
+:mod:`autopar.passes.op_lowering`).
 
 Paddle's dropout draws its mask from the op's fixed seed over the *local* shape, so a rank
 holding rows 4..7 would draw the serial mask's rows 0..3. The rule
@@ -14,7 +16,7 @@ Micro-batches are the same split along time: micro-batch ``k`` of ``m`` holds bl
 the dim micro-batching splits (:mod:`autopar.rewrites.micro_batching`), and every micro-batch
 runs the same program. So under micro-batching the mask is drawn over the whole step's shape
 (one micro-batch's times ``m`` along that dim), block ``k`` is cut out with ``k`` read from the
-feed :data:`~autopar.rewrites.micro_batching.MICRO_BATCH_FEED` (the pipeline runner feeds each
+feed :data:`~autopar.feed_names.MICRO_BATCH_FEED` (the pipeline runner feeds each
 micro-batch its number), and then the rank's box of the micro-batch (pp x dp: its dp shard)::
 
     scaled = dropout(ones(step shape), seed, p)[block k][box]
@@ -26,53 +28,19 @@ each micro-batch) the elementwise work of the whole tensor; it moves no bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.feed_names import MICRO_BATCH_FEED
+from autopar.graph import OpNode
+from autopar.passes.base import CompileState, RankProgram
 from autopar.passes.reshard_emission import replace_uses
-from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
+from autopar.spmd.dropout import SlicedDropout
 
 
-def sliced_dropouts(state: CompileState) -> list[Any]:
-    """Training dropouts whose input the propagation left split, or micro-batching split
-    (program order)."""
-    found = []
-    for op in state.graph.ops:
-        if op.name != "pd_op.dropout" or op.attrs.get("is_test", False) or op.index not in state.propagation.op_results:
-            continue
-        required = state.propagation.op_results[op.index].inputs[0]
-        if (required is not None and required.sharded_mesh_dims()) or _micro_dim(state, op) is not None:
-            found.append(op)
-    return found
-
-
-def _micro_dim(state: CompileState, op: Any) -> int | None:
-    """The dim of ``op``'s input split into micro-batches (None: not micro-batched)."""
-    if state.micro is None or op.inputs[0] not in state.micro.placements:
-        return None
-    return state.micro.split_dim(op.inputs[0])
-
-
-@dataclass(frozen=True)
-class DropoutSlicing(Pass):
-    name: ClassVar[str] = "dropout_slicing"
-    emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
-    emit_ensures: ClassVar[str] = "dropout-sliced"
-
-    def emit(self, state: CompileState, rp: RankProgram) -> None:
-        import paddle
-
-        micro_batch: list[Any] = []  # the rank program's micro-batch number feed, made at its first use
-        with paddle.static.program_guard(rp.program):
-            for op in sliced_dropouts(state):
-                if rp.ops[op.index] is not None and rp.rank in state.propagation.op_meshes[op.index].ranks:
-                    _slice(state, rp, op, micro_batch)
-            paddle.pir.reset_insertion_point_to_end()
-
-
-def _slice(state: CompileState, rp: RankProgram, op: Any, micro_batch: list[Any]) -> None:
+def rewrite(state: CompileState, rp: RankProgram, op: OpNode, sliced: SlicedDropout) -> None:
+    """Replace the dropout ``op`` in ``rp`` by its box of the serial mask (the emitter of
+    :data:`~autopar.spmd.dropout.DROPOUT_SLICES`)."""
     import paddle
 
     serial = rp.ops[op.index]
@@ -81,23 +49,22 @@ def _slice(state: CompileState, rp: RankProgram, op: Any, micro_batch: list[Any]
     shape = list(value.shape)  # one micro-batch's (the whole step's without micro-batching)
     attrs = op.attrs
     paddle.pir.set_insertion_point(serial)
-    dim = _micro_dim(state, op)
+    dim = sliced.micro_dim
     drawn = list(value.program_shape) if dim is not None else shape
     ones = paddle._C_ops.full(drawn, 1.0, x.dtype, paddle.CPUPlace())
     seed = seed_tensor if seed_tensor.initialized() else None
     whole = paddle._C_ops.dropout(ones, seed, p, False, attrs["mode"], attrs["seed"], attrs["fix_seed"])
     scaled, mask = whole, whole.get_defining_op().result(1)
     if dim is not None:  # this micro-batch's block of the step's mask: rows [k * n, (k + 1) * n) of dim ``dim``
-        if not micro_batch:
-            micro_batch.append(paddle._pir_ops.data(MICRO_BATCH_FEED, [1], paddle.int64, paddle.CPUPlace()))
         if drawn[dim] != shape[dim] * state.micro.count:
             raise AutoparError(
                 f"{op} (training dropout): dim {dim} of its input {value.label} {drawn} is not {state.micro.count} "
                 f"micro-batches of {shape[dim]} rows, so a micro-batch's rows of the serial mask are no block of it"
             )
+        micro_batch = _micro_batch_feed(rp)
         rows = float(shape[dim])
-        start = paddle._C_ops.scale(micro_batch[0], rows, 0.0, True)
-        stop = paddle._C_ops.scale(micro_batch[0], rows, rows, True)
+        start = paddle._C_ops.scale(micro_batch, rows, 0.0, True)
+        stop = paddle._C_ops.scale(micro_batch, rows, rows, True)
         scaled, mask = (_shaped(paddle._C_ops.slice(t, [dim], start, stop, [-1], []), shape) for t in (scaled, mask))
     box = state.propagation.op_results[op.index].inputs[0].local_slices(shape, rp.rank)
     axes = [t for t, s in enumerate(box) if (s.start, s.stop) != (0, shape[t])]
@@ -120,3 +87,13 @@ def _shaped(value: Any, shape: list[int]) -> Any:
 
     value.set_type(paddle.pir.create_shaped_type(value.type(), shape))
     return value
+
+
+def _micro_batch_feed(rp: RankProgram) -> Any:
+    """The rank program's micro-batch number feed, made at its first use."""
+    import paddle
+
+    for op in rp.program.global_block().ops:
+        if op.name() == "pd_op.data" and op.attrs().get("name") == MICRO_BATCH_FEED:
+            return op.result(0)
+    return paddle._pir_ops.data(MICRO_BATCH_FEED, [1], paddle.int64, paddle.CPUPlace())

@@ -122,7 +122,7 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
             kind=step.kind, group=group, key=key, value=value.label, src=step.src, dst=step.dst,
             shape=tuple(value.shape), output_shape=tuple(local), bytes=step.bytes, time=step.time, reason=reason,
             reduce=step.reduce or "sum", axis=axis, split_axis=split_axis,
-            root=0, dtype=value.dtype,
+            root=0, dtype=value.dtype, shift=step.shift,
         )  # fmt: skip
         ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
         out = collective_op(collective, x, ring)

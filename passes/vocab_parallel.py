@@ -1,5 +1,7 @@
 """Vocabulary-parallel rewrite: ops whose local kernel is wrong on a split row are replaced,
-in each rank's program, by what that rank must compute (stage: comm-inserted -> rows-rewritten).
+in each rank's program, by what that rank must compute (stage: comm-inserted -> rows-rewritten;
+the emitter of the lowering :data:`~autopar.spmd.vocab_parallel.VOCAB_ROWS` that the rules of
+embedding, softmax and cross-entropy declare, run by :mod:`autopar.passes.op_lowering`).
 
 The SPMD rules keep a table's vocabulary split (embedding) and a split normalized axis
 (softmax, log_softmax, cross-entropy over class-split logits: Megatron's LM head), see
@@ -26,16 +28,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from autopar.causes import in_layer, layer_of, value_layer
 from autopar.collective import CollectiveKey
 from autopar.cost_model import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.graph import OpNode
-from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.base import CompileState, RankProgram
+from autopar.passes.lowered_ops import lowered_ops
 from autopar.passes.reshard_emission import emit_step, replace_uses
-from autopar.spmd.vocab_parallel import SplitRow, decompose, local_padding, split_row
+from autopar.spmd.vocab_parallel import VOCAB_ROWS, SplitRow, decompose, local_padding
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,39 +52,11 @@ class RowValue:
 
 def split_rows(state: CompileState) -> list[tuple[OpNode, SplitRow]]:
     """Every op of the program whose local kernel is wrong on its placements, in program order."""
-    found = []
-    for op in state.graph.ops:
-        result = state.propagation.op_results.get(op.index)
-        split = split_row(op.name, op.attrs, result.inputs) if result is not None else None
-        if split is not None:
-            found.append((op, split))
-    return found
+    return [(op, split) for _, op, split in lowered_ops(state, VOCAB_ROWS)]
 
 
-@dataclass(frozen=True)
-class VocabParallel(Pass):
-    name: ClassVar[str] = "vocab_parallel"
-    plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
-    emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
-    emit_ensures: ClassVar[str] = "rows-rewritten"
-
-    def plan(self, state: CompileState) -> None:
-        state.rewrite_dim_sets.update(tuple(split.mesh_dims) for _, split in split_rows(state))
-
-    def emit(self, state: CompileState, rp: RankProgram) -> None:
-        import paddle
-
-        with paddle.static.program_guard(rp.program):
-            for op, split in split_rows(state):
-                if (
-                    rp.rank in state.propagation.op_meshes.get(op.index, state.mesh).ranks
-                    and rp.ops[op.index] is not None
-                ):
-                    _rewrite(state, rp, op, split)
-            paddle.pir.reset_insertion_point_to_end()
-
-
-def _rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitRow) -> None:
+def rewrite(state: CompileState, rp: RankProgram, op: OpNode, split: SplitRow) -> None:
+    """Replace ``op`` in ``rp`` by its decomposition (the emitter of :data:`VOCAB_ROWS`)."""
     import paddle
 
     serial = rp.ops[op.index]

@@ -15,7 +15,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from autopar.spmd import RULES, SpmdRule
+from autopar.spmd import RULES, SpmdRule, trait_values
+from autopar.spmd.registry import TRAIT_MEANINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "ops.md"
@@ -97,6 +98,8 @@ def _notes(rule: SpmdRule) -> str:
         notes.append("Local result rescaled.")
     if rule.free_outputs:
         notes.append("Outputs made in any split a reader fixes.")
+    if rule.lowering is not None:
+        notes.append(f"Lowered per rank where its kernel is wrong on the piece: `{rule.lowering}`.")
     return " ".join(n for n in notes if n).replace("|", "\\|")
 
 
@@ -124,7 +127,29 @@ def render() -> str:
             ops = ", ".join(f"`{n}`" for n in op_names)
             lines.append(f"| {ops} | {kind} | {partial} | {notes} |")
         lines.append("")
+    lines += _traits()
     return "\n".join(lines)
+
+
+def _traits() -> list[str]:
+    """The op traits other stages ask (``ops_where(trait)``), with the ops declaring each."""
+    lines = [
+        "## What other stages know of ops (`autopar.spmd.registry.declare`)\n",
+        "Declared beside each op's rule (ops without a rule: `autopar/spmd/op_traits.py`); a stage asks "
+        '`ops_where("keeps_split")`, never a table of its own '
+        "(`tests/unit/test_op_tables_in_registry.py`).\n",
+        "| trait | meaning | ops |",
+        "|---|---|---|",
+    ]
+    for trait, meaning in sorted(TRAIT_MEANINGS.items()):
+        values = trait_values(trait)
+        if all(isinstance(v, bool) for v in values.values()):
+            ops = ", ".join(f"`{n}`" for n, v in values.items() if v)
+        else:
+            ops = ", ".join(f"`{n}` {v}" for n, v in values.items())
+        lines.append(f"| `{trait}` | {meaning} | {ops} |")
+    lines.append("")
+    return lines
 
 
 def main() -> None:

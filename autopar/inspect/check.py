@@ -35,11 +35,12 @@ import numpy as np
 from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.rank_plan import ValueKey
+from autopar.spmd import ops_where
 
 EPS = {"float64": 2.3e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.9e-3}
 SUMMING = ("softmax", "norm", "mean", "sum", "cross_entropy", "logsumexp", "max", "min", "prod", "cumsum")
 MOVES = ("reshape", "transpose", "flatten", "squeeze", "assign", "slice", "concat", "split", "cast", "stack", "unbind", "expand")
-MATMULS = ("matmul", "matmul_grad", "linear", "bmm", "fused_gemm_epilogue")
+MATMULS = ops_where("contracts", short=True)
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,11 @@ from typing import Any
 from autopar.cost_model import MemoryEstimate, TensorInfo, memory_per_rank, op_cost_or_traffic, tensor_bytes
 from autopar.cost_model.cluster import profile_origin
 from autopar.graph import Role
+from autopar.spmd import ops_where
 from autopar.units import format_bytes, format_time
 
-FREE_OPS = frozenset({
-    "pd_op.data", "builtin.parameter", "pd_op.full_int_array", "pd_op.full", "builtin.combine", "builtin.split",
-    "builtin.shadow_output", "pd_op.fetch",
-})  # fmt: skip
-COLLECTIVE_OPS = frozenset({"pd_op.all_reduce", "pd_op.all_gather", "pd_op.reduce_scatter", "pd_op.all_to_all"})
+FREE_OPS = ops_where("free")  # feeds, parameters, constants, builtin plumbing: no kernel time
+COLLECTIVE_OPS = ops_where("collective")
 
 
 @dataclass(frozen=True, slots=True)

@@ -487,6 +487,14 @@ class Decisions:
         times = rank_times(self._state, self._state.mesh.ranks)
         return times, step_price(self._state, times)
 
+    def price(self) -> Price:
+        """The step's :class:`Price` as the search prices a candidate (:func:`autopar.pricing.price`:
+        the first and last rank of each pipeline rank's mesh stand for it; ``priced()`` asks every
+        rank). What ``autopar.suggest`` ranks plans by."""
+        from autopar.pricing import price
+
+        return price(self._state)
+
     def recompute(self) -> Recomputation | None:
         """Recompute's rewrite and report (:class:`~autopar.rewrites.recompute.Recomputation`: ``print``
         it), or None."""

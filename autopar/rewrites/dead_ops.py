@@ -10,7 +10,7 @@ name what was removed.
 
 A value the user fetches may be one nothing reads (a metric: ``paddle.static.accuracy``):
 ``autopar.keep(value)`` keeps it and the ops making it; fetching a removed value is refused by
-name, saying so (:func:`removed_error`).
+name, saying so (:func:`autopar.errors.removed_error`).
 
 Live, whatever reads them: every op of a program without backward (its results are what the
 user fetches), every backward and optimizer op, a forward op a grad op differentiates (the
@@ -29,17 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.rewrites.recompute import RANDOM_OPS
+from autopar.spmd import ops_where
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-SIDE_EFFECT_OPS = frozenset(
-    {"print", "barrier", "send_v2", "recv_v2", "p_send", "p_recv", "all_reduce", "all_gather", "broadcast"}
-)
+SIDE_EFFECT_OPS = ops_where("side_effect", short=True)  # never dead: they act beyond their results
 SHOWN = 6  # removed ops named in the one-line report
 
 
@@ -121,11 +119,3 @@ def dead_ops(program: Any, graph: ProgramGraph, keep: frozenset[str] = frozenset
         count += alive
     removed = tuple(str(graph.ops[i]) for i, alive in enumerate(live) if not alive)
     return Pruned(work, tuple(positions), removed, values)
-
-
-def removed_error(label: str) -> AutoparError:
-    """The refusal of a fetch of a value removed as dead."""
-    return AutoparError(
-        f"{label} was removed as dead before analysis: nothing in the program reads it. To fetch it, "
-        "call autopar.keep(value) while building the program, before autopar.compile"
-    )

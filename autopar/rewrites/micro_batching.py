@@ -19,7 +19,7 @@ An op that needs a value whole over the batch before the optimizer (batch statis
 reshape folding the batch into another dim) cannot run one micro-batch at a time: refused
 by name. A training dropout can: each micro-batch applies its rows of the serial whole-batch
 mask (:mod:`autopar.passes.dropout_slicing` draws it and picks them by the micro-batch's
-number, fed as :data:`MICRO_BATCH_FEED`).
+number, fed as :data:`autopar.feed_names.MICRO_BATCH_FEED`).
 """
 
 from __future__ import annotations
@@ -33,15 +33,12 @@ from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, ReshardNeed, SiteKind, propagate
 from autopar.rewrites.whole_feeds import WHOLE_BATCH, feed_only
-from autopar.spmd import RuleContext, TensorSpec, get_rule
+from autopar.spmd import RuleContext, TensorSpec, get_rule, ops_where
 from autopar.spmd.base import SpmdRule
 from autopar.spmd.batch_norm import split_statistics
 from autopar.spmd.vocab_parallel import split_row
 
-SHAPE_ATTR_OPS = ("pd_op.reshape", "pd_op.reshape_", "pd_op.full", "pd_op.expand")
-# the feed holding the number of the micro-batch a pipelined program runs (int64, shape [1]): the
-# runner feeds it per micro-batch; a training dropout picks that micro-batch's rows of its mask
-MICRO_BATCH_FEED = "autopar.micro_batch"
+SHAPE_ATTR_OPS = ops_where("shape_attr")  # (reshape, full, expand)
 
 
 @dataclass(frozen=True)

@@ -61,16 +61,14 @@ from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, Role, ValueKey
 from autopar.layer_paths import call_class, match_end, path_of, repeated_depth
 from autopar.op_kinds import SOURCE_OPS
+from autopar.spmd import ops_where
 from autopar.units import format_bytes
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
 # ops that draw random numbers: a clone would draw again (dropout is recomputed from its mask)
-RANDOM_OPS = frozenset({
-    "uniform", "gaussian", "randint", "randperm", "bernoulli", "multinomial", "poisson", "rrelu",
-    "truncated_gaussian_random", "fused_dropout_add", "class_center_sample", "exponential_", "dirichlet",
-})  # fmt: skip
+RANDOM_OPS = ops_where("random", short=True)
 
 
 @dataclass(frozen=True, slots=True)

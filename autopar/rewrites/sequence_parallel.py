@@ -40,12 +40,10 @@ from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult
+from autopar.spmd import ops_where
 
-# ops whose output row (sequence position) depends only on the same row of their inputs
-SEQUENCE_LOCAL = frozenset({
-    "add", "add_", "subtract", "subtract_", "multiply", "multiply_", "divide", "divide_", "scale", "scale_",
-    "cast", "layer_norm", "rms_norm", "dropout", "relu", "gelu", "silu", "tanh", "sigmoid", "add_n",
-})  # fmt: skip
+# ops whose output row (sequence position) depends only on the same row of their inputs (declared beside their rules)
+SEQUENCE_LOCAL = ops_where("sequence_local", short=True)
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-SHAPE_OPS = ("pd_op.shape", "pd_op.shape64")
+from autopar.spmd import ops_where
+
+SHAPE_OPS = ops_where("shape_read")  # (pd_op.shape, pd_op.shape64)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autopar.feed_names import WHOLE_BATCH
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS
@@ -25,8 +26,6 @@ from autopar.rewrites.recompute import clone_reading
 
 if TYPE_CHECKING:
     from paddle.pir import Program
-
-WHOLE_BATCH = "@whole_batch"
 
 
 def feed_only(graph: ProgramGraph, key: ValueKey) -> bool:

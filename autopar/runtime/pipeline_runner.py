@@ -30,10 +30,9 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
+from autopar.feed_names import MICRO_BATCH_FEED, WHOLE_BATCH
 from autopar.index_feeds import check_index_feed
 from autopar.rank_plan import RankPlan, ValueKey
-from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
-from autopar.rewrites.whole_feeds import WHOLE_BATCH
 from autopar.runtime.host_plan import HostPlan, build_host_plan
 from autopar.runtime.jobs import Segment
 from autopar.runtime.rank_runner import _RUNNERS, RankRunner

@@ -44,8 +44,8 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.collective_kinds import KINDS, perform_for, point_to_point
 from autopar.errors import AutoparError
+from autopar.host_comm import ENV, choice, x86_64
 from autopar.rank_status import WATCHDOG_MARGIN, collective_timeout, waiting
-from autopar.runtime.host_comm import ENV, choice, x86_64
 from autopar.runtime.jobs import ScopeCall, collective_label
 
 T = TypeVar("T")

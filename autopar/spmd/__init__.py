@@ -1,6 +1,8 @@
 """SPMD rules: one module per op family, all registered in :mod:`autopar.spmd.registry`.
 
-Import order does not matter; each module registers its own op names once.
+Import order does not matter; each module registers its own op names once, with what other
+stages know of them (``declare``: traits asked as ``ops_where(trait)``; ops without a rule in
+:mod:`.op_traits`) and the per-op lowering a rule needs (:mod:`.lowering`).
 """
 
 from autopar.spmd import (  # noqa: F401  (registration)
@@ -21,6 +23,7 @@ from autopar.spmd import (  # noqa: F401  (registration)
     metrics,
     norm,
     norm_clip,
+    op_traits,
     optimizer,
     pad_repeat,
     reduction,
@@ -28,6 +31,9 @@ from autopar.spmd import (  # noqa: F401  (registration)
     softmax,
 )
 from autopar.spmd.base import Conflict, RuleContext, RuleResult, SpmdRule, TensorSpec
-from autopar.spmd.registry import RULES, get_rule, register, register_rule
+from autopar.spmd.registry import RULES, declare, get_rule, lowerings, ops_where, register, register_rule, trait_values
 
-__all__ = ["RULES", "Conflict", "RuleContext", "RuleResult", "SpmdRule", "TensorSpec", "get_rule", "register", "register_rule"]
+__all__ = [
+    "RULES", "Conflict", "RuleContext", "RuleResult", "SpmdRule", "TensorSpec", "declare", "get_rule", "lowerings",
+    "ops_where", "register", "register_rule", "trait_values",
+]  # fmt: skip

@@ -31,6 +31,7 @@ from typing import Any
 
 from autopar.dist_attr import DistAttr
 from autopar.mesh import ProcessMesh
+from autopar.spmd.lowering import Lowering
 
 LINEAR_KINDS = ("sum", "avg")
 
@@ -106,6 +107,9 @@ class SpmdRule:
     # (``infer_backward`` says how): a fill, an expand of a broadcast dim. Propagation then
     # makes a fixed output directly instead of making it whole and slicing it
     free_outputs: bool = False
+    # the per-rank rewrite its ops need where the local kernel is wrong on the placements this rule
+    # keeps (autopar.spmd.lowering); None: Paddle's kernel is right on every rank's piece
+    lowering: Lowering | None = None
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         raise NotImplementedError

@@ -1,5 +1,5 @@
-"""batch_norm, batch_norm_ and batch_norm_grad (stage: propagate -> the per-rank rewrite of
-:mod:`autopar.passes.batch_norm_stats`).
+"""batch_norm, batch_norm_ and batch_norm_grad (stage: propagate -> the per-rank lowering
+:data:`BATCH_STATISTICS`, emitted by :mod:`autopar.passes.batch_norm_stats`).
 
 Letters for NCHW (``c`` the channel; NHWC / NLC put it last, a 2-D input is ``nc``):
 
@@ -54,8 +54,9 @@ from autopar.spmd.base import (
     einsum_forward,
     einsum_grad,
 )
+from autopar.spmd.lowering import Lowering, OpSite
 from autopar.spmd.operands import LETTERS, letters, without_partial
-from autopar.spmd.registry import op_key, register
+from autopar.spmd.registry import declare, op_key, register
 
 CHANNEL_LAST = ("NHWC", "NDHWC", "NLC", "NWC")
 
@@ -82,6 +83,19 @@ def batch_statistics(attrs: Mapping[str, Any]) -> bool:
     return not (test_mode or bool(attrs.get("use_global_stats", False)))
 
 
+def _match_statistics(site: OpSite) -> SplitStatistics | None:
+    x_shape = site.shapes[0] if site.shapes else None
+    return None if x_shape is None else split_statistics(site.name, site.attrs, site.inputs, x_shape)
+
+
+def _statistics_group(split: SplitStatistics) -> tuple[int, ...]:
+    return split.mesh_dims
+
+
+# declared by the batch_norm rules; emitted by autopar.passes.batch_norm_stats
+BATCH_STATISTICS = Lowering("batch_norm_stats", "statistics-rewritten", order=1, match=_match_statistics, group=_statistics_group)
+
+
 def _letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
     """Letters of x and of the per-channel vectors."""
     return letters(ndim), LETTERS[channel_axis(ndim, attrs)]
@@ -105,6 +119,8 @@ def _spread(result: RuleResult, kept: Sequence[int], count: int) -> tuple[DistAt
 class BatchNormRule(SpmdRule):
     """``nchw,c,c,c,c -> nchw,c,c,c,c,1`` (see the module docstring); outputs complete. Not
     data: the statistics' pending sums are the batch-statistics rewrite's, not the reader's."""
+
+    lowering = BATCH_STATISTICS
 
     def _eq(self, inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> tuple[list[int], str, list[str]]:
         x, c = _letters(inputs[0].ndim, attrs)
@@ -133,6 +149,8 @@ class BatchNormGradRule(SpmdRule):
     """``nchw,c,c,c,c,c,c,1,nchw -> nchw,c,c``; with batch statistics every input is required
     complete and scale_grad / bias_grad come out complete (the rewrite all-reduces them). Not
     data: which partials remain depends on batch vs running vs local statistics."""
+
+    lowering = BATCH_STATISTICS
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         x, c = _letters(inputs[0].ndim, attrs)
@@ -181,3 +199,6 @@ def split_statistics(
         return None
     count = math.prod(int(x_shape[d]) for d in axes)
     return SplitStatistics(key, channel, axes, dims, count, local_statistics(attrs))
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("batch_norm", "batch_norm_", normalizing=True)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec
-from autopar.spmd.registry import register
+from autopar.spmd.registry import declare, register
 
 
 @register("shadow_output", "fetch", "print")
@@ -25,3 +25,7 @@ class ReadAsIsRule(SpmdRule):
             None if s is None else (s.dist if s.dist is not None else DistAttr.replicated(ctx.mesh, s.ndim)) for s in inputs
         )
         return RuleResult(required, tuple(required[:1]))  # fetch / print pass their operand on
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("fetch", free=True)
+declare("print", side_effect=True)

@@ -26,7 +26,7 @@ from autopar.spmd.base import TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import axes_attr, axis_attr, letters
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 
 def _concat_equation(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -98,3 +98,9 @@ def _slice_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) 
 
 
 register_rule(EquationGradRule(_slice_grad_letters, grad=1, tensors=2, shape_only=()), "slice_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("concat", keeps_split=True, norm_plumbing=True)
+declare("slice", keeps_split=True, passes_ids=True, to_loss=True)
+declare("split", "split_with_num", "unbind", keeps_split=True)
+declare("split", "split_with_num", takes_apart=True)

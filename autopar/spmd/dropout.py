@@ -18,13 +18,15 @@ dropout_grad multiplies out_grad by the mask: elementwise, linear in out_grad.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.spmd.base import RuleContext, RuleResult, TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
+from autopar.spmd.lowering import Lowering, OpSite
 from autopar.spmd.operands import letters
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, op_key, register_rule
 
 
 def _dropout(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -36,6 +38,30 @@ def _dropout(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
 def _dropout_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """``(mask, out_grad, p) -> x_grad``: ``abcd,abcd -> abcd``."""
     return [letters(inputs[0].ndim)] * 2
+
+
+@dataclass(frozen=True, slots=True)
+class SlicedDropout:
+    """A training dropout each rank applies its box of the serial mask with; ``micro_dim``: the
+    dim of its input micro-batching splits (the mask is then drawn over the whole step)."""
+
+    micro_dim: int | None
+
+
+def sliced_dropout(site: OpSite) -> SlicedDropout | None:
+    """The slicing a training dropout needs: its input split between ranks or micro-batches
+    (None: the local kernel draws the serial mask)."""
+    if op_key(site.name) != "dropout" or site.attrs.get("is_test", False):
+        return None
+    required = site.inputs[0] if site.inputs else None
+    micro_dim = site.micro_dims[0] if site.micro_dims else None
+    if (required is not None and required.sharded_mesh_dims()) or micro_dim is not None:
+        return SlicedDropout(micro_dim)
+    return None
+
+
+# declared by dropout's rule; emitted by autopar.passes.dropout_slicing (no collective)
+DROPOUT_SLICES = Lowering("dropout_slicing", "dropout-sliced", order=2, match=sliced_dropout)
 
 
 class DropoutRule(EinsumRule):
@@ -50,5 +76,8 @@ class DropoutRule(EinsumRule):
         return super().infer_forward(inputs, attrs, ctx)
 
 
-register_rule(DropoutRule(_dropout, tensors=1), "dropout")
+register_rule(DropoutRule(_dropout, tensors=1), "dropout", lowering=DROPOUT_SLICES)
 register_rule(EquationGradRule(_dropout_grad_letters, grad=1, tensors=2, shape_only=()), "dropout_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("dropout", flops_per_element=2, keeps_split=True, sequence_local=True)

@@ -47,7 +47,7 @@ from autopar.spmd.base import (
 )  # fmt: skip
 from autopar.spmd.letters import ALPHABET, broadcast_letters, equation
 from autopar.spmd.operands import replicated
-from autopar.spmd.registry import register
+from autopar.spmd.registry import declare, register
 
 
 def parse(text: str, shapes: Sequence[Sequence[int]]) -> tuple[list[str], str] | None:
@@ -162,4 +162,5 @@ def _check_agreement(names: Sequence[str], shapes: Sequence[TensorSpec], ctx: Ru
             if c == "1" and dims:
                 raise AutoparError(f"{ctx.op_name or 'einsum_grad'}: an x_shape operand is split on a dim the equation keeps whole")
 
-
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("einsum", matmul_like=True)

@@ -14,7 +14,7 @@ from autopar.spmd.base import RuleContext, RuleResult, TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
 from autopar.spmd.operands import keep_pending, letters
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 
 def broadcast_equation(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -120,3 +120,33 @@ register_rule(EquationGradRule(_same_grad_letters, grad=-1, tensors=3, shape_onl
 # same count, and its sum does not carry a pending sum into ops that would move more bytes (a
 # weight gradient larger than the activation)
 register_rule(EinsumRule(broadcast_equation, linearity="alike", alike_from=2), "add_n")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("abs", "elementwise_pow", "pow", keeps_split=True, to_loss=True)
+declare("add", flops_per_element=1, keeps_split=True, norm_plumbing=True, sequence_local=True, to_loss=True)
+declare("add_", "divide_", "multiply_", "scale_", "subtract_", sequence_local=True)
+declare("add_n", norm_plumbing=True, sequence_local=True)
+declare("assign", flops_per_element=0, keeps_split=True, passes_ids=True)
+declare(
+    "cast",
+    flops_per_element=0, keeps_split=True, norm_plumbing=True, passes_ids=True, rescales=True, sequence_local=True, to_loss=True,
+)
+declare("cos", "equal", "greater_than", "less_than", "logical_not", "not_equal", "rsqrt", "sin", keeps_split=True)
+declare(
+    "divide",
+    flops_per_element=1, keeps_split=True, norm_plumbing=True, rescales=True, sequence_local=True, to_loss=True,
+)
+declare("exp", "minimum", flops_per_element=1, keeps_split=True)
+declare("gelu", flops_per_element=8, keeps_split=True, sequence_local=True)
+declare("maximum", "sqrt", flops_per_element=1, keeps_split=True, norm_plumbing=True)
+declare("multiply", flops_per_element=1, keeps_split=True, rescales=True, sequence_local=True, to_loss=True)
+declare("relu", flops_per_element=1, keeps_split=True, sequence_local=True)
+declare(
+    "scale",
+    flops_per_element=2, keeps_split=True, norm_plumbing=True, rescales=True, sequence_local=True, to_loss=True,
+)
+declare("sigmoid", flops_per_element=4, keeps_split=True, sequence_local=True, to_loss=True)
+declare("silu", flops_per_element=5, keeps_split=True, sequence_local=True)
+declare("square", flops_per_element=1, keeps_split=True, to_loss=True)
+declare("subtract", flops_per_element=1, keeps_split=True, sequence_local=True, to_loss=True)
+declare("tanh", flops_per_element=4, keeps_split=True, sequence_local=True)

@@ -24,6 +24,7 @@ from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import letters
 from autopar.spmd.registry import register_rule
+from autopar.spmd.vocab_parallel import VOCAB_ROWS
 
 
 def embedding_letters(ids_ndim: int) -> tuple[str, str, str]:
@@ -44,5 +45,7 @@ def _embedding_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, An
     return list(embedding_letters(inputs[0].ndim))
 
 
-register_rule(EinsumRule(_embedding), "embedding")
-register_rule(EquationGradRule(_embedding_grad_letters, grad=2, results=(1,), shape_only=()), "embedding_grad")
+register_rule(EinsumRule(_embedding), "embedding", lowering=VOCAB_ROWS)
+register_rule(
+    EquationGradRule(_embedding_grad_letters, grad=2, results=(1,), shape_only=()), "embedding_grad", lowering=VOCAB_ROWS
+)

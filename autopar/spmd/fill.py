@@ -20,7 +20,7 @@ from typing import Any
 from autopar.dist_attr import DistAttr
 from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec
 from autopar.spmd.operands import replicated, without_partial
-from autopar.spmd.registry import register
+from autopar.spmd.registry import declare, register
 
 
 def _out_ndim(attrs: Mapping[str, Any], default: int, inputs: Sequence[TensorSpec | None] = ()) -> int:
@@ -100,3 +100,10 @@ class AssignValueRule(SpmdRule):
             tuple(replicated(ctx, s) for s in inputs),
             (DistAttr.replicated(ctx.mesh, _out_ndim(attrs, inputs[0].ndim)),),
         )
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("assign_value_", neutral_source=True)
+declare("full", "full_int_array", free=True, neutral_source=True)
+declare("full", shape_attr=True)
+declare("full", "full_like", loss_seed=True)
+declare("full_like", flops_per_element=0, keeps_split=True, neutral_source=True)

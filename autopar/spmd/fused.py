@@ -53,7 +53,7 @@ from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec, ein
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
 from autopar.spmd.operands import letters, spread
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.registry import declare, register, register_rule
 
 Names = Sequence[str | None]
 
@@ -274,3 +274,7 @@ def _flash_attn_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping
 
 
 register_rule(EquationGradRule(_flash_attn_grad_letters, grad=7, results=(0, 1, 2), shape_only=()), "flash_attn_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("flash_attn", "fused_rotary_position_embedding", "swiglu", keeps_split=True)
+declare("rms_norm", normalizing=True, sequence_local=True)

@@ -37,7 +37,7 @@ from autopar.spmd.elementwise import broadcast_equation, same_equation
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
 from autopar.spmd.operands import letters, replicated, spread
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.registry import declare, register, register_rule
 
 
 def expand_target(x_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -179,3 +179,8 @@ register_rule(EquationGradRule(_tile_grad_letters, grad=1, tensors=2, shape_only
 register_rule(EinsumRule(broadcast_equation), "where")
 register_rule(EinsumRule(broadcast_equation), "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor")
 register_rule(EinsumRule(same_equation, tensors=1), "bitwise_not")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("arange", neutral_source=True)
+declare("expand", "tile", "tril", "triu", "where", keeps_split=True)
+declare("expand", shape_attr=True)

@@ -12,7 +12,7 @@ from typing import Any
 from autopar.spmd.base import TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import broadcast_letters, equation
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 
 def matmul_letters(x_shape: Sequence[int], y_shape: Sequence[int], attrs: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -39,3 +39,7 @@ def _matmul_grad_letters(specs: Sequence[TensorSpec], attrs: Mapping[str, Any]) 
 
 
 register_rule(EquationGradRule(_matmul_grad_letters, grad=2, results=(0, 1), shape_only=()), "matmul_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("matmul", keeps_split=True, matmul_like=True)
+declare("matmul", "matmul_grad", contracts=True)

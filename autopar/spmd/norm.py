@@ -20,7 +20,7 @@ from autopar.spmd.base import TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import letters
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 
 def _x_letters(ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str]:
@@ -45,3 +45,6 @@ def _layer_norm_grad_letters(inputs: Sequence[TensorSpec | None], attrs: Mapping
 
 register_rule(EinsumRule(_layer_norm), "layer_norm")
 register_rule(EquationGradRule(_layer_norm_grad_letters, grad=5, results=(0, 1, 2), shape_only=()), "layer_norm_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("layer_norm", normalizing=True, sequence_local=True)

@@ -41,7 +41,7 @@ from autopar.spmd.base import TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.letters import equation
 from autopar.spmd.operands import letters
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 # ---- squared_l2_norm ----------------------------------------------------------------------
 
@@ -145,3 +145,7 @@ def _stack_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) 
 
 register_rule(EinsumRule(_unstack, linearity="multi", tensors=1), "unstack")
 register_rule(EquationGradRule(_stack_grad_letters, grad=-1, results=None), "stack_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("p_norm", "squared_l2_norm", global_norm=True, normalizing=True)
+declare("stack", keeps_split=True, norm_plumbing=True)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from autopar.dist_attr import DistAttr
 from autopar.spmd.base import Conflict, RuleContext, RuleResult, SpmdRule, TensorSpec
 from autopar.spmd.operands import replicated
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 
 class OptimizerRule(SpmdRule):
@@ -86,3 +86,9 @@ ADAM = OptimizerRule(like_param=(0, 1, 3, 4, 5, 8), outputs=(0, 3, 4, 5, 6, 7, 8
 register_rule(SGD, "sgd_", "sgd")
 register_rule(MOMENTUM, "momentum_", "momentum")
 register_rule(ADAM, "adam_", "adam", "adamw_", "adamw")
+# (FLOPs per parameter element, states per parameter) of one update, keyed as the cost model asks
+declare("sgd_", "momentum_", "adam_", "adamw_", updates_parameter=True)
+declare("sgd", optimizer_cost=(2, 0))
+declare("momentum", optimizer_cost=(4, 1))
+declare("adam", optimizer_cost=(12, 2))
+declare("adamw", optimizer_cost=(14, 2))

@@ -27,7 +27,7 @@ from typing import Any
 from autopar.spmd.base import TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.operands import letters
-from autopar.spmd.registry import register_rule
+from autopar.spmd.registry import declare, register_rule
 
 
 def reduced_axes(ndim: int, attrs: Mapping[str, Any]) -> list[int]:
@@ -90,3 +90,7 @@ register_rule(EinsumRule(_reduction, reduce_kind="min", tensors=1), "min")
 register_rule(EquationGradRule(_shape_grad_letters, grad=1, tensors=2, shape_only=(0,)), "sum_grad")
 register_rule(EquationGradRule(_shape_grad_letters, grad=1, tensors=2, shape_only=(0,), scale=_mean_scale), "mean_grad")
 register_rule(EquationGradRule(_tie_grad_letters, grad=2, tensors=3, shape_only=()), "max_grad", "min_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("max", "mean", "min", normalizing=True)
+declare("sum", norm_plumbing=True, normalizing=True)

@@ -36,7 +36,7 @@ from autopar.spmd.base import (
 )  # fmt: skip
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.operands import letters, partial_outside, replicated
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.registry import declare, register, register_rule
 
 Mapping_ = tuple[tuple[int, ...], ...]
 Group = tuple[tuple[int, ...], tuple[int, ...]]
@@ -205,6 +205,8 @@ def _unsqueeze_target(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, A
 
 
 register_rule(ReshapeLikeRule(_reshape_target), "reshape")
+declare("reshape", takes_apart=True)
+declare("reshape", "reshape_", shape_attr=True)
 register_rule(ReshapeLikeRule(_flatten_target), "flatten")
 register_rule(ReshapeLikeRule(_squeeze_target), "squeeze")
 register_rule(ReshapeLikeRule(_unsqueeze_target), "unsqueeze")
@@ -273,3 +275,7 @@ def _transpose_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, An
 
 register_rule(EinsumRule(_transpose, linearity="multi", tensors=1), "transpose")
 register_rule(EquationGradRule(_transpose_grad_letters, grad=0, tensors=1, results=(1,), shape_only=()), "transpose_grad")
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("flatten", "reshape", "squeeze", "unsqueeze", keeps_split=True, passes_ids=True, to_loss=True)
+declare("transpose", keeps_split=True, to_loss=True)

@@ -31,7 +31,8 @@ from typing import Any
 from autopar.spmd.base import RuleContext, RuleResult, SpmdRule, TensorSpec, einsum_backward, einsum_forward
 from autopar.spmd.equations import EinsumRule, EquationGradRule
 from autopar.spmd.operands import axis_attr, letters
-from autopar.spmd.registry import register, register_rule
+from autopar.spmd.registry import declare, register, register_rule
+from autopar.spmd.vocab_parallel import VOCAB_ROWS, class_parallel
 
 
 def _softmax(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
@@ -45,13 +46,10 @@ def _softmax_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]
     return [letters(inputs[0].ndim)] * 2
 
 
-register_rule(EinsumRule(_softmax), "softmax", "log_softmax")
-register_rule(EquationGradRule(_softmax_grad_letters, grad=1, shape_only=()), "softmax_grad", "log_softmax_grad")
-
-
-def class_parallel(attrs: Mapping[str, Any]) -> bool:
-    """Whether cross-entropy may keep a class split: a hard label, softmax applied."""
-    return not attrs.get("soft_label", False) and attrs.get("use_softmax", True)
+register_rule(EinsumRule(_softmax), "softmax", "log_softmax", lowering=VOCAB_ROWS)
+register_rule(
+    EquationGradRule(_softmax_grad_letters, grad=1, shape_only=()), "softmax_grad", "log_softmax_grad", lowering=VOCAB_ROWS
+)
 
 
 def cross_entropy_letters(logits_ndim: int, label_ndim: int, attrs: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -74,6 +72,8 @@ def cross_entropy_letters(logits_ndim: int, label_ndim: int, attrs: Mapping[str,
 class CrossEntropyWithSoftmaxRule(SpmdRule):
     """``(logits, label) -> (softmax, loss)``: ``abv,ab1 -> abv,ab1``, the loss whole over v's mesh dims.
     Not data: the vocabulary-parallel rewrite leaves the loss whole, which no equation states."""
+
+    lowering = VOCAB_ROWS
 
     def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
         x, label, loss = cross_entropy_letters(inputs[0].ndim, inputs[1].ndim, attrs)
@@ -99,4 +99,12 @@ def _cross_entropy_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str
     return [label, x, loss]
 
 
-register_rule(EquationGradRule(_cross_entropy_grad_letters, grad=2, results=(1,), shape_only=()), "cross_entropy_with_softmax_grad")
+register_rule(
+    EquationGradRule(_cross_entropy_grad_letters, grad=2, results=(1,), shape_only=()),
+    "cross_entropy_with_softmax_grad",
+    lowering=VOCAB_ROWS,
+)
+
+# what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
+declare("log_softmax", to_loss=True)
+declare("softmax", keeps_split=True, to_loss=True)

@@ -1,5 +1,6 @@
 """Ops whose local kernel is wrong on a split row, and what each rank computes instead
-(stage: propagate -> the per-rank rewrite of :mod:`autopar.passes.vocab_parallel`).
+(stage: propagate -> the per-rank lowering :data:`VOCAB_ROWS`, emitted by
+:mod:`autopar.passes.vocab_parallel`).
 
 The rules of :mod:`.embedding` and :mod:`.softmax` keep a split of a table's vocabulary dim or
 of a normalized (class) axis; Paddle's kernels would compute on the local piece as if it were
@@ -34,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.dist_attr import DistAttr
+from autopar.spmd.lowering import Lowering, OpSite
 from autopar.spmd.operands import axis_attr
 from autopar.spmd.registry import op_key
-from autopar.spmd.softmax import class_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,11 @@ class SplitRow:
     operand: int
     axis: int
     mesh_dims: tuple[int, ...]
+
+
+def class_parallel(attrs: Mapping[str, Any]) -> bool:
+    """Whether cross-entropy may keep a class split: a hard label, softmax applied."""
+    return not attrs.get("soft_label", False) and attrs.get("use_softmax", True)
 
 
 # op (without pd_op. and an inplace "_") -> (decomposition, operand holding the split row)
@@ -81,6 +87,19 @@ def split_row(op_name: str, attrs: Mapping[str, Any], inputs: Sequence[DistAttr 
     if math.prod(dist.mesh.shape[d] for d in dims) <= 1:
         return None
     return SplitRow(name, operand, axis, tuple(dims))
+
+
+def _match(site: OpSite) -> SplitRow | None:
+    return split_row(site.name, site.attrs, site.inputs)
+
+
+def _group(split: SplitRow) -> tuple[int, ...]:
+    return split.mesh_dims
+
+
+# declared by the rules of embedding, softmax and cross-entropy (and their grads); emitted by
+# autopar.passes.vocab_parallel
+VOCAB_ROWS = Lowering("vocab_parallel", "rows-rewritten", order=0, match=_match, group=_group)
 
 
 # ---- the decompositions --------------------------------------------------------------------

@@ -37,7 +37,6 @@ from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
-from autopar.pricing import price
 from autopar.strategy import Strategy
 from autopar.suggest import arguments
 from autopar.suggest.plans import TIE, Plan, Suggestions
@@ -298,7 +297,7 @@ class _Shape:
         """``strategy`` on this shape compiled from its analysis and priced (kept in ``plans``)."""
         analysis = self.analysis(program, startup, strategy)
         dist = _compiled(program, self.mesh, startup, strategy, analysis)
-        plan = Plan(self.shape, self.mesh, strategy, self.placements, price(dist.state), budget, self.split, program,
+        plan = Plan(self.shape, self.mesh, strategy, self.placements, dist.decisions.price(), budget, self.split, program,
                     startup, analysis, self.world)  # fmt: skip
         self.plans.append(plan)
         return plan

@@ -39,44 +39,14 @@ from autopar.annotate import to_dist_attr
 from autopar.dist_attr import DistAttr
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.spmd import ops_where
 
-# ops a column split passes through on its way to the row-parallel matmul (their SPMD rules
-# keep it, or the check by propagation finds out that they did not)
-KEEPS_SPLIT = frozenset(
-    "pd_op." + name
-    for name in (
-        "add", "subtract", "multiply", "divide", "scale", "maximum", "minimum", "pow", "elementwise_pow",
-        "gelu", "silu", "relu", "relu6", "leaky_relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "abs", "square",
-        "swish", "hardswish", "mish", "elu", "softplus", "swiglu", "cast", "assign", "dropout", "where",
-        "equal", "not_equal", "less_than", "greater_than", "logical_not", "full_like", "sin", "cos",
-        "reshape", "transpose", "flatten", "squeeze", "unsqueeze", "expand", "tile", "split", "split_with_num",
-        "unbind", "slice", "concat", "stack", "tril", "triu", "softmax", "matmul", "bmm",
-        "fused_rotary_position_embedding", "flash_attn", "scaled_dot_product_attention",
-    )
-) | {"builtin.split", "builtin.combine"}  # fmt: skip
-# values read by such ops that do not decide the split: constants, tables and masks made in the graph
-NEUTRAL_SOURCES = frozenset(
-    "pd_op." + name
-    for name in ("full", "full_int_array", "full_like", "arange", "data", "shape", "shape64", "assign_value_")
-)
-# ops that see the whole hidden dim at once: the split cannot pass them
-NORMALIZING = frozenset(
-    "pd_op." + name
-    for name in (
-        "layer_norm", "rms_norm", "fused_rms_norm", "group_norm", "instance_norm", "batch_norm", "batch_norm_",
-        "mean", "sum", "max", "min", "prod", "amax", "amin", "logsumexp", "p_norm", "squared_l2_norm", "norm",
-    )
-)  # fmt: skip
-# ops between a head and its loss (see _feeds_loss)
-TO_LOSS = frozenset(
-    "pd_op." + name
-    for name in ("add", "subtract", "multiply", "divide", "scale", "reshape", "transpose", "cast", "squeeze", "unsqueeze",
-                 "flatten", "square", "pow", "elementwise_pow", "abs", "slice", "softmax", "log_softmax", "sigmoid")
-)  # fmt: skip
-# what token ids may pass on their way from a feed to an embedding
-ID_OPS = frozenset(
-    "pd_op." + name for name in ("cast", "reshape", "unsqueeze", "squeeze", "slice", "flatten", "assign")
-)
+# what the search reads of ops, declared beside their rules (autopar.spmd.registry.TRAIT_MEANINGS):
+KEEPS_SPLIT = ops_where("keeps_split")  # a column split passes them on its way to the row-parallel matmul
+NEUTRAL_SOURCES = ops_where("neutral_source")  # constants, tables and masks made in the graph: they decide no split
+NORMALIZING = ops_where("normalizing")  # they see the whole hidden dim at once: the split cannot pass them
+TO_LOSS = ops_where("to_loss")  # between a head and its loss (see _feeds_loss)
+ID_OPS = ops_where("passes_ids")  # what token ids may pass on their way from a feed to an embedding
 
 
 @dataclass(frozen=True, slots=True)

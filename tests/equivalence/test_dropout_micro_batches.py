@@ -12,7 +12,7 @@ import paddle
 import pytest
 
 import autopar
-from autopar.rewrites.micro_batching import MICRO_BATCH_FEED
+from autopar.feed_names import MICRO_BATCH_FEED
 from autopar.runtime.pipeline_runner import PipelineRunner
 from autopar.testing.serial import assert_simulation_equals_serial
 from autopar.testing.zoo import bert, gpt2, vit

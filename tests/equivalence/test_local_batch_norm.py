@@ -61,7 +61,7 @@ def test_plan_no_statistics_all_reduce_one_running_average_per_batch_norm():
     net = conv_bn(batch=8)
     dist = compiled(net, autopar.ProcessMesh([0, 1], ["dp"]))
     exact = compiled(conv_bn(batch=8), autopar.ProcessMesh([0, 1], ["dp"]), strategy=None)
-    assert "batch_norm_stats(local=True)" in str(dist.passes)
+    assert "local_batch_norm()" in str(dist.passes) and "op_lowering()" in str(dist.passes)
     for rank in (0, 1):
         bn = [c for c in dist.comm_ops(rank) if c.key.source == "batch_norm"]
         assert [(str(c.kind), c.shape, c.group, c.bytes) for c in bn] == [("all_reduce", (2, CHANNELS), (0, 1), 2 * CHANNELS * 4)]

@@ -29,7 +29,9 @@ def job(kind, **fields):
 
 def test_every_kind_has_one_entry():
     assert set(KINDS) == set(CollectiveKind)
-    assert COLLECTIVES == ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+    assert COLLECTIVES == (
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "all_to_all_v", "broadcast", "send_recv"
+    )
     assert STEP_KINDS == step_kinds() and set(CollectiveKind) - set(STEP_KINDS) == {CollectiveKind.SEND, CollectiveKind.RECV}
     with pytest.raises(AutoparError, match="unknown collective kind 'gather'"):
         kind_of("gather")
@@ -43,7 +45,9 @@ def test_the_vocabulary_and_the_table_agree_on_local_kinds():
 
 @pytest.mark.parametrize("kind, fields", [("all_reduce", {}), ("all_reduce", {"reduce": "avg"}), ("all_gather", {"axis": 1}),
                                           ("reduce_scatter", {"axis": 1}), ("reduce_scatter", {"reduce": "max"}),
-                                          ("all_to_all", {"axis": 0, "split_axis": 1}), ("broadcast", {"root": 1})])  # fmt: skip
+                                          ("all_to_all", {"axis": 0, "split_axis": 1}), ("broadcast", {"root": 1}),
+                                          ("permute", {"shift": 1}), ("all_to_all_v", {"splits": ((2, 4), (5, 1))}),
+                                          ("all_to_all_v", {"axis": 1, "split_axis": 0, "splits": ((4, 2), (4, 2))})])  # fmt: skip
 def test_one_members_output_alone_is_bit_equal_to_the_whole_collectives(kind, fields):
     """What the host communicators compute for their own rank (a reduce_scatter reduces its own
     piece of each input only) is exactly that rank's output of the whole collective."""
@@ -149,3 +153,31 @@ def test_no_other_module_decodes_a_kind():
     files = [f for place in PACKAGE for f in sorted(place.rglob("*.py")) if f != TABLE]
     found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in decodes(f.read_text())]
     assert not found, found
+
+
+def test_the_planners_moves_are_the_tables(monkeypatch):
+    """The planner's edges are the entries' ``move``s: taking all_to_all's away makes S(0) -> S(1)
+    an all_gather then a slice; the kinds it never plans (permute, all_to_all_v) have none."""
+    from autopar.collective_kinds import AllToAll, moves_from
+    from autopar.cost_model import planner
+    from autopar.cost_model.cluster import shipped_profile
+    from autopar.placement import Partial, Replicate, Shard
+
+    assert moves_from(Partial) == ((CollectiveKind.ALL_REDUCE, Replicate), (CollectiveKind.REDUCE_SCATTER, Shard))
+    assert moves_from(Shard) == ((CollectiveKind.ALL_GATHER, Replicate), (CollectiveKind.ALL_TO_ALL, Shard))
+    assert moves_from(Replicate) == ((CollectiveKind.SLICE, Shard), (CollectiveKind.MAKE_PARTIAL, Partial))
+    assert kind_of("permute").move is None and kind_of("all_to_all_v").move is None
+    mesh, cluster = ProcessMesh([0, 1, 2, 3], ["x"]), shipped_profile("h100-node")
+    src, dst = DistAttr.of(mesh, ((0,), ())), DistAttr.of(mesh, ((), (0,)))
+
+    def kinds() -> list[str]:
+        planner._planned.cache_clear()
+        planner._plan_cached.cache_clear()
+        planner._edges_cached.cache_clear()
+        return [str(k) for k in planner.plan_reshard(src, dst, (64, 64), "float32", cluster).kinds()]
+
+    assert kinds() == ["all_to_all"]
+    monkeypatch.setattr(AllToAll, "move", None)
+    assert kinds() == ["all_gather", "slice"]
+    monkeypatch.undo()
+    assert kinds() == ["all_to_all"]

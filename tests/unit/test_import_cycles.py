@@ -140,3 +140,70 @@ def test_a_tiny_tree_shows_its_cycle(tmp_path, monkeypatch):
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, f"{len(found)} import cycles:\n" + "\n".join(found)
+
+
+# A lower layer never imports an upper one, not even lazily inside a function or for a type (an
+# edge of import_graph(): every import statement). importer (a module or package) -> the modules
+# and packages it must not import.
+COMPILER = ("autopar.analysis", "autopar.compile", "autopar.rewrites", "autopar.passes", "autopar.propagation",
+            "autopar.spmd", "autopar.cost_model", "autopar.distributed_program")  # fmt: skip
+ABOVE_THE_COMPILER = ("autopar.inspect", "autopar.suggest", "autopar.testing", "autopar.cli")
+LAYERS = {
+    # the installed cost model prices and fits; measuring (runtime, Paddle's kernels) is tools/'s job
+    "autopar.cost_model": (
+        "autopar.runtime",
+        "autopar.testing",
+        "autopar.inspect",
+        "autopar.analysis",
+        "autopar.compile",
+        "autopar.rewrites",
+        "autopar.passes",
+        "autopar.suggest",
+    ),  # fmt: skip
+    # the runtime and the per-rank contract it reads: nothing of the compiler that makes it
+    "autopar.runtime": COMPILER + ABOVE_THE_COMPILER,
+    "autopar.rank_plan": COMPILER + ABOVE_THE_COMPILER,
+    "autopar.index_feeds": COMPILER + ABOVE_THE_COMPILER,
+    "autopar.feed_names": ("autopar.",),  # a leaf: the rewrites that make these feeds and the runtime read it
+    "autopar.host_comm": ("autopar.runtime", "autopar.cost_model"),
+}
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix if prefix.endswith(".") else prefix + ".")
+
+
+def upward_imports(graph: nx.DiGraph, layers: dict[str, tuple[str, ...]] = LAYERS) -> list[str]:
+    """``importer -> imported`` for each import edge a rule of ``layers`` forbids."""
+    found = []
+    for importer, imported in sorted(graph.edges()):
+        for lower, upper in layers.items():
+            if _within(importer, lower) and any(_within(imported, u) and not _within(imported, lower) for u in upper):
+                found.append(f"{_short(importer)} -> {_short(imported)}")
+    return found
+
+
+def test_a_lazy_upward_import_is_found(tmp_path, monkeypatch):
+    pkg = tmp_path / "autopar"
+    (pkg / "runtime").mkdir(parents=True)
+    (pkg / "rewrites").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rewrites" / "__init__.py").write_text("")
+    (pkg / "rewrites" / "whole_feeds.py").write_text("WHOLE_BATCH = '@whole_batch'\n")
+    (pkg / "runtime" / "__init__.py").write_text("")
+    (pkg / "runtime" / "runner.py").write_text(
+        "def feed():\n    from autopar.rewrites.whole_feeds import WHOLE_BATCH\n"
+    )
+    monkeypatch.setitem(SOURCES, "autopar", pkg)
+    monkeypatch.delitem(SOURCES, "autopar.passes")
+    monkeypatch.delitem(SOURCES, "autopar.cost_model")
+    graph = import_graph()
+    assert not cycles(graph)  # no cycle: only the layering sees it
+    assert upward_imports(graph) == ["runtime.runner -> rewrites", "runtime.runner -> rewrites.whole_feeds"]
+
+
+def test_lower_layers_import_no_upper_layer():
+    graph = import_graph()
+    assert set(LAYERS) <= set(graph), "a layer names a module that no longer exists"
+    found = upward_imports(graph)
+    assert not found, f"{len(found)} upward imports:\n" + "\n".join(found)

@@ -17,7 +17,6 @@ from autopar.collective import Collective, CollectiveKind
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.rewrites import Rewrite
 from autopar.testing.models import simple_net
-from autopar.testing.serial import assert_simulation_equals_serial
 
 RUNTIME = Path(autopar.__file__).parent / "runtime"
 COMPILER_MODULES = ("autopar.passes", "autopar.propagation", "autopar.compile", "autopar.graph",
@@ -83,8 +82,8 @@ def test_passes_are_declared_and_printable():
     _, dist = _compile(autopar.ProcessMesh([0, 1], ["dp"]), allreduce_bucket_mb=1.0)
     text = str(dist.passes)
     assert dist.passes.names() == [
-        "partition", "reshard_planning", "reshard_emission", "site_fusion", "allreduce_fusion", "vocab_parallel",
-        "batch_norm_stats", "dropout_slicing", "fetch_replication", "backend_lowering",
+        "partition", "reshard_planning", "reshard_emission", "site_fusion", "allreduce_fusion", "op_lowering",
+        "fetch_replication", "backend_lowering",
     ]
     assert "allreduce_fusion(bucket_bytes=1048576)" in text
     _, unfused = _compile(autopar.ProcessMesh([0, 1], ["dp"]), fuse_allreduce=False)
@@ -223,38 +222,6 @@ def test_two_rewrites_placing_one_value_differently_are_refused():
     seed = simple_net(batch=8, sizes=(16, 32, 16, 10))
     with pytest.raises(AutoparError, match="rewrites 'shard_batch' and 'replicate_batch' place x differently"):
         _analysed(seed, autopar.ProcessMesh([0, 1]), _ShardBatch(), _Replicate((-1, -1)))
-
-
-def test_a_fetch_list_is_made_whole_inside_the_program():
-    # without a gradient bucket, the loss (a pending sum over dp) gets its own scalar all_reduce
-    seed, dist = _compile(autopar.ProcessMesh([0, 1], ["dp"]), fuse_allreduce=False)
-    plain = dist.rank_plan(0)
-    plan = dist.rank_plan(0, fetches=[seed.loss])
-    assert plan.fetches == (dist.key(seed.loss),) and len(plan.fetch_positions) == 1
-    (added,) = [c for c, _ in plan.collectives if c.key.source == "fetch"]
-    assert added.kind == "all_reduce" and added.group == (0, 1) and added.shape == ()  # one scalar
-    assert len(plan.collectives) == len(plain.collectives) + 1 and "fetched" in added.reason
-    assert dist.rank_plan(0, fetches=[seed.loss]) is plan  # cached per fetch list
-    # a fetched feed split on the batch is gathered whole
-    gathered = dist.rank_plan(0, fetches=["x"])
-    (gather,) = [c for c, _ in gathered.collectives if c.key.source == "fetch"]
-    assert gather.kind == "all_gather" and gather.output_shape == (8, 16)
-
-
-def test_a_fetched_loss_rides_in_the_gradient_bucket():
-    """The dp loss needs the bucket's own all_reduce (same group, sum, float32) and is made
-    before it: one more element in the bucket, no collective of its own; a fetch that needs
-    another collective (a gather of the batch) still gets one."""
-    seed, dist = _compile(autopar.ProcessMesh([0, 1], ["dp"]))
-    plain = dist.rank_plan(0, backend="native")
-    plan = dist.rank_plan(0, backend="native", fetches=[seed.loss, "x"])
-    (bucket,) = [c for c, _ in plain.collectives if c.key.source == "bucket"]
-    (riding,) = [c for c, _ in plan.collectives if c.key.source == "bucket"]
-    assert riding.shape == (bucket.shape[0] + 1,) and riding.bytes == bucket.bytes + 4
-    assert "rides along (no collective of its own)" in riding.reason
-    fetch_kinds = [str(c.kind) for c, _ in plan.collectives if c.key.source == "fetch"]
-    assert fetch_kinds == ["all_gather"] and len(plan.collectives) == len(plain.collectives) + 1
-    assert_simulation_equals_serial(seed, dist)  # the losses fetched each step: the riders' pieces
 
 
 def test_unknown_strategy_fields_are_named():

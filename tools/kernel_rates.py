@@ -1,5 +1,7 @@
 """What Paddle's CPU kernels achieve inside training steps, per kernel (stage: calibration of
 the CPU profiles; the compute side prices with it: :meth:`~autopar.cost_model.compute.OpCost.time`).
+A tool beside ``tools/calibrate.py``, which runs it and writes the rates into the profile's
+device; not part of the installed cost model (it runs Paddle's profiler on the test models).
 
 A roofline prices an op by its FLOPs or its bytes at the device's best rates. On this CPU most
 of a small model's step goes elsewhere: a ``gelu_grad`` computes its erf per element, a bias

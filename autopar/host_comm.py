@@ -4,8 +4,9 @@ cost model too).
 The choice is read from the environment (``AUTOPAR_HOST_COMM``) and the machine alone: the
 runtime picks its communicator by it (:func:`autopar.runtime.shm.available`) and the cost model
 its CPU profile, ``cpu-shm`` or ``cpu-gloo`` (:func:`autopar.cost_model.cluster.hardware_profile`).
-It is a leaf module, so the cost model asks it without importing the communicators (which read
-rank plans, which the compiler above the cost model makes).
+It is a leaf module outside ``autopar.runtime``, so the cost model asks it without importing the
+runtime (whose communicators read rank plans, which the compiler above the cost model makes;
+``tests/unit/test_import_cycles.py`` checks the cost model imports no runtime module).
 """
 
 from __future__ import annotations

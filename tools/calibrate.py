@@ -1,12 +1,14 @@
-"""Calibrate the CPU profiles on this machine: ``python -m autopar.cost_model.calibrate
-[--communicator gloo|shm]`` (``cpu-gloo`` / ``cpu-shm``).
+"""Calibrate the CPU profiles on this machine: ``.venv/bin/python tools/calibrate.py
+[--communicator gloo|shm]`` (``cpu-gloo`` / ``cpu-shm``). A tool, not part of the installed
+package: it runs the runtime's communicators and Paddle's kernels and writes the profile JSON
+that the cost model reads; the fitting is the cost model's (:mod:`autopar.cost_model.profile_fit`).
 
 Spawns 2 and 4 local processes (the ``PADDLE_*`` variables set, dynamic-mode
 ``paddle.distributed`` on gloo), times all_reduce, all_gather, broadcast, send/recv and the
 host backend's *exchange* (``all_gather_object`` of a numpy array: how it runs a sub-group
 collective) over a set of sizes (all_gather up to 192 MiB: an emulated all_to_all gathers p
 times its send buffer), each size in several rounds spread over the run (reduced to the lower
-quartile of the reps: :func:`summary`), and fits, per collective, the latency and bandwidth of
+quartile of the reps: ``profile_fit.summary``), and fits, per collective, the latency and bandwidth of
 the alpha-beta formula in :mod:`autopar.cost_model.comm` plus, where it lowers the error, a
 knee at 32 MiB (from that size on the buffers are fresh memory: see
 :class:`~autopar.cost_model.cluster.Link`), minimizing the mean absolute relative error (over
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -45,43 +46,36 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from autopar.collective_kinds import kind_of, point_to_point, priced_kinds
-from autopar.cost_model.cluster import EMULATIONS, Cluster, Device, Link, load_cluster
-from autopar.cost_model.comm import coefficients
-from autopar.cost_model.kernel_rates import measure_kernel_rates
+from autopar.cost_model.cluster import Cluster, Device, load_cluster
+from autopar.cost_model.profile_fit import (
+    CALIBRATION_SIZES,
+    DEVICE_SOURCE,
+    MEASURED,
+    PROFILE_PATH,
+    ROUNDS,
+    SHM_MEASURED,
+    SHM_PROFILE_PATH,
+    Sample,
+    build_profile,
+    build_shm_profile,
+    summary,
+    vars_of,
+)
 
-# all_reduce, all_gather, broadcast, send_recv (gloo emulates the others) and the host backend's exchange
-MEASURED = (*(k for k in priced_kinds() if kind_of(k).emulated_by is None), "exchange")
-SHM_MEASURED = tuple(priced_kinds())  # every priced kind: the shared-memory communicator runs each
-EMULATED = tuple(EMULATIONS)  # reduce_scatter, all_to_all: gloo has neither
-CALIBRATION_SIZES = (6 << 10, 24 << 10, 96 << 10, 384 << 10, 1536 << 10, 6 << 20, 24 << 20, 40 << 20, 96 << 20)
-ROUNDS = 6  # each size is timed in 6 rounds spread over the run (a burst of load hits one round)
-KNEE = 32 << 20  # glibc's largest dynamic mmap threshold: every allocation this big is fresh memory
-EXTRA_SIZES = {k: kind_of(k).calibration_sizes for k in priced_kinds() if kind_of(k).calibration_sizes}  # all_gather: 192 MiB
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/kernel_rates.py beside this file
+from kernel_rates import measure_kernel_rates  # noqa: E402
+
+EXTRA_SIZES = {
+    k: kind_of(k).calibration_sizes for k in priced_kinds() if kind_of(k).calibration_sizes
+}  # all_gather: 192 MiB
 SUBGROUP = {"sub_all_reduce": "all_reduce", "sub_all_gather": "all_gather"}  # over ranks (0, 1), host backend
-PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_gloo.json"
-SHM_PROFILE_PATH = Path(__file__).parent / "profiles" / "cpu_shm.json"
 COMMUNICATORS = ("gloo", "shm")
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One measured collective: ``seconds`` for ``nbytes`` (comm.py's convention) over ``world`` ranks."""
-
-    kind: str
-    world: int
-    nbytes: int
-    seconds: float  # the lower quartile over reps of the slowest rank's time (see :func:`summary`)
-    reps: tuple[float, ...] = field(default=(), compare=False)  # every rep's slowest-rank time
-
-
-# ---- parent side -----------------------------------------------------------------------
 
 
 def _free_ports(count: int) -> list[int]:
@@ -110,7 +104,7 @@ def measure(
     plan = {kind: [int(n) for n in (sizes_of or {}).get(kind, sizes)] for kind in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "samples.json"
-        argv = ["-m", "autopar.cost_model.calibrate", "--worker", "--communicator", communicator, "--out", str(out),
+        argv = [str(Path(__file__).resolve()), "--worker", "--communicator", communicator, "--out", str(out),
                 "--plan", json.dumps(plan)]  # fmt: skip
         run_processes(world, argv, timeout)
         return [
@@ -150,70 +144,6 @@ def run_processes(world: int, argv: Sequence[str], timeout: float = 600.0) -> No
         raise RuntimeError("worker processes failed:\n" + "\n".join(errors))
 
 
-def summary(reps: Sequence[float]) -> float:
-    """The figure a set of reps is reduced to: their lower quartile. The machine may be shared
-    (other processes only ever add time to a rep: a scheduler time slice is ~4 ms, more than a
-    1 MiB collective takes), while the contention of 4 processes on 2 cores, which every rep
-    sees, stays in."""
-    return float(np.quantile(np.asarray(reps, dtype=float), 0.25))
-
-
-def fit_links(samples: Sequence[Sample]) -> dict[str, Link]:
-    """Per kind: one fit over every world size (``kind``) and one per world size (``kind@p``)."""
-    fits = {}
-    for kind in dict.fromkeys(s.kind for s in samples):
-        fits[kind] = fit_link(samples, kind)
-        for world in sorted({s.world for s in samples if s.kind == kind}):
-            fits[f"{kind}@{world}"] = fit_link([s for s in samples if s.world == world], kind)
-    return fits
-
-
-def _formula(kind: str) -> str:
-    return "all_gather" if kind == "exchange" else kind  # an exchange is an all_gather of pickled inputs
-
-
-def fit_link(samples: Sequence[Sample], kind: str, knee: float = KNEE) -> Link:
-    """Latency and bandwidth of ``kind``'s ring formula and, where it lowers the error, the
-    bandwidth of a knee at ``knee`` bytes (from that size on the buffers are fresh memory:
-    :class:`Link`). The fit minimizes the mean absolute *relative* error (the benchmark's
-    measure; robust to the odd sample a burst of load slowed down): iteratively reweighted
-    least squares, every figure kept >= 0."""
-    rows = [s for s in samples if s.kind == kind and s.world > 1]
-    design = np.array([(*coefficients(_formula(kind), s.world, s.nbytes), s.nbytes * (s.nbytes >= knee)) for s in rows])
-    alpha, beta, gamma = _least_relative_error(design / np.array([[s.seconds] for s in rows]))
-    bandwidth = 1.0 / max(beta, 1e-15)
-    if gamma <= 0:
-        return Link(latency=float(alpha), bandwidth=float(bandwidth))
-    return Link(latency=float(alpha), bandwidth=float(bandwidth), knee=float(knee), knee_bandwidth=float(1.0 / gamma))
-
-
-def _least_relative_error(scaled: np.ndarray) -> np.ndarray:
-    """``argmin sum |scaled x - 1|`` over ``x >= 0`` by iteratively reweighted least squares."""
-    weights = np.ones(len(scaled))
-    for _ in range(100):
-        figures = _nonnegative_lstsq(scaled * weights[:, None], weights)
-        new = 1.0 / np.sqrt(np.maximum(np.abs(scaled @ figures - 1.0), 1e-4))  # sum w^2 r^2 = sum |r|
-        if np.allclose(new, weights, rtol=1e-6):
-            break
-        weights = new
-    return figures
-
-
-def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``argmin |a x - b|`` over ``x >= 0`` (a few columns: every subset of free columns tried)."""
-    best, best_error = np.zeros(a.shape[1]), float(np.sum(b**2))
-    for size in range(1, a.shape[1] + 1):
-        for free in itertools.combinations(range(a.shape[1]), size):
-            if not a[:, free].any(axis=0).all():
-                continue
-            x = np.zeros(a.shape[1])
-            x[list(free)] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-            error = float(np.sum((a @ x - b) ** 2))
-            if (x >= 0).all() and error < best_error:
-                best, best_error = x, error
-    return best
-
-
 def measure_device(trials: int = 7) -> Device:
     """float32 matmul FLOP/s and copy bandwidth of one process, the best of ``trials`` (peak
     figures; other work on the machine only ever slows a trial down); the machine's memory."""
@@ -236,16 +166,6 @@ def measure_device(trials: int = 7) -> Device:
 
 
 STREAM_SIZES = tuple(1 << k for k in range(11, 25))  # float32 elements: 8 KiB .. 64 MiB per operand
-DEVICE_SOURCE = (
-    "peaks: numpy float32 512x512 matmul and a 32 MiB copy in one process, best of 7; memory = physical RAM; "
-    "achieved: Paddle's static Executor on CPU in one process (measure_paddle_device): chains of 10 adds "
-    "(the median bandwidth over 16 .. 64 MiB operands; "
-    "cache_bandwidth: over those whose traffic fits the level-2 cache, cache_bytes), "
-    "an add of 8 KiB and a tiny GPT block's training step per op (op_seconds: the larger), a one-op program's run "
-    "(segment_seconds), each a difference of two programs, best of 5; matmul rate and kernel_seconds: the profiled "
-    "training steps of a GPT block, Llama, ViT and MLP-Mixer (kernel_rates.py); cores: os.cpu_count(), shared by "
-    "the node's processes"
-)
 
 
 def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
@@ -255,7 +175,7 @@ def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
     adds stream out of cache (the median over operands of 16 .. 64 MiB) and in the cache
     (``cache_bytes``: the level-2 cache's size; the median over adds whose traffic is an eighth
     of it or more and fits). From the profiled training steps of four reference models
-    (:mod:`~autopar.cost_model.kernel_rates`): the rate their matmuls achieve and each kernel's
+    (``tools/kernel_rates.py``): the rate their matmuls achieve and each kernel's
     seconds per element. The fixed cost of one program run (``segment_seconds``: a run of a program of one op, less
     it); ``op_seconds`` is raised to a training step's cost per op where that is more
     (:func:`_training_op_seconds`). Each op's time is a difference of two programs that make their inputs in the program
@@ -274,7 +194,11 @@ def measure_paddle_device(peak: Device, trials: int = 5) -> Device:
         adds[count] = extra_seconds(lambda n, count=count: _add_chain(count, n), chain)
     op_seconds = max(adds[min(adds)], 0.0)
     cache_bytes = _cache_bytes()
-    in_cache = [12 * n / (t - op_seconds) for n, t in adds.items() if cache_bytes / 8 <= 12 * n <= cache_bytes and t > op_seconds]
+    in_cache = [
+        12 * n / (t - op_seconds)
+        for n, t in adds.items()
+        if cache_bytes / 8 <= 12 * n <= cache_bytes and t > op_seconds
+    ]
     streamed = [12 * n / (t - op_seconds) for n, t in adds.items() if 4 * n >= 16 << 20]
     kernels, matmul = measure_kernel_rates(paddle)
     segment_seconds = max(_program_seconds(paddle, _add_chain(1 << 11, 1), trials) - op_seconds, 0.0)
@@ -370,68 +294,10 @@ def calibrate(
             world, sizes, kinds, sizes_of={k: sorted({*sizes, *more}) for k, more in extra.items()},
             communicator=communicator,
         )  # fmt: skip
+    device = device or measure_paddle_device(measure_device())
     if communicator == "shm":
         return build_shm_profile(samples, worlds, sizes, device), samples
     return build_profile(samples, worlds, sizes, device), samples
-
-
-def build_profile(
-    samples: Sequence[Sample], worlds: Sequence[int], sizes: Sequence[int], device: Device | None = None
-) -> Cluster:
-    """The ``cpu-gloo`` cluster from measured samples of the MEASURED kinds (``device``: these
-    figures instead of measuring them now)."""
-    fits = fit_links([s for s in samples if s.kind in MEASURED])
-    return Cluster(
-        name="cpu-gloo", nodes=1, devices_per_node=8, intra=fits["all_reduce"], inter=fits["all_reduce"],
-        device=device or measure_paddle_device(measure_device()), collectives=tuple(sorted(fits.items())), emulated=EMULATED, tree=False,
-        subgroups="world_exchange",
-        sources=(
-            ("collectives", f"fitted by python -m autopar.cost_model.calibrate: gloo over loopback, {list(worlds)} processes, "
-                            f"sizes {list(sizes)} bytes, each timed in {ROUNDS} rounds (lower quartile over reps of the slowest rank), "
-                            "ring formulas, least absolute relative error; "
-                            "kind@p: fitted on p processes only (used for groups of p: 4 processes on 2 cores contend)"),
-            ("knee", f"{KNEE} bytes: glibc's largest dynamic mmap threshold; a buffer this big is fresh memory each call "
-                     "(Paddle allocates collective outputs per call) and its 4 KiB pages fault in (3-6 us each here); "
-                     "knee_bandwidth fitted per collective, absent where it does not lower the error"),
-            ("exchange", "paddle.distributed.all_gather_object of a numpy array from every rank (what the host backend "
-                         "does for a sub-group collective); nbytes = the gathered bytes, world x input"),
-            ("subgroups", "world_exchange: gloo sub-groups deadlock with 4 processes (PADDLE_NOTES), the host backend "
-                          "runs every sub-group collective as a world exchange"),
-            ("intra", "the all_reduce fit; inter = intra (one host)"),
-            ("emulated", "gloo has no reduce_scatter / all_to_all: all_reduce + slice, all_gather + slice"),
-            ("device", DEVICE_SOURCE),
-            ("devices_per_node", f"processes, not cores: the machine has {os.cpu_count() or 0} cores"),
-        ),
-    )  # fmt: skip
-
-
-def build_shm_profile(
-    samples: Sequence[Sample], worlds: Sequence[int], sizes: Sequence[int], device: Device | None = None
-) -> Cluster:
-    """The ``cpu-shm`` cluster: the host backend's shared-memory communicator, every kind
-    native (reduce_scatter and all_to_all too) and any sub-group among its members only. A
-    collective there is no ring: each member copies its input into its slot and reads every
-    member's (``p`` inputs per rank); per world size (``kind@p``) that is still latency plus
-    bytes over a bandwidth, which the ring formula's fit absorbs for that ``p``."""
-    fits = fit_links([s for s in samples if s.kind in SHM_MEASURED])
-    return Cluster(
-        name="cpu-shm", nodes=1, devices_per_node=8, intra=fits["all_reduce"], inter=fits["all_reduce"],
-        device=device or measure_paddle_device(measure_device()), collectives=tuple(sorted(fits.items())), emulated=(), tree=False,
-        subgroups="native",
-        sources=(
-            ("collectives", f"fitted by python -m autopar.cost_model.calibrate --communicator shm: the host backend's "
-                            f"shared-memory communicator (autopar.runtime.shm, SharedMemoryCommunicator.run), {list(worlds)} "
-                            f"processes, sizes {list(sizes)} bytes, each timed in {ROUNDS} rounds (lower quartile over reps "
-                            "of the slowest rank), ring formulas as the fitted form, least absolute relative error; "
-                            "kind@p: fitted on p processes only (the copy-in / read-all algorithm's cost per byte grows "
-                            "with p; 4 processes on 2 cores contend)"),
-            ("knee", f"{KNEE} bytes: fresh memory for outputs this big (see cpu-gloo); fitted where it lowers the error"),
-            ("subgroups", "native: a sub-group's members talk among themselves (shared-memory slots)"),
-            ("intra", "the all_reduce fit; inter = intra (one host)"),
-            ("device", DEVICE_SOURCE),
-            ("devices_per_node", f"processes, not cores: the machine has {os.cpu_count() or 0} cores"),
-        ),
-    )  # fmt: skip
 
 
 # ---- worker side -----------------------------------------------------------------------
@@ -529,7 +395,9 @@ def _shm_job(kind: str, group: tuple[int, ...], shape: tuple[int, ...]):
     )  # fmt: skip
 
 
-def _write_results(local: Mapping[tuple[str, int], list[float]], per_rep: np.ndarray, world: int, out: str | None) -> None:
+def _write_results(
+    local: Mapping[tuple[str, int], list[float]], per_rep: np.ndarray, world: int, out: str | None
+) -> None:
     """Each (kind, size)'s reps (a rep ends when its slowest rank does: ``per_rep``) to ``out``."""
     results, at = [], 0
     for (kind, nbytes), times in local.items():
@@ -573,10 +441,6 @@ def _subgroup(dist, kind: str, count: int, rank: int):
     return run
 
 
-def vars_of(sample: Sample) -> dict:
-    return asdict(sample)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -593,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--device-from", metavar="PROFILE", help="keep this profile's device figures (a busy machine measures them low)"
     )
-    parser.add_argument("--device-only", action="store_true", help="measure the device figures only, into the profile --out names")
+    parser.add_argument(
+        "--device-only", action="store_true", help="measure the device figures only, into the profile --out names"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         (_shm_worker if args.communicator == "shm" else _worker)(json.loads(args.plan), args.out)
@@ -614,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             Sample(**{**item, "reps": tuple(item["reps"])}) for item in json.loads(Path(args.samples_from).read_text())
         ]
         build = build_shm_profile if args.communicator == "shm" else build_profile
-        cluster = build(samples, args.worlds, args.sizes, device)
+        cluster = build(samples, args.worlds, args.sizes, device or measure_paddle_device(measure_device()))
     else:
         cluster, samples = calibrate(args.worlds, args.sizes, device, args.communicator)
     if kept:

@@ -1,5 +1,7 @@
-"""ZeRO's plan, read from values (no run): where states, gradients and parameters lie, which
-collectives move them and how many bytes, and the per-rank memory the cost report predicts."""
+"""passes/zero_sharding.py: ZeRO's plan, read from values (no run): where states, gradients and
+parameters lie, which collectives move them and how many bytes, and the per-rank memory the
+cost report predicts (stage: propagated -> zero-sharded, compile time; the buckets:
+test_zero_fusion_pass.py)."""
 
 import math
 
@@ -66,7 +68,9 @@ def test_stage_one_reduces_gradients_at_the_update_stage_two_right_after_backwar
     seed, one = _compile(1)
     w = seed.layers["linear1"].weight.name
     (at_update,) = [c for c in one.comm_ops(0) if c.kind == "reduce_scatter" and w in c.reason]
-    assert at_update.reason.split(": ", 1)[1].startswith("pd_op.adam_#")  # the whole gradient lives until the update reads it
+    assert at_update.reason.split(": ", 1)[1].startswith(
+        "pd_op.adam_#"
+    )  # the whole gradient lives until the update reads it
     seed, two = _compile(2)
     w = seed.layers["linear1"].weight.name
     (early,) = [c for c in two.comm_ops(0) if c.kind == "reduce_scatter" and w in c.reason]
@@ -86,7 +90,10 @@ def test_write_back_reasons_name_the_parameter():
     seed, dist = _compile(2)
     w = seed.layers["linear1"].weight.name
     (gather,) = [c for c in dist.comm_ops(0) if c.kind == "all_gather" and w in c.reason]
-    assert gather.reason.startswith("ZeRO parameter gather in Linear") and f"shard of {w}; gathered back into {w}" in gather.reason
+    assert (
+        gather.reason.startswith("ZeRO parameter gather in Linear")
+        and f"shard of {w}; gathered back into {w}" in gather.reason
+    )
 
 
 def test_memory_follows_the_zero_table():
@@ -133,36 +140,6 @@ def test_zero_needs_an_update_and_a_data_parallel_dim():
         autopar.compile(seed.main, grid, startup_program=seed.startup, strategy=autopar.Strategy(zero_stage=2))
 
 
-def test_fused_buckets_move_the_same_bytes_in_two_collectives():
-    """Stage 1 packs the reduce_scatters at the updates and the write-back all_gathers into one
-    buffer each, laid out rank-major; with even shards no padding: the unfused bytes exactly.
-    Stages 2 and 3 pack the gradients' reduce_scatters after backward the same way."""
-    _, fused = _compile(1, fuse=True)
-    _, unfused = _compile(1, fuse=False)
-    assert _kinds(fused) == {"reduce_scatter": 1, "all_gather": 1}
-    assert _wire_bytes(fused) == pytest.approx(_wire_bytes(unfused))
-    assert "6 gradient reduce_scatters at the updates fused into one buffer" in fused.comm_ops(0)[0].reason
-    for stage, gathers in ((2, 1), (3, 12)):  # stage 3 still gathers each parameter before each use
-        _, fused = _compile(stage, fuse=True)
-        _, unfused = _compile(stage, fuse=False)
-        assert _kinds(fused) == {"reduce_scatter": 1, "all_gather": gathers}
-        assert _wire_bytes(fused) == pytest.approx(_wire_bytes(unfused))
-        (bucket,) = [c for c in fused.comm_ops(0) if c.kind == "reduce_scatter"]
-        assert "6 gradient reduce_scatters after backward fused into one buffer" in bucket.reason
-
-
-def test_stage_two_bucket_runs_right_after_its_last_gradient():
-    """Stage 2's fused reduce_scatter follows the last gradient backward makes (only its own
-    packing between) and comes before the updates, which read shards."""
-    packing = {"pd_op.slice", "pd_op.reshape", "pd_op.concat", "builtin.combine", "pd_op.full", "pd_op.full_int_array"}
-    _, dist = _compile(2, fuse=True)
-    names = [op.name() for op in dist.rank_plan(0).program.global_block().ops]
-    bucket = names.index("pd_op.reduce_scatter")
-    last_grad = max(i for i, n in enumerate(names) if n.endswith("_grad"))
-    assert last_grad < bucket < names.index("pd_op.adam_")
-    assert set(names[last_grad + 1 : bucket]) <= packing, set(names[last_grad + 1 : bucket]) - packing
-
-
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
     """ZeRO's shard placements and reshards are a new value derived from the analysis, which
@@ -183,3 +160,16 @@ def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
     assert state.propagation.base is analysis and state.analysed.propagation is analysis
     assert (dict(analysis.states), analysis.reshards, dict(analysis.op_results)) == before
     assert any(s.dist != analysis.states[k].dist for k, s in state.propagation.states.items())  # the derived value differs
+
+
+def test_zero_sharding_plans_at_compile_and_runs_only_when_asked():
+    from pass_programs import around, declared
+
+    _, dist = _compile(2, fuse=True)
+    sharding = declared(dist, "zero_sharding")
+    assert not sharding.per_rank and sharding.plan_ensures == "zero-sharded"
+    assert "zero-sharded" in declared(dist, "zero_bucket_fusion").plan_requires
+    before, after = around(dist, "zero_sharding")  # nothing per rank: the placements changed at compile
+    assert after.stages == before.stages and after.collectives == before.collectives == ()
+    _, plain = _compile(0)
+    assert "zero_sharding" not in plain.passes.names()
