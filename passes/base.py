@@ -27,7 +27,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey, once_per_graph
 from autopar.mesh import ProcessMesh
-from autopar.passes.results import PipelinePlan, SiteBuckets, ZeroBuckets, ZeroPlan, ZeroShard
+from autopar.passes.results import LoweringGroups, PipelinePlan, SiteBuckets, ZeroBuckets, ZeroPlan, ZeroShard
 from autopar.propagation import PropagationResult, ReshardNeed
 
 if TYPE_CHECKING:  # (types only; tests/unit/test_import_cycles.py counts these imports too)
@@ -143,7 +143,6 @@ class CompileState:
         self.propagation: PropagationResult = analysed.propagation
         self.regather: frozenset[ValueKey] = analysed.regather
         self.unavailable = ""  # why no rank programs can be built (empty: they can)
-        self.rewrite_dim_sets: set[tuple[int, ...]] = set()  # mesh dims of collectives local rewrites emit
         self.stages: list[str] = ["propagated"]
         self._results: dict[type, object] = {}
         self._reshards: tuple[PlannedReshard, ...] | None = None  # (read per op and per rank: made once per result)
@@ -218,7 +217,8 @@ class CompileState:
                     seen.setdefault(tuple(step.mesh_dims), None)
         for bucket in self.buckets:
             seen.setdefault(bucket.mesh_dims, None)
-        for dims in sorted(self.rewrite_dim_sets):  # vocabulary-parallel rows, batch-norm statistics
+        lowered = self.result(LoweringGroups)
+        for dims in sorted(lowered.mesh_dims if lowered is not None else ()):  # vocabulary-parallel rows, batch-norm statistics
             seen.setdefault(dims, None)
         return list(seen)
 

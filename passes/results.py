@@ -102,6 +102,14 @@ class ZeroPlan:
 
 
 @dataclass(frozen=True)
+class LoweringGroups:
+    """OpLowering's result: the mesh-dim sets its lowerings' collectives run along (vocabulary-
+    parallel rows, batch-norm statistics), for the ring ids (``CompileState.mesh_dim_sets``)."""
+
+    mesh_dims: frozenset[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
 class ZeroBuckets:
     """ZeroBucketFusion's result: ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)."""
 
