@@ -5,9 +5,11 @@ Graph building and propagation are nearly all of a compile (a 24-layer GPT on 8 
 of 1.75 s); the passes that follow only plan. An :class:`Analysis` holds that first part —
 the graph view, the propagation result, the micro-batch, recompute and sequence-parallel
 decisions — and ``autopar.compile(..., analysis=a)`` plans a Strategy from it without analysing
-again. Each compile works on its own :class:`~autopar.passes.base.CompileState` over the shared,
-read-only graph and propagation (a strategy decision such as ZeRO's shards derives a new
-propagation value, :meth:`~autopar.propagation.PropagationResult.derived`).
+again. The analysis is a read-only value (:class:`~autopar.passes.base.AnalysedProgram`, its
+propagation frozen); each compile records its passes' results in its own
+:class:`~autopar.passes.base.CompileState` over it (a strategy decision such as ZeRO's shards
+layers a :class:`~autopar.propagation.PlacementOverride` on the propagation: a new value,
+:meth:`~autopar.propagation.PropagationResult.overridden`).
 
 What an analysis depends on (:data:`ANALYSED`): the micro-batch count and the automatic stage
 cut, sequence parallelism, recompute, the cluster profile and local batch norm. Strategies that
@@ -17,7 +19,7 @@ is refused, naming the field.
 
 The analysis code lives here, below the compile driver: the program and start-up checks, the
 user's placements and op meshes read from the annotations, the Strategy's serial rewrites and
-propagation (:func:`analysis_start`, :func:`state_of`, :func:`analyze_state`);
+propagation (:func:`analysis_start`, :func:`analysed_program`, :func:`analyze_state`);
 ``autopar.compile`` runs it, then the passes.
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
 from autopar.dist_attr import DistAttr
@@ -34,16 +36,20 @@ from autopar.errors import AnnotationError, AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
-from autopar.passes.base import CompileState
-from autopar.propagation import transplant
-from autopar.rewrites import Analysed, applied, apply_all, derived, rewrites_for
+from autopar.passes.base import AnalysedProgram, CompileState
+from autopar.propagation import PropagationResult, transplant
+from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived, rewrites_for
 from autopar.rewrites.recompute import regathered
-from autopar.strategy import PipelineConfig, Strategy
+from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
 
+if TYPE_CHECKING:
+    from paddle.pir import Program
+
+AnalysedField = int | bool | str | tuple[str, ...] | None  # the value of one of ANALYSED
 ANALYSED = ("micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm")
 
 
-def analysed_fields(strategy: Strategy) -> dict[str, Any]:
+def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
     """The fields of ``strategy`` an analysis depends on (see the module docstring)."""
     pipeline = strategy.pipeline
     return {
@@ -61,20 +67,20 @@ def analysed_fields(strategy: Strategy) -> dict[str, Any]:
 class Analysis:
     """One program analysed on one mesh for the strategies that share :func:`analysed_fields`."""
 
-    program: Any
+    program: Program
     mesh: ProcessMesh
-    startup_program: Any
-    fields: tuple[tuple[str, Any], ...]
-    state: CompileState  # never planned: compiles plan copies of it
-    rewrites: tuple[Any, ...] = ()  # the serial rewrites run (autopar.rewrites), in order
-    steps: tuple[Any, ...] = ()  # the analysis before them, then after each (autopar.rewrites.Analysed values)
+    startup_program: Program | None
+    fields: tuple[tuple[str, AnalysedField], ...]
+    state: AnalysedProgram  # read only: each compile plans its own CompileState over it
+    rewrites: tuple[Rewrite, ...] = ()  # the serial rewrites run (autopar.rewrites), in order
+    steps: tuple[Analysed, ...] = ()  # the analysis before them, then after each
 
     @property
-    def graph(self) -> Any:
+    def graph(self) -> ProgramGraph:
         return self.state.graph
 
     @property
-    def propagation(self) -> Any:
+    def propagation(self) -> PropagationResult:
         return self.state.propagation
 
     def check(self, program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> None:
@@ -94,13 +100,8 @@ class Analysis:
                 )
 
     def state_for(self, strategy: Strategy) -> CompileState:
-        """A fresh compile state for ``strategy`` over this analysis' results (the passes' own
-        fields start empty)."""
-        base = self.state
-        return CompileState(
-            base.graph, base.propagation, base.mesh, strategy, cluster=base.cluster, startup=base.startup, micro=base.micro,
-            sequence=base.sequence, recompute=base.recompute, regather=base.regather, rewrites=base.rewrites,
-        )  # fmt: skip
+        """A fresh compile state for ``strategy`` over this analysis' results (no pass result yet)."""
+        return CompileState(self.state, strategy)
 
 
 def analyze(
@@ -116,7 +117,7 @@ def analyze(
     adds sequence parallelism reuses ``base``'s propagation as its first one. The result is the
     analysis ``analyze`` would make without ``base``."""
     with gc_paused():
-        strategy = effective_strategy(program, mesh, strategy)
+        strategy = effective_strategy(program, mesh, strategy).strategy
         rewrites = rewrites_for(strategy)
         if base is None:
             steps = applied(rewrites, analysis_start(program, mesh, startup_program, strategy, placements))
@@ -125,7 +126,7 @@ def analyze(
                 raise AutoparError(f"analyze(base=...) takes what autopar.analyze returned, got {type(base).__name__}")
             _check_base(base, program, mesh, startup_program, strategy)
             steps = derived(rewrites, base.rewrites, base.steps)
-        state = state_of(steps[-1], strategy, startup_program)
+        state = analysed_program(steps[-1], strategy, startup_program)
     return Analysis(program, mesh, startup_program, tuple(analysed_fields(strategy).items()), state, rewrites, tuple(steps))
 
 
@@ -137,14 +138,17 @@ def _check_base(base: Analysis, program: Any, mesh: ProcessMesh, startup_program
         raise AutoparError(f"analyze(base=...): the base analysis priced another cluster ({dict(base.fields)['cluster']!r})")
 
 
-def effective_strategy(program: Any, mesh: ProcessMesh, strategy: Strategy | None) -> Strategy:
-    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages."""
+def effective_strategy(program: Program, mesh: ProcessMesh, strategy: Strategy | None) -> EffectiveStrategy:
+    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages:
+    a new value recorded beside the user's (which stays as given)."""
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-    strategy = _checked(strategy)
-    if strategy.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
-        strategy = dataclasses.replace(strategy, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
-    return strategy
+    checked = _checked(strategy)
+    if checked.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
+        staged = dataclasses.replace(checked, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
+        why = "pipeline=PipelineConfig() (one micro-batch): the annotations place ops or values on sub-meshes of the mesh"
+        return EffectiveStrategy(strategy, staged, (why,))
+    return EffectiveStrategy(strategy, checked)
 
 
 def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
@@ -162,7 +166,7 @@ def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, 
     (:mod:`autopar.rewrites`, each returning a new value) and propagation."""
     strategy = _checked(strategy)
     work = apply_all(rewrites_for(strategy), analysis_start(program, mesh, startup_program, strategy))
-    return state_of(work, strategy, startup_program)
+    return CompileState(analysed_program(work, strategy, startup_program), strategy)
 
 
 def analysis_start(
@@ -190,15 +194,17 @@ def analysis_start(
     return Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, op_meshes)
 
 
-def state_of(work: Analysed, strategy: Strategy, startup_program: Any) -> CompileState:
-    """The compile state of the rewritten analysis ``work``: propagated, checked."""
+def analysed_program(work: Analysed, strategy: Strategy, startup_program: Any) -> AnalysedProgram:
+    """What the strategies compiled from the rewritten analysis ``work`` share: propagated, checked."""
     _check_pieces(work.graph, work.user)
     _refuse_annotations_off_their_stage(work.graph, work.user, work.op_meshes)
     propagation = work.propagate()
     _refuse_annotations_off_their_stage(work.graph, work.user, propagation.op_meshes)
-    return CompileState(work.graph, propagation, work.mesh, strategy, cluster=work.cluster, startup=startup_program, micro=work.micro,
-                        sequence=work.sequence, recompute=work.recompute, regather=regathered(work.recompute, work.graph, strategy),
-                        rewrites=work.reports)  # fmt: skip
+    return AnalysedProgram(
+        work.graph, propagation, work.mesh, cluster=work.cluster, startup=startup_program, micro=work.micro, recompute=work.recompute,
+        sequence=work.sequence, regather=frozenset(regathered(work.recompute, work.graph, strategy)), rewrites=work.reports,
+        single_stage=strategy.pipeline is not None and strategy.pipeline.stages == 1,
+    )  # fmt: skip
 
 
 def _refuse_meaningless_partials(graph: ProgramGraph, user: dict[ValueKey, DistAttr]) -> None:

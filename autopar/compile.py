@@ -53,7 +53,8 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     if analysis is not None and not isinstance(analysis, Analysis):
         raise AutoparError(f"analysis must be what autopar.analyze returned, got {type(analysis).__name__}")
     with gc_paused():
-        strategy = effective_strategy(program, mesh, strategy)
+        effective = effective_strategy(program, mesh, strategy)
+        strategy = effective.strategy
         pipeline = PassPipeline(tuple(passes_for(strategy)), callback, rewrites_for(strategy))
         if analysis is None:
             state = analyze_state(program, mesh, startup_program, strategy)
@@ -62,7 +63,7 @@ def compile(  # noqa: A001  (the public name the design card fixes)
             state = analysis.state_for(strategy)
         pipeline.plan(state)
         _warn_lost_splits(state)
-        return DistributedProgram(program, startup_program, state, pipeline)
+        return DistributedProgram(program, startup_program, state, pipeline, effective)
 
 
 def _warn_lost_splits(state: CompileState) -> None:
@@ -98,10 +99,11 @@ def _warn_lost_splits(state: CompileState) -> None:
 
 def passes_for(strategy: Strategy) -> list[Pass]:
     """The declared pass list of a Strategy (``dist.passes`` prints it)."""
-    passes: list[Pass] = [Partition()]
+    pipelined = strategy.pipeline is not None
+    passes: list[Pass] = [Partition(pipelined=pipelined)]
     if strategy.zero_stage:
-        passes.append(ZeroSharding(strategy.zero_stage))
-    passes += [ReshardPlanning(), ReshardEmission(), SiteFusion()]
+        passes.append(ZeroSharding(strategy.zero_stage, pipelined=pipelined))
+    passes += [ReshardPlanning(pipelined=pipelined), ReshardEmission(), SiteFusion()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:

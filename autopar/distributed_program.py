@@ -24,18 +24,22 @@ from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, PassPipeline, RankProgram
 from autopar.propagation import ConflictRecord, PropagationResult, ReshardNeed
 from autopar.rank_plan import PipelineRole, RankPlan, ValueInfo, ValueTable
-from autopar.strategy import Strategy
+from autopar.strategy import EffectiveStrategy, Strategy
 
 if TYPE_CHECKING:
+    from paddle.pir import Operation, Program
+
     from autopar.inspect.cost_report import CostReport
     from autopar.inspect.dump import DumpResult
+    from autopar.inspect.query import Decisions
+    from autopar.schedule import Action
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompileReport:
     """What a user should read after compile: conflicts, unsupported ops, reshards needed."""
 
-    conflicts: list[ConflictRecord]
+    conflicts: list[ConflictRecord]  # (copies: the report is the user's to keep)
     unsupported_ops: list[str]
     reshards: list[ReshardNeed]
     rounds: int
@@ -59,14 +63,18 @@ class DistributedProgram:
 
     BACKENDS = ("host", "native", "auto")
 
-    def __init__(self, program: Any, startup_program: Any, state: CompileState, pipeline: PassPipeline) -> None:
+    def __init__(
+        self, program: Program, startup_program: Program | None, state: CompileState, pipeline: PassPipeline,
+        effective: EffectiveStrategy | None = None,
+    ) -> None:  # fmt: skip
         self.serial_program = program
         self.serial_startup_program = startup_program
         self.state = state
         self.pipeline = pipeline
         self._plans: dict[tuple[int, str, tuple], RankPlan] = {}
         self.mesh: ProcessMesh = state.mesh
-        self.strategy: Strategy = state.strategy
+        self.strategy: Strategy = state.strategy  # the one compile ran (see effective_strategy)
+        self.effective_strategy = effective or EffectiveStrategy(state.strategy, state.strategy)  # the user's and what compile ran
         self.graph: ProgramGraph = state.graph
         self.propagation: PropagationResult = state.propagation
 
@@ -77,7 +85,7 @@ class DistributedProgram:
     @property
     def report(self) -> CompileReport:
         p = self.propagation
-        return CompileReport(p.conflicts, p.unsupported, p.reshards, p.rounds)
+        return CompileReport(list(p.conflicts), list(p.unsupported), list(p.reshards), p.rounds)
 
     @property
     def unavailable(self) -> str:
@@ -85,7 +93,7 @@ class DistributedProgram:
         return self.state.unavailable
 
     @functools.cached_property
-    def decisions(self) -> Any:
+    def decisions(self) -> Decisions:
         """What compile decided, as values (:mod:`autopar.inspect.query`): per value, per
         reshard, per strategy feature. The public way to ask; the compile state is internal."""
         from autopar.inspect.query import Decisions
@@ -183,7 +191,7 @@ class DistributedProgram:
             self._pipeline_role(rp, ops), LearningRateSchedule.of(self.serial_program),
         )
 
-    def _pipeline_role(self, rp: RankProgram, ops: list[Any]) -> PipelineRole | None:
+    def _pipeline_role(self, rp: RankProgram, ops: list[Operation]) -> PipelineRole | None:
         plan, micro = self.state.pipeline, self.state.micro
         if plan is None:
             return None
@@ -195,7 +203,7 @@ class DistributedProgram:
             dict(micro.feeds) if micro is not None else {}, summed, split,
         )  # fmt: skip
 
-    def schedule(self, rank: int) -> tuple[Any, ...]:
+    def schedule(self, rank: int) -> tuple[Action, ...]:
         """The verified pipeline actions ``rank`` runs each step (``2F0``: stage 2's forward of
         micro-batch 0; send / recv included)."""
         if self.state.pipeline is None:
@@ -205,11 +213,11 @@ class DistributedProgram:
         plan = self.state.pipeline
         return plan.actions[plan.pipeline_rank(rank)]
 
-    def rank_program(self, rank: int) -> Any:
+    def rank_program(self, rank: int) -> Program:
         """The PIR program rank ``rank`` runs (local shapes, inserted collectives)."""
         return self.rank_plan(rank).program
 
-    def rank_startup_program(self, rank: int) -> Any:
+    def rank_startup_program(self, rank: int) -> Program:
         """The startup program of ``rank``: the serial initial values, sliced to its pieces."""
         startup = self.rank_plan(rank).startup
         if startup is None:

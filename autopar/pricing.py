@@ -57,8 +57,9 @@ from autopar.cost_model.comm import shared_cores_time
 from autopar.cost_model.planner import group_at, plan_reshard
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
-from autopar.passes.base import CompileState
+from autopar.passes.base import CompileState, GradientBucket, PlannedReshard
 from autopar.passes.pipeline_split import find_stages
+from autopar.passes.results import ZeroPlan
 from autopar.propagation import SiteKind
 from autopar.schedule import Action, ActionKind, replay, verified_schedule
 
@@ -271,8 +272,8 @@ class _Sync:
     all_reduce (``planned``); ``producers``: the ops making its gradients."""
 
     producers: tuple[int, ...]
-    bucket: Any = None
-    planned: Any = None
+    bucket: GradientBucket | None = None
+    planned: PlannedReshard | None = None
 
     def seconds(self, rank: int, by_index: dict[int, Any]) -> float:
         """What it costs ``rank`` (0: not taking part)."""
@@ -553,7 +554,8 @@ def _local(shape: tuple[int, ...], dist: Any, rank: int) -> tuple[int, ...]:
 def _memory(state: CompileState, ranks: list[int], micro: int) -> tuple[int, int]:
     """Peak bytes on the fullest of ``ranks`` and, of it, parameters + gradients + states."""
     graph, propagation = state.graph, state.propagation
-    grads = {z.param: z.sharded for z in state.zero if z.sharded is not None} if state.strategy.zero_stage >= 2 else {}
+    zero = state.result(ZeroPlan)
+    grads = {z.param: z.sharded for z in zero.shards if z.sharded is not None} if zero is not None and zero.stage >= 2 else {}
     pipeline = state.strategy.pipeline
     held = dict.fromkeys(ranks, 0)
     activations = dict.fromkeys(ranks, 0)

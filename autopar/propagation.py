@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,115 +32,35 @@ from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import SOURCE_OPS
+from autopar.propagation_result import (
+    ConflictRecord,
+    PlacementOverride,
+    Priority,
+    PropagationResult,
+    ReshardNeed,
+    ReshardSite,
+    SiteKind,
+    ValueState,
+    frozen_result,
+)
 from autopar.spmd import Conflict, RuleContext, RuleResult, TensorSpec, get_rule
 
-
-class Priority(enum.IntEnum):
-    """Who decided a placement; a higher one is never overridden by a lower one. ``STRATEGY``:
-    annotations a Strategy makes (ZeRO's state sharding, sequence-parallel activations) — below
-    the user's own, above anything a rule derives. Both are *fixed*: kept where the producer
-    makes something else (a reshard right after the producer)."""
-
-    DEFAULT = 0
-    REQUIRED = 1
-    DERIVED = 2
-    STRATEGY = 3
-    USER = 4
-
-    @property
-    def fixed(self) -> bool:
-        return self >= Priority.STRATEGY
-
-
-@dataclass(frozen=True, slots=True)
-class ValueState:
-    dist: DistAttr
-    priority: Priority
-    source: str  # "user", "default", or the op that decided it
-
-
-@dataclass(frozen=True, slots=True)
-class ConflictRecord:
-    """One place where placements competed, and how it was resolved."""
-
-    op: str
-    values: tuple[str, ...]
-    candidates: tuple[tuple[str, str], ...]  # (who, placement)
-    chosen: str
-    reason: str
-
-    def __str__(self) -> str:
-        cands = "; ".join(f"{who} wants {what}" for who, what in self.candidates)
-        return f"{self.op} [{', '.join(self.values)}]: {cands} -> {self.chosen} ({self.reason})"
-
-
-class SiteKind(enum.Enum):
-    """Where a reshard applies in the program."""
-
-    BEFORE_READ = "before read"  # right before op ``op`` reads operand ``slot``
-    AFTER_PRODUCER = "after producer"  # right after op ``op`` makes result ``slot``
-    WRITE_BACK = "write back"  # after op ``op`` updated operand ``slot`` in place through a resharded copy (ZeRO)
-    REFRESH = "refresh"  # once the step's updates are done: operand ``slot`` of update ``op`` into another stage's copy
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardSite:
-    kind: SiteKind
-    op: int  # serial op index
-    slot: int  # operand position (BEFORE_READ, WRITE_BACK: the operand whose variable is written) or result position
-
-    def __str__(self) -> str:
-        return f"{self.kind.value} op {self.op}.{self.slot}"
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardNeed:
-    """A value must change placement from ``have`` to ``need`` at ``site``."""
-
-    site: ReshardSite
-    value: ValueKey
-    have: DistAttr
-    need: DistAttr
-
-    @property
-    def op(self) -> int:
-        return self.site.op
-
-    def __str__(self) -> str:
-        return f"v{self.value[0]}.{self.value[1]} {self.have} -> {self.need} ({self.site})"
+__all__ = [
+    "ConflictRecord", "PlacementOverride", "Priority", "PropagationResult", "Propagator", "ReshardNeed", "ReshardSite",
+    "SiteKind", "ValueState", "propagate", "transplant",
+]  # fmt: skip
 
 
 @dataclass
-class PropagationResult:
+class _Draft:
+    """The result as materialization builds it, in place; :func:`propagate` freezes the last one."""
+
     states: dict[ValueKey, ValueState]
-    op_results: dict[int, RuleResult]
-    op_meshes: dict[int, ProcessMesh]
+    op_results: dict[int, RuleResult] = field(default_factory=dict)
+    op_meshes: dict[int, ProcessMesh] = field(default_factory=dict)
     conflicts: list[ConflictRecord] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)
     reshards: list[ReshardNeed] = field(default_factory=list)
-    rounds: int = 0
-
-    def dist(self, key: ValueKey) -> DistAttr:
-        return self.states[key].dist
-
-    def derived(self) -> PropagationResult:
-        """A copy a strategy decision may change (ZeRO's shard placements and reshards) while
-        this analysis stays as it was, for other strategies to derive from."""
-        return dataclasses.replace(
-            self, states=dict(self.states), op_results=dict(self.op_results), op_meshes=dict(self.op_meshes),
-            conflicts=list(self.conflicts), unsupported=list(self.unsupported), reshards=list(self.reshards),
-        )  # fmt: skip
-
-    def made(self, key: ValueKey) -> DistAttr:
-        """The placement ``key``'s producer makes (its own, unless resharded right after)."""
-        found = self.produced.get(key)
-        return found if found is not None else self.dist(key)
-
-    @functools.cached_property
-    def produced(self) -> dict[ValueKey, DistAttr]:
-        """Values whose producer makes another placement than they have (resharded right after it;
-        read once propagation is done)."""
-        return {need.value: need.have for need in self.reshards if need.site.kind is SiteKind.AFTER_PRODUCER}
 
 
 @contextlib.contextmanager
@@ -363,8 +282,8 @@ class Propagator:
         return seeded
 
     # ---- phase 2: materialization ----------------------------------------------------
-    def materialize(self) -> PropagationResult:
-        result = PropagationResult(self.states, {}, {})
+    def materialize(self) -> _Draft:
+        result = _Draft(self.states)
         reduced: dict[ValueKey, DistAttr] = {}  # partial values an earlier read made complete
         for op in self.ops:
             mesh = self.op_mesh(op)
@@ -477,7 +396,7 @@ class Propagator:
         )  # (a transfer between meshes has no group of one mesh: its time is priced, not its ring volume)
         return time, volume
 
-    def _settle_outputs(self, result: PropagationResult, op: OpNode, inferred: RuleResult) -> None:
+    def _settle_outputs(self, result: _Draft, op: OpNode, inferred: RuleResult) -> None:
         for pos, (key, produced) in enumerate(zip(op.outputs, inferred.outputs)):
             if key is None or produced is None or self.graph.values[key].kind == "vector":
                 continue
@@ -496,12 +415,12 @@ class Propagator:
                 continue
             self.states[key] = ValueState(produced, Priority.DERIVED, str(op))
 
-    def _record_rule_conflicts(self, result: PropagationResult, op: OpNode, conflicts: tuple[Conflict, ...]) -> None:
+    def _record_rule_conflicts(self, result: _Draft, op: OpNode, conflicts: tuple[Conflict, ...]) -> None:
         names = tuple(self.graph.values[k].label for k in op.inputs if k is not None)
         for c in conflicts:
             result.conflicts.append(ConflictRecord(str(op), names, c.candidates, c.chosen, f"{c.where}: {c.reason}"))
 
-    def competing_sources(self, result: PropagationResult) -> dict[ValueKey, list[tuple[str, DistAttr]]]:
+    def competing_sources(self, result: _Draft) -> dict[ValueKey, list[tuple[str, DistAttr]]]:
         """Parameters / feeds / states whose consumers need different placements."""
         wants: dict[ValueKey, list[tuple[str, DistAttr]]] = {}
         for op_index, inferred in result.op_results.items():
@@ -511,7 +430,7 @@ class Propagator:
                     wants.setdefault(key, []).append((str(op), need))
         return {k: w for k, w in wants.items() if len({d for _, d in w}) > 1}
 
-    def choose_sources(self, result: PropagationResult) -> bool:
+    def choose_sources(self, result: _Draft) -> bool:
         """Re-decide competing sources not fixed by the user: the cheapest placement wins."""
         if self.cluster is None:
             return False
@@ -535,7 +454,7 @@ class Propagator:
                 changed = True
         return changed
 
-    def align_inplace_states(self, result: PropagationResult) -> bool:
+    def align_inplace_states(self, result: _Draft) -> bool:
         """A persistable state an op updates in place (velocity, moments; a batch norm's running
         statistics, which are parameters) takes the placement that op needs: resharding it
         first would update a temporary copy and lose the update. (An update's own parameter
@@ -568,7 +487,7 @@ class Propagator:
                 changed = True
         return changed
 
-    def _record_source_conflicts(self, result: PropagationResult) -> None:
+    def _record_source_conflicts(self, result: _Draft) -> None:
         """A parameter / feed / state whose consumers need different placements."""
         for key, wants in self.competing_sources(result).items():
             value = self.graph.values[key]
@@ -637,5 +556,4 @@ def propagate(
             result, changed = propagator.materialize(), True
         if not changed:
             break
-    result.rounds = rounds
-    return result
+    return frozen_result(result.states, result.op_results, result.op_meshes, result.conflicts, result.unsupported, result.reshards, rounds)

@@ -16,7 +16,7 @@ import functools
 import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.pipeline_lowering import Piece, RankAction, cut, lower, verify_rank
 from autopar.schedule import Action, Phase
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 ValueKey = tuple[int, int]
 
@@ -179,8 +182,8 @@ class RankPlan:
     rank: int
     mesh: ProcessMesh
     backend: str
-    program: Any
-    startup: Any  # None when compile had no startup program
+    program: Program
+    startup: Program | None  # None when compile had no startup program
     collectives: tuple[tuple[Collective, int], ...]  # (value, position of the op carrying it), program order
     rings: Mapping[tuple[int, ...], int]  # groups this rank is in -> communicator id
     values: ValueTable

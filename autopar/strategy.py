@@ -156,3 +156,19 @@ class Strategy:
                 )
         if self.extra:
             raise AutoparError(f"Strategy.extra: no pass reads the options {sorted(self.extra)}")
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveStrategy:
+    """The Strategy a compile runs, as a value beside the one the user gave: ``requested`` (None:
+    the default) with what the program itself implies added (``strategy``; ``added`` says what
+    and why — annotations that place stages on sub-meshes imply a pipeline of one micro-batch).
+    The user's Strategy is never changed; ``dist.effective_strategy`` records both."""
+
+    requested: Strategy | None
+    strategy: Strategy
+    added: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return str(self.strategy) + "".join(f"\n  (added: {why})" for why in self.added)
+

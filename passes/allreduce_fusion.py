@@ -52,7 +52,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import Role
 from autopar.mesh import ProcessMesh
-from autopar.passes.base import CompileState, GradientBucket, Pass, PlannedReshard, RankProgram
+from autopar.passes.base import CompileState, GradientBucket, GradientFusion, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import read_site
 from autopar.propagation import SiteKind
 
@@ -72,7 +72,7 @@ class AllreduceFusion(Pass):
     def __post_init__(self) -> None:
         check_bucket_bytes(self.name, self.bucket_bytes)
 
-    def plan(self, state: CompileState) -> None:
+    def plan(self, state: CompileState) -> GradientFusion:
         candidates = _candidates(state)
         # every gradient on its own cheapest plan's form, or every one on the direct all_reduce
         # over the dims it reduces (where that does not pay, on its own plan): the cheaper
@@ -80,15 +80,15 @@ class AllreduceFusion(Pass):
         done = own if _total(state, candidates, own) < _total(state, candidates, direct) else direct
         done.sort(key=lambda b: b[0].planned.need.op)
         replaced = {m.planned.index: dataclasses.replace(m.planned, plan=m.plan) for b in done for m in b if m.rerouted}
-        state.reshards = [replaced.get(p.index, p) for p in state.reshards]
         sharing: dict[int, list[PlannedReshard]] = {}
         for planned in state.reshards:
             if planned.shared_with is not None:
-                sharing.setdefault(planned.shared_with, []).append(planned)
-        state.buckets = [
+                sharing.setdefault(planned.shared_with, []).append(replaced.get(planned.index, planned))
+        buckets = tuple(
             _bucket(state, number, bucket, [s for m in bucket for s in sharing.get(m.planned.index, ())])
             for number, bucket in enumerate(done)
-        ]
+        )
+        return GradientFusion(buckets, replaced)
 
     def _pack(self, state: CompileState, candidates: list[Candidate], mode: str) -> list[list[Member]]:
         """Buckets of the candidates in ``mode`` ("own": each on its own plan's form; "direct":

@@ -17,9 +17,9 @@ after each, where per-pass dumps hook in (``build_rank(rank, upto=name)``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from autopar.collective import Collective
 from autopar.cost_model.planner import ReshardPlan
@@ -27,10 +27,12 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey, once_per_graph
 from autopar.mesh import ProcessMesh
-from autopar.passes.results import PipelinePlan, SiteBucket, ZeroBucket, ZeroShard
+from autopar.passes.results import LoweringGroups, PipelinePlan, SiteBuckets, ZeroBuckets, ZeroPlan, ZeroShard
 from autopar.propagation import PropagationResult, ReshardNeed
 
 if TYPE_CHECKING:  # (types only; tests/unit/test_import_cycles.py counts these imports too)
+    from paddle.pir import Operation, Program, Value
+
     from autopar.cost_model.cluster import Cluster
     from autopar.rewrites import Rewrite
     from autopar.rewrites.micro_batching import MicroBatching
@@ -38,6 +40,8 @@ if TYPE_CHECKING:  # (types only; tests/unit/test_import_cycles.py counts these 
     from autopar.rewrites.sequence_parallel import SequenceRegions
     from autopar.schedule import Phase
     from autopar.strategy import Strategy
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -83,31 +87,121 @@ class GradientBucket:
     zeroed: tuple[int, ...] = ()  # mesh dims along which all copies but the first are zeroed first (make_partial)
 
 
-@dataclass
-class CompileState:
-    """Rank-independent results of compile; the pipeline builds rank programs from it."""
+@dataclass(frozen=True)
+class PlannedReshards:
+    """ReshardPlanning's result: every reshard need's planned steps, in need order."""
+
+    reshards: tuple[PlannedReshard, ...]
+
+
+@dataclass(frozen=True)
+class GradientFusion:
+    """AllreduceFusion's result: its buckets, and the planned reshards it moved onto another
+    plan to share a bucket (by planned index; planning's own result is unchanged)."""
+
+    buckets: tuple[GradientBucket, ...]
+    rerouted: Mapping[int, PlannedReshard]
+
+
+@dataclass(frozen=True)
+class AnalysedProgram:
+    """What every strategy compiled from one analysis shares, read only: the graph view, the
+    propagation, the cluster, the serial rewrites' decisions (autopar.analysis)."""
 
     graph: ProgramGraph
     propagation: PropagationResult
     mesh: ProcessMesh
-    strategy: Strategy
     cluster: Cluster | None = None  # the cost model's cluster, fitted to the mesh
-    startup: object = None  # the serial startup program (a paddle.pir.Program; read only)
-    reshards: list[PlannedReshard] = field(default_factory=list)
-    buckets: list[GradientBucket] = field(default_factory=list)
-    zero_buckets: list[ZeroBucket] = field(default_factory=list)  # ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)
-    site_buckets: list[SiteBucket] = field(default_factory=list)  # all_gathers one op reads, fused (passes/site_fusion.py)
-    unavailable: str = ""  # why no rank programs can be built (empty: they can)
-    zero: tuple[ZeroShard, ...] = ()  # ZeRO's decision per parameter update (passes/zero_sharding.py)
-    regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward
-    rewrite_dim_sets: set[tuple[int, ...]] = field(default_factory=set)  # mesh dims of collectives local rewrites emit
+    startup: Program | None = None  # the serial startup program (read only)
     micro: MicroBatching | None = None  # micro-batching analysis (autopar.rewrites.micro_batching), when the pipeline runs several
     recompute: Recomputation | None = None  # the recompute rewrite and its report (autopar.rewrites.recompute), when the Strategy asks for it
-    pipeline: PipelinePlan | None = None  # stages and schedule (passes/pipeline_split.py)
     sequence: SequenceRegions | None = None  # sequence parallelism's split activations (autopar.rewrites.sequence_parallel.SequenceRegions)
+    regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward (recompute)
     rewrites: tuple[tuple[str, str], ...] = ()  # (rewrite, its report) of each serial rewrite, in order (autopar.rewrites)
-    stages: list[str] = field(default_factory=lambda: ["propagated"])
-    _dim_sets: list[tuple[int, ...]] | None = field(default=None, repr=False)
+    single_stage: bool = False  # the Strategy's pipeline has one stage: the whole mesh (PipelineConfig(stages=1))
+
+
+_RESULT_FIELDS = {"pipeline": PipelinePlan, "zero_buckets": ZeroBuckets, "site_buckets": SiteBuckets}
+
+
+class CompileState:
+    """One compile of one Strategy over an analysis: the analysis' values (shared, read only)
+    and each planning pass's result, recorded once (:meth:`record`, :meth:`result`).
+
+    A pass's ``plan`` returns its result, a frozen value; the pipeline records it by its type and
+    no pass can change another's (a second result of one type is refused). The fields later
+    passes read (``propagation``, ``reshards``, ``buckets``, ``zero``, ``pipeline``...) are
+    read from those results: ``propagation`` is ZeRO's (the analysis' with its placements
+    layered on) when ZeRO ran, else the analysis'.
+    """
+
+    def __init__(self, analysed: AnalysedProgram, strategy: Strategy) -> None:
+        self.analysed = analysed
+        self.strategy = strategy
+        self.graph, self.mesh, self.cluster, self.startup = analysed.graph, analysed.mesh, analysed.cluster, analysed.startup
+        self.micro, self.recompute, self.sequence, self.rewrites = analysed.micro, analysed.recompute, analysed.sequence, analysed.rewrites
+        self.propagation: PropagationResult = analysed.propagation
+        self.regather: frozenset[ValueKey] = analysed.regather
+        self.unavailable = ""  # why no rank programs can be built (empty: they can)
+        self.stages: list[str] = ["propagated"]
+        self._results: dict[type, object] = {}
+        self._reshards: tuple[PlannedReshard, ...] | None = None  # (read per op and per rank: made once per result)
+        self._dim_sets: list[tuple[int, ...]] | None = None
+
+    def record(self, result: object) -> None:
+        """Keep a pass's result (once per type: passes do not edit each other's results)."""
+        kind = type(result)
+        if kind in self._results:
+            raise AutoparError(f"the compile already has a {kind.__name__}: a pass's result is recorded once")
+        self._results[kind] = result
+        self._reshards = None
+        if isinstance(result, ZeroPlan):
+            self.propagation, self.regather = result.propagation, self.regather | result.regather
+
+    def result(self, kind: type[R]) -> R | None:
+        """The recorded result of type ``kind`` (None: no pass made one)."""
+        found = self._results.get(kind)
+        return found if found is None or isinstance(found, kind) else None
+
+    def __getattr__(self, name: str) -> object:
+        kind = _RESULT_FIELDS.get(name)
+        if kind is None:
+            raise AttributeError(name)
+        found = self.__dict__.get("_results", {}).get(kind)
+        if found is None:
+            return None if kind is PipelinePlan else ()
+        return found if kind is PipelinePlan else found.buckets
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """``state.pipeline = plan``, ``state.zero_buckets = buckets``: recorded as that pass's result."""
+        kind = _RESULT_FIELDS.get(name)
+        if kind is None:
+            object.__setattr__(self, name, value)
+        else:
+            self.record(value if kind is PipelinePlan else kind(tuple(value)))
+
+    @property
+    def zero(self) -> tuple[ZeroShard, ...]:
+        """ZeRO's decision per parameter update (passes/zero_sharding.py)."""
+        plan = self.result(ZeroPlan)
+        return plan.shards if plan is not None else ()
+
+    @property
+    def reshards(self) -> tuple[PlannedReshard, ...]:
+        """The planned reshards (reshard planning's, with those gradient fusion rerouted)."""
+        if self._reshards is None:
+            planned, fusion = self.result(PlannedReshards), self.result(GradientFusion)
+            found = planned.reshards if planned is not None else ()
+            if fusion is not None and fusion.rerouted:
+                found = tuple(fusion.rerouted.get(p.index, p) for p in found)
+            self._reshards = found
+        return self._reshards
+
+    @property
+    def buckets(self) -> tuple[GradientBucket, ...]:
+        """Gradient all-reduces fused into buckets (passes/allreduce_fusion.py)."""
+        fusion = self.result(GradientFusion)
+        return fusion.buckets if fusion is not None else ()
 
     def label(self, key: ValueKey) -> str:
         """A value as the user knows it: parameters, feeds and states by name, the gradient an
@@ -123,7 +217,8 @@ class CompileState:
                     seen.setdefault(tuple(step.mesh_dims), None)
         for bucket in self.buckets:
             seen.setdefault(bucket.mesh_dims, None)
-        for dims in sorted(self.rewrite_dim_sets):  # vocabulary-parallel rows, batch-norm statistics
+        lowered = self.result(LoweringGroups)
+        for dims in sorted(lowered.mesh_dims if lowered is not None else ()):  # vocabulary-parallel rows, batch-norm statistics
             seen.setdefault(dims, None)
         return list(seen)
 
@@ -170,32 +265,32 @@ class RankProgram:
     """One rank's program under construction (a clone of the serial one)."""
 
     rank: int
-    program: Any
-    ops: list[Any]  # serial op index -> op of the clone (None: erased, another pipeline stage's)
+    program: Program
+    ops: list[Operation | None]  # serial op index -> op of the clone (None: erased, another pipeline stage's)
     backend: str = "host"  # the form built: "host" (collectives run by the runtime) or "native"
-    startup: Any = None  # the rank's startup program: serial initial values, sliced
+    startup: Program | None = None  # the rank's startup program: serial initial values, sliced
     collectives: list[tuple[Collective, int]] = field(default_factory=list)  # (value, id of the op carrying it)
-    replaced: dict[ValueKey, Any] = field(default_factory=dict)  # value after a local-scale correction
-    final: dict[ValueKey, Any] = field(default_factory=dict)  # value after its after-producer reshard
-    resharded: dict[int, Any] = field(default_factory=dict)  # planned reshard index -> its result
+    replaced: dict[ValueKey, Value] = field(default_factory=dict)  # value after a local-scale correction
+    final: dict[ValueKey, Value] = field(default_factory=dict)  # value after its after-producer reshard
+    resharded: dict[int, Value] = field(default_factory=dict)  # planned reshard index -> its result
     rings: dict[tuple[int, ...], int] = field(default_factory=dict)  # groups this rank is in -> ring id
     stages: list[str] = field(default_factory=list)
     fetches: tuple[ValueKey, ...] = ()  # values the runtime fetches (made whole by fetch_replication)
-    fetched: dict[ValueKey, Any] = field(default_factory=dict)  # fetch -> its whole value
+    fetched: dict[ValueKey, Value] = field(default_factory=dict)  # fetch -> its whole value
     phases: dict[int, Phase] = field(default_factory=dict)  # op id -> pipeline phase (autopar.schedule.Phase: F0, B1, OPT)
     update_side: set[int] = field(default_factory=set)  # ids of ops inserted for a read by an update: run with it
 
-    def value(self, key: ValueKey) -> Any:
+    def value(self, key: ValueKey) -> Value:
         """The serial value's result in this clone, as its op made it."""
         return self.ops[key[0]].result(key[1])
 
-    def produced(self, key: ValueKey) -> Any:
+    def produced(self, key: ValueKey) -> Value:
         """The serial value as its producer makes it (after a local-scale correction, if any):
         what a fetch reads, in the produced placement."""
         replaced = self.replaced.get(key)
         return replaced if replaced is not None else self.value(key)
 
-    def current(self, key: ValueKey) -> Any:
+    def current(self, key: ValueKey) -> Value:
         """What later ops read for the serial value: in its final placement (after an
         after-producer reshard, if any)."""
         final = self.final.get(key)
@@ -215,8 +310,9 @@ class Pass:
     emit_requires: ClassVar[tuple[str, ...]] = ()
     emit_ensures: ClassVar[str] = ""
 
-    def plan(self, state: CompileState) -> None:
-        """Compile-time, rank-independent decisions (default: none)."""
+    def plan(self, state: CompileState) -> object | None:
+        """Compile-time, rank-independent decisions (default: none), returned as the pass's
+        frozen result (the pipeline records it: :meth:`CompileState.result`)."""
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         """Rewrite one rank's program (default: nothing)."""
@@ -226,11 +322,24 @@ class Pass:
         return type(self).emit is not Pass.emit
 
     def options(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} if hasattr(self, "__dataclass_fields__") else {}
+        """The options to print (a :func:`declared` input at its default is left out)."""
+        if not hasattr(self, "__dataclass_fields__"):
+            return {}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self)
+            if not (f.metadata.get("declared") and getattr(self, f.name) == f.default)
+        }  # fmt: skip
 
     def __str__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{self.name}({opts})"
+
+
+def declared(default: bool = False) -> Any:
+    """A pass input the Strategy's pass list decides (``passes_for`` in autopar/compile.py):
+    generic passes read what a strategy decided from these, never from ``state.strategy``.
+    Printed only when it differs from ``default``."""
+    return field(default=default, metadata={"declared": True})
 
 
 @dataclass(frozen=True)
@@ -245,7 +354,9 @@ class PassPipeline:
     def plan(self, state: CompileState) -> CompileState:
         for p in self.passes:
             _check_stages(p, p.plan_requires, state.stages, "the compile state")
-            p.plan(state)
+            result = p.plan(state)
+            if result is not None:
+                state.record(result)
             if p.plan_ensures:
                 state.stages.append(p.plan_ensures)
             if self.callback is not None:

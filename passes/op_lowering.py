@@ -25,6 +25,7 @@ from autopar.graph import OpNode
 from autopar.passes import batch_norm_stats, dropout_slicing, vocab_parallel
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.lowered_ops import lowered_ops
+from autopar.passes.results import LoweringGroups
 from autopar.spmd.batch_norm import BATCH_STATISTICS
 from autopar.spmd.dropout import DROPOUT_SLICES
 from autopar.spmd.registry import lowerings
@@ -52,13 +53,12 @@ class OpLowering(Pass):
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
     emit_ensures: ClassVar[str] = "ops-lowered"
 
-    def plan(self, state: CompileState) -> None:
+    def plan(self, state: CompileState) -> LoweringGroups:
         missing = [lowering.name for lowering in lowerings() if lowering.name not in EMITTERS]
         if missing:
             raise AutoparError(f"rules declare the lowerings {missing} but autopar.passes.op_lowering has no emitter for them")
-        for lowering, _, decision in lowered_ops(state):
-            if lowering.group is not None:
-                state.rewrite_dim_sets.add(tuple(lowering.group(decision)))
+        groups = {tuple(lowering.group(decision)) for lowering, _, decision in lowered_ops(state) if lowering.group is not None}
+        return LoweringGroups(frozenset(groups))
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode
-from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.base import CompileState, Pass, RankProgram, declared
 from autopar.spmd import TensorSpec, get_rule
 from autopar.spmd.base import SpmdRule
 
@@ -26,6 +26,11 @@ EXPAND_OPS = ("pd_op.expand",)  # operand 1: the target shape, global in the ser
 
 @dataclass(frozen=True)
 class Partition(Pass):
+    """``pipelined``: the Strategy places pipeline stages, so a value on another stage's mesh is
+    left to pipeline_split (without stages such a value is an error)."""
+
+    pipelined: bool = declared()
+
     name: ClassVar[str] = "partition"
     emit_requires: ClassVar[tuple[str, ...]] = ("propagated",)
     emit_ensures: ClassVar[str] = "partitioned"
@@ -79,7 +84,7 @@ class Partition(Pass):
         for key in state.graph.tensor_keys():
             value = state.graph.values[key]
             dist = state.propagation.dist(key)
-            if rp.rank not in dist.mesh.ranks and state.strategy.pipeline is not None:
+            if rp.rank not in dist.mesh.ranks and self.pipelined:
                 continue  # another stage's value: erased by pipeline_split
             if rp.rank not in dist.mesh.ranks:
                 raise AutoparError(

@@ -127,7 +127,7 @@ def _find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dic
     graph, op_meshes = state.graph, state.propagation.op_meshes
     runs: list[ProcessMesh] = []
     stage_of: dict[int, int] = {}
-    whole = state.strategy.pipeline is not None and state.strategy.pipeline.stages == 1  # one stage: the mesh
+    whole = state.analysed.single_stage  # one stage: the mesh
     for op in graph.ops:
         mesh = op_meshes.get(op.index, state.mesh if whole else None)
         if op.role is not Role.FORWARD or mesh is None or (mesh == state.mesh and not whole) or _is_constant(op):

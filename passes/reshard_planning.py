@@ -21,7 +21,8 @@ from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import Role, ValueKey
-from autopar.passes.base import CompileState, Pass, PlannedReshard
+from autopar.passes.base import CompileState, Pass, PlannedReshard, PlannedReshards, declared
+from autopar.passes.results import ZeroPlan
 from autopar.passes.zero_sharding import ZeroShard
 from autopar.propagation import ReshardNeed, SiteKind
 from autopar.shared_parameters import replica_refreshes
@@ -31,16 +32,24 @@ SOURCES = ("parameter", "state", "feed")
 
 @dataclass(frozen=True)
 class ReshardPlanning(Pass):
+    """``pipelined``: the Strategy places pipeline stages — reshards may cross stage meshes, and
+    copies of a parameter on other stages follow its update (refresh needs)."""
+
+    pipelined: bool = declared()
+
     name: ClassVar[str] = "reshard_planning"
     plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
     plan_ensures: ClassVar[str] = "reshard-planned"
 
-    def plan(self, state: CompileState) -> None:
+    def plan(self, state: CompileState) -> PlannedReshards:
         first_read: dict[tuple, int] = {}
+        zero_plan = state.result(ZeroPlan)
         zero = {z.gradient: z for z in state.zero}
+        zero_sync = f"ZeRO-{zero_plan.stage} gradient sync" if zero_plan is not None else ""
+        planned: list[PlannedReshard] = []
         written_back = {(n.op, n.site.slot) for n in state.propagation.reshards if n.site.kind is SiteKind.WRITE_BACK}
         needs = list(state.propagation.reshards)
-        if state.strategy.pipeline is not None:  # copies of a parameter on other stages follow its update
+        if self.pipelined:  # copies of a parameter on other stages follow its update
             needs += replica_refreshes(state.graph, state.propagation)
         for index, need in enumerate(needs):
             value = state.graph.values[need.value]
@@ -52,17 +61,18 @@ class ReshardPlanning(Pass):
             plan = plan_reshard(have, need.need, value.shape, value.dtype, state.cluster)
             if not plan.steps:
                 continue
-            _check_site(state, need, plan, written_back)
+            _check_site(state, need, plan, written_back, self.pipelined)
             shared = None
             if need.site.kind is SiteKind.BEFORE_READ:
                 # a value in ``regather`` (ZeRO-3 parameters) is gathered again for the backward
                 phase = state.graph.ops[need.op].role is Role.FORWARD if need.value in state.regather else None
                 shared = first_read.setdefault((need.value, need.need, phase), index)
                 shared = None if shared == index else shared
-            state.reshards.append(PlannedReshard(index, need, plan, partial(_reason, state, need, zero), shared))
+            planned.append(PlannedReshard(index, need, plan, partial(_reason, state, need, zero, zero_sync), shared))
+        return PlannedReshards(tuple(planned))
 
 
-def _reason(state: CompileState, need: ReshardNeed, zero_of: Mapping[ValueKey, ZeroShard]) -> str:
+def _reason(state: CompileState, need: ReshardNeed, zero_of: Mapping[ValueKey, ZeroShard], zero_sync: str) -> str:
     """``cause: detail``: the feature and layer (:mod:`autopar.causes`), then what the reshard
     moves from which placement to which (``zero_of``: ZeRO's shard by the gradient it reduces)."""
     label = state.label(need.value)
@@ -71,7 +81,7 @@ def _reason(state: CompileState, need: ReshardNeed, zero_of: Mapping[ValueKey, Z
     if zero is not None and need.site.kind is SiteKind.AFTER_PRODUCER:
         layer = parameter_layer(state.graph, zero.param)
         return (
-            f"{in_layer(f'ZeRO-{state.strategy.zero_stage} gradient sync', layer)}: {label} is reduced to its "
+            f"{in_layer(zero_sync, layer)}: {label} is reduced to its "
             f"{need.need} shards right after {op} makes it ({need.have})"
         )
     if need.site.kind is SiteKind.REFRESH:
@@ -90,12 +100,14 @@ def _reason(state: CompileState, need: ReshardNeed, zero_of: Mapping[ValueKey, Z
     return f"{cause}: {op} reads {label} as {need.need}; it is {need.have}"
 
 
-def _check_site(state: CompileState, need: ReshardNeed, plan: ReshardPlan, written_back: set[tuple[int, int]]) -> None:
+def _check_site(
+    state: CompileState, need: ReshardNeed, plan: ReshardPlan, written_back: set[tuple[int, int]], pipelined: bool
+) -> None:  # fmt: skip
     """Refuse, by name, reshards that have no place in the program (yet)."""
     value = state.graph.values[need.value]
     reader = state.graph.ops[need.op]
     for step in plan.steps:
-        if kind_of(step.kind).crosses_meshes and state.strategy.pipeline is None:
+        if kind_of(step.kind).crosses_meshes and not pipelined:
             raise AutoparError(f"reshard of {value.label} across meshes ({step}): meshes of several stages need a pipeline")
     if need.site.kind is not SiteKind.BEFORE_READ:
         return

@@ -1,7 +1,7 @@
 """The values the planning passes decide and ``CompileState`` holds (stage: passes, compile time).
 
-A pass module imports :mod:`autopar.passes.base` (``Pass``, ``CompileState``) and makes one of
-these; ``CompileState`` names them as its fields' types. So they live here, below both: plain
+A pass module imports :mod:`autopar.passes.base` (``Pass``, ``CompileState``) and returns one of
+these from its ``plan``; ``CompileState`` records each once (:meth:`CompileState.result`). So they live here, below both: plain
 frozen values over placements, meshes and collective kinds, importing no pass. (Each pass module
 re-exports its own: ``autopar.passes.zero_sharding.ZeroShard`` is this ``ZeroShard``.)
 """
@@ -16,6 +16,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.propagation_result import PropagationResult
 from autopar.schedule import Action
 
 
@@ -86,3 +87,37 @@ class PipelinePlan:
     def stages_of(self, rank: int) -> set[int]:
         mine = self.pipeline_rank(rank)
         return {stage for stage, index in enumerate(self.stages) if index == mine}
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """ZeroSharding's result: its decision per parameter update, the propagation with its
+    placements layered on the analysis' (:meth:`~autopar.propagation.PropagationResult.overridden`),
+    and the stage-3 parameters gathered again for the backward."""
+
+    stage: int
+    shards: tuple[ZeroShard, ...]
+    propagation: PropagationResult
+    regather: frozenset[ValueKey]
+
+
+@dataclass(frozen=True)
+class LoweringGroups:
+    """OpLowering's result: the mesh-dim sets its lowerings' collectives run along (vocabulary-
+    parallel rows, batch-norm statistics), for the ring ids (``CompileState.mesh_dim_sets``)."""
+
+    mesh_dims: frozenset[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """ZeroBucketFusion's result: ZeRO's fused reduce_scatters / all_gathers (passes/zero_fusion.py)."""
+
+    buckets: tuple[ZeroBucket, ...]
+
+
+@dataclass(frozen=True)
+class SiteBuckets:
+    """SiteFusion's result: the all_gathers one op reads, fused (passes/site_fusion.py)."""
+
+    buckets: tuple[SiteBucket, ...]

@@ -40,7 +40,7 @@ from autopar.dist_attr import DistAttr
 from autopar.passes.allreduce_fusion import gradients_complete
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site
-from autopar.passes.results import SiteBucket
+from autopar.passes.results import SiteBucket, SiteBuckets
 from autopar.propagation import SiteKind
 
 
@@ -52,7 +52,7 @@ class SiteFusion(Pass):
     emit_requires: ClassVar[tuple[str, ...]] = ("comm-inserted", "sites-planned")
     emit_ensures: ClassVar[str] = "sites-fused"
 
-    def plan(self, state: CompileState) -> None:
+    def plan(self, state: CompileState) -> SiteBuckets:
         groups: dict[tuple, list[PlannedReshard]] = {}
         complete = gradients_complete(state)  # (all_reduces read after it are gradient buckets' candidates)
         for planned in state.reshards:
@@ -63,7 +63,7 @@ class SiteFusion(Pass):
                 key = (site, step.kind, step.reduce, step.src.mesh, step.mesh_dims, planned.plan.dtype)
                 groups.setdefault(key, []).append(planned)
         members = [m for m in groups.values() if len(m) > 1]
-        state.site_buckets = [_bucket(state, number, m) for number, m in enumerate(members)]
+        return SiteBuckets(tuple(_bucket(state, number, m) for number, m in enumerate(members)))
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle

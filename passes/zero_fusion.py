@@ -39,7 +39,7 @@ from autopar.graph import Role, ValueKey
 from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.passes.reshard_emission import collective_op, read_site, replace_uses
-from autopar.passes.results import ZeroBucket
+from autopar.passes.results import ZeroBucket, ZeroBuckets
 from autopar.propagation import SiteKind
 
 
@@ -56,7 +56,7 @@ class ZeroBucketFusion(Pass):
     def __post_init__(self) -> None:
         check_bucket_bytes(self.name, self.bucket_bytes)
 
-    def plan(self, state: CompileState) -> None:
+    def plan(self, state: CompileState) -> ZeroBuckets:
         buckets: list[ZeroBucket] = []
         for kind, members in _groups(state):
             current: list[PlannedReshard] = []
@@ -68,7 +68,7 @@ class ZeroBucketFusion(Pass):
                     current = []
                 if planned is not None:
                     current.append(planned)
-        state.zero_buckets = buckets
+        return ZeroBuckets(tuple(buckets))
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle

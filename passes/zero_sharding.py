@@ -16,17 +16,19 @@ rank of the data-parallel (dp) axis. ZeRO (Rajbhandari et al. 2020) splits them 
 This pass decides after propagation because the shard must follow the placement propagation
 chose for the parameter: a tensor-parallel weight split over ``mp`` on one dim is split over
 ``dp`` too (its first dim with at least one element per piece, the dp split nested inside
-the existing one). It rewrites the propagation result as values — the update op's required
-placements, the states' and (stage 3) the parameters' placements, the reshard needs at the
-update and at every stage-3 read — and records each decision (:class:`ZeroShard`); planning
-and emission then treat these needs like any other.
+the existing one). It changes no placement in place: it states its placements as a
+:class:`~autopar.propagation.PlacementOverride` — the update op's required placements, the
+states' and (stage 3) the parameters' placements, the reshard needs at the update and at every
+stage-3 read — layered on the analysis' propagation (which other strategies compiled from the
+same analysis still read as it was), and records each decision (:class:`ZeroShard`) in its
+result, :class:`ZeroPlan`; planning and emission then treat these needs like any other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from autopar.causes import updates as parameter_updates
@@ -34,14 +36,26 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, Role, ValueKey
 from autopar.passes.base import CompileState, Pass
-from autopar.passes.results import ZeroShard
-from autopar.propagation import Priority, PropagationResult, ReshardNeed, ReshardSite, SiteKind, ValueState
+from autopar.passes.results import ZeroPlan, ZeroShard
+from autopar.propagation import (
+    PlacementOverride,
+    Priority,
+    PropagationResult,
+    ReshardNeed,
+    ReshardSite,
+    SiteKind,
+    ValueState,
+)
 from autopar.spmd import RuleResult, get_rule
 
 
 @dataclass(frozen=True)
 class ZeroSharding(Pass):
+    """ZeRO at ``stage`` over the data-parallel mesh dim; ``pipelined``: the Strategy places
+    pipeline stages (then a 1-d mesh's only dim carries them, not data parallelism)."""
+
     stage: int = 1
+    pipelined: bool = False
 
     name: ClassVar[str] = "zero_sharding"
     plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
@@ -51,25 +65,23 @@ class ZeroSharding(Pass):
         if self.stage not in (1, 2, 3):
             raise AutoparError(f"zero_sharding: stage must be 1, 2 or 3, got {self.stage!r}")
 
-    def plan(self, state: CompileState) -> None:
+    def plan(self, state: CompileState) -> ZeroPlan:
         updates = [op for op, _ in parameter_updates(state.graph) if op.role is Role.OPTIMIZER]
         if not updates:
             raise AutoparError(
                 f"Strategy.zero_stage={self.stage}: the program has no optimizer update (sgd_, momentum_, adam_, adamw_)"
             )
-        mesh_dim = data_parallel_dim(state, updates)
-        state.propagation = state.propagation.derived()  # ZeRO's placements: a new value, the analysis stays
-        edits = _ReshardEdits()
+        mesh_dim = data_parallel_dim(state, updates, self.stage, self.pipelined)
+        edits = _Edits(state.propagation)
         decisions = [self._shard(state, op, mesh_dim, edits) for op in updates]
-        edits.apply(state.propagation)
-        state.propagation.reshards.sort(key=lambda need: need.op)  # shared reads: the first in program order emits
-        state.zero = tuple(decisions)
+        override = edits.override(f"ZeRO stage {self.stage}")
+        return ZeroPlan(self.stage, tuple(decisions), state.propagation.overridden(override), frozenset(edits.regather))
 
-    def _shard(self, state: CompileState, op: OpNode, mesh_dim: int, edits: _ReshardEdits) -> ZeroShard:
+    def _shard(self, state: CompileState, op: OpNode, mesh_dim: int, edits: _Edits) -> ZeroShard:
         rule = get_rule(op.name)
-        prop, graph = state.propagation, state.graph
+        prop, graph = edits, state.graph
         param = op.inputs[0]
-        result = prop.op_results[op.index]
+        result = prop.op_result(op.index)
         whole = result.inputs[0]
         label = graph.values[param].label
         name = state.mesh.dim_names[mesh_dim]  # a pipeline stage's parameter lies on its stage's sub-mesh
@@ -85,28 +97,28 @@ class ZeroSharding(Pass):
             sharded if j < len(rule.updates) and rule.updates[j] in like and d is not None else d
             for j, d in enumerate(result.outputs)
         )
-        prop.op_results[op.index] = RuleResult(inputs, outputs, result.conflicts)
+        edits.op_results[op.index] = RuleResult(inputs, outputs, result.conflicts)
         edits.drop.update(ReshardSite(SiteKind.BEFORE_READ, op.index, i) for i in like)
         for i in like:
             key = op.inputs[i]
             if graph.values[key].kind == "state":
-                prop.states[key] = ValueState(sharded, Priority.STRATEGY, f"zero stage {self.stage}")
+                edits.states[key] = ValueState(sharded, Priority.STRATEGY, f"zero stage {self.stage}")
         for key, dist in zip(op.outputs, outputs):
             if key is not None and dist is not None:
-                prop.states[key] = dataclasses.replace(prop.states[key], dist=dist)
+                edits.states[key] = dataclasses.replace(prop.state(key), dist=dist)
         self._gradient(state, op, grad, sharded, edits)
         if self.stage == 3:  # the parameter is stored as its shard; its other readers gather it
             self._move(state, param, sharded, op.index, edits)
-            state.regather = state.regather | {param}
+            edits.regather.add(param)
         else:
             self._write_back(state, op, param, sharded, edits)
         return ZeroShard(param, label, op.index, whole, sharded, f"stage {self.stage}", op.inputs[grad])
 
-    def _gradient(self, state: CompileState, op: OpNode, slot: int, sharded: DistAttr, edits: _ReshardEdits) -> None:
+    def _gradient(self, state: CompileState, op: OpNode, slot: int, sharded: DistAttr, edits: _Edits) -> None:
         """Stage 1: the gradient stays whole until the update, which reads its shard (a
         reduce_scatter there, where the gradient is partial). Stages 2 and 3: the gradient
         is resharded right after the op that makes it, so only its shard outlives it."""
-        prop, key = state.propagation, op.inputs[slot]
+        prop, key = edits, op.inputs[slot]
         if self.stage == 1:
             have = prop.dist(key)
             if have != sharded:
@@ -119,21 +131,21 @@ class ZeroSharding(Pass):
             site = ReshardSite(SiteKind.AFTER_PRODUCER, key[0], key[1])
             edits.added.append(ReshardNeed(site, key, made, sharded))
 
-    def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr, edits: _ReshardEdits) -> None:
+    def _write_back(self, state: CompileState, op: OpNode, param: ValueKey, sharded: DistAttr, edits: _Edits) -> None:
         """Stages 1 and 2: the update reads its shard of the whole parameter and the updated
         shards are gathered back into it."""
-        stored = state.propagation.dist(param)
+        stored = edits.dist(param)
         edits.added.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, 0), param, stored, sharded))
         updated = op.outputs[0]
         edits.added.append(ReshardNeed(ReshardSite(SiteKind.WRITE_BACK, op.index, 0), updated, sharded, stored))
 
-    def _move(self, state: CompileState, key: ValueKey, placement: DistAttr, skip: int, edits: _ReshardEdits) -> None:
+    def _move(self, state: CompileState, key: ValueKey, placement: DistAttr, skip: int, edits: _Edits) -> None:
         """``key`` now lies as ``placement``: every reader but op ``skip`` (the update, which
         reads it so) reshards it to what it reads (stage-3 parameters: an all_gather)."""
-        prop, graph = state.propagation, state.graph
+        prop, graph = edits, state.graph
         old = prop.dist(key)
-        prop.states[key] = ValueState(placement, Priority.STRATEGY, f"zero stage {self.stage}")
-        readers = [r for r in dict.fromkeys(graph.values[key].users) if r != skip and r in prop.op_results]
+        edits.states[key] = ValueState(placement, Priority.STRATEGY, f"zero stage {self.stage}")
+        readers = [r for r in dict.fromkeys(graph.values[key].users) if r != skip and r in prop.base.op_results]
         sites = {
             ReshardSite(SiteKind.BEFORE_READ, r, slot)
             for r in readers
@@ -142,39 +154,56 @@ class ZeroSharding(Pass):
         }
         edits.drop.update(sites)
         for site in sorted(sites, key=lambda s: (s.op, s.slot)):
-            need = prop.op_results[site.op].inputs[site.slot] or old
+            need = prop.op_result(site.op).inputs[site.slot] or old
             if need != placement:
                 edits.added.append(ReshardNeed(site, key, placement, need))
 
 
-@dataclasses.dataclass
-class _ReshardEdits:
-    """ZeRO's changes to the propagation's reshard needs, applied in one pass (filtering the
-    list once per parameter made planning quadratic: 0.3 s for a 24-layer GPT at stage 3)."""
+@dataclass
+class _Edits:
+    """ZeRO's placements while it decides them: read through to the analysis' propagation
+    (``base``) where it has not decided yet; made into one :class:`PlacementOverride` at the
+    end (its needs applied in one pass: filtering per parameter made planning quadratic)."""
 
-    drop: set[ReshardSite] = dataclasses.field(default_factory=set)  # sites whose planned needs go
-    drop_after_producer: set[ValueKey] = dataclasses.field(default_factory=set)  # values resharded after their producer no more
-    added: list[ReshardNeed] = dataclasses.field(default_factory=list)
+    base: PropagationResult
+    states: dict[ValueKey, ValueState] = field(default_factory=dict)
+    op_results: dict[int, RuleResult] = field(default_factory=dict)
+    drop: set[ReshardSite] = field(default_factory=set)  # sites whose planned needs go
+    drop_after_producer: set[ValueKey] = field(default_factory=set)  # values resharded after their producer no more
+    added: list[ReshardNeed] = field(default_factory=list)
+    regather: set[ValueKey] = field(default_factory=set)  # stage-3 parameters, gathered again for the backward
 
-    def apply(self, prop: PropagationResult) -> None:
-        kept = [
-            n for n in prop.reshards
-            if n.site not in self.drop and not (n.site.kind is SiteKind.AFTER_PRODUCER and n.value in self.drop_after_producer)
-        ]  # fmt: skip
-        prop.reshards[:] = kept + self.added
-        prop.__dict__.pop("produced", None)  # the cached map of after-producer reshards (of the derived value)
+    def state(self, key: ValueKey) -> ValueState:
+        found = self.states.get(key)
+        return found if found is not None else self.base.states[key]
+
+    def dist(self, key: ValueKey) -> DistAttr:
+        return self.state(key).dist
+
+    def made(self, key: ValueKey) -> DistAttr:
+        found = self.base.produced.get(key)
+        return found if found is not None else self.dist(key)
+
+    def op_result(self, index: int) -> RuleResult:
+        found = self.op_results.get(index)
+        return found if found is not None else self.base.op_results[index]
+
+    def override(self, reason: str) -> PlacementOverride:
+        return PlacementOverride(
+            reason, self.states, self.op_results, frozenset(self.drop), frozenset(self.drop_after_producer), tuple(self.added)
+        )
 
 
-def data_parallel_dim(state: CompileState, updates: list[OpNode]) -> int:
+def data_parallel_dim(state: CompileState, updates: list[OpNode], stage: int, pipelined: bool) -> int:
     """The mesh dim named ``dp``; else the only dim of a 1-d mesh; else the one mesh dim every
     partial gradient is pending over."""
     mesh = state.mesh
     if "dp" in mesh.dim_names:
         return mesh.dim_names.index("dp")
     if mesh.ndim == 1:
-        if state.strategy.pipeline is not None:
+        if pipelined:
             raise AutoparError(
-                f"Strategy.zero_stage={state.strategy.zero_stage}: {mesh}'s only dim carries the pipeline stages; "
+                f"Strategy.zero_stage={stage}: {mesh}'s only dim carries the pipeline stages; "
                 "ZeRO shards over a data-parallel dim: use a 2-d mesh such as ['pp', 'dp']"
             )
         return 0
@@ -186,7 +215,7 @@ def data_parallel_dim(state: CompileState, updates: list[OpNode]) -> int:
     if len(pending) == 1:
         return pending.pop()
     raise AutoparError(
-        f"Strategy.zero_stage={state.strategy.zero_stage}: cannot tell which dim of {mesh} is data parallel "
+        f"Strategy.zero_stage={stage}: cannot tell which dim of {mesh} is data parallel "
         f"(gradients are pending over {sorted(mesh.dim_names[d] for d in pending) or 'no dim'}); name it 'dp'"
     )
 

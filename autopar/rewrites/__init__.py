@@ -46,6 +46,8 @@ from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
 
 if TYPE_CHECKING:
+    from paddle.pir import Program
+
     from autopar.cost_model.cluster import Cluster
     from autopar.strategy import Strategy
 
@@ -55,7 +57,7 @@ class Analysed:
     """The analysis of one program on one mesh as the rewrites build it (never edited: each
     rewrite returns a new value with ``dataclasses.replace``)."""
 
-    program: Any  # the serial program ``graph`` views: the user's, or a rewrite's clone of it
+    program: Program  # the serial program ``graph`` views: the user's, or a rewrite's clone of it
     graph: ProgramGraph
     mesh: ProcessMesh
     cluster: Cluster

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.graph import ProgramGraph, Role
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.rewrites.recompute import RANDOM_OPS
 from autopar.spmd import ops_where
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 SIDE_EFFECT_OPS = ops_where("side_effect", short=True)  # never dead: they act beyond their results
 SHOWN = 6  # removed ops named in the one-line report
@@ -42,7 +45,7 @@ SHOWN = 6  # removed ops named in the one-line report
 class Pruned:
     """The program without its dead ops."""
 
-    program: Any
+    program: Program
     positions: tuple[int | None, ...]  # old op index -> new index (None: removed)
     removed: tuple[str, ...]  # the removed ops, as ``pd_op.mean#18``
     values: Mapping[str, str]  # id of each removed result -> its label with its op (for refusing its fetch)

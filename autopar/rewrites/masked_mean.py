@@ -30,11 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.errors import AutoparError
 from autopar.graph import UPDATE_ROLE, VECTOR_OPS, OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class MaskedMean:
 class DeferredMeans:
     """The rewritten program and where its ops moved."""
 
-    program: Any
+    program: Program
     positions: tuple[int | None, ...]  # old op index -> new index (None: erased)
     meshes: Mapping[int, ProcessMesh]  # new index -> the mesh of the op it serves
     labels: tuple[str, ...]

@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -63,6 +63,9 @@ from autopar.layer_paths import call_class, match_end, path_of, repeated_depth
 from autopar.op_kinds import SOURCE_OPS
 from autopar.spmd import ops_where
 from autopar.units import format_bytes
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 # ops that draw random numbers: a clone would draw again (dropout is recomputed from its mask)
 RANDOM_OPS = ops_where("random", short=True)
@@ -90,8 +93,8 @@ class Recomputation:
     """The rewritten program and what the rewrite did (``str()`` is a report)."""
 
     selection: bool | tuple[str, ...]
-    source: Any  # the user's program (read only)
-    program: Any  # the rewritten clone
+    source: Program  # the user's program (read only)
+    program: Program  # the rewritten clone
     clones: Mapping[int, int]  # op position of each clone -> position of the op it recomputes
     copies: Mapping[int, int]  # position of each inserted op -> position of the op it copies (dropout's mask ops: none)
     positions: tuple[int, ...]  # the user's op index -> its position in ``program``

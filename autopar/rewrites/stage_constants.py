@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.graph import VECTOR_OPS, ProgramGraph, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_FILLS, CONSTANT_OPS, SOURCE_OPS
 from autopar.rewrites.recompute import RANDOM_OPS, clone_reading
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 
 def constant_ops(graph: ProgramGraph) -> set[int]:
@@ -52,7 +55,7 @@ def constant_ops(graph: ProgramGraph) -> set[int]:
 class StagedConstants:
     """The rewritten program and where its ops moved."""
 
-    program: Any
+    program: Program
     positions: tuple[int | None, ...]  # old op index -> new index (None: erased, every read moved to copies)
     meshes: Mapping[int, ProcessMesh]  # new index of each copy -> the stage mesh it runs on
     copied: int  # ops copied, over all stages

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.causes import gradients
 from autopar.graph import ProgramGraph
 from autopar.mesh import ProcessMesh
 from autopar.shared_parameters import reader_meshes
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 NORM_OPS = ("pd_op.squared_l2_norm",)
 
@@ -30,7 +33,7 @@ NORM_OPS = ("pd_op.squared_l2_norm",)
 class StagedNorms:
     """The rewritten program and where its ops moved."""
 
-    program: Any
+    program: Program
     positions: tuple[int | None, ...]  # old op index -> new index (None: erased)
     meshes: Mapping[int, ProcessMesh]  # new index of each per-stage sum (and its combine) -> its stage mesh
     summed: tuple[str, ...]  # per stack: ``pd_op.stack#48: 6 norms -> 2 stage sums``

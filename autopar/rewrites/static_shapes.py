@@ -16,7 +16,10 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 from autopar.spmd import ops_where
 
@@ -27,7 +30,7 @@ SHAPE_OPS = ops_where("shape_read")  # (pd_op.shape, pd_op.shape64)
 class StaticShapes:
     """The rewritten program (op indices unchanged: each shape op's place holds its constant)."""
 
-    program: Any
+    program: Program
     replaced: tuple[str, ...]  # the shape ops, as ``pd_op.shape64#12``
 
     def __str__(self) -> str:

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.feed_names import WHOLE_BATCH
 from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS
 from autopar.rewrites.recompute import clone_reading
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
 
 
 def feed_only(graph: ProgramGraph, key: ValueKey) -> bool:
@@ -45,7 +48,7 @@ def feed_only(graph: ProgramGraph, key: ValueKey) -> bool:
 
 @dataclass(frozen=True)
 class WholeFeeds:
-    program: Any
+    program: Program
     positions: tuple[int, ...]  # old op index -> new index
     meshes: Mapping[int, ProcessMesh]  # new index of each copied op -> the mesh of the read it serves
     values: tuple[str, ...]  # labels of the values now made from whole feeds

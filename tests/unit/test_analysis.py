@@ -10,6 +10,7 @@ import pytest
 
 import autopar
 from autopar.errors import AutoparError
+from autopar.passes.results import ZeroPlan
 from autopar.testing.models import simple_net
 from autopar.testing.pipeline_models import tied_lm
 from autopar.testing.serial import random_feeds
@@ -33,7 +34,8 @@ STRATEGIES = [autopar.Strategy(zero_stage=z, fuse_allreduce=f, allreduce_bucket_
 def test_strategies_from_one_analysis_plan_what_fresh_compiles_plan():
     seed, mesh = _dp_net()
     analysis = autopar.analyze(seed.main, mesh, seed.startup, STRATEGIES[0])
-    before = (dict(analysis.propagation.states), list(analysis.propagation.reshards))
+    propagation = analysis.propagation
+    before = (dict(propagation.states), dict(propagation.op_results), propagation.reshards)
     feeds = random_feeds(seed.feeds, 2)
     for strategy in STRATEGIES:
         shared = autopar.compile(seed.main, mesh, seed.startup, strategy, analysis=analysis)
@@ -45,7 +47,43 @@ def test_strategies_from_one_analysis_plan_what_fresh_compiles_plan():
             want = autopar.simulate(fresh, feeds, [seed.loss])
             for name, value in want.parameters.items():
                 np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
-    assert (analysis.propagation.states, analysis.propagation.reshards) == before  # the analysis is untouched
+    # the analysis is untouched: the same value, with the same contents
+    assert analysis.propagation is propagation
+    assert (dict(propagation.states), dict(propagation.op_results), propagation.reshards) == before
+
+
+def test_zero_layers_its_placements_over_the_analysis_propagation():
+    """ZeRO-3 then plain dp from one analysis: ZeRO's propagation is a new value whose override
+    names what it changed (the rest falls through to the analysis'), and the dp compile after it
+    reads the analysis' own propagation and plans what a fresh dp compile plans."""
+    seed, mesh = _dp_net()
+    analysis = autopar.analyze(seed.main, mesh, seed.startup, autopar.Strategy())
+    zero = autopar.compile(seed.main, mesh, seed.startup, autopar.Strategy(zero_stage=3), analysis=analysis)
+    placed = zero.state.propagation
+    assert placed is not analysis.propagation and placed.base is analysis.propagation
+    assert placed.override is not None and placed.override.reason == "ZeRO stage 3"
+    changed = set(placed.override.states)
+    assert any(placed.states[k] != analysis.propagation.states[k] for k in changed)
+    assert all(placed.states[k] is analysis.propagation.states[k] for k in analysis.propagation.states if k not in changed)
+    with pytest.raises(TypeError):
+        placed.states[next(iter(changed))] = analysis.propagation.states[next(iter(changed))]  # read only
+    dp = autopar.compile(seed.main, mesh, seed.startup, autopar.Strategy(), analysis=analysis)
+    fresh = autopar.compile(seed.main, mesh, seed.startup, autopar.Strategy())
+    assert dp.state.propagation is analysis.propagation
+    assert _collectives(dp) == _collectives(fresh)
+    assert not dp.state.zero and len(zero.state.zero) == len(zero.decisions.zero()) > 0
+
+
+def test_a_pass_result_is_recorded_once():
+    """Passes return frozen results; the compile keeps each once, so no pass replaces another's."""
+    seed, mesh = _dp_net()
+    dist = autopar.compile(seed.main, mesh, seed.startup, autopar.Strategy(zero_stage=2))
+    plan = dist.state.result(ZeroPlan)
+    assert plan is not None and plan.stage == 2 and dist.state.zero == plan.shards
+    with pytest.raises(AutoparError, match="recorded once"):
+        dist.state.record(plan)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.stage = 1  # type: ignore[misc]
 
 
 def test_pipeline_schedules_from_one_analysis():
