@@ -11,7 +11,7 @@ propagation frozen); each compile records its passes' results in its own
 layers a :class:`~autopar.propagation.PlacementOverride` on the propagation: a new value,
 :meth:`~autopar.propagation.PropagationResult.overridden`).
 
-What an analysis depends on (:data:`ANALYSED`): the micro-batch count and the automatic stage
+What an analysis depends on (:data:`autopar.compile_plan.ANALYSED`): the micro-batch count and the automatic stage
 cut, sequence parallelism, recompute, the cluster profile and local batch norm. Strategies that
 differ only in the rest — the ZeRO stage, gradient fusion and its bucket size, the pipeline
 schedule — share one; compiling a strategy that differs in an analysed field from an analysis
@@ -25,12 +25,12 @@ propagation (:func:`analysis_start`, :func:`analysed_program`, :func:`analyze_st
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autopar.annotate import annotations_of, is_legacy, warn_foreign_annotations
+from autopar.compile_plan import AnalysedField, CompilePlan, plan_compile
 from autopar.dist_attr import DistAttr
 from autopar.errors import AnnotationError, AutoparError
 from autopar.gc_pause import gc_paused
@@ -38,30 +38,14 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import AnalysedProgram, CompileState
 from autopar.propagation import PropagationResult, transplant
-from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived, rewrites_for
+from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived
 from autopar.rewrites.recompute import regathered
-from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
+from autopar.strategy import Strategy
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-AnalysedField = int | bool | str | tuple[str, ...] | None  # the value of one of ANALYSED
-ANALYSED = ("micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm")
-
-
-def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
-    """The fields of ``strategy`` an analysis depends on (see the module docstring)."""
-    pipeline = strategy.pipeline
-    return {
-        "micro_batches": pipeline.micro_batches if pipeline is not None else 1,
-        "stages": pipeline.stages if pipeline is not None else None,
-        "pipelined": pipeline is not None,
-        "sequence_parallel": strategy.sequence_parallel,
-        "recompute": strategy.recompute,
-        "cluster": strategy.cluster,
-        "local_batch_norm": strategy.local_batch_norm,
-    }
-
+    from autopar.cost_model.cluster import Cluster
 
 @dataclass(frozen=True)
 class Analysis:
@@ -83,7 +67,7 @@ class Analysis:
     def propagation(self) -> PropagationResult:
         return self.state.propagation
 
-    def check(self, program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> None:
+    def check(self, program: Any, mesh: ProcessMesh, startup_program: Any, plan: CompilePlan) -> None:
         """Refuse, naming what differs, a compile this analysis does not describe."""
         if program is not self.program:
             raise AutoparError("compile(..., analysis=...): the analysis was made for another program")
@@ -91,7 +75,7 @@ class Analysis:
             raise AutoparError(f"compile(..., analysis=...): the analysis was made on {self.mesh}, compile was given {mesh}")
         if startup_program is not self.startup_program:
             raise AutoparError("compile(..., analysis=...): the analysis was made with another startup_program")
-        wanted = analysed_fields(strategy)
+        wanted = dict(plan.analysed)
         for name, value in self.fields:
             if wanted[name] != value:
                 raise AutoparError(
@@ -117,60 +101,39 @@ def analyze(
     adds sequence parallelism reuses ``base``'s propagation as its first one. The result is the
     analysis ``analyze`` would make without ``base``."""
     with gc_paused():
-        strategy = effective_strategy(program, mesh, strategy).strategy
-        rewrites = rewrites_for(strategy)
+        plan = plan_compile(program, mesh, strategy)
+        rewrites = plan.rewrites
         if base is None:
-            steps = applied(rewrites, analysis_start(program, mesh, startup_program, strategy, placements))
+            steps = applied(rewrites, analysis_start(program, mesh, startup_program, plan, placements))
         else:
             if not isinstance(base, Analysis):
                 raise AutoparError(f"analyze(base=...) takes what autopar.analyze returned, got {type(base).__name__}")
-            _check_base(base, program, mesh, startup_program, strategy)
+            _check_base(base, program, mesh, startup_program, plan)
             steps = derived(rewrites, base.rewrites, base.steps)
-        state = analysed_program(steps[-1], strategy, startup_program)
-    return Analysis(program, mesh, startup_program, tuple(analysed_fields(strategy).items()), state, rewrites, tuple(steps))
+        state = analysed_program(steps[-1], plan, startup_program)
+    return Analysis(program, mesh, startup_program, plan.analysed, state, rewrites, tuple(steps))
 
 
-def _check_base(base: Analysis, program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy) -> None:
+def _check_base(base: Analysis, program: Any, mesh: ProcessMesh, startup_program: Any, plan: CompilePlan) -> None:
     """``base`` must analyse the same program, mesh and start-up, with the same cluster."""
     if program is not base.program or mesh != base.mesh or startup_program is not base.startup_program:
         raise AutoparError("analyze(base=...): the base analysis was made for another program, mesh or startup_program")
-    if dict(base.fields)["cluster"] != strategy.cluster:
+    if dict(base.fields)["cluster"] != plan.cluster:
         raise AutoparError(f"analyze(base=...): the base analysis priced another cluster ({dict(base.fields)['cluster']!r})")
 
 
-def effective_strategy(program: Program, mesh: ProcessMesh, strategy: Strategy | None) -> EffectiveStrategy:
-    """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages:
-    a new value recorded beside the user's (which stays as given)."""
-    if not isinstance(mesh, ProcessMesh):
-        raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
-    checked = _checked(strategy)
-    if checked.pipeline is None and _has_stages(program, mesh):  # (stages placed by shard_op)
-        staged = dataclasses.replace(checked, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
-        why = "pipeline=PipelineConfig() (one micro-batch): the annotations place ops or values on sub-meshes of the mesh"
-        return EffectiveStrategy(strategy, staged, (why,))
-    return EffectiveStrategy(strategy, checked)
-
-
-def _has_stages(program: Any, mesh: ProcessMesh) -> bool:
-    """Whether shard_op placed ops on sub-meshes, or (on a mesh whose first dim is ``pp``, as
-    Paddle names it) shard_tensor / reshard placed values on its stages."""
-    notes = annotations_of(program)
-    meshes = list(notes.ops.values())
-    if mesh.dim_names[0] == "pp":
-        meshes += [attr.mesh for attr, _ in notes.tensors.values()]
-    return any(m != mesh and not m.same_grid(mesh) and mesh.contains(m) for m in meshes)
-
-
-def analyze_state(program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None) -> CompileState:
+def analyze_state(
+    program: Any, mesh: ProcessMesh, startup_program: Any = None, strategy: Strategy | None = None, plan: CompilePlan | None = None
+) -> CompileState:  # fmt: skip
     """The analysis: graph view, annotations, the Strategy's serial rewrites
     (:mod:`autopar.rewrites`, each returning a new value) and propagation."""
-    strategy = _checked(strategy)
-    work = apply_all(rewrites_for(strategy), analysis_start(program, mesh, startup_program, strategy))
-    return CompileState(analysed_program(work, strategy, startup_program), strategy)
+    plan = plan or plan_compile(None, mesh, strategy)  # (compile hands its plan, made with the program's stages)
+    work = apply_all(plan.rewrites, analysis_start(program, mesh, startup_program, plan))
+    return CompileState(analysed_program(work, plan, startup_program), plan.strategy)
 
 
 def analysis_start(
-    program: Any, mesh: ProcessMesh, startup_program: Any, strategy: Strategy, placements: Mapping[ValueKey, DistAttr] | None = None
+    program: Any, mesh: ProcessMesh, startup_program: Any, plan: CompilePlan, placements: Mapping[ValueKey, DistAttr] | None = None
 ) -> Analysed:  # fmt: skip
     """The analysis before any rewrite: the program checked, its graph view, the user's
     annotations and op placements (``placements``: a plan's annotations by value key, used
@@ -180,7 +143,7 @@ def analysis_start(
     _check_program(program, "program")
     if startup_program is not None:
         _check_program(startup_program, "startup_program")
-    if strategy.pipeline is not None:
+    if plan.pipelined:
         _check_pipeline_dim(mesh)
     graph = ProgramGraph(program)
     _check_static_shapes(graph)
@@ -189,12 +152,12 @@ def analysis_start(
         user, op_meshes = dict(placements), {}
     else:
         warn_foreign_annotations(program, graph)
-        user, op_meshes = _user_placements(program, graph, mesh, staged=strategy.pipeline is not None), _op_meshes(program, graph, mesh)
+        user, op_meshes = _user_placements(program, graph, mesh, staged=plan.pipelined), _op_meshes(program, graph, mesh)
     _refuse_meaningless_partials(graph, user)
-    return Analysed(program, graph, mesh, _cluster(strategy).fitted(mesh.ranks), user, op_meshes)
+    return Analysed(program, graph, mesh, _cluster(plan.cluster).fitted(mesh.ranks), user, op_meshes)
 
 
-def analysed_program(work: Analysed, strategy: Strategy, startup_program: Any) -> AnalysedProgram:
+def analysed_program(work: Analysed, plan: CompilePlan, startup_program: Any) -> AnalysedProgram:
     """What the strategies compiled from the rewritten analysis ``work`` share: propagated, checked."""
     _check_pieces(work.graph, work.user)
     _refuse_annotations_off_their_stage(work.graph, work.user, work.op_meshes)
@@ -202,8 +165,8 @@ def analysed_program(work: Analysed, strategy: Strategy, startup_program: Any) -
     _refuse_annotations_off_their_stage(work.graph, work.user, propagation.op_meshes)
     return AnalysedProgram(
         work.graph, propagation, work.mesh, cluster=work.cluster, startup=startup_program, micro=work.micro, recompute=work.recompute,
-        sequence=work.sequence, regather=frozenset(regathered(work.recompute, work.graph, strategy)), rewrites=work.reports,
-        single_stage=strategy.pipeline is not None and strategy.pipeline.stages == 1,
+        sequence=work.sequence, regather=frozenset(regathered(work.recompute, work.graph, plan.pipelined)), rewrites=work.reports,
+        single_stage=plan.single_stage,
     )  # fmt: skip
 
 
@@ -275,18 +238,10 @@ def _check_startup(graph: ProgramGraph, startup: Any) -> None:
             )
 
 
-def _checked(strategy: Any) -> Strategy:
-    if strategy is not None and not isinstance(strategy, Strategy):
-        raise AutoparError(f"strategy must be an autopar.Strategy, got {type(strategy).__name__}")
-    strategy = strategy or Strategy()
-    strategy.check_implemented()
-    return strategy
-
-
-def _cluster(strategy: Strategy) -> Any:
+def _cluster(name: str | None) -> Cluster:
     from autopar.cost_model.cluster import default_cluster, load_cluster
 
-    return load_cluster(strategy.cluster) if strategy.cluster else default_cluster()
+    return load_cluster(name) if name else default_cluster()
 
 
 def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, staged: bool = False) -> dict[ValueKey, DistAttr]:

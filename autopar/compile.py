@@ -1,7 +1,7 @@
 """``autopar.compile``: the driver from an annotated serial program to a DistributedProgram.
 
 compile = analyze (graph, annotations, propagation) -> the pass pipeline the Strategy
-declares (:func:`passes_for`), planned once for the whole job. Rank programs are built later,
+declares (:func:`autopar.compile_plan.passes_for`), planned once for the whole job. Rank programs are built later,
 one rank at a time, by the same pipeline (``dist.rank_plan(rank)``): compile's cost does not
 grow with the world size. The user's program is only read, never modified: every rank
 program is a clone.
@@ -11,24 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.analysis import Analysis, analyze_state, effective_strategy
+from autopar.analysis import Analysis, analyze_state
+from autopar.compile_plan import plan_compile
 from autopar.distributed_program import DistributedProgram
 from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.mesh import ProcessMesh
-from autopar.passes.allreduce_fusion import AllreduceFusion
-from autopar.passes.backend_lowering import BackendLowering
-from autopar.passes.base import CompileState, Pass, PassPipeline
-from autopar.passes.fetch_replication import FetchReplication
-from autopar.passes.op_lowering import OpLowering
-from autopar.passes.partition import Partition
-from autopar.passes.pipeline_split import PipelineSplit
-from autopar.passes.reshard_emission import ReshardEmission
-from autopar.passes.reshard_planning import ReshardPlanning
-from autopar.passes.site_fusion import SiteFusion
-from autopar.passes.zero_fusion import ZeroBucketFusion
-from autopar.passes.zero_sharding import ZeroSharding
-from autopar.rewrites import rewrites_for
+from autopar.passes.base import CompileState, PassPipeline
 from autopar.strategy import Strategy
 
 
@@ -53,17 +42,16 @@ def compile(  # noqa: A001  (the public name the design card fixes)
     if analysis is not None and not isinstance(analysis, Analysis):
         raise AutoparError(f"analysis must be what autopar.analyze returned, got {type(analysis).__name__}")
     with gc_paused():
-        effective = effective_strategy(program, mesh, strategy)
-        strategy = effective.strategy
-        pipeline = PassPipeline(tuple(passes_for(strategy)), callback, rewrites_for(strategy))
+        plan = plan_compile(program, mesh, strategy)  # the Strategy read, once, into values handed down
+        pipeline = PassPipeline(plan.passes, callback, plan.rewrites)
         if analysis is None:
-            state = analyze_state(program, mesh, startup_program, strategy)
+            state = analyze_state(program, mesh, startup_program, plan=plan)
         else:
-            analysis.check(program, mesh, startup_program, strategy)
-            state = analysis.state_for(strategy)
+            analysis.check(program, mesh, startup_program, plan)
+            state = analysis.state_for(plan.strategy)
         pipeline.plan(state)
         _warn_lost_splits(state)
-        return DistributedProgram(program, startup_program, state, pipeline, effective)
+        return DistributedProgram(program, startup_program, state, pipeline, plan.effective)
 
 
 def _warn_lost_splits(state: CompileState) -> None:
@@ -95,21 +83,3 @@ def _warn_lost_splits(state: CompileState) -> None:
             ParallelismWarning,
             stacklevel=3,
         )
-
-
-def passes_for(strategy: Strategy) -> list[Pass]:
-    """The declared pass list of a Strategy (``dist.passes`` prints it)."""
-    pipelined = strategy.pipeline is not None
-    passes: list[Pass] = [Partition(pipelined=pipelined)]
-    if strategy.zero_stage:
-        passes.append(ZeroSharding(strategy.zero_stage, pipelined=pipelined))
-    passes += [ReshardPlanning(pipelined=pipelined), ReshardEmission(), SiteFusion()]
-    if strategy.fuse_allreduce:
-        passes.append(AllreduceFusion(strategy.bucket_bytes))
-        if strategy.zero_stage:
-            passes.append(ZeroBucketFusion(strategy.bucket_bytes))
-    passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
-    if strategy.pipeline is not None:
-        passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
-    passes += [FetchReplication(), BackendLowering()]
-    return passes

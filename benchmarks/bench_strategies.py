@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore")
 from timing import median_time  # noqa: E402  (benchmarks/timing.py)
 
 import autopar  # noqa: E402
-from autopar.analysis import analysed_fields  # noqa: E402
+from autopar.compile_plan import analysed_fields  # noqa: E402
 from autopar.testing.models import annotate_megatron, gpt_block_program  # noqa: E402
 
 RUNS = 5

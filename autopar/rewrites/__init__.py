@@ -7,7 +7,7 @@ may change: the program (a rewritten clone: recompute), the graph view of it (on
 shapes, per-rank batch statistics), the annotations it adds at strategy priority (below the
 user's, above the rules': sequence parallelism's split activations), the op meshes (pipeline
 stages), and its own typed decision (``micro``, ``recompute``, ``sequence``) with a one-line
-report. The Strategy declares the list (:func:`rewrites_for`), printed first by
+report. The Strategy declares the list (:func:`autopar.compile_plan.rewrites_for`), printed first by
 ``print(dist.passes)``; every refusal of one kind lives in the rewrite that makes the decision
 (micro-batching's in :mod:`.micro_batching`).
 
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from paddle.pir import Program
 
     from autopar.cost_model.cluster import Cluster
-    from autopar.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -319,23 +318,6 @@ class SequenceParallel(Rewrite):
         made = work.annotated(self, regions.annotations(work.graph, first))
         split = sum(1 for v in regions.values if v.seq_dim is not None)
         return work.reported(self, f"{split} activation(s) split along the sequence over {regions.axis!r}", made=made, sequence=regions)
-
-
-def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
-    """The rewrites ``strategy`` declares, in the order they run."""
-    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads()]
-    pipeline = strategy.pipeline
-    if pipeline is not None:
-        found += [PipelineStages(pipeline.stages), StageNorms()]
-    if strategy.local_batch_norm:
-        found.append(LocalBatchNorm())
-    if pipeline is not None and pipeline.micro_batches > 1:
-        found += [MaskedMeans(), MicroBatch(pipeline.micro_batches)]
-    if strategy.recompute:  # after micro-batching: strategies differing in recompute share it (its clones are copies)
-        found.append(Recompute(strategy.recompute))
-    if strategy.sequence_parallel:
-        found.append(SequenceParallel(strategy.sequence_parallel))
-    return tuple(found)
 
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:

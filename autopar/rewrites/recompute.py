@@ -151,11 +151,11 @@ class Recomputation:
         return "\n".join(lines)
 
 
-def regathered(rewrite: Recomputation | None, graph: ProgramGraph, strategy: Any) -> frozenset[ValueKey]:
+def regathered(rewrite: Recomputation | None, graph: ProgramGraph, pipelined: bool) -> frozenset[ValueKey]:
     """Forward values the clones read: a reshard they need is done again in the backward rather
     than kept from the forward read (as Megatron re-gathers inside a recomputed layer). Not under
     a pipeline, where a reshard across stages is a send of the forward's schedule."""
-    if rewrite is None or strategy.pipeline is not None:
+    if rewrite is None or pipelined:
         return frozenset()
     reads = set()
     for op in graph.ops:

@@ -30,8 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.analysis import analysed_fields, analyze
+from autopar.analysis import analyze
 from autopar.compile import compile as compile_program
+from autopar.compile_plan import analysed_fields
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused

@@ -145,7 +145,7 @@ def test_zero_derives_its_placements_and_leaves_the_analysis_as_it_was(stage):
     """ZeRO's shard placements and reshards are a new value derived from the analysis, which
     stays as it was (for another strategy to derive from)."""
     from autopar.analysis import analyze_state
-    from autopar.compile import passes_for
+    from autopar.compile_plan import passes_for
     from autopar.passes.base import PassPipeline
 
     seed = simple_net(batch=8, sizes=SIZES, optimizer="adam")
