@@ -14,8 +14,9 @@ name, or ``pd_op.recv_v2`` writing the received one under its name, on the pair'
 Paddle 3.3.1's CPU build has no kernel for these ops ("Do not support send for cpu kernel now",
 PADDLE_NOTES.md): on CPU a pipeline runs on the host backend, whose links deliver in order too;
 these programs are built and checked against the installed Paddle's op signatures
-(``tests/unit/test_native_p2p.py``), not run. The native runner that walks a schedule with them
-on GPUs is not built yet.
+(``tests/unit/test_native_p2p.py``), not run.
+:class:`~autopar.runtime.native_pipeline_runner.NativePipelineRunner` walks a schedule with them
+(built and checked on CPU; the Executor does not pick it yet).
 """
 
 from __future__ import annotations
