@@ -72,6 +72,7 @@ class DistributedProgram:
         self.state = state
         self.pipeline = pipeline
         self._plans: dict[tuple[int, str, tuple], RankPlan] = {}
+        self._lowered: dict[tuple[int, str, tuple], RankPlan] = {}  # as built, before link order (peers read them)
         self.mesh: ProcessMesh = state.mesh
         self.strategy: Strategy = state.strategy  # the one compile ran (see effective_strategy)
         self.effective_strategy = effective or EffectiveStrategy(state.strategy, state.strategy)  # the user's and what compile ran
@@ -157,9 +158,20 @@ class DistributedProgram:
         cached = self._plans.get((rank, backend, keys))
         if cached is None:
             with gc_paused():
-                cached = self._build_plan(self.build_rank(rank, backend, fetches=keys), backend)
+                cached = self._lowered_plan(rank, backend, keys)
+                if cached.pipeline is not None:  # its recvs in the order its links carry them: its peers' sends
+                    peers = {p: self._lowered_plan(p, backend, keys).pipeline.steps for p in cached.pipeline.peers if p != rank}
+                    cached = cached.in_link_order(peers)
             self._plans[(rank, backend, keys)] = cached
         return cached
+
+    def _lowered_plan(self, rank: int, backend: str, keys: tuple[ValueKey, ...]) -> RankPlan:
+        """``rank``'s plan as built, its schedule lowered but not yet in link order (cached: a
+        pipelined plan reads its peers')."""
+        found = self._lowered.get((rank, backend, keys))
+        if found is None:
+            found = self._lowered[(rank, backend, keys)] = self._build_plan(self.build_rank(rank, backend, fetches=keys), backend)
+        return found
 
     def build_rank(
         self, rank: int, backend: str = "host", upto: str | None = None, fetches: tuple[ValueKey, ...] = ()

@@ -54,6 +54,7 @@ from autopar.schedule import (
 SEND, RECV = ActionKind.SEND, ActionKind.RECV
 ACCUMULATE, REDUCE_GRAD, UNSHARD = ActionKind.ACCUMULATE, ActionKind.REDUCE_GRAD, ActionKind.UNSHARD
 RESHARD, SYNC = ActionKind.RESHARD, ActionKind.SYNC
+Link = tuple[int, int]  # (sending rank, receiving rank)
 TRANSFER_KINDS = frozenset({SEND, RECV})
 COLLECTIVE_KINDS = TRANSFER_KINDS | {REDUCE_GRAD, UNSHARD, RESHARD, SYNC}  # a piece of one collective op
 PIECE_KINDS = COMPUTE_KINDS | {OPTIMIZER} | COLLECTIVE_KINDS  # the kinds that run a piece
@@ -349,8 +350,17 @@ def verify_links(schedules: Mapping[int, Sequence[RankAction]], fifo: bool = Fal
     RECV on the receiver and the other way round; replayed with buffered sends and recvs that
     wait for their transfer, every rank gets to its end (no deadlock); ``fifo`` (a backend whose
     links deliver in order: NCCL's send / recv), each link's recvs come in its sends' order."""
-    sent: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-    received: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    sent, received = _links(schedules)
+    for link in sorted(sent.keys() | received.keys()):
+        _check_link(link, sent[link], received[link], fifo)
+    _replay_transfers(schedules)
+
+
+def _links(schedules: Mapping[int, Sequence[RankAction]]) -> tuple[dict[Link, list[Transfer]], dict[Link, list[Transfer]]]:
+    """Each link's transfers in the order its sender sends them, and in the order its receiver
+    receives them (checking each transfer is its rank's half)."""
+    sent: dict[Link, list[Transfer]] = defaultdict(list)
+    received: dict[Link, list[Transfer]] = defaultdict(list)
     for rank in sorted(schedules):
         for action in schedules[rank]:
             transfer = action.transfer
@@ -359,20 +369,48 @@ def verify_links(schedules: Mapping[int, Sequence[RankAction]], fifo: bool = Fal
             if rank != (transfer.sender if action.kind is SEND else transfer.receiver):
                 raise ScheduleError(f"rank {rank}: {action} is not this rank's half of its transfer")
             (sent if action.kind is SEND else received)[(transfer.sender, transfer.receiver)].append(transfer)
+    return sent, received
+
+
+def _check_link(link: Link, sends: Sequence[Transfer], recvs: Sequence[Transfer], fifo: bool) -> None:
+    for transfer in set(sends) ^ set(recvs):
+        rank, half = (link[1], "RECV") if transfer in set(sends) else (link[0], "SEND")
+        raise ScheduleError(f"rank {rank} has no {half} of transfer {transfer}")
+    for transfer in {t for t in sends if sends.count(t) > 1} | {t for t in recvs if recvs.count(t) > 1}:
+        raise ScheduleError(f"transfer {transfer} is made more than once on link rank {link[0]} -> rank {link[1]}")
+    if fifo and list(sends) != list(recvs):
+        index = next(i for i, (s, r) in enumerate(zip(sends, recvs)) if s != r)
+        raise ScheduleError(
+            f"link rank {link[0]} -> rank {link[1]}: message {index} is {sends[index]}, but rank {link[1]}'s recv {index} "
+            f"waits for {recvs[index]} (an in-order link would hand it the wrong tensor)"
+        )
+
+
+def peers(actions: Sequence[RankAction]) -> tuple[int, ...]:
+    """The ranks at the other end of a rank's transfers (its own rank included when it sends
+    to itself: two virtual stages on one rank)."""
+    ends = {rank for a in actions if a.transfer is not None for rank in (a.transfer.sender, a.transfer.receiver)}
+    return tuple(sorted(ends))
+
+
+def link_ordered(rank: int, schedules: Mapping[int, Sequence[RankAction]]) -> tuple[RankAction, ...]:
+    """``rank``'s executable schedule with its recvs in the order its links carry the messages
+    (:func:`in_link_order`), from its own list and those of the ranks it exchanges with
+    (``schedules``: at least :func:`peers`; a peer's list may be link-ordered already or not:
+    only its sends are read, which ordering never moves). Then ``rank``'s links are checked:
+    every transfer made once at both ends, its incoming links in order (``fifo``); the other
+    ends check theirs when their plans are built, and all ranks together (deadlock included)
+    are checked by :func:`verify_links` before a simulation."""
+    needed = set(peers(schedules[rank])) | {rank}
+    missing = sorted(needed - set(schedules))
+    if missing:
+        raise ScheduleError(f"rank {rank}: the link order needs the schedules of ranks {missing}, which it exchanges with")
+    ordered = in_link_order({r: schedules[r] for r in needed})[rank]
+    sent, received = _links({r: ordered if r == rank else schedules[r] for r in needed})
     for link in sorted(sent.keys() | received.keys()):
-        sends, recvs = sent[link], received[link]
-        for transfer in set(sends) ^ set(recvs):
-            rank, half = (link[1], "RECV") if transfer in set(sends) else (link[0], "SEND")
-            raise ScheduleError(f"rank {rank} has no {half} of transfer {transfer}")
-        for transfer in {t for t in sends if sends.count(t) > 1} | {t for t in recvs if recvs.count(t) > 1}:
-            raise ScheduleError(f"transfer {transfer} is made more than once on link rank {link[0]} -> rank {link[1]}")
-        if fifo and sends != recvs:
-            index = next(i for i, (s, r) in enumerate(zip(sends, recvs)) if s != r)
-            raise ScheduleError(
-                f"link rank {link[0]} -> rank {link[1]}: message {index} is {sends[index]}, but rank {link[1]}'s recv {index} "
-                f"waits for {recvs[index]} (an in-order link would hand it the wrong tensor)"
-            )
-    _replay_transfers(schedules)
+        if rank in link:
+            _check_link(link, sent[link], received[link], fifo=link[1] == rank)
+    return ordered
 
 
 def in_link_order(schedules: Mapping[int, Sequence[RankAction]]) -> dict[int, tuple[RankAction, ...]]:

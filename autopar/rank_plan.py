@@ -27,7 +27,7 @@ from autopar.index_feeds import IndexUse, check_index_feed
 from autopar.learning_rate import LearningRateSchedule
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
-from autopar.pipeline_lowering import Piece, RankAction, cut, lower, verify_rank
+from autopar.pipeline_lowering import Piece, RankAction, cut, link_ordered, lower, peers, verify_rank
 from autopar.schedule import Action, Phase
 
 if TYPE_CHECKING:
@@ -173,6 +173,19 @@ class PipelineRole:
         pieces = cut(self.phases, collectives, free)
         return dataclasses.replace(self, pieces=pieces, steps=lower(self.actions, pieces, self.micro_batches))
 
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The ranks at the other end of this role's transfers."""
+        return peers(self.steps)
+
+    def in_link_order(self, rank: int, peer_steps: Mapping[int, Sequence[RankAction]]) -> PipelineRole:
+        """This role with its recvs in the order its links carry the messages, from its peers'
+        executable schedules (``peer_steps``), checked (:func:`~autopar.pipeline_lowering.link_ordered`):
+        the host backend's links and NCCL's deliver in order, and a recv takes the next message."""
+        steps = link_ordered(rank, {**peer_steps, rank: self.steps})
+        verify_rank(rank, self.pieces, steps, self.micro_batches)
+        return dataclasses.replace(self, steps=steps)
+
 
 @dataclass(frozen=True)
 class RankPlan:
@@ -207,6 +220,14 @@ class RankPlan:
             role = role.lowered(self.collectives, free)
             verify_rank(self.rank, role.pieces, role.steps, role.micro_batches)
             object.__setattr__(self, "pipeline", role)
+
+    def in_link_order(self, peer_steps: Mapping[int, Sequence[RankAction]]) -> RankPlan:
+        """This plan with its pipeline's recvs in link order (:meth:`PipelineRole.in_link_order`;
+        ``peer_steps``: the executable schedules of the ranks it exchanges with). The compiler
+        builds every rank plan so (``DistributedProgram.rank_plan``)."""
+        if self.pipeline is None:
+            return self
+        return dataclasses.replace(self, pipeline=self.pipeline.in_link_order(self.rank, peer_steps))
 
     @property
     def world_size(self) -> int:

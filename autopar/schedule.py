@@ -16,11 +16,11 @@ Communication semantics (what :func:`verify` and :func:`replay` assume): each or
 ranks is one FIFO *link*, the k-th recv on a link takes the k-th send; a send is buffered (it
 returns at once, like PyTorch's ``isend``); a recv blocks until its send is issued. A rank
 runs these actions lowered onto its program (:mod:`autopar.pipeline_lowering`: the transfers
-the program really makes, each named, verified again for all ranks together); the host backend
-matches each message to its recv by its transfer (value, micro-batch), so a program whose stage
-boundary is crossed several times per phase still gets the right tensor
-(:mod:`autopar.runtime.p2p`), and ``in_link_order`` puts the recvs in link order for an in-order
-transport.
+the program really makes, each named, verified again for all ranks together). Runtimes keep
+the FIFO links these actions assume: a program whose stage boundary is crossed several times
+per phase is lowered with its recvs put in link order (``in_link_order``, at compile, when
+each rank plan is built), and a recv takes the next message on its link, checked to be its own
+transfer (:mod:`autopar.runtime.p2p`, the simulator; NCCL's send / recv are in order too).
 """
 
 from __future__ import annotations

@@ -1,20 +1,22 @@
 """SEND / RECV actions lowered to Paddle's p2p ops for the native backend (stage: runtime).
 
 NCCL's send / recv deliver each link's messages in order, and a recv blocks: the ranks'
-executable schedules must take every link's messages in the order they are sent.
-:func:`native_transfer_order` puts them so (:func:`~autopar.pipeline_lowering.in_link_order`)
-and checks it (:func:`~autopar.pipeline_lowering.verify_links` with ``fifo``) before anything
-runs. :func:`transfer_program` makes each transfer one small program, as Paddle's own static
+executable schedules must take every link's messages in the order they are sent. The compiler
+builds every rank plan so (:meth:`~autopar.rank_plan.RankPlan.in_link_order`);
+:func:`native_transfer_order` puts any lists so (:func:`~autopar.pipeline_lowering.in_link_order`)
+and checks all ranks together (:func:`~autopar.pipeline_lowering.verify_links` with ``fifo``)
+before anything runs. :func:`transfer_program` makes each transfer one small program, as Paddle's own static
 auto-parallel emits them (``paddle/distributed/auto_parallel/static/reshard_funcs/
 same_status_reshard_func.py``): ``pd_op.send_v2`` reading the sent value from the rank's scope by
 name, or ``pd_op.recv_v2`` writing the received one under its name, on the pair's communicator
 (``ring_id``) with the peer's index in it.
 
 Paddle 3.3.1's CPU build has no kernel for these ops ("Do not support send for cpu kernel now",
-PADDLE_NOTES.md): on CPU a pipeline runs on the host backend, whose links match by transfer;
+PADDLE_NOTES.md): on CPU a pipeline runs on the host backend, whose links deliver in order too;
 these programs are built and checked against the installed Paddle's op signatures
-(``tests/unit/test_native_p2p.py``), not run. The native runner that walks a schedule with them
-on GPUs is not built yet.
+(``tests/unit/test_native_p2p.py``), not run.
+:class:`~autopar.runtime.native_pipeline_runner.NativePipelineRunner` walks a schedule with them
+(built and checked on CPU; the Executor does not pick it yet).
 """
 
 from __future__ import annotations

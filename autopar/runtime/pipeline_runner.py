@@ -16,7 +16,8 @@ in the rank's scope, into micro-batch 0's (which the update reads), whatever ord
 ran in (zero-bubble defers weight gradients); the update runs once. (Measured: running the same
 segments in one child scope per micro-batch instead fails inside Paddle's cached interpreters on
 the second step.) Each transfer's collective is stamped with its micro-batch; the host backend's
-recv takes the message of its own key (:mod:`autopar.runtime.p2p`). Fetches add up their
+recv takes the next message on its link and checks it carries that key
+(:mod:`autopar.runtime.p2p`: the rank plan's recvs are in link order). Fetches add up their
 micro-batches' pieces (a loss is a partial sum over them); values split over the micro-batches
 are not fetched.
 """
@@ -172,7 +173,7 @@ class PipelineRunner(RankRunner):
 
     def collectives(self) -> list[Collective]:
         """This rank's collectives of one step in the order it meets them, each stamped with its
-        micro-batch (a message is matched to its recv by that key)."""
+        micro-batch (a recv checks the message it takes carries that key)."""
         return [
             _stamped(self.hosts[a.micro_batch].jobs[index].collective, a.micro_batch)
             for a in self.role.steps if a.piece is not None

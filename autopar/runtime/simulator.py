@@ -21,7 +21,7 @@ from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
 from autopar.pipeline_lowering import verify_links
 from autopar.rank_plan import RankPlan, ValueTable
-from autopar.runtime.p2p import Inbox
+from autopar.runtime.p2p import Inbox, check_message
 from autopar.runtime.paddle_log import quiet_paddle_logs
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
@@ -68,8 +68,8 @@ def simulate_plans(
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
     pipelined = {rank: plan.pipeline.steps for rank, plan in plans.items() if plan.pipeline is not None}
-    if pipelined:  # every rank's executable schedule checked together before any runs
-        verify_links(pipelined)
+    if pipelined:  # every rank's executable schedule checked together before any runs, links in order
+        verify_links(pipelined, fifo=True)
     runners = {rank: runner_for(plan, keys) for rank, plan in plans.items()}
     start_ranks(runners)
     if load_from is not None:
@@ -106,10 +106,10 @@ def start_ranks(runners: Mapping[int, RankRunner]) -> None:
 
 
 def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: dict) -> bool:
-    """Sends deposit their message and go on (buffered, as the schedule's verifier assumes);
-    a recv completes once the message stamped with its key is there: the host backend's
-    matching rule (:class:`autopar.runtime.p2p.Inbox`, one per receiving rank). Whether any
-    rank moved."""
+    """Sends deposit their message on their link and go on (buffered, as the schedule's
+    verifier assumes); a recv completes once a message is on its link, and takes the next one,
+    which must be its own (:func:`autopar.runtime.p2p.check_message`): the host backend's rule
+    (:class:`autopar.runtime.p2p.Inbox`, one per receiving rank). Whether any rank moved."""
     moved = False
     for rank in sorted(pending):
         job = pending[rank]
@@ -117,10 +117,12 @@ def _point_to_point(runners: Mapping[int, RankRunner], pending: dict, mailbox: d
             sender, receiver = job.group
             inbox = mailbox.setdefault(receiver, Inbox())
             if kind_of(job.kind).sends:
-                inbox.put(sender, job.key, runners[rank].collective_input())
+                inbox.put(sender, job.key, runners[rank].collective_input(), ordered=True)
                 runners[rank].finish_collective(None)
-            elif inbox.ready(sender, job.key):
-                runners[rank].finish_collective(inbox.take(sender, job.key, timeout=0))
+            elif inbox.arrived(sender):
+                tag, message = inbox.next(sender, timeout=0)
+                check_message(job, tag)
+                runners[rank].finish_collective(message)
             else:
                 break
             job = pending[rank] = runners[rank].run_until_collective()

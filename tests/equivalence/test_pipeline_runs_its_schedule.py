@@ -4,7 +4,8 @@ micro-batch through one dispatch table keyed by the action's kind; SEND / RECV n
 transfers. An action list reordered validly runs in its new order and still equals serial; a
 wrong order is refused by verification before anything runs (one rank's order by
 ``verify_rank`` when its runner is built, the ranks' transfers together by ``verify_links``
-before a simulation); a schedule the stage-level verifier rejects never reaches a runner
+before a simulation, links in order); a recv takes the next message on its link and refuses
+one of another key; a schedule the stage-level verifier rejects never reaches a runner
 (compile refuses it)."""
 
 import dataclasses
@@ -88,21 +89,31 @@ def test_the_runner_dispatches_on_the_action_kind_only():
     assert not hasattr(runner, "steps") and not hasattr(runner, "jobs_of")  # (Core 3.0's string-tagged steps)
 
 
-def test_a_reordered_schedule_runs_in_its_order_and_equals_serial():
-    """Rank 1 runs micro-batch 1's backward before micro-batch 0's (and sends its gradient
-    first): valid, verified, run in that order; rank 0 receives by transfer."""
-    seed, dist = _compiled()
-    plans = {rank: dist.rank_plan(rank) for rank in PP.ranks}
-    steps = list(plans[1].pipeline.steps)
+def _backward_of_micro_batch_1_first(plan):
+    """Rank 1's steps with micro-batch 1's backward (and the send of its gradient) before
+    micro-batch 0's: valid on its own."""
+    steps = list(plan.pipeline.steps)
     backward = [a for a in steps if a.micro_batch == 0 and (a.kind is B or a.kind is SEND)]
     for action in backward:  # 1B0, SEND of its gradient: after micro-batch 1's
         steps.remove(action)
     at = max(i for i, a in enumerate(steps) if a.micro_batch == 1 and (a.kind is B or a.kind is SEND)) + 1
     steps[at:at] = backward
+    return steps
+
+
+def test_a_reordered_schedule_runs_in_its_order_and_equals_serial():
+    """Rank 1 runs micro-batch 1's backward before micro-batch 0's (and sends its gradient
+    first): valid, verified, run in that order once rank 0's recvs are put in the new link
+    order (the links deliver in order)."""
+    seed, dist = _compiled()
+    plans = {rank: dist.rank_plan(rank) for rank in PP.ranks}
+    steps = _backward_of_micro_batch_1_first(plans[1])
     plans[1] = _with_steps(plans[1], steps)
-    verify_links({rank: plan.pipeline.steps for rank, plan in plans.items()})
     with pytest.raises(ScheduleError, match="an in-order link would hand it the wrong tensor"):
         verify_links({rank: plan.pipeline.steps for rank, plan in plans.items()}, fifo=True)
+    plans[0] = plans[0].in_link_order({1: steps})  # (as the compiler orders a plan: from its peers' steps)
+    verify_links({rank: plan.pipeline.steps for rank, plan in plans.items()}, fifo=True)
+    assert plans[0].pipeline.steps != dist.rank_plan(0).pipeline.steps
     feeds = random_feeds(seed.feeds, 2)
     losses, ran = _run_recording(seed, plans, feeds)
     assert ran[1] == list(steps) * len(feeds)
@@ -110,24 +121,49 @@ def test_a_reordered_schedule_runs_in_its_order_and_equals_serial():
     _assert_equals_serial(seed, losses, feeds)
 
 
+def test_a_recv_of_another_key_than_the_next_message_on_its_link_is_refused():
+    """Rank 1 reordered alone: rank 0 still waits for micro-batch 0's gradient first, but the
+    next message on its link is micro-batch 1's. The runtime checks the message it takes (it
+    does not search for its key) and names both keys, the link and the RECV; a simulation
+    refuses the lists before running (its links are verified in order)."""
+    seed, dist = _compiled()
+    plans = {rank: dist.rank_plan(rank) for rank in PP.ranks}
+    plans[1] = _with_steps(plans[1], _backward_of_micro_batch_1_first(plans[1]))
+    feeds = random_feeds(seed.feeds, 1)
+    with pytest.raises(ScheduleError, match="link rank 1 -> rank 0: message 0 is .* mb1 1->0, but rank 0's recv 0 waits for .* mb0"):
+        simulate_plans(plans, feeds, [seed.loss])
+    with pytest.raises(
+        autopar.AutoparError,
+        match=r"rank 0: RECV\[.* mb0 1->0\] waits for the message of key .*mb0, but the next message on link rank 1 -> rank 0 has key .*mb1",
+    ):
+        _run_recording(seed, plans, feeds)
+
+
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
-def test_recvs_put_in_link_order_run_and_equal_serial(schedule):
-    """A residual block cut inside crosses the boundary mid-phase: rank 1 would take rank 0's
-    messages in another order than sent. Put in link order (as an in-order transport needs),
-    the lists verify as FIFO and run, in their new order, to serial's losses."""
+def test_rank_plans_receive_in_link_order_and_equal_serial(schedule):
+    """A residual block cut inside crosses the boundary mid-phase: lowered alone, rank 1 would
+    take rank 0's messages in another order than sent. The compiler builds each rank plan with
+    its recvs in link order (from its peers' lowered lists), verified FIFO; the runners take
+    each link's messages in that order (the next message, checked) and equal serial."""
     seed, dist = _compiled(schedule, model=residual_cut_inside)
     plans = {rank: dist.rank_plan(rank) for rank in PP.ranks}
-    lowered = {rank: plan.pipeline.steps for rank, plan in plans.items()}
+    built = {rank: plan.pipeline.steps for rank, plan in plans.items()}
+    verify_links(built, fifo=True)
+    lowered = {rank: _with_steps(plan, ()).pipeline.steps for rank, plan in plans.items()}  # (no steps: lowered anew)
     with pytest.raises(ScheduleError, match="in-order link"):
         verify_links(lowered, fifo=True)
-    ordered = in_link_order(lowered)
-    assert ordered[1] != lowered[1] and sorted(map(str, ordered[1])) == sorted(map(str, lowered[1]))
-    verify_links(ordered, fifo=True)
-    plans = {rank: _with_steps(plan, ordered[rank]) for rank, plan in plans.items()}
+    assert built == in_link_order(lowered)
+    assert built[1] != lowered[1] and sorted(map(str, built[1])) == sorted(map(str, lowered[1]))
     feeds = random_feeds(seed.feeds, 2, seed=5, classes=5)
     losses, ran = _run_recording(seed, plans, feeds)
-    assert ran[1] == list(ordered[1]) * len(feeds)
+    assert ran[1] == list(built[1]) * len(feeds)
     _assert_equals_serial(seed, losses, feeds)
+
+
+def test_a_rank_plan_missing_a_peers_schedule_is_not_put_in_link_order():
+    _, dist = _compiled(model=residual_cut_inside)
+    with pytest.raises(ScheduleError, match=r"rank 1: the link order needs the schedules of ranks \[0\]"):
+        dist.rank_plan(1).in_link_order({})
 
 
 def test_a_wrong_order_on_one_rank_is_refused_before_its_runner_is_built():

@@ -2,10 +2,11 @@
 transfer of a rank's executable schedule becomes a program of Paddle's p2p op, checked here
 against the installed Paddle (op names, operand and result counts, attributes, and the argument
 counts Paddle's own static auto-parallel calls them with) without running it: Paddle's CPU
-build has no send / recv kernel. The ranks' schedules are put in link order first, as an
-in-order, blocking transport needs."""
+build has no send / recv kernel. The ranks' schedules are in link order, as an in-order,
+blocking transport needs (the compiler builds the rank plans so)."""
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -46,10 +47,17 @@ def test_paddle_emits_its_p2p_ops_with_the_arities_we_call():
     assert recvs and all(len(call.args) == 6 for call in recvs)  # (out_shape, dtype, peer, ring_id, use_calc_stream, dynamic_shape)
 
 
+def _lowered(plan):
+    """``plan``'s schedule lowered anew (no steps: the plan lowers it), before the link order."""
+    return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, steps=())).pipeline.steps
+
+
 def test_the_native_order_puts_every_link_in_order(plans):
-    lowered = {rank: plan.pipeline.steps for rank, plan in plans.items()}
+    lowered = {rank: _lowered(plan) for rank, plan in plans.items()}
     with pytest.raises(ScheduleError, match="in-order link"):  # (a residual cut crosses mid-phase: not as lowered)
         verify_links(lowered, fifo=True)
+    built = {rank: plan.pipeline.steps for rank, plan in plans.items()}
+    assert native_transfer_order(built) == built  # (the compiler built the plans in link order)
     with pytest.raises(ScheduleError, match="deadlock"):  # (checked before anything runs)
         native_transfer_order({0: lowered[0], 1: lowered[1][::-1]})
     ordered = native_transfer_order(lowered)

@@ -6,7 +6,20 @@ import pytest
 
 from autopar.collective import CollectiveKey
 from autopar.errors import ScheduleError
-from autopar.pipeline_lowering import ACCUMULATE, SEND, Piece, RankAction, Transfer, cut, lower, verify_rank
+from autopar.pipeline_lowering import (
+    ACCUMULATE,
+    RECV,
+    SEND,
+    Piece,
+    RankAction,
+    Transfer,
+    cut,
+    link_ordered,
+    lower,
+    peers,
+    verify_links,
+    verify_rank,
+)
 from autopar.schedule import OPTIMIZER, UPDATE, Action, B, F, Phase
 
 PIECES = (Piece(Phase(F, 0), (0, 1), F), Piece(Phase(B, 0), (2,), B), Piece(UPDATE, (3,), OPTIMIZER))
@@ -75,3 +88,37 @@ def test_bad_actions_are_refused(make, message):
 def test_one_ranks_wrong_order_is_named(actions, message):
     with pytest.raises(ScheduleError, match=message):
         verify_rank(0, PIECES, actions, 2)
+
+
+def _transfer(index, k, sender=0, receiver=1):
+    return Transfer(CollectiveKey("reshard", index, 0, k), sender, receiver)
+
+
+def _send(index, k):
+    return RankAction(SEND, k, piece=0, transfer=_transfer(index, k))
+
+
+def _recv(index, k):
+    return RankAction(RECV, k, piece=1, transfer=_transfer(index, k))
+
+
+def test_a_ranks_recvs_are_put_in_the_order_its_peer_sends():
+    """Rank 0 sends micro-batch 1's value before micro-batch 0's second; rank 1, lowered alone,
+    waits for micro-batch 0's second first: put in link order from its peer's list, its links
+    checked in order. Only rank 1's recvs move (a peer's list is read for its sends)."""
+    sender = (_send(3, 0), _send(3, 1), _send(4, 0), _send(4, 1))
+    receiver = (_recv(3, 0), _recv(4, 0), _recv(3, 1), _recv(4, 1))
+    assert peers(receiver) == (0, 1)
+    with pytest.raises(ScheduleError, match="in-order link"):
+        verify_links({0: sender, 1: receiver}, fifo=True)
+    ordered = link_ordered(1, {0: sender, 1: receiver})
+    assert ordered == (_recv(3, 0), _recv(3, 1), _recv(4, 0), _recv(4, 1))
+    verify_links({0: sender, 1: ordered}, fifo=True)
+
+
+def test_a_link_whose_ends_disagree_is_refused_when_a_rank_is_put_in_link_order():
+    sender = (_send(3, 0), _send(3, 1))
+    with pytest.raises(ScheduleError, match=r"rank 1 has no RECV of transfer reshard3.0.mb1 mb1 0->1"):
+        link_ordered(1, {0: sender, 1: (_recv(3, 0),)})
+    with pytest.raises(ScheduleError, match=r"rank 1: the link order needs the schedules of ranks \[0\]"):
+        link_ordered(1, {1: (_recv(3, 0),)})

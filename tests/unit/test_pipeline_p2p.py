@@ -1,17 +1,23 @@
-"""The host backend's pipeline messages (autopar/runtime/p2p.py) are matched to their recv by
-key, not by their place on the link: a residual block cut inside (as ``PipelineConfig(stages=2)``
-cut two blocks + a head) under 1F1B with 2 micro-batches sends in an order its peer does not receive in (a FIFO link
-handed rank 1 micro-batch 1's activation where it waited for micro-batch 0's backward reply:
-host losses differed from serial while the simulator, which matched by key, agreed). Real
-socket links between two ranks in one process replay each rank's collectives of that program."""
+"""The host backend's pipeline messages (autopar/runtime/p2p.py) are taken in link order: a
+recv takes the next message on its link and checks it is its own transfer (a check, not a
+search). A residual block cut inside (as ``PipelineConfig(stages=2)`` cut two blocks + a head)
+under 1F1B with 2 micro-batches crosses the stage boundary several times per phase: lowered
+alone, rank 1 would wait for micro-batch 0's backward reply while rank 0 sent micro-batch 1's
+activation first (a FIFO link handed it the wrong tensor, silently, before the check). The
+compiler builds each rank plan with its recvs in link order. Real socket links between two
+ranks in one process replay each rank's collectives of that program. A stage's group exchange
+over the same links is matched by key (every member sends before it receives)."""
 
+import dataclasses
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import autopar
-from autopar.collective import CollectiveKind
+from autopar.collective import CollectiveKey, CollectiveKind
+from autopar.errors import AutoparError
 from autopar.runtime.p2p import Inbox, Links
 from autopar.runtime.pipeline_runner import PipelineRunner
 from autopar.testing.pipeline_models import residual_cut_inside
@@ -39,6 +45,10 @@ def links():
     return {rank: Links(rank, store) for rank in (0, 1)}
 
 
+def _key(micro_batch: int) -> CollectiveKey:
+    return CollectiveKey("reshard", 3, 0, micro_batch)
+
+
 def _compiled(schedule: str = "1F1B", micro_batches: int = 2):
     """The residual program cut inside a block (autopar.testing.pipeline_models), compiled, and
     two steps of feeds."""
@@ -49,7 +59,36 @@ def _compiled(schedule: str = "1F1B", micro_batches: int = 2):
     return seed, dist, random_feeds(seed.feeds, 2, seed=5, classes=5)
 
 
-def test_a_recv_takes_the_message_of_its_key_not_the_next_on_the_link(links):
+def _recv(key, sender=0, receiver=1):
+    """What a recv reads of its collective: its link, key and value label."""
+    return SimpleNamespace(kind=CollectiveKind.RECV, group=(sender, receiver), key=key, value="%x")
+
+
+def test_a_pipeline_recv_takes_the_next_message_on_its_link(links):
+    links[0].send(1, np.array([1.0]), _key(0), ordered=True)
+    links[0].send(1, np.array([2.0]), _key(1), ordered=True)
+    links[0].send(1, np.array([3.0]), _key(0), ordered=True)  # the same key again (the next step's)
+    assert links[1].recv_next(_recv(_key(0)), timeout=10)[0] == 1.0
+    assert links[1].recv_next(_recv(_key(1)), timeout=10)[0] == 2.0
+    assert links[1].recv_next(_recv(_key(0)), timeout=10)[0] == 3.0
+    with pytest.raises(TimeoutError, match=r"no message on the link from rank 0"):
+        links[1].recv_next(_recv(_key(0)), timeout=0.2)
+
+
+def test_a_message_of_another_key_is_refused_by_name(links):
+    """Not searched for: the next message on the link is checked, and both keys, the link and
+    the RECV are named."""
+    links[0].send(1, np.array([2.0]), _key(1), ordered=True)
+    links[0].send(1, np.array([1.0]), _key(0), ordered=True)
+    with pytest.raises(
+        AutoparError,
+        match=r"rank 1: RECV\[%x mb0 0->1\] waits for the message of key reshard3.0.mb0, but the next message on "
+        r"link rank 0 -> rank 1 has key reshard3.0.mb1",
+    ):
+        links[1].recv_next(_recv(_key(0)), timeout=10)
+
+
+def test_a_group_exchange_takes_the_message_of_its_key(links):
     links[0].send(1, np.array([1.0]), ("a", 0))
     links[0].send(1, np.array([2.0]), ("b", 0))
     links[0].send(1, np.array([3.0]), ("a", 0))  # the same key again (the next step's)
@@ -60,26 +99,31 @@ def test_a_recv_takes_the_message_of_its_key_not_the_next_on_the_link(links):
         links[1].recv(0, ("a", 0), timeout=0.2)
 
 
-def test_an_inbox_keeps_one_queue_per_sender_and_key():
+def test_an_inbox_keeps_one_link_per_sender_and_one_queue_per_key_for_exchanges():
     inbox = Inbox()
     inbox.put(0, "k", "first")
     inbox.put(2, "k", "other sender")
     inbox.put(0, "k", "second")
-    assert not inbox.ready(1, "k") and inbox.ready(2, "k")
+    inbox.put(0, "b", "on the link", ordered=True)
+    inbox.put(0, "a", "next on the link", ordered=True)
+    assert not inbox.ready(1, "k") and inbox.ready(2, "k") and not inbox.ready(0, "b")
     assert [inbox.take(0, "k", 0), inbox.take(0, "k", 0), inbox.take(2, "k", 0)] == ["first", "second", "other sender"]
     assert not inbox.messages  # emptied keys are dropped
+    assert inbox.arrived(0) and not inbox.arrived(2)
+    assert [inbox.next(0, 0), inbox.next(0, 0)] == [("b", "on the link"), ("a", "next on the link")]
+    assert not inbox.arrived(0)
 
 
 def _replay(rank: int, collectives, links, errors: list) -> None:
-    """Walk the rank's point-to-point collectives of one step: each send carries its key as
-    its payload; each recv checks it got the payload of its own key."""
+    """Walk the rank's point-to-point collectives of one step in order: each send carries its
+    key as its payload; each recv takes the next message on its link (checked) and checks it
+    got the payload of its own key."""
     try:
         for job in collectives:
-            sender, receiver = job.group
             if job.kind is CollectiveKind.SEND:
-                links[rank].send(receiver, np.array(str(job.key)), job.key)
+                links[rank].send(job.group[1], np.array(str(job.key)), job.key, ordered=True)
             elif job.kind is CollectiveKind.RECV:
-                got = str(links[rank].recv(sender, job.key, timeout=30))
+                got = str(links[rank].recv_next(job, timeout=30))
                 if got != str(job.key):
                     errors.append(f"rank {rank}: recv {job.key} got the message of {got}")
     except Exception as error:  # noqa: BLE001  reported by the test
@@ -91,7 +135,10 @@ def test_a_residual_block_cut_inside_gets_each_message_under_1f1b(links):
     order = {rank: PipelineRunner(dist.rank_plan(rank), []).collectives() for rank in (0, 1)}
     sent = [str(job.key) for job in order[0] if job.kind is CollectiveKind.SEND]
     received = [str(job.key) for job in order[1] if job.kind is CollectiveKind.RECV]
-    assert sorted(sent) == sorted(received) and sent != received  # the case a FIFO link gets wrong
+    assert sent == received  # the compiler's link order
+    lowered = dataclasses.replace(dist.rank_plan(1), pipeline=dataclasses.replace(dist.rank_plan(1).pipeline, steps=()))
+    alone = [str(job.key) for job in PipelineRunner(lowered, []).collectives() if job.kind is CollectiveKind.RECV]
+    assert sorted(alone) == sorted(sent) and alone != sent  # the case a FIFO link would get wrong
     for step in range(2):  # the same keys again in the next step
         errors: list[str] = []
         threads = [threading.Thread(target=_replay, args=(rank, order[rank], links, errors)) for rank in (0, 1)]
@@ -100,7 +147,7 @@ def test_a_residual_block_cut_inside_gets_each_message_under_1f1b(links):
         for thread in threads:
             thread.join(timeout=60)
         assert not errors, (step, errors)
-    assert not any(links[rank].inbox.messages for rank in (0, 1))
+    assert not any(links[rank].inbox.links.get(0) or links[rank].inbox.links.get(1) for rank in (0, 1))
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "FThenB"])
