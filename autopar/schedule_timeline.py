@@ -7,8 +7,8 @@ stashed micro-batches and the peak activation bytes, and overall the makespan an
 fraction; :func:`render_svg` draws the timeline as a dependency-free SVG, ``print`` shows it as a
 table (per rank: busy and idle time, peak stash, each action's start and end).
 
-Stashed micro-batch: on one stage, its forward done and its input-gradient backward (B or I) not
-yet; a rank's stash sums its stages. Bubble fraction: the time ranks spend outside compute
+Stashed micro-batch: on one stage, its forward done and its first backward (B or I; W on a stage
+that makes no input gradient) not yet; a rank's stash sums its stages. Bubble fraction: the time ranks spend outside compute
 actions (F, B, I, W, OPTIMIZER; waiting and transfers count as bubble) over ``ranks x makespan``.
 """
 
@@ -156,11 +156,15 @@ def _is_duration(value: object) -> bool:
 def _peak_stash(actions: list[Action], activation_bytes: Mapping[int, int]) -> tuple[int, int]:
     """Peak stashed micro-batches and peak activation bytes over one rank's program order."""
     stash: Counter[int] = Counter()  # stage -> stashed micro-batches
+    released: set[tuple[int, int]] = set()
     peak_count = peak_bytes = 0
     for action in actions:
         if action.kind is ActionKind.F:
             stash[action.stage] += 1
-        elif action.kind in INPUT_GRAD_KINDS:
+        elif action.kind in INPUT_GRAD_KINDS | {ActionKind.W} and (action.stage, action.micro_batch) not in released:
+            # (its first backward; a W first when the stage has no input gradient to make: the
+            # first stage of a zero-bubble schedule, whose I runs nothing and records no span)
+            released.add((action.stage, action.micro_batch))
             stash[action.stage] -= 1
         peak_count = max(peak_count, sum(stash.values()))
         peak_bytes = max(peak_bytes, sum(n * activation_bytes.get(stage, 0) for stage, n in stash.items()))

@@ -425,3 +425,13 @@ def test_verified_schedule_is_built_once_and_read_only():
     with pytest.raises(TypeError):
         first[0] = ()
     assert isinstance(first[0], tuple)
+
+
+def test_a_measured_first_stage_without_input_gradient_spans_releases_its_stash_at_w():
+    """A zero-bubble first stage makes no input gradient: its I runs nothing and the runner records
+    no span for it, so the measured timeline releases each micro-batch at its W (as 1F1B's B)."""
+    from autopar.schedule_timeline import Span, measured_timeline
+
+    actions = [a for a in make_schedule("ZBH1", 2, 8)[0] if a.kind in (F, W)]  # rank 0 as it runs
+    spans = {0: [Span(a, i, i + 0.5) for i, a in enumerate(actions)]}
+    assert measured_timeline(spans).peak_stash == (2,)
