@@ -205,7 +205,7 @@ class DistributedProgram:
 
     def _pipeline_role(self, rp: RankProgram, ops: list[Operation]) -> PipelineRole | None:
         plan, micro = self.state.pipeline, self.state.micro
-        if plan is None:
+        if plan is None or not rp.phases:  # (no pipeline, or the program as it is before pipeline_split: ``after=``)
             return None
         stage = plan.pipeline_rank(rp.rank)
         summed = frozenset(k for k in micro.placements if micro.pending_sum(k)) if micro is not None else frozenset()
