@@ -22,7 +22,7 @@ Adding a kind is adding one class here: every pass, backend and price reads this
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any, ClassVar
 
@@ -376,6 +376,13 @@ class AllToAll(Kind):
         return _paddle_own_slice(gathered, comm.split_axis, parts, comm.group.index(rank))
 
 
+def _exchange_calibration(dist: Any, count: int) -> Callable[[], object]:
+    """What a calibration times for a kind the host backend runs as an exchange: every rank's
+    ``count`` floats to every rank."""
+    mine = np.ones(count, np.float32)
+    return lambda: dist.all_gather_object([], mine)
+
+
 def _exchanged(job: Collective, x: np.ndarray, backend: Any) -> np.ndarray:
     """A world collective the host backend runs as an exchange: every rank's array to every rank
     (``backend.gathered``), then this rank's output by the reference meaning."""
@@ -394,9 +401,8 @@ class Permute(Kind):
     sized_by_input = True
     exchanged = True
 
-    def calibration(self, paddle, dist, count, rank, world):  # as the host backend runs it: an exchange
-        mine = np.ones(count, np.float32)
-        return lambda: dist.all_gather_object([], mine)
+    def calibration(self, paddle, dist, count, rank, world):
+        return _exchange_calibration(dist, count)
 
     def perform(self, job, pieces):
         p = len(pieces)
@@ -430,9 +436,8 @@ class AllToAllV(Kind):
     sized_by_input = True
     exchanged = True
 
-    def calibration(self, paddle, dist, count, rank, world):  # as the host backend runs it: an exchange
-        mine = np.ones(count, np.float32)
-        return lambda: dist.all_gather_object([], mine)
+    def calibration(self, paddle, dist, count, rank, world):
+        return _exchange_calibration(dist, count)
 
     @staticmethod
     def _pieces(job: Collective, x: np.ndarray, sender: int) -> list[np.ndarray]:
