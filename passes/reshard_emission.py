@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import KINDS, point_to_point
+from autopar.errors import AutoparError
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
@@ -159,8 +160,20 @@ def _point_to_point(
 
 
 def collective_op(collective: Collective, x: Any, ring: int) -> Any:
-    """The Paddle op carrying ``collective`` in the host form of a rank program."""
-    return KINDS[collective.kind].host_op(collective, x, ring)
+    """The Paddle op carrying ``collective`` in the host form of a rank program. Paddle checks an
+    op's input dtype against the kernels its build registers when the op is built: a collective
+    of a dtype the build has none for (bfloat16 on the CPU build) is refused here by name, not
+    with Paddle's TypeError."""
+    try:
+        return KINDS[collective.kind].host_op(collective, x, ring)
+    except TypeError as err:
+        if "Check data type error" not in str(err):
+            raise
+        raise AutoparError(
+            f"{collective.kind} of {collective.value} ({collective.dtype}, {collective.reason.split(':')[0]}) cannot be "
+            f"built: this Paddle build has no {collective.dtype} kernel for it. Mixed-precision programs whose "
+            "collectives move low-precision values are not supported yet (docs/paddle_amp.md)"
+        ) from None
 
 
 def replace_uses(source: Any, new: Any, inserted: set[int] = frozenset()) -> None:

@@ -26,3 +26,36 @@ def test_gradients_planned_into_a_bucket_are_left_to_the_fusion():
     _, unfused = data_parallel(fuse_allreduce=False)
     emitted = around(unfused, "reshard_emission")[1].collectives
     assert [c.kind for c, _ in emitted] == ["all_reduce"] * 6 and {c.key.source for c, _ in emitted} == {"reshard"}
+
+
+def test_a_collective_of_a_dtype_the_build_cannot_carry_is_refused_by_name():
+    """Paddle's AMP O2 (bfloat16 parameters, ``paddle.amp.decorate``) on mp = 2: the row-parallel
+    output is a bfloat16 all_reduce. Paddle's CPU build registers no bfloat16 all_reduce kernel, so
+    the op cannot be built: an AutoparError naming the collective, the value and its dtype, not
+    Paddle's TypeError (a CUDA build carries it)."""
+    import paddle
+    import pytest
+
+    import autopar
+    from autopar.errors import AutoparError
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 8], "float32")
+        y = paddle.static.data("y", [4, 1], "int64")
+        model = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.ReLU(), paddle.nn.Linear(16, 4))
+        sgd = paddle.optimizer.SGD(0.1, parameters=model.parameters(), multi_precision=True)
+        model, sgd = paddle.amp.decorate(models=model, optimizers=sgd, level="O2", dtype="bfloat16")
+        with paddle.amp.auto_cast(level="O2", dtype="bfloat16"):
+            logits = model(x)
+        sgd.minimize(paddle.nn.functional.cross_entropy(logits.astype("float32"), y).mean())
+    mesh = autopar.ProcessMesh([0, 1], ["mp"])
+    autopar.shard_tensor(model[0].weight, mesh, [None, "mp"])
+    autopar.shard_tensor(model[2].weight, mesh, ["mp", None])
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    if paddle.is_compiled_with_cuda():
+        assert any(c.dtype == "bfloat16" for c in dist.comm_ops(0))
+        return
+    with pytest.raises(AutoparError, match=r"all_reduce of .* \(bfloat16, row-parallel output.*no bfloat16 kernel"):
+        dist.rank_plan(0)
