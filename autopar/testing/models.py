@@ -221,3 +221,26 @@ def reshard_chain(world: int = 2, seed: int = 3) -> tuple[SeedProgram, Any]:
     autopar.shard_tensor(h, mesh, ["d", None])
     autopar.shard_tensor(h2, mesh, [None, "d"])
     return net, autopar.compile(main, mesh, startup_program=startup)
+
+
+def three_columns(width: int = 6, seed: int = 5, **strategy: Any) -> tuple[SeedProgram, Any]:
+    """Three column-parallel linears over ``mp`` = 2 concatenated along their split dim (``concat``
+    reads the three outputs whole: three all_gathers along dim 1 at one site), then a linear; compiled
+    with ``Strategy(**strategy)``. ``width`` 5: each output splits 3 + 2 (uneven pieces)."""
+    import autopar
+
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = seed
+    mesh = autopar.ProcessMesh([0, 1], ["mp"])
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 8], "float32")
+        layers = {f"c{i}": paddle.nn.Linear(8, width) for i in range(3)}
+        for layer in layers.values():
+            autopar.shard_tensor(layer.weight, mesh, [None, "mp"])
+            autopar.shard_tensor(layer.bias, mesh, ["mp"])
+        h = paddle.concat([layer(x) for layer in layers.values()], axis=1)
+        layers["out"] = out = paddle.nn.Linear(3 * width, 2)
+        loss = paddle.mean(paddle.square(out(paddle.tanh(h))))
+        make_optimizer("sgd").minimize(loss)
+    seed_program = SeedProgram(main, startup, {"x": x}, loss, layers)
+    return seed_program, autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(**strategy))

@@ -5,32 +5,12 @@ outputs whole, so each would be gathered on its own; fused, one all_gather carri
 (the same bytes), and the step equals serial. Pieces that are not equal blocks (an uneven
 split) keep their own gathers."""
 
-import paddle
 import pytest
 
 import autopar
 from autopar.pricing import added_ops
-from autopar.testing.models import SeedProgram, make_optimizer
+from autopar.testing.models import three_columns
 from autopar.testing.serial import assert_simulation_equals_serial
-
-
-def three_columns(width):
-    paddle.enable_static()
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    main.random_seed = startup.random_seed = 5
-    mesh = autopar.ProcessMesh([0, 1], ["mp"])
-    with paddle.static.program_guard(main, startup):
-        x = paddle.static.data("x", [4, 8], "float32")
-        layers = {f"c{i}": paddle.nn.Linear(8, width) for i in range(3)}
-        for layer in layers.values():
-            autopar.shard_tensor(layer.weight, mesh, [None, "mp"])
-            autopar.shard_tensor(layer.bias, mesh, ["mp"])
-        h = paddle.concat([layer(x) for layer in layers.values()], axis=1)
-        layers["out"] = out = paddle.nn.Linear(3 * width, 2)
-        loss = paddle.mean(paddle.square(out(paddle.tanh(h))))
-        make_optimizer("sgd", lr=0.1).minimize(loss)
-    seed = SeedProgram(main, startup, {"x": x}, loss, layers)
-    return seed, autopar.compile(main, mesh, startup_program=startup)
 
 
 @pytest.mark.parametrize("width, fused", [(6, True), (5, False)], ids=["even", "uneven"])

@@ -9,11 +9,11 @@ rewrite would (cost_model.planner.plan_ring_shift, the comm formulas)."""
 from __future__ import annotations
 
 import multiprocessing
-import time
 import traceback
 
 import numpy as np
 import pytest
+from test_shared_memory_comm import _Store  # (the store the communicator reads: set, and a get that waits)
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import AllToAllV, kind_of, perform, perform_for
@@ -109,19 +109,6 @@ def test_the_gloo_world_path_computes_the_reference():
 
 
 # ---- between processes: the host backend's shared-memory communicator ---------------------------
-
-
-class _Store:
-    def __init__(self, shared) -> None:
-        self.shared = shared
-
-    def set(self, key, value) -> None:
-        self.shared[key] = bytes(value)
-
-    def get(self, key):
-        while key not in self.shared:
-            time.sleep(0.001)
-        return self.shared[key]
 
 
 def _steps(world):

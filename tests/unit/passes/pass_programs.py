@@ -97,23 +97,3 @@ def assert_declared_emit_stage(dist: autopar.DistributedProgram, name: str, rank
     before, after = around(dist, name, rank)
     assert p.emit_ensures and p.emit_ensures not in before.stages
     assert after.stages == (*before.stages, p.emit_ensures)
-
-
-def three_columns(width: int = 6, **strategy) -> tuple[SeedProgram, autopar.DistributedProgram]:
-    """Three column-parallel linears over ``mp`` = 2 concatenated along their split dim (``concat``
-    reads the three outputs whole: three all_gathers along dim 1 at one site), then a linear."""
-    paddle.enable_static()
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    mesh = autopar.ProcessMesh([0, 1], ["mp"])
-    with paddle.static.program_guard(main, startup):
-        x = paddle.static.data("x", [4, 8], "float32")
-        layers = {f"c{i}": paddle.nn.Linear(8, width) for i in range(3)}
-        for layer in layers.values():
-            autopar.shard_tensor(layer.weight, mesh, [None, "mp"])
-            autopar.shard_tensor(layer.bias, mesh, ["mp"])
-        h = paddle.concat([layer(x) for layer in layers.values()], axis=1)
-        layers["out"] = out = paddle.nn.Linear(3 * width, 2)
-        loss = paddle.mean(paddle.square(out(paddle.tanh(h))))
-        make_optimizer("sgd").minimize(loss)
-    seed = SeedProgram(main, startup, {"x": x}, loss, layers)
-    return seed, autopar.compile(main, mesh, startup_program=startup, strategy=autopar.Strategy(**strategy))

@@ -5,17 +5,12 @@
 import numpy as np
 from pass_programs import around, assert_declared_emit_stage, data_parallel
 
-import autopar
-from autopar.testing.models import simple_net
-
 
 def compile_dp(**strategy):
-    net = simple_net(sizes=(16, 32, 16, 10))
-    mesh = autopar.ProcessMesh([0, 1, 2, 3], ["dp"])
-    autopar.shard_tensor(net.feeds["x"], mesh, ["dp", None])
-    dist = autopar.compile(net.main, mesh, startup_program=net.startup, strategy=autopar.Strategy(**strategy))
-    params = {p.name: p for layer in net.layers.values() for p in (layer.weight, layer.bias)}
-    return dist, mesh, params
+    """SimpleNet on dp = 4 (pass_programs.data_parallel), its mesh and its parameters by name."""
+    seed, dist = data_parallel(world=4, **strategy)
+    params = {p.name: p for layer in seed.layers.values() for p in (layer.weight, layer.bias)}
+    return dist, dist.mesh, params
 
 
 def test_data_parallel_gradients_fused_into_one_all_reduce_of_the_same_bytes():

@@ -2,7 +2,9 @@
 of their flat buffer (stage: reshard-planned -> sites-planned at compile; comm-inserted ->
 sites-fused per rank). (That the fused step equals serial: tests/equivalence/test_site_fusion.py.)"""
 
-from pass_programs import around, assert_declared_emit_stage, op_names, three_columns
+from pass_programs import around, assert_declared_emit_stage, op_names
+
+from autopar.testing.models import three_columns
 
 
 def test_three_gathers_read_by_one_concat_are_emitted_as_one():
