@@ -33,6 +33,7 @@ from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import (
     DeadOpRemoval,
     LocalBatchNorm,
+    LossScalingResults,
     MaskedMeans,
     MicroBatch,
     PipelineStages,
@@ -107,7 +108,7 @@ def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
 
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The serial rewrites ``strategy`` declares, in the order they run (autopar/rewrites)."""
-    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads()]
+    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads(), LossScalingResults()]
     pipeline = strategy.pipeline
     if pipeline is not None:
         found += [PipelineStages(pipeline.stages), StageNorms()]

@@ -29,6 +29,7 @@ from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
 from autopar.rewrites.dead_ops import dead_ops
+from autopar.rewrites.loss_scaling import loss_scaling_results
 from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
@@ -173,6 +174,22 @@ class ShapeReads(Rewrite):
             return work.reported(self, "no shape read")
         same = tuple(range(len(work.graph.ops)))
         return work.reported(self, str(rewritten), **work.moved(rewritten.program, same))
+
+
+@dataclass(frozen=True)
+class LossScalingResults(Rewrite):
+    """Dynamic loss scaling's in-place ops read through their results (:mod:`.loss_scaling`):
+    the optimizer reads the checked gradients, so a reshard between them lands on the value
+    that exists there."""
+
+    name: ClassVar[str] = "loss_scaling_results"
+
+    def apply(self, work: Analysed) -> Analysed:
+        rewired = loss_scaling_results(work.program)
+        if rewired is None:
+            return work.reported(self, "no dynamic loss scaling")
+        same = tuple(range(len(work.graph.ops)))
+        return work.reported(self, str(rewired), **work.moved(rewired.program, same))
 
 
 @dataclass(frozen=True)
