@@ -42,6 +42,7 @@ from autopar.rewrites import (
     SequenceParallel,
     ShapeReads,
     StageNorms,
+    StageOverflowChecks,
 )  # fmt: skip
 from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
 
@@ -111,7 +112,7 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     found: list[Rewrite] = [DeadOpRemoval(), ShapeReads(), LossScalingResults()]
     pipeline = strategy.pipeline
     if pipeline is not None:
-        found += [PipelineStages(pipeline.stages), StageNorms()]
+        found += [PipelineStages(pipeline.stages), StageNorms(), StageOverflowChecks()]
     if strategy.local_batch_norm:
         found.append(LocalBatchNorm())
     if pipeline is not None and pipeline.micro_batches > 1:

@@ -1,0 +1,208 @@
+"""Dynamic loss scaling checked on each pipeline stage, its overflow flag agreed by every stage
+(stage: rewrite, after the stages).
+
+``paddle.amp.GradScaler`` appends one ``check_finite_and_unscale_`` and one
+``update_loss_scaling_`` over *every* gradient. In a pipeline the gradients are made on the
+stages of their parameters, and one op runs on one stage: every other stage would send it all
+its gradients and receive them back unscaled (twice the gradient bytes across the pipeline per
+step), and only that stage would update the loss scale — the other stages' copies of it (the
+last stage scales the loss with its own) stay behind, and the run silently diverges
+(measured: ``loss_scaling_0`` differed between the stages after the first change of scale).
+
+So each such op is split by stage: each stage checks and unscales its own gradients
+(``check_finite_and_unscale_`` on that stage: its found_inf says whether *its* gradients
+overflowed), the stages' flags are combined (``logical_or``, on the last stage: each other stage
+sends it one byte), and each stage runs its own ``update_loss_scaling_`` on its gradients with
+the combined flag, updating its own copy of the loss scale and step counts: every stage moves
+them alike, so they stay bit-identical (the replica check covers them), and every stage skips
+an overflowing step together. Within a stage, the flag is still a pending max over the mesh
+dims its gradients are split or pending over (autopar/spmd/loss_scaling.py). Reads after the
+split ops are moved onto the per-stage results (the in-place aliasing, :mod:`.loss_scaling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autopar.causes import gradients
+from autopar.errors import AutoparError
+from autopar.graph import ProgramGraph
+from autopar.mesh import ProcessMesh
+from autopar.shared_parameters import reader_meshes
+
+if TYPE_CHECKING:
+    from paddle.pir import Program
+
+CHECK = "pd_op.check_finite_and_unscale_"
+UPDATE = "pd_op.update_loss_scaling_"
+UPDATE_ATTRS = ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio")
+
+
+@dataclass(frozen=True)
+class StagedChecks:
+    """The rewritten program and where its ops moved."""
+
+    program: Program
+    positions: tuple[int | None, ...]  # old op index -> new index (None: erased)
+    meshes: Mapping[int, ProcessMesh]  # new index of each per-stage op -> its stage mesh
+    split: tuple[str, ...]  # ``pd_op.check_finite_and_unscale_#67: 4 gradients on 2 stages``
+
+    def __str__(self) -> str:
+        return f"loss scaling checked per stage, found_inf agreed by every stage ({'; '.join(self.split)})"
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One check and the update that reads its flag: their indices, and each gradient slot's stage."""
+
+    check: int
+    update: int
+    stages: tuple[ProcessMesh, ...]  # per gradient slot
+
+
+def _gradient_stages(graph: ProgramGraph, update: Any, op_meshes: Mapping[int, ProcessMesh]) -> list[ProcessMesh | None]:
+    """The stage of each gradient ``update`` zeroes: its parameter's first forward reader's (the
+    optimizer reads the update's results, :mod:`.loss_scaling`)."""
+    made = gradients(graph)
+    count = len(update.inputs) - 5
+    found: list[ProcessMesh | None] = []
+    for slot in range(count):
+        result = update.outputs[slot]
+        gradient = made.get(result) if result is not None else None
+        meshes = reader_meshes(graph, gradient.param, op_meshes) if gradient is not None else []
+        producer = update.inputs[slot][0] if update.inputs[slot] is not None else None
+        found.append(meshes[0] if meshes else op_meshes.get(producer) if producer is not None else None)
+    return found
+
+
+def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_Pair]:
+    """The checks whose gradients lie on several stages, each with its update; refused by name
+    where the stage of a gradient is unknown or the two ops do not pair up."""
+    pairs = []
+    for op in graph.ops:
+        if op.name != CHECK:
+            continue
+        flag = op.outputs[-1]
+        readers = [graph.ops[u] for u in graph.values[flag].users] if flag is not None else []
+        updates = [r for r in readers if r.name == UPDATE]
+        if len(updates) != 1 or len(updates[0].inputs) - 5 != len(op.inputs) - 1:
+            raise AutoparError(
+                f"{op}: dynamic loss scaling across pipeline stages needs one update_loss_scaling_ over the same "
+                f"gradients reading its found_inf; found {[str(u) for u in updates]}"
+            )
+        stages = _gradient_stages(graph, updates[0], op_meshes)
+        if None in stages:
+            slot = stages.index(None)
+            raise AutoparError(
+                f"{op}: cannot tell which pipeline stage makes the gradient {graph.values[op.inputs[slot]].label} "
+                "it checks; found_inf cannot be agreed across stages without it"
+            )
+        if len(set(stages)) > 1:
+            pairs.append(_Pair(op.index, updates[0].index, tuple(stages)))
+    return pairs
+
+
+def _groups(stages: tuple[ProcessMesh, ...]) -> list[tuple[ProcessMesh, list[int]]]:
+    """Gradient slots grouped by stage, in order of first appearance."""
+    groups: dict[ProcessMesh, list[int]] = {}
+    for slot, mesh in enumerate(stages):
+        groups.setdefault(mesh, []).append(slot)
+    return list(groups.items())
+
+
+def stage_overflow_checks(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> StagedChecks | None:
+    """``program`` with each loss-scaling check and update split by pipeline stage and the
+    stages' flags combined (module docstring); None when no check spans several stages."""
+    pairs = _pairs(graph, op_meshes)
+    if not pairs:
+        return None
+    work = program.clone()
+    raw = list(work.global_block().ops)
+    placed: list[tuple[Any, ProcessMesh]] = []
+    erased: set[int] = set()
+    split = []
+    for pair in pairs:
+        erased |= _split(work, raw, pair, placed)
+        split.append(f"{CHECK}#{pair.check}: {len(pair.stages)} gradients on {len(set(pair.stages))} stages")
+    for index in sorted(erased, reverse=True):
+        raw[index].erase()
+    where = {op.id(): position for position, op in enumerate(work.global_block().ops)}
+    positions = tuple(None if i in erased else where[op.id()] for i, op in enumerate(raw))
+    meshes = {where[op.id()]: mesh for op, mesh in placed}
+    return StagedChecks(work, positions, meshes, tuple(split))
+
+
+def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, ProcessMesh]]) -> set[int]:
+    """One check / update pair of ``work`` (its ops ``raw``) split by stage; the indices it erases."""
+    import paddle
+
+    check, update = raw[pair.check], raw[pair.update]
+    check_in, check_out = _members(check)
+    update_out = _members(update)[1]
+    scale = check.operand_source(1)
+    states = [update.operand_source(i) for i in range(2, 6)]  # scale, good, bad, stop_update
+    attrs = update.attrs()
+    groups = _groups(pair.stages)
+    last = groups[-1][0]
+    with paddle.static.program_guard(work):
+        paddle.pir.set_insertion_point(check)
+        flags = []
+        for mesh, slots in groups:
+            outs, flag = paddle._C_ops.check_finite_and_unscale_([check_in[s] for s in slots], scale)
+            placed += [(op, mesh) for op in _made_ops(flag, outs)]
+            for slot, out in zip(slots, outs):
+                _rewire(check_out[slot], out)
+            flags.append(flag)
+        agreed = flags[0]
+        for flag in flags[1:]:
+            agreed = paddle._C_ops.logical_or(agreed, flag)
+            placed.append((agreed.get_defining_op(), last))
+        check.result(1).replace_all_uses_with(agreed)
+        paddle.pir.set_insertion_point(update)
+        update_in = _members(update)[0]  # (read now: the checked gradients it reads were just rewired)
+        for mesh, slots in groups:
+            results = paddle._C_ops.update_loss_scaling_(
+                [update_in[s] for s in slots], agreed, states[0], states[1], states[2],
+                *(attrs[name] for name in UPDATE_ATTRS), states[3],
+            )  # fmt: skip
+            outs = results[0]
+            placed += [(op, mesh) for op in _made_ops(results[1], outs)]
+            for slot, out in zip(slots, outs):
+                _rewire(update_out[slot], out)
+        for i in range(1, 4):  # the updated states (in place): readers take the last stage's
+            if update.result(i).initialized():
+                update.result(i).replace_all_uses_with(results[i])
+    paddle.pir.reset_insertion_point_to_end()
+    return {_index(raw, op) for op in (*_packing(check), *_packing(update))}
+
+
+def _members(op: Any) -> tuple[list[Any], list[Any]]:
+    """The members of ``op``'s vector operand and of its vector result."""
+    combine = op.operand_source(0).get_defining_op()
+    split = next(user for user in op.result(0).all_used_ops() if user.name() == "builtin.split")
+    return [combine.operand_source(i) for i in range(combine.num_operands())], [split.result(i) for i in range(split.num_results())]
+
+
+def _packing(op: Any) -> list[Any]:
+    """``op`` with its vector operand's combine and its vector result's split."""
+    split = next(user for user in op.result(0).all_used_ops() if user.name() == "builtin.split")
+    return [op.operand_source(0).get_defining_op(), op, split]
+
+
+def _made_ops(anchor: Any, outs: list[Any]) -> list[Any]:
+    """The op making ``anchor`` and the combine / split packing its vector operand and result."""
+    op = anchor.get_defining_op()
+    split = outs[0].get_defining_op() if outs else None
+    return [o for o in (op.operand_source(0).get_defining_op(), op, split) if o is not None]
+
+
+def _rewire(old: Any, new: Any) -> None:
+    """Every reader of ``old`` reads ``new``."""
+    if old.initialized():
+        old.replace_all_uses_with(new)
+
+
+def _index(raw: list[Any], op: Any) -> int:
+    return next(i for i, other in enumerate(raw) if other.id() == op.id())
