@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autopar.spmd import ops_where
+
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-IN_PLACE_SCALING = ("pd_op.check_finite_and_unscale_", "pd_op.update_loss_scaling_")
+IN_PLACE_SCALING = ops_where("scales_in_place")  # check_finite_and_unscale_, update_loss_scaling_
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""Dynamic loss scaling checked on each pipeline stage, its overflow flag agreed by every stage
-(stage: rewrite, after the stages).
+"""Dynamic loss scaling checked on each pipeline stage (stage: rewrite, after the stages).
 
 ``paddle.amp.GradScaler`` appends one ``check_finite_and_unscale_`` and one
 ``update_loss_scaling_`` over *every* gradient. In a pipeline the gradients are made on the
@@ -9,15 +8,16 @@ step), and only that stage would update the loss scale — the other stages' cop
 last stage scales the loss with its own) stay behind, and the run silently diverges
 (measured: ``loss_scaling_0`` differed between the stages after the first change of scale).
 
-So each such op is split by stage: each stage checks and unscales its own gradients
-(``check_finite_and_unscale_`` on that stage: its found_inf says whether *its* gradients
-overflowed), the stages' flags are combined (``logical_or``, on the last stage: each other stage
-sends it one byte), and each stage runs its own ``update_loss_scaling_`` on its gradients with
-the combined flag, updating its own copy of the loss scale and step counts: every stage moves
-them alike, so they stay bit-identical (the replica check covers them), and every stage skips
-an overflowing step together. Within a stage, the flag is still a pending max over the mesh
-dims its gradients are split or pending over (autopar/spmd/loss_scaling.py). Reads after the
-split ops are moved onto the per-stage results (the in-place aliasing, :mod:`.loss_scaling`).
+So each such op is split by stage: each stage checks and unscales its own gradients (its
+found_inf says whether *its* gradients overflowed: within the stage a pending max over the mesh
+dims they are split or pending over, autopar/spmd/loss_scaling.py), runs its own
+``update_loss_scaling_`` on them (moving its own copy of the loss scale and step counts) and its
+own ``memcpy`` of the flag for its optimizer ops. What no single stage can see — another stage's
+overflow — is agreed once per step by the pipeline split: a SYNC point, an ``all_reduce(max)``
+of the flag over the pipeline's stages right before each stage's update reads it
+(passes/pipeline_split.py). Every stage then skips an overflowing step together and moves its
+loss scale alike, so the copies stay bit-identical (the replica check covers them). Reads after
+the split ops are moved onto the per-stage results (the in-place aliasing, :mod:`.loss_scaling`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph
 from autopar.mesh import ProcessMesh
 from autopar.shared_parameters import reader_meshes
+from autopar.spmd import ops_where
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-CHECK = "pd_op.check_finite_and_unscale_"
-UPDATE = "pd_op.update_loss_scaling_"
+CHECKS = ops_where("checks_overflow")  # check_finite_and_unscale_
+UPDATES = ops_where("moves_loss_scale")  # update_loss_scaling_
 UPDATE_ATTRS = ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio")
 
 
@@ -50,7 +51,7 @@ class StagedChecks:
     split: tuple[str, ...]  # ``pd_op.check_finite_and_unscale_#67: 4 gradients on 2 stages``
 
     def __str__(self) -> str:
-        return f"loss scaling checked per stage, found_inf agreed by every stage ({'; '.join(self.split)})"
+        return f"loss scaling checked per stage, found_inf agreed at a SYNC point ({'; '.join(self.split)})"
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class _Pair:
     check: int
     update: int
     stages: tuple[ProcessMesh, ...]  # per gradient slot
+    copies: tuple[int, ...]  # the other readers of the flag (memcpy to the host for the optimizer ops)
 
 
 def _gradient_stages(graph: ProgramGraph, update: Any, op_meshes: Mapping[int, ProcessMesh]) -> list[ProcessMesh | None]:
@@ -82,11 +84,12 @@ def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_P
     where the stage of a gradient is unknown or the two ops do not pair up."""
     pairs = []
     for op in graph.ops:
-        if op.name != CHECK:
+        if op.name not in CHECKS:
             continue
         flag = op.outputs[-1]
         readers = [graph.ops[u] for u in graph.values[flag].users] if flag is not None else []
-        updates = [r for r in readers if r.name == UPDATE]
+        updates = [r for r in readers if r.name in UPDATES]
+        copies = [r for r in readers if r.name not in UPDATES]
         if len(updates) != 1 or len(updates[0].inputs) - 5 != len(op.inputs) - 1:
             raise AutoparError(
                 f"{op}: dynamic loss scaling across pipeline stages needs one update_loss_scaling_ over the same "
@@ -100,7 +103,7 @@ def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_P
                 "it checks; found_inf cannot be agreed across stages without it"
             )
         if len(set(stages)) > 1:
-            pairs.append(_Pair(op.index, updates[0].index, tuple(stages)))
+            pairs.append(_Pair(op.index, updates[0].index, tuple(stages), tuple(c.index for c in copies)))
     return pairs
 
 
@@ -125,7 +128,7 @@ def stage_overflow_checks(program: Any, graph: ProgramGraph, op_meshes: Mapping[
     split = []
     for pair in pairs:
         erased |= _split(work, raw, pair, placed)
-        split.append(f"{CHECK}#{pair.check}: {len(pair.stages)} gradients on {len(set(pair.stages))} stages")
+        split.append(f"{raw[pair.check].name()}#{pair.check}: {len(pair.stages)} gradients on {len(set(pair.stages))} stages")
     for index in sorted(erased, reverse=True):
         raw[index].erase()
     where = {op.id(): position for position, op in enumerate(work.global_block().ops)}
@@ -145,37 +148,55 @@ def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, Proce
     states = [update.operand_source(i) for i in range(2, 6)]  # scale, good, bad, stop_update
     attrs = update.attrs()
     groups = _groups(pair.stages)
-    last = groups[-1][0]
+    flags = {}
     with paddle.static.program_guard(work):
         paddle.pir.set_insertion_point(check)
-        flags = []
         for mesh, slots in groups:
-            outs, flag = paddle._C_ops.check_finite_and_unscale_([check_in[s] for s in slots], scale)
-            placed += [(op, mesh) for op in _made_ops(flag, outs)]
+            outs, flags[mesh] = paddle._C_ops.check_finite_and_unscale_([check_in[s] for s in slots], scale)
+            placed += [(op, mesh) for op in _made_ops(flags[mesh], outs)]
             for slot, out in zip(slots, outs):
                 _rewire(check_out[slot], out)
-            flags.append(flag)
-        agreed = flags[0]
-        for flag in flags[1:]:
-            agreed = paddle._C_ops.logical_or(agreed, flag)
-            placed.append((agreed.get_defining_op(), last))
-        check.result(1).replace_all_uses_with(agreed)
         paddle.pir.set_insertion_point(update)
         update_in = _members(update)[0]  # (read now: the checked gradients it reads were just rewired)
+        stage_of = {}
         for mesh, slots in groups:
             results = paddle._C_ops.update_loss_scaling_(
-                [update_in[s] for s in slots], agreed, states[0], states[1], states[2],
+                [update_in[s] for s in slots], flags[mesh], states[0], states[1], states[2],
                 *(attrs[name] for name in UPDATE_ATTRS), states[3],
             )  # fmt: skip
-            outs = results[0]
-            placed += [(op, mesh) for op in _made_ops(results[1], outs)]
-            for slot, out in zip(slots, outs):
+            placed += [(op, mesh) for op in _made_ops(results[1], results[0])]
+            for slot, out in zip(slots, results[0]):
+                stage_of.update({user.id(): mesh for user in update_out[slot].all_used_ops()})
                 _rewire(update_out[slot], out)
-        for i in range(1, 4):  # the updated states (in place): readers take the last stage's
+        for i in range(1, 4):  # the updated states (in place): a reader takes the last stage's
             if update.result(i).initialized():
                 update.result(i).replace_all_uses_with(results[i])
+        for index in pair.copies:
+            _copy_per_stage(raw[index], flags, stage_of, placed)
     paddle.pir.reset_insertion_point_to_end()
-    return {_index(raw, op) for op in (*_packing(check), *_packing(update))}
+    return {_index(raw, op) for op in (*_packing(check), *_packing(update), *(raw[i] for i in pair.copies))}
+
+
+def _copy_per_stage(copy: Any, flags: Mapping[ProcessMesh, Any], stage_of: Mapping[int, ProcessMesh], placed: list) -> None:
+    """``copy`` (a memcpy of the flag) made on each stage from that stage's flag; each reader (an
+    optimizer op, placed by the gradient it reads: ``stage_of``) reads its stage's copy."""
+    import paddle
+
+    paddle.pir.set_insertion_point(copy)
+    made = {}
+    for mesh, flag in flags.items():
+        made[mesh] = paddle._C_ops.memcpy(flag, copy.attrs()["dst_place_type"])
+        placed.append((made[mesh].get_defining_op(), mesh))
+    for user in list(copy.result(0).all_used_ops()):
+        mesh = stage_of.get(user.id())
+        if mesh is None:
+            raise AutoparError(
+                f"{user.name()} reads the loss-scaling overflow flag but no gradient of a pipeline stage: "
+                "found_inf cannot be agreed across stages for it"
+            )
+        for slot in range(user.num_operands()):
+            if user.operand_source(slot).is_same(copy.result(0)):
+                user.operand(slot).set_source(made[mesh])
 
 
 def _members(op: Any) -> tuple[list[Any], list[Any]]:

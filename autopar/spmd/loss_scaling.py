@@ -97,4 +97,7 @@ class CopyRule(SpmdRule):
 
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("memcpy", "memcpy_d2h", "memcpy_h2d", flops_per_element=0)
-declare("check_finite_and_unscale_", "check_finite_and_unscale", checks_overflow=True)
+declare("check_finite_and_unscale_", checks_overflow=True, scales_in_place=True)
+declare("check_finite_and_unscale", checks_overflow=True)
+declare("update_loss_scaling_", moves_loss_scale=True, scales_in_place=True)
+declare("update_loss_scaling", moves_loss_scale=True)
