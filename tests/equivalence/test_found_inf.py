@@ -1,0 +1,99 @@
+"""An overflow in ONE rank's piece of a gradient makes every rank skip the step (issue 38 item
+2), in the simulator: dp, mp, dp x mp, ZeRO-1/2, a 2-stage pipeline and pp x dp with two
+micro-batches.
+
+The probe (autopar.testing.overflow) makes linear1's gradients non-finite at step OVERFLOW_AT
+in the piece of one rank only (the last data-parallel row, the last tensor-parallel column,
+pipeline stage 0); the serial program sees the same overflow. Every case must: skip that step
+(the parameters after it equal those before it), halve the loss scale (the scaled loss over
+the loss is the scale each step ran with: equal to serial's, bit for bit), and then go on equal
+to serial; ``simulate`` refuses replicated copies that differ (parameters, optimizer states,
+the loss scale and its step counts). The cases where a rank-local check would pass silently —
+mp (rank 0 holds no overflowing piece) and pp (stage 1 holds none) — are run once more with the
+agreement removed: the same run then fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import autopar
+from autopar.dist_attr import DistAttr
+from autopar.errors import AutoparError
+from autopar.testing.overflow import probed_feeds, probed_mlp
+from autopar.testing.serial import run_serial
+
+STEPS = 5
+OVERFLOW_AT = 2
+
+
+def _annotated(case: str) -> tuple[autopar.testing.models.SeedProgram, autopar.ProcessMesh, autopar.Strategy | None]:
+    """The program, mesh and strategy of ``case``."""
+    if case.startswith("pp"):
+        mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"]) if case == "pp_x_dp" else autopar.ProcessMesh([0, 1], ["pp"])
+        seed = probed_mlp(stages=mesh)
+        if case == "pp_x_dp":
+            autopar.shard_tensor(seed.feeds["x"], mesh[0], ["dp", None])
+        micro_batches = 2 if case == "pp_x_dp" else 1
+        return seed, mesh, autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches))
+    seed = probed_mlp(optimizer="sgd" if case == "mp_sgd" else "adamw")
+    names = {"dp_x_mp": ["dp", "mp"], "mp": ["mp"], "mp_sgd": ["mp"]}.get(case, ["dp"])
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]] if len(names) == 2 else [0, 1], names)
+    if "dp" in names:
+        autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    if "mp" in names:
+        autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
+        autopar.shard_tensor(seed.layers["linear1"].bias, mesh, ["mp"])
+        autopar.shard_tensor(seed.layers["linear2"].weight, mesh, ["mp", None])
+    zero = {"zero1": 1, "zero2": 2}.get(case)
+    return seed, mesh, autopar.Strategy(zero_stage=zero) if zero else None
+
+
+def _run(case: str, steps: int = STEPS):
+    seed, mesh, strategy = _annotated(case)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    feeds = probed_feeds(seed, steps, OVERFLOW_AT)
+    fetch = [seed.loss, seed.values["scaled"]]
+    return seed, autopar.simulate(dist, feeds, fetch), run_serial(seed.main, seed.startup, feeds, fetch)
+
+
+def _scales(fetches: list) -> np.ndarray:
+    """The loss scale each step ran with."""
+    return np.array([np.ravel(scaled)[0] / np.ravel(loss)[0] for loss, scaled in fetches])
+
+
+CASES = ["dp", "mp", "mp_sgd", "dp_x_mp", "zero1", "zero2", "pp", "pp_x_dp"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(case):
+    _, result, serial = _run(case)
+    want = _scales(serial.fetches)
+    assert want[OVERFLOW_AT + 1] == want[OVERFLOW_AT] / 2 and want[1] < want[2], want  # the overflow is real; the scale moves both ways
+    np.testing.assert_array_equal(_scales(result.fetches), want)  # halved on every rank (replicas checked by simulate)
+    for step, (got, expected) in enumerate(zip(result.fetches, serial.fetches)):
+        np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, err_msg=f"loss at step {step}")
+    for name, expected in serial.parameters.items():
+        np.testing.assert_allclose(result.parameters[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+    _, before, _ = _run(case, steps=OVERFLOW_AT)
+    _, after, _ = _run(case, steps=OVERFLOW_AT + 1)
+    for name, value in before.parameters.items():  # the overflowing step changed no parameter anywhere
+        np.testing.assert_array_equal(after.parameters[name], value, err_msg=name)
+
+
+def _rank_local_flag(grads, ctx, ndim=1):
+    return DistAttr.replicated(ctx.mesh, ndim)
+
+
+@pytest.mark.parametrize("case", ["mp", "pp"])
+def test_without_the_agreement_a_rank_local_check_lets_the_ranks_diverge(case, monkeypatch):
+    """The test above fails when found_inf is not agreed: mp with the flag made whole on each rank
+    (no max over mp), pp without the SYNC point. The ranks holding no overflowing piece step on,
+    and simulate finds their replicated loss scale (or parameters) differing."""
+    if case == "mp":
+        monkeypatch.setattr("autopar.spmd.loss_scaling.pending_overflow", _rank_local_flag)
+    else:
+        monkeypatch.setattr("autopar.passes.pipeline_split._agree_overflow", lambda state, rp: None)
+    with pytest.raises(AutoparError, match="differ"):
+        _run(case)
