@@ -2,7 +2,10 @@
 2), in the simulator: dp, mp, dp x mp, ZeRO-1/2, a 2-stage pipeline and pp x dp with two
 micro-batches.
 
-The probe (autopar.testing.overflow) makes linear1's gradients non-finite at step OVERFLOW_AT
+Each case runs in fp32 (the scaling ops on an fp32 program: distributed equals serial to
+rounding) and in bf16 O1 through the numerics twin (autopar.testing.amp: the distributed twin
+equals the serial twin within twice the precision floor, the twin's distance from the fp32
+program). The probe (autopar.testing.overflow) makes linear1's gradients non-finite at step OVERFLOW_AT
 in the piece of one rank only (the last data-parallel row, the last tensor-parallel column,
 pipeline stage 0); the serial program sees the same overflow. Every case must: skip that step
 (the parameters after it equal those before it), halve the loss scale (the scaled loss over
@@ -21,6 +24,7 @@ import pytest
 import autopar
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.testing.amp import run_serial_twin, twinned
 from autopar.testing.overflow import probed_feeds, probed_mlp
 from autopar.testing.serial import run_serial
 
@@ -28,16 +32,16 @@ STEPS = 5
 OVERFLOW_AT = 2
 
 
-def _annotated(case: str) -> tuple[autopar.testing.models.SeedProgram, autopar.ProcessMesh, autopar.Strategy | None]:
+def _annotated(case: str, low_precision: bool) -> tuple[autopar.testing.models.SeedProgram, autopar.ProcessMesh, autopar.Strategy | None]:
     """The program, mesh and strategy of ``case``."""
     if case.startswith("pp"):
         mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"]) if case == "pp_x_dp" else autopar.ProcessMesh([0, 1], ["pp"])
-        seed = probed_mlp(stages=mesh)
+        seed = probed_mlp(stages=mesh, low_precision=low_precision)
         if case == "pp_x_dp":
             autopar.shard_tensor(seed.feeds["x"], mesh[0], ["dp", None])
         micro_batches = 2 if case == "pp_x_dp" else 1
         return seed, mesh, autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches))
-    seed = probed_mlp(optimizer="sgd" if case == "mp_sgd" else "adamw")
+    seed = probed_mlp(optimizer="sgd" if case == "mp_sgd" else "adamw", low_precision=low_precision)
     names = {"dp_x_mp": ["dp", "mp"], "mp": ["mp"], "mp_sgd": ["mp"]}.get(case, ["dp"])
     mesh = autopar.ProcessMesh([[0, 1], [2, 3]] if len(names) == 2 else [0, 1], names)
     if "dp" in names:
@@ -50,12 +54,30 @@ def _annotated(case: str) -> tuple[autopar.testing.models.SeedProgram, autopar.P
     return seed, mesh, autopar.Strategy(zero_stage=zero) if zero else None
 
 
-def _run(case: str, steps: int = STEPS):
-    seed, mesh, strategy = _annotated(case)
+def _run(case: str, steps: int = STEPS, low_precision: bool = False):
+    """The distributed run (twinned in bf16) and the serial one (the serial twin) of ``case``."""
+    seed, mesh, strategy = _annotated(case, low_precision)
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
     feeds = probed_feeds(seed, steps, OVERFLOW_AT)
     fetch = [seed.loss, seed.values["scaled"]]
+    if low_precision:
+        return seed, autopar.simulate(twinned(dist), feeds, fetch), run_serial_twin(seed.main, seed.startup, feeds, fetch)
     return seed, autopar.simulate(dist, feeds, fetch), run_serial(seed.main, seed.startup, feeds, fetch)
+
+
+def _tolerance(case: str, low_precision: bool) -> tuple[float, dict[str, float]]:
+    """How far the run may be from serial: fp32, rounding (rtol 1e-5); bf16, twice the floor —
+    the serial twin's distance from the same program in fp32, per step's loss (the largest) and
+    per parameter (the distributed twin and the serial twin are two bf16 roundings of it)."""
+    if not low_precision:
+        return 0.0, {}
+    seed, _, _ = _annotated(case, True)
+    feeds = probed_feeds(seed, STEPS, OVERFLOW_AT)
+    twin = run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+    plain = probed_mlp(low_precision=False)
+    fp32 = run_serial(plain.main, plain.startup, feeds, [plain.loss])
+    loss = max(abs(float(a[0]) - float(b[0])) for a, b in zip(twin.fetches, fp32.fetches))
+    return 2 * loss, {n: 2 * float(np.max(np.abs(twin.parameters[n] - v))) for n, v in fp32.parameters.items()}
 
 
 def _scales(fetches: list) -> np.ndarray:
@@ -64,20 +86,24 @@ def _scales(fetches: list) -> np.ndarray:
 
 
 CASES = ["dp", "mp", "mp_sgd", "dp_x_mp", "zero1", "zero2", "pp", "pp_x_dp"]
+TWIN_CASES = ["dp", "mp", "dp_x_mp", "zero2", "pp", "pp_x_dp"]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(case):
-    _, result, serial = _run(case)
+@pytest.mark.parametrize(
+    "case, low_precision", [(c, False) for c in CASES] + [(c, True) for c in TWIN_CASES], ids=lambda v: {False: "fp32", True: "bf16"}.get(v, v)
+)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(case, low_precision):
+    _, result, serial = _run(case, low_precision=low_precision)
     want = _scales(serial.fetches)
     assert want[OVERFLOW_AT + 1] == want[OVERFLOW_AT] / 2 and want[1] < want[2], want  # the overflow is real; the scale moves both ways
     np.testing.assert_array_equal(_scales(result.fetches), want)  # halved on every rank (replicas checked by simulate)
+    loss_bound, bounds = _tolerance(case, low_precision)
     for step, (got, expected) in enumerate(zip(result.fetches, serial.fetches)):
-        np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, err_msg=f"loss at step {step}")
-    for name, expected in serial.parameters.items():
-        np.testing.assert_allclose(result.parameters[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
-    _, before, _ = _run(case, steps=OVERFLOW_AT)
-    _, after, _ = _run(case, steps=OVERFLOW_AT + 1)
+        np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=loss_bound, err_msg=f"loss at step {step}")
+    for name in result.parameters:
+        np.testing.assert_allclose(result.parameters[name], serial.parameters[name], rtol=1e-5, atol=bounds.get(name, 1e-6), err_msg=name)
+    _, before, _ = _run(case, steps=OVERFLOW_AT, low_precision=low_precision)
+    _, after, _ = _run(case, steps=OVERFLOW_AT + 1, low_precision=low_precision)
     for name, value in before.parameters.items():  # the overflowing step changed no parameter anywhere
         np.testing.assert_array_equal(after.parameters[name], value, err_msg=name)
 
