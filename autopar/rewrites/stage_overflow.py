@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.causes import gradients
 from autopar.errors import AutoparError
-from autopar.graph import ProgramGraph
+from autopar.graph import ProgramGraph, Role
 from autopar.mesh import ProcessMesh
 from autopar.shared_parameters import reader_meshes
 from autopar.spmd import ops_where
@@ -81,8 +81,10 @@ def _gradient_stages(graph: ProgramGraph, update: Any, op_meshes: Mapping[int, P
 
 def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_Pair]:
     """The checks whose gradients lie on several stages, each with its update; refused by name
-    where the stage of a gradient is unknown or the two ops do not pair up."""
+    where the stage of a gradient is unknown, the two ops do not pair up, or a stage holds no
+    gradient (it would move no copy of the loss scale, and miss the SYNC the others wait in)."""
     pairs = []
+    stages_of_pipeline = {m for i, m in op_meshes.items() if graph.ops[i].role is Role.FORWARD}
     for op in graph.ops:
         if op.name not in CHECKS:
             continue
@@ -101,6 +103,13 @@ def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_P
             raise AutoparError(
                 f"{op}: cannot tell which pipeline stage makes the gradient {graph.values[op.inputs[slot]].label} "
                 "it checks; found_inf cannot be agreed across stages without it"
+            )
+        missing = sorted(str(m) for m in stages_of_pipeline - set(stages))
+        if len(stages_of_pipeline) > 1 and missing:
+            raise AutoparError(
+                f"{op}: dynamic loss scaling in a pipeline needs a gradient on every stage: the stage(s) on "
+                f"{', '.join(missing)} hold none, so found_inf cannot be agreed there (each stage checks its own "
+                "gradients and moves its own copy of the loss scale); place a layer with parameters on every stage"
             )
         if len(set(stages)) > 1:
             pairs.append(_Pair(op.index, updates[0].index, tuple(stages), tuple(c.index for c in copies)))

@@ -72,11 +72,11 @@ def probed_mlp(
             import autopar
 
             loss = autopar.shard_op(second, stages[1])(*autopar.shard_op(first, stages[0])(x, probe))
-        scaled = _minimize_scaled(opt, loss)
+        scaled = minimize_scaled(opt, loss)
     return SeedProgram(main, startup, {"x": x, "label": label, "probe": probe}, loss, layers, {"scaled": scaled})
 
 
-def _minimize_scaled(opt: Any, loss: Any) -> Any:
+def minimize_scaled(opt: Any, loss: Any) -> Any:
     """``GradScaler(use_dynamic_loss_scaling=True)``'s float16 path, forced (bf16 disables it)."""
     import paddle
     from paddle.amp.auto_cast import amp_global_state

@@ -164,3 +164,26 @@ def test_pipeline_x_dp_agrees_within_each_stage_then_over_the_stages():
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
     groups = {rank: sorted(c.group for c in _max_reductions(dist, rank)) for rank in mesh.ranks}
     assert groups == {0: [(0, 1), (0, 2)], 1: [(0, 1), (1, 3)], 2: [(0, 2), (2, 3)], 3: [(1, 3), (2, 3)]}
+
+
+def test_a_pipeline_stage_without_gradients_is_refused_by_name():
+    """Stage 1 holds only the loss: it would check nothing and move no copy of the loss scale
+    (which its forward reads), and never reach the SYNC the other stage waits in."""
+    import paddle
+
+    from autopar.testing.overflow import minimize_scaled
+
+    paddle.enable_static()
+    mesh = ProcessMesh([0, 1], ["pp"])
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        x, label = paddle.static.data("x", [4, 8], "float32"), paddle.static.data("label", [4, 1], "int64")
+        linear = paddle.nn.Linear(8, 4)
+        opt = paddle.optimizer.AdamW(0.05, parameters=linear.parameters(), multi_precision=True)
+        _, opt = paddle.amp.decorate(models=linear, optimizers=opt, level="O1", dtype="bfloat16")
+        h = autopar.shard_op(linear, mesh[0])(x)
+        loss = autopar.shard_op(lambda t: paddle.mean(paddle.nn.functional.cross_entropy(t, label)), mesh[1])(h)
+        minimize_scaled(opt, loss)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=1))
+    with pytest.raises(autopar.AutoparError, match=r"needs a gradient on every stage: the stage\(s\) on mesh\(pp=1\)\[1\] hold none"):
+        autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
