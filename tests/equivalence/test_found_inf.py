@@ -123,3 +123,30 @@ def test_without_the_agreement_a_rank_local_check_lets_the_ranks_diverge(case, m
         monkeypatch.setattr("autopar.passes.pipeline_split._agree_overflow", lambda state, rp: None)
     with pytest.raises(AutoparError, match="differ"):
         _run(case)
+
+
+def test_a_float16_overflow_in_one_ranks_rows_is_skipped_everywhere():
+    """Paddle's float16 O1 program (autopar.testing.amp: the bf16 build retyped, rounded to
+    float16 by the twin) overflowing by itself: an input of 1e5 in the rows of data-parallel rank 0
+    (beyond float16's 65504) makes only that rank's gradient pieces non-finite. Both ranks skip
+    the step and halve the scale with the serial twin, and go on with it (losses within float16's
+    precision: the twins round the ranks' pieces separately)."""
+    from autopar.testing.amp import Amp, amp_mlp
+    from autopar.testing.serial import random_feeds
+
+    seed = amp_mlp(Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True))
+    mesh = autopar.ProcessMesh([0, 1], ["dp"])
+    autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    dist = twinned(autopar.compile(seed.main, mesh, startup_program=seed.startup))
+    feeds = random_feeds(seed.feeds, 4, classes=4)
+    feeds[1]["x"][0, 0] = 1e5  # row 0: rank 0's
+    fetch = [seed.loss, seed.values["loss_scaling"]]  # the scale after each step (updated in place)
+    result, serial = autopar.simulate(dist, feeds, fetch), run_serial_twin(seed.main, seed.startup, feeds, fetch)
+    scales = [float(np.ravel(s)[0]) for _, s in result.fetches]
+    assert scales == [float(np.ravel(s)[0]) for _, s in serial.fetches] and scales[1] == scales[0] / 2, scales
+    assert np.isnan(serial.fetches[1][0]).all()  # the overflow is real
+    for step, (got, want) in enumerate(zip(result.fetches, serial.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=2.0**-10, equal_nan=True, err_msg=f"loss at step {step}")
+    before, after = autopar.simulate(dist, feeds[:1], []), autopar.simulate(dist, feeds[:2], [])
+    for name, value in before.parameters.items():
+        np.testing.assert_array_equal(after.parameters[name], value, err_msg=name)
