@@ -8,8 +8,10 @@ only because the three share one buffer (docs/paddle_amp.md, Q1's end). A compil
 not share it: a collective a reader needs is a new value (ZeRO-2's reduce_scatter right after
 the backward makes the gradient; an all_reduce the planner puts before the read), and the
 in-place update then changes a buffer the reader no longer reads — the optimizer would step on
-a gradient the scale never divided (measured: ZeRO-2 reduce-scattered the scaled gradients,
-and the check all-gathered its own copies).
+a gradient the scale never divided (measured before this rewrite: ZeRO-2 reduce-scattered the
+scaled gradients and the check all-gathered copies of its own; with SGD the loss went from 1.91
+to 34.8 in one step where serial's went to 1.56, and AdamW, nearly blind to a constant factor,
+hid it; tests/equivalence/test_found_inf.py's zero2_sgd case).
 
 So before analysis each reader placed after one of these ops reads the op's result instead of
 its operand (the values are equal when the buffer is shared, so the serial program computes
