@@ -86,7 +86,7 @@ def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_P
     pairs = []
     stages_of_pipeline = {m for i, m in op_meshes.items() if graph.ops[i].role is Role.FORWARD}
     for op in graph.ops:
-        if op.name not in CHECKS:
+        if op.name not in CHECKS or len(stages_of_pipeline) < 2:
             continue
         flag = op.outputs[-1]
         readers = [graph.ops[u] for u in graph.values[flag].users] if flag is not None else []
@@ -105,7 +105,7 @@ def _pairs(graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> list[_P
                 "it checks; found_inf cannot be agreed across stages without it"
             )
         missing = sorted(str(m) for m in stages_of_pipeline - set(stages))
-        if len(stages_of_pipeline) > 1 and missing:
+        if missing:
             raise AutoparError(
                 f"{op}: dynamic loss scaling in a pipeline needs a gradient on every stage: the stage(s) on "
                 f"{', '.join(missing)} hold none, so found_inf cannot be agreed there (each stage checks its own "
@@ -125,8 +125,9 @@ def _groups(stages: tuple[ProcessMesh, ...]) -> list[tuple[ProcessMesh, list[int
 
 
 def stage_overflow_checks(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, ProcessMesh]) -> StagedChecks | None:
-    """``program`` with each loss-scaling check and update split by pipeline stage and the
-    stages' flags combined (module docstring); None when no check spans several stages."""
+    """``program`` with each loss-scaling check and update split by pipeline stage, each stage's
+    update reading its own flag (agreed at the SYNC point; module docstring); None when no check
+    spans several stages."""
     pairs = _pairs(graph, op_meshes)
     if not pairs:
         return None
