@@ -1,6 +1,6 @@
 """An overflow in ONE rank's piece of a gradient makes every rank skip the step (issue 38 item
-2), in the simulator: dp, mp, dp x mp, ZeRO-1/2, a 2-stage pipeline and pp x dp with two
-micro-batches.
+2), in the simulator: dp, mp, dp x mp, ZeRO-1/2, a 2-stage pipeline, and pp x dp with two
+micro-batches (with ZeRO-2 too).
 
 Each case runs in fp32 (the scaling ops on an fp32 program: distributed equals serial to
 rounding) and in bf16 O1 through the numerics twin (autopar.testing.amp: the distributed twin
@@ -35,12 +35,13 @@ OVERFLOW_AT = 2
 def _annotated(case: str, low_precision: bool) -> tuple[autopar.testing.models.SeedProgram, autopar.ProcessMesh, autopar.Strategy | None]:
     """The program, mesh and strategy of ``case``."""
     if case.startswith("pp"):
-        mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"]) if case == "pp_x_dp" else autopar.ProcessMesh([0, 1], ["pp"])
+        with_dp = case.startswith("pp_x_dp")
+        mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "dp"]) if with_dp else autopar.ProcessMesh([0, 1], ["pp"])
         seed = probed_mlp(stages=mesh, low_precision=low_precision)
-        if case == "pp_x_dp":
+        if with_dp:
             autopar.shard_tensor(seed.feeds["x"], mesh[0], ["dp", None])
-        micro_batches = 2 if case == "pp_x_dp" else 1
-        return seed, mesh, autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches))
+        pipeline = autopar.PipelineConfig(micro_batches=2 if with_dp else 1)
+        return seed, mesh, autopar.Strategy(pipeline=pipeline, zero_stage=2 if case.endswith("zero2") else 0)
     seed = probed_mlp(optimizer="sgd" if case.endswith("_sgd") else "adamw", low_precision=low_precision)
     names = {"dp_x_mp": ["dp", "mp"], "mp": ["mp"], "mp_sgd": ["mp"]}.get(case, ["dp"])
     mesh = autopar.ProcessMesh([[0, 1], [2, 3]] if len(names) == 2 else [0, 1], names)
@@ -86,7 +87,7 @@ def _scales(fetches: list) -> np.ndarray:
 
 
 # AdamW is nearly blind to a gradient off by a constant factor (an unscaled one): SGD cases see it
-CASES = ["dp", "mp", "mp_sgd", "dp_x_mp", "zero1", "zero2", "zero2_sgd", "pp", "pp_x_dp"]
+CASES = ["dp", "mp", "mp_sgd", "dp_x_mp", "zero1", "zero2", "zero2_sgd", "pp", "pp_x_dp", "pp_x_dp_zero2"]
 TWIN_CASES = ["dp", "mp", "dp_x_mp", "zero2", "pp", "pp_x_dp"]
 
 
