@@ -24,6 +24,11 @@ reads it. A pending sum whose pieces are finite has a finite sum unless the sum 
 overflows (not seen by a piece: the one case a check of the reduced gradient would catch and
 this one misses; fp32 gradients of O1 do not get near it).
 
+On an overflow Paddle's kernel multiplies the gradients by 0 instead of unscaling them, so in a
+step where one rank's piece overflowed the ranks' unscaled pieces are not pieces of one tensor;
+they are discarded — update_loss_scaling_ zeroes every piece on the agreed flag and adamw_
+skips — which is why the flag must be agreed before either reads it.
+
 The loss scale, the good / bad step counts and stop_update are required whole (replicated
 states, updated alike on every rank from the agreed flag: the replica check covers them).
 """
