@@ -38,7 +38,7 @@ from autopar.dist_attr import DistAttr
 from autopar.graph import Role, ValueKey
 from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import collective_op, read_site, replace_uses
+from autopar.passes.reshard_emission import cast_to, dtype_name, emit_collective, read_site, replace_uses
 from autopar.passes.results import ZeroBucket, ZeroBuckets
 from autopar.propagation import SiteKind
 
@@ -297,8 +297,6 @@ def _record(
     state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, group: tuple[int, ...], step: Any,
     riders: list[ValueKey] = (),
 ) -> Any:  # fmt: skip
-    import paddle
-
     scatter = kind_of(bucket.kind).reduces
     chunk = math.prod(x.shape) // (len(group) if scatter else 1)
     total = chunk * len(group)
@@ -309,14 +307,10 @@ def _record(
         value=f"zero bucket {bucket.index} ({len(bucket.members)} tensors)",
         src=DistAttr.of(mesh, ((),), tuple((d, "sum") for d in step.mesh_dims)) if scatter else split,
         dst=split if scatter else DistAttr.of(mesh, ((),)), shape=(total,), output_shape=(chunk,) if scatter else (total,),
-        bytes=bucket.bytes, time=bucket.time, reduce=step.reduce or "sum",
+        bytes=bucket.bytes, time=bucket.time, reduce=step.reduce or "sum", dtype=dtype_name(x),
         reason=bucket.reason + (f"; fetched {', '.join(state.graph.values[k].label for k in riders)} rides along (no collective of its own)" if riders else ""),
     )  # fmt: skip
-    ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
-    out = collective_op(collective, x, ring)
-    out.set_type(paddle.pir.create_shaped_type(x.type(), list(collective.output_shape)))
-    rp.collectives.append((collective, out.get_defining_op().id()))
-    return out
+    return emit_collective(state, rp, collective, x, step.mesh_dims)
 
 
 def _emit_scatter(
@@ -337,7 +331,9 @@ def _emit_scatter(
         sources = [rp.current(m.need.value) for m in members]
     readers = [{u.id() for u in source.all_used_ops()} for source in sources]
     sizes = [_sizes(m, group) for m in members]
-    rows = [_rank_rows(x, m, m.need.have, m.need.need, rp.rank, group) for x, m in zip(sources, members)]
+    moved = members[0].plan.dtype  # (gradients reduced in another dtype: Strategy.reduce_dtype)
+    cast = [cast_to(x, moved) for x in sources]
+    rows = [_rank_rows(x, m, m.need.have, m.need.need, rp.rank, group) for x, m in zip(cast, members)]
     numels = [math.prod(state.graph.values[key].shape) for key in riders]
     for key, numel in zip(riders, numels):  # row 0: the local value; the others' rows zeros
         value = paddle._C_ops.reshape(rp.produced(key), [1, numel])
@@ -351,7 +347,7 @@ def _emit_scatter(
     for member, flat, size, source, old in zip(members, split, sizes, sources, readers):
         local = member.need.need.local_shape(member.plan.shape, rp.rank)
         value = paddle._C_ops.slice(flat, [0], [0], [size[own]], [1], []) if size[own] != max(size) else flat
-        value = paddle._C_ops.reshape(value, list(local))
+        value = cast_to(paddle._C_ops.reshape(value, list(local)), state.graph.values[member.need.value].dtype)
         if after:
             replace_uses(source, value, {u.id() for u in source.all_used_ops()} - old)  # (not the pieces cut here)
             rp.final[member.need.value] = value
