@@ -103,8 +103,9 @@ def _riders(state: CompileState, rp: RankProgram, by_index: dict[int, PlannedRes
         return []
     first = by_index[scatters[0].members[0]]
     group = first.plan.steps[0].group_of(rp.rank)
-    if by_index[gathers[0].members[0]].plan.steps[0].group_of(rp.rank) != group:
-        return []
+    gather = by_index[gathers[0].members[0]]
+    if gather.plan.steps[0].group_of(rp.rank) != group or gather.plan.dtype != first.plan.dtype:
+        return []  # (a rider is one buffer's piece in both: gradients reduced in another dtype than the parameters')
     positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
     start = positions[rp.ops[min(by_index[i].need.op for i in scatters[0].members)].id()]
     out: list[ValueKey] = []

@@ -9,10 +9,25 @@ on the rank's half of the operands."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+import pytest
 
 import autopar
 from autopar.low_precision import reduce, widen
+from autopar.testing.amp import (
+    Amp,
+    amp_mlp,
+    as_float32,
+    assert_twin_equals_serial,
+    measured_floor,
+    run_serial_twin,
+    twinned,
+)
+from autopar.testing.serial import random_feeds
+
+O2 = Amp("O2", optimizer="sgd")
 
 ROWS, INNER, COLS = 4, 8, 6
 
@@ -76,3 +91,119 @@ def test_a_bfloat16_all_reduce_in_the_simulator_is_the_rule_on_each_ranks_partia
         gelu = paddle.nn.functional.gelu(bits.astype("bfloat16")).astype("float32")
     (want,) = paddle.static.Executor(paddle.CPUPlace()).run(serial, feed={"p": widen(summed, "bfloat16")}, fetch_list=[gelu])
     np.testing.assert_array_equal(activated, want)
+
+
+# ---- an AMP O2 program trained through the numerics twin ---------------------------------
+
+
+def _compiled(axes: str, amp: Amp = O2, **strategy):
+    """The ``amp`` MLP (O2 bfloat16, SGD, fp32 masters) on ``axes``: "dp" (2 ranks), "mp" (2 ranks:
+    linear1 column-parallel, linear2 row-parallel), "dp_mp" (2 x 2)."""
+    names = axes.split("_")
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]] if len(names) == 2 else [0, 1], dim_names=names)
+    build = functools.partial(amp_mlp, widths=(8, 16, 16, 4), batch=12)
+    seed = build(amp)
+    if "dp" in names:
+        autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    if "mp" in names:
+        autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
+        autopar.shard_tensor(seed.layers["linear2"].weight, mesh, ["mp", None])
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(**strategy))
+    return build, seed, dist
+
+
+def _moved(dist) -> dict[tuple[str, str], int]:
+    """(kind, dtype) -> count of every rank's collectives, each checked against its carrier op
+    in the rank program's text: the op reads and makes that dtype, and its bytes are the
+    dtype's (2 an element for bfloat16)."""
+    import paddle
+
+    found: dict[tuple[str, str], int] = {}
+    for rank in dist.mesh.ranks:
+        plan = dist.rank_plan(rank)
+        ops = list(plan.program.global_block().ops)
+        for collective, position in plan.collectives:
+            op = ops[position]
+            dtype = getattr(paddle, collective.dtype)
+            assert op.operand_source(0).dtype == op.result(0).dtype == dtype, (str(collective), str(op))
+            found[(collective.kind.value, collective.dtype)] = found.get((collective.kind.value, collective.dtype), 0) + 1
+    return found
+
+
+CASES = [  # axes, Strategy fields, the collectives every rank's program moves by (kind, dtype) (None: not counted)
+    ("dp", {}, {("all_reduce", "bfloat16"): 2}),
+    ("dp", {"reduce_dtype": "float32"}, {("all_reduce", "float32"): 2}),
+    ("dp", {"fuse_allreduce": False}, {("all_reduce", "bfloat16"): 2 * 6}),
+    ("mp", {}, {("all_reduce", "bfloat16"): 2}),
+    ("dp_mp", {}, {("all_reduce", "bfloat16"): 4 + 4}),
+    ("dp_mp", {"reduce_dtype": "float32"}, {("all_reduce", "bfloat16"): 4, ("all_reduce", "float32"): 4}),
+    ("dp", {"zero_stage": 1}, {("reduce_scatter", "bfloat16"): 2, ("all_gather", "bfloat16"): 2}),
+    ("dp", {"zero_stage": 2}, {("reduce_scatter", "bfloat16"): 2, ("all_gather", "bfloat16"): 2}),
+    ("dp", {"zero_stage": 2, "reduce_dtype": "float32"}, {("reduce_scatter", "float32"): 2, ("all_gather", "bfloat16"): 2}),
+    ("dp", {"zero_stage": 3}, {("all_gather", "bfloat16"): 2 * 12, ("reduce_scatter", "bfloat16"): 2}),
+    ("dp", {"zero_stage": 3, "reduce_dtype": "float32"}, {("all_gather", "bfloat16"): 2 * 12, ("reduce_scatter", "float32"): 2}),
+    ("dp_mp", {"zero_stage": 1}, {("all_reduce", "bfloat16"): 4, ("reduce_scatter", "bfloat16"): 4, ("all_gather", "bfloat16"): 4}),
+]
+
+
+@pytest.mark.parametrize(
+    "axes, strategy, moved", [pytest.param(*case, id="-".join([case[0], *(f"{k}={v}" for k, v in case[1].items())])) for case in CASES]
+)
+def test_an_o2_program_moves_bfloat16_and_its_twin_equals_the_serial_twin(axes, strategy, moved):
+    build, seed, dist = _compiled(axes, **strategy)
+    found = _moved(dist)
+    if moved is not None:
+        assert found == moved
+    assert_twin_equals_serial(build, O2, seed, dist, random_feeds(seed.feeds, 3, classes=4))
+
+
+def _serial_twin_with_rounded_gradients(build, amp, feeds):
+    """The serial twin whose every gradient is rounded to bfloat16 before its update (a cast
+    down and back up in front of each ``sgd_``): what reducing the whole gradient in bfloat16
+    once would change."""
+    import paddle
+
+    seed = build(amp)
+    with paddle.static.program_guard(seed.main):
+        for op in [op for op in seed.main.global_block().ops if op.name() == "pd_op.sgd_"]:
+            paddle.pir.set_insertion_point(op)
+            grad = op.operand_source(2)
+            op.operand(2).set_source(paddle._C_ops.cast(paddle._C_ops.cast(grad, paddle.bfloat16), paddle.float32))
+        paddle.pir.reset_insertion_point_to_end()
+    return run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+
+
+def test_an_o1_program_reduces_its_float32_gradients_in_bfloat16_when_asked():
+    """O1's gradients are float32 (its parameters are); ``reduce_dtype="bfloat16"`` halves the
+    bytes of their sync: cast down, reduced in bfloat16, cast back for the float32 update.
+
+    The run is held to a floor measured for what it adds, the gradients' bf16 rounding: the
+    serial twin against the serial twin with every gradient rounded to bf16 once. The
+    distributed sum rounds twice (each rank's piece, then the sum), so it may lie up to twice
+    that away, plus twice the program's own floor (:func:`assert_twin_equals_serial`'s)."""
+    import paddle
+
+    o1 = Amp("O1", optimizer="sgd")
+    build, seed, dist = _compiled("dp", amp=o1, reduce_dtype="bfloat16")
+    assert _moved(dist) == {("all_reduce", "bfloat16"): 2}
+    _, _, plain = _compiled("dp", amp=o1)
+    assert _moved(plain) == {("all_reduce", "float32"): 2}
+    (bucket,), (plain_bucket,) = dist.comm_ops(0), plain.comm_ops(0)
+    assert bucket.bytes * 2 == plain_bucket.bytes
+    feeds = random_feeds(seed.feeds, 3, classes=4)
+    start = paddle.get_rng_state()
+    floor = measured_floor(build, o1, feeds)
+    paddle.set_rng_state(start)
+    serial = run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+    paddle.set_rng_state(start)
+    rounded = _serial_twin_with_rounded_gradients(build, o1, feeds)
+    paddle.set_rng_state(start)
+    result = autopar.simulate(twinned(dist), feeds, [seed.loss])
+    for name, own in floor.parameters.items():
+        gradient_floor = float(np.max(np.abs(rounded.parameters[name] - serial.parameters[name])))
+        assert gradient_floor > 0  # (the rounding is there to measure)
+        error = float(np.max(np.abs(as_float32(result.parameters[name]) - serial.parameters[name])))
+        assert error <= 2 * gradient_floor + 2 * own, (name, error, gradient_floor, own)
+    loss_floor = max(abs(float(a[0]) - float(b[0])) for a, b in zip(rounded.fetches, serial.fetches))
+    for want, got in zip(serial.fetches, result.fetches):
+        assert abs(float(got[0]) - float(want[0])) <= 2 * loss_floor + 2 * max(floor.losses)
