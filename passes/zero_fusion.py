@@ -241,7 +241,7 @@ def _rank_rows(x: Any, planned: PlannedReshard, have: DistAttr, sharded: DistAtt
     return paddle._C_ops.stack([_padded(p, size, max(sizes)) for p, size in zip(pieces, sizes)], 0)
 
 
-def emitted_ops(bucket: ZeroBucket, members: list[PlannedReshard], rank: int) -> int:
+def emitted_ops(state: CompileState, bucket: ZeroBucket, members: list[PlannedReshard], rank: int) -> int:
     """How many ops :meth:`ZeroBucketFusion.emit` adds to ``rank``'s program for ``bucket``
     (what pricing counts: on a host each op costs its launch; each Paddle op below with the
     constants it takes: reshape 2, slice 3, concat 3, split 4, stack 2, full 1)."""
@@ -251,6 +251,7 @@ def emitted_ops(bucket: ZeroBucket, members: list[PlannedReshard], rank: int) ->
     own = group.index(rank)
     ops = 3 + 2 + 1 + 4  # the buffer joined (and flattened or split into rows), the collective, the split
     for member in members:
+        ops += 2 * (member.plan.dtype != state.graph.values[member.need.value].dtype)  # reduce_dtype: cast there and back
         sizes, shape = _sizes(member, group), member.plan.shape
         padded = 2 * (len(shape) != 1)  # (_padded: flattened unless 1-d, padded with a full + concat)
         if kind_of(bucket.kind).reduces:
