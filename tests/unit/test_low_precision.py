@@ -136,3 +136,14 @@ def test_a_bfloat16_scope_tensor_is_viewed_as_its_bits_and_written_back_as_bfloa
     view[...] = reduce([view, _bf16([1.0, 0.5, 0.25])], "sum", "bfloat16")
     assert str(tensor._dtype()) == "paddle.bfloat16"
     np.testing.assert_array_equal(widen(np.array(tensor), "bfloat16"), [2.0, -2.0, 3.25])
+
+
+def test_float16_follows_the_same_rule_in_numpys_own_dtype():
+    """float16 is held as numpy's float16; its sum is the same member-by-member float32 addition
+    rounded each time (here 2048 + 1 is a tie that rounds to 2048, twice: one rounding of the
+    float32 sum, 2050, would differ)."""
+    members = [np.array([2048.0], np.float16), np.array([1.0], np.float16), np.array([1.0], np.float16)]
+    job = _job(CollectiveKind.ALL_REDUCE, (0, 1, 2), (1,), dtype="float16")
+    out = perform(job, dict(enumerate(members)))[0]
+    assert out.dtype == np.float16 and out.tolist() == [2048.0]
+    assert perform(job, {0: members[1], 1: members[2], 2: members[0]})[0].tolist() == [2050.0]
