@@ -69,6 +69,9 @@ def test_what_the_compile_reports_is_the_dtype_moved():
     assert "float32" in str(dist.decisions.reshards()) and "bfloat16" in str(default.decisions.reshards())
     assert all(", float32, " in str(c) for c in dist.comm_ops(0))
     assert all(", bfloat16, " in str(c) for c in default.comm_ops(0))
+    from autopar.cli import collective_lines
+
+    assert sum(" float32 " in line for line in collective_lines(dist)) == len(gradients)  # (autopar explain)
     assert dist.cost.comm_bytes == {rank: 2 * sent for rank, sent in default.cost.comm_bytes.items()}
 
 
