@@ -13,10 +13,12 @@ program (:func:`twinned`, op positions carried over) and the serial program
 (:func:`run_serial_twin`) alike, so "distributed = serial" is checked between the two twins,
 while the compiled program that is checked as text stays the real mixed-precision one.
 
-Two forms cannot be built here at all, so their builders make the twin at build time and say so:
-O2 with AdamW (``adamw_`` runs on the fp32 master, then the bf16 copy is refreshed from it), and
-dynamic loss scaling (Paddle emits its scaling ops only for float16, which this build cannot
-construct: the scaler's float16 path is forced on bf16 arithmetic, grads in fp32 as in O1).
+Three forms cannot be built here at all, so their builders make them another way and say so:
+O2 with AdamW (built with ``adamw_`` on the fp32 master, the bf16 copy refreshed from it: the
+twin at build time); float16 O1 (built in bf16, then every bf16 value retyped to float16, casts
+rebuilt: op for op the program Paddle builds on a GPU, rounded to float16 by the twin, so it
+overflows at 65504 as fp16 does); dynamic loss scaling on bf16 (Paddle emits its scaling ops only
+for float16: that path is forced on the bf16 program; grads are fp32 at O1).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class Amp:
     init_loss_scaling: float = 1024.0
 
     def __post_init__(self) -> None:
-        if self.level not in ("O0", "O1", "O2") or self.dtype != "bfloat16" or self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"unsupported {self}: levels O1/O2, dtype bfloat16, optimizers sgd/adamw")
+        if self.level not in ("O0", "O1", "O2") or self.dtype not in LOW_PRECISION or self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"unsupported {self}: levels O0/O1/O2, dtypes {LOW_PRECISION}, optimizers sgd/adamw")
         if self.loss_scaling and self.level != "O1":
             raise ValueError("dynamic loss scaling is built on O1 here (its check ops have no bf16 CPU kernel)")
+        if self.dtype == "float16" and self.level == "O2":
+            raise ValueError("float16 O2 cannot be twinned here: its adds, activations and sgd_ have no float16 CPU kernel")
 
     def __str__(self) -> str:
         scaling = " + dynamic loss scaling" if self.loss_scaling else ""
@@ -81,12 +85,14 @@ def amp_mlp(
         model = paddle.nn.Sequential(*[m for i, layer in enumerate(layers.values()) for m in (layer, paddle.nn.GELU())][:-1])
         model, opt = _decorated(amp, model, lr)
         criterion = lambda logits: paddle.mean(paddle.nn.functional.cross_entropy(logits.astype("float32"), label))  # noqa: E731
-        with paddle.amp.auto_cast(enable=amp.level != "O0", level=amp.level, dtype=amp.dtype):
+        with paddle.amp.auto_cast(enable=amp.level != "O0", level=amp.level, dtype="bfloat16"):  # float16: retyped below
             if stages is None:
                 loss = criterion(model(x))
             else:
                 loss = _staged(model, stages, x, criterion)
         values = _minimize(amp, opt, loss)
+    if amp.dtype == "float16":
+        _retype_to_float16(main)
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers, values)
 
 
@@ -108,6 +114,30 @@ def _chain(layers: Sequence[Any], t: Any) -> Any:
     return t
 
 
+def _retype_to_float16(program: Any) -> None:
+    """``program``, built in bf16, made the float16 program Paddle builds on a GPU: each cast to
+    bf16 rebuilt as a cast to float16, every other bf16 value retyped. (This CPU build refuses
+    to construct a float16 matmul, so an fp16 program cannot be built directly; at O1 the two
+    programs differ only in that dtype.)"""
+    import paddle
+    from paddle import _C_ops
+
+    float16 = None
+    with paddle.static.program_guard(program):
+        for op in list(program.global_block().ops):
+            if op.name() == "pd_op.cast" and str(op.result(0).dtype) == "paddle.bfloat16":
+                paddle.pir.set_insertion_point(op)
+                made = _C_ops.cast(op.operand_source(0), paddle.float16)
+                op.result(0).replace_all_uses_with(made)
+                op.erase()
+                float16 = made.type()
+        paddle.pir.reset_insertion_point_to_end()
+    for op in program.global_block().ops:
+        for value in op.results():
+            if value.initialized() and value.is_dense_tensor_type() and str(value.dtype) == "paddle.bfloat16":
+                value.set_type(paddle.pir.create_shaped_type(float16, value.shape))
+
+
 def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
     """``model`` and its multi-precision optimizer through ``paddle.amp.decorate`` (O2 casts
     the parameters, so it comes before the forward is built)."""
@@ -120,7 +150,7 @@ def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
         opt = paddle.optimizer.AdamW(lr, parameters=model.parameters(), weight_decay=0.01, multi_precision=mixed)
     if not mixed:
         return model, opt
-    return paddle.amp.decorate(models=model, optimizers=opt, level=amp.level, dtype=amp.dtype)
+    return paddle.amp.decorate(models=model, optimizers=opt, level=amp.level, dtype="bfloat16")
 
 
 def _minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
@@ -134,7 +164,8 @@ def _minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
 
 def _minimize_scaled(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
     """Paddle's dynamic loss scaling: its float16 path (the only one that emits the scaling
-    ops) forced on this bf16 program, whose gradients are fp32 (O1)."""
+    ops) forced while the program is built in bf16 (a float16 program is retyped after; a bf16
+    one keeps Paddle's float16 scaling on bf16 arithmetic). Gradients are fp32 (O1)."""
     import paddle
     from paddle.amp.auto_cast import amp_global_state
     from paddle.base import core

@@ -37,6 +37,8 @@ def _compiled(amp: Amp, axis: str):
         (Amp("O1", optimizer="sgd"), "pp"),
         (Amp("O1", optimizer="adamw"), "dp"),
         (Amp("O1", optimizer="adamw"), "mp"),
+        (Amp("O1", dtype="float16", optimizer="sgd"), "mp"),
+        (Amp("O1", dtype="float16", optimizer="adamw"), "dp"),
         (Amp("O2", optimizer="sgd"), "pp"),
         (Amp("O2", optimizer="adamw"), "dp"),
     ],

@@ -65,3 +65,19 @@ def test_a_twinned_plan_points_at_the_ops_it_held(axis):
 def test_a_bf16_tensor_read_as_its_bits_is_widened_exactly():
     bits = np.array([0x3F80, 0xBE40, 0x7F80], dtype=np.uint16)  # 1.0, -0.1875, inf
     np.testing.assert_array_equal(as_float32(bits), np.array([1.0, -0.1875, np.inf], dtype=np.float32))
+
+
+def test_a_float16_program_is_the_bf16_build_retyped_and_its_twin_overflows_as_fp16():
+    from autopar.testing.amp import run_serial_twin
+    from autopar.testing.serial import random_feeds
+
+    fp16 = amp_mlp(Amp(level="O1", dtype="float16", loss_scaling=True))
+    dtypes = {str(v.dtype) for op in fp16.main.global_block().ops for v in op.results() if v.initialized() and v.is_dense_tensor_type()}
+    assert "paddle.float16" in dtypes and "paddle.bfloat16" not in dtypes
+    feeds = random_feeds(fp16.feeds, 3, classes=4)
+    feeds[1]["x"][0, 0] = 1e5  # beyond float16's 65504, within bf16's range
+    run = run_serial_twin(fp16.main, fp16.startup, feeds, [fp16.loss])
+    assert not np.isfinite(run.fetches[1][0]) and np.isfinite(run.fetches[2][0])
+    np.testing.assert_array_equal(run.parameters["loss_scaling_0"], [512.0])  # 1024 halved once, not yet doubled again
+    bf16 = amp_mlp(Amp(level="O1", dtype="bfloat16", loss_scaling=True))
+    assert np.isfinite(run_serial_twin(bf16.main, bf16.startup, feeds, [bf16.loss]).fetches[1][0])
