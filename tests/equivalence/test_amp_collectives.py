@@ -158,9 +158,9 @@ def test_an_o2_program_moves_bfloat16_and_its_twin_equals_the_serial_twin(axes, 
 
 
 def _serial_twin_with_rounded_gradients(build, amp, feeds):
-    """The serial twin whose every gradient is rounded to bfloat16 before its update (a cast
-    down and back up in front of each ``sgd_``): what reducing the whole gradient in bfloat16
-    once would change."""
+    """The serial twin whose every gradient is rounded to ``amp.dtype`` before its update (a
+    cast down and back up in front of each ``sgd_``): what reducing the whole gradient in that
+    dtype once would change."""
     import paddle
 
     seed = build(amp)
@@ -168,24 +168,27 @@ def _serial_twin_with_rounded_gradients(build, amp, feeds):
         for op in [op for op in seed.main.global_block().ops if op.name() == "pd_op.sgd_"]:
             paddle.pir.set_insertion_point(op)
             grad = op.operand_source(2)
-            op.operand(2).set_source(paddle._C_ops.cast(paddle._C_ops.cast(grad, paddle.bfloat16), paddle.float32))
+            op.operand(2).set_source(paddle._C_ops.cast(paddle._C_ops.cast(grad, getattr(paddle, amp.dtype)), paddle.float32))
         paddle.pir.reset_insertion_point_to_end()
     return run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
 
 
-def test_an_o1_program_reduces_its_float32_gradients_in_bfloat16_when_asked():
-    """O1's gradients are float32 (its parameters are); ``reduce_dtype="bfloat16"`` halves the
-    bytes of their sync: cast down, reduced in bfloat16, cast back for the float32 update.
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_an_o1_program_reduces_its_float32_gradients_in_low_precision_when_asked(dtype):
+    """O1's gradients are float32 (its parameters are); ``reduce_dtype`` of the low precision
+    halves the bytes of their sync: cast down, reduced in that dtype (float16: the real op, which
+    this build registers; bfloat16: carried), cast back for the float32 update. (float16 programs
+    are built as bf16 and retyped: autopar.testing.amp.)
 
-    The run is held to a floor measured for what it adds, the gradients' bf16 rounding: the
-    serial twin against the serial twin with every gradient rounded to bf16 once. The
-    distributed sum rounds twice (each rank's piece, then the sum), so it may lie up to twice
-    that away, plus twice the program's own floor (:func:`assert_twin_equals_serial`'s)."""
+    The run is held to a floor measured for what it adds, the gradients' rounding: the serial
+    twin against the serial twin with every gradient rounded once. The distributed sum rounds
+    twice (each rank's piece, then the sum), so it may lie up to twice that away, plus twice the
+    program's own floor (:func:`assert_twin_equals_serial`'s)."""
     import paddle
 
-    o1 = Amp("O1", optimizer="sgd")
-    build, seed, dist = _compiled("dp", amp=o1, reduce_dtype="bfloat16")
-    assert _moved(dist) == {("all_reduce", "bfloat16"): 2}
+    o1 = Amp("O1", dtype=dtype, optimizer="sgd")
+    build, seed, dist = _compiled("dp", amp=o1, reduce_dtype=dtype)
+    assert _moved(dist) == {("all_reduce", dtype): 2}
     _, _, plain = _compiled("dp", amp=o1)
     assert _moved(plain) == {("all_reduce", "float32"): 2}
     (bucket,), (plain_bucket,) = dist.comm_ops(0), plain.comm_ops(0)
@@ -207,3 +210,4 @@ def test_an_o1_program_reduces_its_float32_gradients_in_bfloat16_when_asked():
     loss_floor = max(abs(float(a[0]) - float(b[0])) for a, b in zip(rounded.fetches, serial.fetches))
     for want, got in zip(serial.fetches, result.fetches):
         assert abs(float(got[0]) - float(want[0])) <= 2 * loss_floor + 2 * max(floor.losses)
+
