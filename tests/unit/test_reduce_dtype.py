@@ -86,3 +86,13 @@ def test_pricing_counts_the_casts(strategy):
     for rank in (0, 1):
         added = len(dist.rank_program(rank).global_block().ops) - len(seed.main.global_block().ops)
         assert sum(added_ops(dist.state, rank)) == added - 4, rank
+
+
+def test_strategies_differing_in_it_share_an_analysis():
+    """It changes what the passes plan, not the analysis: a compile from another strategy's
+    analysis plans what a fresh compile plans."""
+    seed, fresh = _o2_dp(reduce_dtype="float32")
+    analysis = autopar.analyze(seed.main, fresh.mesh, seed.startup, autopar.Strategy())
+    shared = autopar.compile(seed.main, fresh.mesh, seed.startup, autopar.Strategy(reduce_dtype="float32"), analysis=analysis)
+    assert [str(c) for c in shared.comm_ops(0)] == [str(c) for c in fresh.comm_ops(0)]
+    assert shared.comm_ops(0)[0].dtype == "float32"
