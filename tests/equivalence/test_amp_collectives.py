@@ -93,6 +93,22 @@ def test_a_bfloat16_all_reduce_in_the_simulator_is_the_rule_on_each_ranks_partia
     np.testing.assert_array_equal(activated, want)
 
 
+
+def test_check_compares_bfloat16_values_as_numbers():
+    """``autopar.check`` reads a bfloat16 value as Paddle hands it over (its uint16 bits): it
+    compares and sums the pieces as numbers (a partial product's pieces summed as bits were
+    reported 4.98e+04 from serial), so the program checks clean."""
+    main, startup, x, w, product, out = _row_parallel_bf16()
+    mesh = autopar.ProcessMesh([0, 1], ["mp"])
+    autopar.shard_tensor(x, mesh, [None, "mp"])
+    autopar.shard_tensor(w, mesh, ["mp", None])
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    rng = np.random.default_rng(1)
+    feed = {"x": rng.standard_normal((ROWS, INNER)).astype("float32"), "w": rng.standard_normal((INNER, COLS)).astype("float32")}
+    report = autopar.check(dist, [feed])
+    assert report.clean, str(report)
+    assert "7 values compared" in str(report)
+
 # ---- an AMP O2 program trained through the numerics twin ---------------------------------
 
 
