@@ -11,6 +11,9 @@ backend lowering adapts the op for the native backend. A reshard that shares its
 an earlier one reads that result; gradient all-reduces planned into a bucket are left to
 :mod:`.allreduce_fusion`. A write-back (ZeRO: an in-place update of a resharded copy) reshards
 the updated copy right after the op and assigns it to the updated variable (``assign_out_``).
+A collective of a dtype Paddle's build registers no kernel for (bfloat16 on the CPU build) is
+carried in the host form all the same (:func:`collective_op`); a gradient reduced in another
+dtype (``Strategy.reduce_dtype``, planned so) is cast to it before its steps and back after.
 """
 
 from __future__ import annotations
