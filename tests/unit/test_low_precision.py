@@ -147,3 +147,64 @@ def test_float16_follows_the_same_rule_in_numpys_own_dtype():
     out = perform(job, dict(enumerate(members)))[0]
     assert out.dtype == np.float16 and out.tolist() == [2048.0]
     assert perform(job, {0: members[1], 1: members[2], 2: members[0]})[0].tolist() == [2050.0]
+
+
+# ---- between processes: shared memory (forked, no Paddle started in them) ------------------
+
+# (kind, group by rank on a 2 x 2 mesh, shape): world sums of 4 members (order matters),
+# a dp-group reduce_scatter, a gather of bits
+BETWEEN = [
+    (CollectiveKind.ALL_REDUCE, lambda r: (0, 1, 2, 3), (40, 3)),
+    (CollectiveKind.REDUCE_SCATTER, lambda r: (r % 2, r % 2 + 2), (6, 2)),
+    (CollectiveKind.ALL_GATHER, lambda r: (0, 1) if r < 2 else (2, 3), (2, 5)),
+    (CollectiveKind.ALL_REDUCE, lambda r: (0, 1, 2, 3), ()),
+]
+
+
+def _between_inputs(step, rank, shape):
+    rng = np.random.default_rng(100 * step + rank)
+    return _bf16(rng.standard_normal(shape) * 10.0 ** rng.integers(-2, 3, shape))
+
+
+def _shm_rank(rank, shared, results):
+    """What SharedMemoryCommunicator.run does for each job: post the bits, this rank's output
+    by the kind table from every member's bits."""
+    import traceback
+
+    from test_shared_memory_comm import _Store
+
+    from autopar.runtime import shm
+
+    try:
+        node = shm.NodeMemory(rank, 4, _Store(shared), 20.0)
+        outs = []
+        for step, (kind, groups, shape) in enumerate(BETWEEN):
+            job = _job(kind, groups(rank), shape)
+            x = _between_inputs(step, rank, shape)
+            outs.append(node.collect(job.group, x, lambda a, job=job: shm._owned(perform_for(job, a, rank), a)))
+        results[rank] = ("ok", outs)
+        node.close()
+    except BaseException as error:  # reported to the test
+        results[rank] = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+
+
+def test_shared_memory_between_processes_gives_the_simulators_bits():
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    manager = fork.Manager()
+    shared, results = manager.dict(), manager.dict()
+    procs = [fork.Process(target=_shm_rank, args=(r, shared, results)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    results = dict(results)
+    assert sorted(results) == [0, 1, 2, 3] and all(res[0] == "ok" for res in results.values()), results
+    for step, (kind, groups, shape) in enumerate(BETWEEN):
+        for rank in range(4):
+            job = _job(kind, groups(rank), shape)
+            want = perform(job, {r: _between_inputs(step, r, shape) for r in job.group})[rank]
+            got = results[rank][1][step]
+            assert got.dtype == np.uint16 and got.shape == want.shape, (step, kind, got.dtype, got.shape)
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step} {kind} rank {rank}")
