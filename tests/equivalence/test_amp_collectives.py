@@ -167,9 +167,9 @@ CASES = [  # axes, Strategy fields, the collectives every rank's program moves b
 )
 def test_an_o2_program_moves_bfloat16_and_its_twin_equals_the_serial_twin(axes, strategy, moved):
     build, seed, dist = _compiled(axes, **strategy)
-    found = _moved(dist)
-    if moved is not None:
-        assert found == moved
+    assert _moved(dist) == moved
+    if "dp" in axes and not strategy.get("zero_stage"):  # replicated fp32 masters: the simulator compares their bits
+        assert sum(name.endswith("_fp32_master_0") for name in dist.rank_plan(0).copies()) >= 2
     assert_twin_equals_serial(build, O2, seed, dist, random_feeds(seed.feeds, 3, classes=4))
 
 
