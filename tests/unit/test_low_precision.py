@@ -208,3 +208,17 @@ def test_shared_memory_between_processes_gives_the_simulators_bits():
             got = results[rank][1][step]
             assert got.dtype == np.uint16 and got.shape == want.shape, (step, kind, got.dtype, got.shape)
             np.testing.assert_array_equal(got, want, err_msg=f"step {step} {kind} rank {rank}")
+
+
+def test_partial_pieces_of_a_bfloat16_value_assemble_by_the_rule():
+    """A fetched value the program leaves partial is assembled on the host (the simulator, the
+    Executor's exchange): its bfloat16 pieces summed by the rule, never as bits."""
+    from autopar.dist_attr import DistAttr
+    from autopar.pieces import assemble
+
+    mesh = ProcessMesh([0, 1, 2], ["mp"])
+    partial = DistAttr.of(mesh, ((),), ((0, "sum"),))
+    pieces = {0: _bf16([1.0]), 1: _bf16([2**-8]), 2: _bf16([2**-8])}
+    assert assemble(pieces, partial, (1,), "bfloat16").tolist() == [0x3F80]
+    with pytest.raises(AutoparError, match=r"uint16 \(bfloat16 bits\) reduced as float32"):
+        assemble(pieces, partial, (1,))
