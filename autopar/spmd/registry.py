@@ -99,6 +99,7 @@ TRAIT_MEANINGS: dict[str, str] = {
     "updates_parameter": "an optimizer's in-place update of a parameter: its op is in the update phase (graph roles)",
     "loss_seed": "a constant that may seed the backward (the loss gradient's ones) (graph roles)",
     "packs_vector": "packs values into a vector or takes one apart (builtin.combine / split): the graph reads through it",
+    "cpu_twinned": "its bfloat16 / float16 kernel cannot run on Paddle's CPU build: the numerics twin runs its fp32 kernel on rounded inputs (autopar.testing.amp)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }
 TRAITS: dict[str, dict[str, object]] = {}  # op name without "pd_op." (other dialects kept: "builtin.split") -> trait -> value
