@@ -331,12 +331,7 @@ def read_index(path: str | os.PathLike) -> Index:
 
 def _entry(name: str, spec: Mapping[str, Any]) -> TensorEntry:
     shape = tuple(int(s) for s in spec["shape"])
-    dtype = dtype_name(spec["dtype"])
-    if "stored_as" in spec and np.dtype(spec["stored_as"]) != stored_dtype(dtype):
-        raise CheckpointError(
-            f"tensor {name!r} of dtype {dtype} says its files hold {spec['stored_as']}; the format stores it as "
-            f"{stored_dtype(dtype)}"
-        )
+    dtype = dtype_name(spec["dtype"])  # ("stored_as" follows from it: written for readers without autopar)
     boxes = []
     for item in spec["boxes"]:
         box = Box(tuple(int(o) for o in item["offsets"]), tuple(int(s) for s in item["shape"]))
