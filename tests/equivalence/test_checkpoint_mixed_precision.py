@@ -9,8 +9,15 @@ scope, not the step, and this CPU build of Paddle has no bf16 all_reduce kernel,
 O2 rank program cannot be built past reshard emission (docs/paddle_amp.md). Every saved tensor
 is first overwritten with distinct random values (bf16 bits of random floats; float32 masters
 whose low mantissa bits a trip through bf16 would lose), so a load that leaves the fresh start-up
-values, rounds, or reorders boxes fails."""
+values, rounds, or reorders boxes fails.
 
+Training, through the numerics twin (autopar.testing.amp): O2 AdamW on dp=2 (its collectives
+move fp32 values) and O2 SGD on a 2-stage pipeline (its transfers move bf16 activations as they
+are) train 2 steps, save, resume on one rank: bit for bit the serial twin resumed from the same
+checkpoint, and within the twin's precision floor of the uninterrupted serial twin. O2 SGD on
+dp or mp (a bf16 all_reduce) waits for bf16 collectives."""
+
+import functools
 import json
 
 import numpy as np
@@ -21,34 +28,25 @@ import autopar
 import autopar.checkpoint as checkpoint
 from autopar.errors import AutoparError
 from autopar.runtime.simulator import runner_for, start_ranks
-from autopar.testing.models import SeedProgram
+from autopar.testing.amp import (
+    Amp,
+    _same_value,
+    amp_mlp,
+    as_float32,
+    measured_floor,
+    run_serial_twin,
+    state_names,
+    twin_program,
+    twinned,
+)
+from autopar.testing.serial import random_feeds
 
 WIDTHS = (8, 16, 4)
 
 
-def amp_mlp(level="O2", widths=WIDTHS, batch=4):
-    """Linear-ReLU-Linear in bf16 as users write AMP for static PIR programs: ``paddle.amp.decorate``
-    (SGD with multi_precision) + ``auto_cast``; cross_entropy on float32 logits."""
-    paddle.enable_static()
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    main.random_seed = startup.random_seed = 7
-    with paddle.utils.unique_name.guard(), paddle.static.program_guard(main, startup):
-        x = paddle.static.data("x", [batch, widths[0]], "float32")
-        label = paddle.static.data("label", [batch, 1], "int64")
-        first, second = paddle.nn.Linear(widths[0], widths[1]), paddle.nn.Linear(widths[1], widths[2])
-        model = paddle.nn.Sequential(first, paddle.nn.ReLU(), second)
-        optimizer = paddle.optimizer.SGD(0.1, parameters=model.parameters(), multi_precision=True)
-        model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level=level, dtype="bfloat16")
-        with paddle.amp.auto_cast(level=level, dtype="bfloat16"):
-            logits = model(x)
-        loss = paddle.nn.functional.cross_entropy(logits.astype("float32"), label).mean()
-        optimizer.minimize(loss)
-    return SeedProgram(main, startup, {"x": x, "label": label}, loss, {"linear1": first, "linear2": second})
-
-
 def compiled(ranks, how, zero=0, level="O2"):
     """``how``: "mp" (linear1 column-, linear2 row-parallel), "dp" (x split), or None."""
-    seed = amp_mlp(level)
+    seed = amp_mlp(Amp(level), batch=4, widths=WIDTHS)
     mesh = autopar.ProcessMesh(list(range(ranks)), [how or "x"])
     if how == "mp":
         autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
@@ -191,7 +189,7 @@ def test_the_full_state_gives_paddles_serial_o2_program_its_bf16_bits(tmp_path):
     assert full.keys() == state.keys()
     prefix = tmp_path / "paddle" / "model"
     checkpoint.export_paddle(path, prefix)
-    serial = amp_mlp()
+    serial = amp_mlp(Amp("O2"), batch=4, widths=WIDTHS)
     for how in ("set_program_state", "static.load"):
         scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
         with paddle.static.scope_guard(scope):
@@ -318,3 +316,69 @@ def test_a_file_is_checked_against_the_stored_dtype_of_its_tagged_dtype(tmp_path
         match=r"tensor 'linear_0.w_0_fp32_master_0', file .* holds dtype float32, the index says bfloat16 \(stored as uint16\)",
     ):
         checkpoint.load_full(path)
+
+
+# ---- training, resumed on another mesh (the numerics twin) -------------------------------
+TRAIN_WIDTHS = (8, 16, 16, 4)  # the twin's tests' MLP (tests/equivalence/test_mixed_precision.py)
+
+
+def trained(amp, how):
+    """``amp_mlp`` on 2 ranks (``how``: "dp" or "pp", 2 micro-batches) or on one rank (None)."""
+    mesh = autopar.ProcessMesh([0, 1] if how else [0], [how or "x"])
+    build = functools.partial(amp_mlp, widths=TRAIN_WIDTHS, batch=12, stages=mesh if how == "pp" else None)
+    seed = build(amp)
+    strategy = autopar.Strategy()
+    if how == "dp":
+        autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    elif how == "pp":
+        strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
+    return build, seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+def serial_twin_from(seed, path, feeds):
+    """The serial twin of ``seed`` resumed from the checkpoint at ``path`` (``load_full`` into
+    Paddle's own program after its start-up): its losses on ``feeds`` and its state after."""
+    twin = seed.main.clone()
+    loss = _same_value(seed.main, twin, seed.loss)
+    twin_program(twin)
+    scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(scope):
+        exe.run(seed.startup)
+        paddle.static.set_program_state(twin, checkpoint.load_full(path))
+        losses = [exe.run(twin, feed=feed, fetch_list=[loss])[0] for feed in feeds]
+    return losses, {name: np.array(scope.find_var(name).get_tensor()) for name in state_names(seed.main)}
+
+
+@pytest.mark.parametrize(
+    "amp, how", [(Amp("O2", optimizer="adamw"), "dp"), (Amp("O2", optimizer="sgd"), "pp")], ids=str
+)
+def test_o2_training_saved_on_two_ranks_resumes_on_one(tmp_path, amp, how):
+    """2 steps on dp=2 (AdamW) or a 2-stage pipeline (SGD), saved; loaded on one rank, 2 more
+    steps. The resumed steps equal, bit for bit, the serial twin resumed from the same
+    checkpoint (losses, bf16 parameters, fp32 masters, moments); the 4 steps equal the
+    uninterrupted serial twin within twice the precision floor, as the twin's tests hold
+    distributed runs (autopar.testing.amp.assert_twin_equals_serial)."""
+    build, seed, first = trained(amp, how)
+    _, resumed_seed, second = trained(amp, None)
+    feeds = random_feeds(seed.feeds, 4, classes=4)
+    path, again = tmp_path / "ckpt", tmp_path / "after"
+    start = paddle.get_rng_state()
+    before = autopar.simulate(twinned(first), feeds[:2], [seed.loss], save_to=path)
+    after = autopar.simulate(twinned(second), feeds[2:], [resumed_seed.loss], load_from=path, save_to=again)
+
+    losses, state = serial_twin_from(resumed_seed, path, feeds[2:])
+    assert [np.asarray(got[0]).tobytes() for got in after.fetches] == [np.asarray(x).tobytes() for x in losses]
+    final = checkpoint.load_full(again)
+    assert final.keys() == state.keys() and sum(name.endswith(MASTER) for name in final) == 6
+    for name, want in state.items():
+        assert final[name].tobytes() == want.tobytes(), name
+
+    floor = measured_floor(build, amp, feeds)
+    paddle.set_rng_state(start)
+    serial = run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, before.fetches + after.fetches)):
+        assert abs(float(got[0]) - float(want[0])) <= 2 * max(floor.losses), f"loss at step {step}"
+    for name, bound in floor.parameters.items():
+        assert np.max(np.abs(as_float32(final[name]) - serial.parameters[name])) <= 2 * bound, name
+        master = final[name + MASTER]
+        assert np.max(np.abs(master - serial.parameters[name + MASTER])) <= 2 * bound, name + MASTER
