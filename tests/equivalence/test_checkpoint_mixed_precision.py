@@ -3,10 +3,9 @@
 across a mesh change gives every rank's scope the same bits in a bfloat16 tensor, and the fp32
 masters (states, placed like their parameters) the same float32 bits.
 
-The states are written by the start-up of each rank's program as it is after reshard planning
-(``dist.rank_plan(rank, after="reshard_planning")``): a checkpoint needs the placements and the
-scope, not the step, and this CPU build of Paddle has no bf16 all_reduce kernel, so a dp or mp
-O2 rank program cannot be built past reshard emission (docs/paddle_amp.md). Every saved tensor
+The mesh-change tests write the states with the start-up of each rank's program as it is after
+reshard planning (``dist.rank_plan(rank, after="reshard_planning")``): a checkpoint needs the
+placements and the scope, not a step (a bf16 step runs only through the twin). Every saved tensor
 is first overwritten with distinct random values (bf16 bits of random floats; float32 masters
 whose low mantissa bits a trip through bf16 would lose), so a load that leaves the fresh start-up
 values, rounds, or reorders boxes fails.
@@ -15,7 +14,8 @@ Training, through the numerics twin (autopar.testing.amp): O2 AdamW on dp=2 (its
 move fp32 values) and O2 SGD on a 2-stage pipeline (its transfers move bf16 activations as they
 are) train 2 steps, save, resume on one rank: bit for bit the serial twin resumed from the same
 checkpoint, and within the twin's precision floor of the uninterrupted serial twin. O2 SGD on
-dp or mp (a bf16 all_reduce) waits for bf16 collectives."""
+dp = 2 (bf16 gradients all-reduced) resumes on mp = 2 (a bf16 row-parallel all_reduce) with
+every piece loaded bit for bit, within the floor of the uninterrupted serial twin."""
 
 import functools
 import json
@@ -323,13 +323,17 @@ TRAIN_WIDTHS = (8, 16, 16, 4)  # the twin's tests' MLP (tests/equivalence/test_m
 
 
 def trained(amp, how):
-    """``amp_mlp`` on 2 ranks (``how``: "dp" or "pp", 2 micro-batches) or on one rank (None)."""
+    """``amp_mlp`` on 2 ranks (``how``: "dp", "mp": linear1 column- and linear2 row-parallel, or
+    "pp": 2 micro-batches) or on one rank (None)."""
     mesh = autopar.ProcessMesh([0, 1] if how else [0], [how or "x"])
     build = functools.partial(amp_mlp, widths=TRAIN_WIDTHS, batch=12, stages=mesh if how == "pp" else None)
     seed = build(amp)
     strategy = autopar.Strategy()
     if how == "dp":
         autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    elif how == "mp":
+        autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
+        autopar.shard_tensor(seed.layers["linear2"].weight, mesh, ["mp", None])
     elif how == "pp":
         strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
     return build, seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
@@ -382,3 +386,35 @@ def test_o2_training_saved_on_two_ranks_resumes_on_one(tmp_path, amp, how):
         assert np.max(np.abs(as_float32(final[name]) - serial.parameters[name])) <= 2 * bound, name
         master = final[name + MASTER]
         assert np.max(np.abs(master - serial.parameters[name + MASTER])) <= 2 * bound, name + MASTER
+
+
+def test_o2_sgd_saved_on_dp2_resumes_on_mp2(tmp_path):
+    """The bf16 collectives on both sides: 2 steps of O2 SGD on dp = 2 (bf16 gradients all-reduced),
+    saved, resumed on mp = 2 (a bf16 row-parallel all_reduce), 2 more steps: every rank's bf16
+    parameter pieces and fp32 masters loaded bit for bit (checked through a save right after the
+    load), and the 4 steps within twice the precision floor of the uninterrupted serial twin."""
+    amp = Amp("O2", optimizer="sgd")
+    build, seed, first = trained(amp, "dp")
+    _, resumed_seed, second = trained(amp, "mp")
+    feeds = random_feeds(seed.feeds, 4, classes=4)
+    path, loaded, again = tmp_path / "ckpt", tmp_path / "loaded", tmp_path / "after"
+    start = paddle.get_rng_state()
+    before = autopar.simulate(twinned(first), feeds[:2], [seed.loss], save_to=path)
+    autopar.simulate(twinned(second), [], [], load_from=path, save_to=loaded)
+    saved, reloaded = checkpoint.load_full(path), checkpoint.load_full(loaded)
+    assert saved.keys() == reloaded.keys() and sum(name.endswith(MASTER) for name in saved) == 6
+    for name, want in saved.items():
+        assert reloaded[name].tobytes() == want.tobytes(), name
+    index = checkpoint.read_index(loaded)
+    assert index.tensors["linear_0.w_0"].placement == index.tensors["linear_0.w_0" + MASTER].placement == "[S(1)]"
+    after = autopar.simulate(twinned(second), feeds[2:], [resumed_seed.loss], load_from=path, save_to=again)
+
+    floor = measured_floor(build, amp, feeds)
+    paddle.set_rng_state(start)
+    serial = run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, before.fetches + after.fetches)):
+        assert abs(float(got[0]) - float(want[0])) <= 2 * max(floor.losses), f"loss at step {step}"
+    final = checkpoint.load_full(again)
+    for name, bound in floor.parameters.items():
+        assert np.max(np.abs(as_float32(final[name]) - serial.parameters[name])) <= 2 * bound, name
+        assert np.max(np.abs(final[name + MASTER] - serial.parameters[name + MASTER])) <= 2 * bound, name + MASTER
