@@ -418,3 +418,40 @@ def test_o2_sgd_saved_on_dp2_resumes_on_mp2(tmp_path):
     for name, bound in floor.parameters.items():
         assert np.max(np.abs(as_float32(final[name]) - serial.parameters[name])) <= 2 * bound, name
         assert np.max(np.abs(final[name + MASTER] - serial.parameters[name + MASTER])) <= 2 * bound, name + MASTER
+
+
+class _Alone:
+    """The communicator of a one-rank job."""
+
+    def run(self, job, x):
+        raise AssertionError(f"a one-rank job ran {job}")
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+def test_the_executors_own_save_and_load_of_an_o2_program(tmp_path):
+    """``Executor.save`` / ``Executor.load`` (a job's path: its exchanges) after a twinned step:
+    the fresh executor gets the trained bf16 bits and fp32 masters, and its next step's loss is
+    the trained executor's, bit for bit."""
+    amp = Amp("O2", optimizer="sgd")
+    _, seed, dist = trained(amp, None)
+    feeds = random_feeds(seed.feeds, 2, classes=4)
+    exe = autopar.Executor(twinned(dist), rank=0, backend="host", communicator=_Alone())
+    exe.run_startup()
+    exe.run(feeds[0], [seed.loss])
+    trained_parameters = exe.parameters()
+    exe.save(tmp_path / "ckpt", metadata={"step": 1})
+    fresh = autopar.Executor(twinned(dist), rank=0, backend="host", communicator=_Alone())
+    fresh.run_startup()
+    assert any(fresh.parameters()[n].tobytes() != w.tobytes() for n, w in trained_parameters.items())
+    assert fresh.load(tmp_path / "ckpt") == {"step": 1}
+    for name, want in trained_parameters.items():
+        assert want.dtype == np.uint16 and fresh.parameters()[name].tobytes() == want.tobytes(), name
+    saved = checkpoint.load_full(tmp_path / "ckpt")
+    assert sum(name.endswith(MASTER) for name in saved) == 6
+    fresh.save(tmp_path / "again")
+    for name, want in checkpoint.load_full(tmp_path / "again").items():
+        assert saved[name].tobytes() == want.tobytes(), name
+    (want,), (got,) = exe.run(feeds[1], [seed.loss]), fresh.run(feeds[1], [seed.loss])
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
