@@ -32,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from autopar.rank_plan import RankPlan
+from autopar.spmd import ops_where
 from autopar.testing.models import SeedProgram
 from autopar.testing.serial import SerialResult
 
-TWINNED_OPS = ("pd_op.matmul", "pd_op.matmul_grad")  # low-precision kernels this CPU build cannot run
+TWINNED_OPS = ops_where("cpu_twinned")  # low-precision kernels this CPU build cannot run (each takes a matmul's attrs)
 LOW_PRECISION = ("bfloat16", "float16")
 
 
@@ -235,7 +236,8 @@ def twin_program(program: Any) -> tuple[dict[int, int], dict[int, int]]:
             paddle.pir.set_insertion_point(op)
             up = [_C_ops.cast(v, paddle.float32) if _is_low(v) else v for v in inputs]
             transpose = (op.attrs()["transpose_x"], op.attrs()["transpose_y"])
-            fp32 = [_C_ops.matmul(*up, *transpose)] if op.name() == "pd_op.matmul" else list(_C_ops.matmul_grad(*up, *transpose))
+            made = getattr(_C_ops, op.name().removeprefix("pd_op."))(*up, *transpose)
+            fp32 = list(made) if isinstance(made, (tuple, list)) else [made]
             for i, new in enumerate(fp32):
                 old = op.result(i)
                 if old.initialized() and not old.use_empty():
