@@ -95,7 +95,8 @@ def _agree_overflow(state: CompileState, rp: RankProgram) -> None:
     pending max over the pipeline's stages. Right before each update, it is all-reduced (max) over
     the ranks holding this rank's piece on every stage: once per step, in the update phase, before
     any stage moves its loss scale or skips; the rank's other readers of the flag (its optimizer
-    ops' memcpy) read the agreed one too."""
+    ops' memcpy) read the agreed one too. Each rank's update moves its own copy of the scale
+    (``stop_update`` cleared: in the serial program only the first stage's does)."""
     plan = state.pipeline
     if len(plan.meshes) < 2:
         return
@@ -131,6 +132,12 @@ def _agree_overflow(state: CompileState, rp: RankProgram) -> None:
         replace_uses(flag, agreed, {made.id()})
         rp.collectives.append((collective, made.id()))
         rp.phases[made.id()] = UPDATE
+        with paddle.static.program_guard(rp.program):  # this rank's update moves its own copy of the scale
+            paddle.pir.set_insertion_point(update)
+            moves = paddle._C_ops.full([1], False, paddle.bool, paddle.CPUPlace())
+            paddle.pir.reset_insertion_point_to_end()
+        update.operand(5).set_source(moves)
+        rp.phases[moves.get_defining_op().id()] = UPDATE
 
 
 def _split_backward(rp: RankProgram) -> None:

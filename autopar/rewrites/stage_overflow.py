@@ -12,7 +12,11 @@ So each such op is split by stage: each stage checks and unscales its own gradie
 found_inf says whether *its* gradients overflowed: within the stage a pending max over the mesh
 dims they are split or pending over, autopar/spmd/loss_scaling.py), runs its own
 ``update_loss_scaling_`` on them (moving its own copy of the loss scale and step counts) and its
-own ``memcpy`` of the flag for its optimizer ops. What no single stage can see — another stage's
+own ``memcpy`` of the flag for its optimizer ops. (In the rewritten serial program the stages'
+updates run one after another on the one loss scale: all but the first are built with
+``stop_update`` set, so the scale and counts move once per step, as in the user's program, and
+autopar.check's serial reference stays right; the pipeline split clears it on every rank, whose
+program holds its stage's update only.) What no single stage can see — another stage's
 overflow — is agreed once per step by the pipeline split: a SYNC point, an ``all_reduce(max)``
 of the flag over the pipeline's stages right before each stage's update reads it
 (passes/pipeline_split.py). Every stage then skips an overflowing step together and moves its
@@ -169,10 +173,14 @@ def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, Proce
         paddle.pir.set_insertion_point(update)
         update_in = _members(update)[0]  # (read now: the checked gradients it reads were just rewired)
         stage_of = {}
-        for mesh, slots in groups:
+        for number, (mesh, slots) in enumerate(groups):
+            stop = states[3]
+            if number:  # (serially only the first moves the shared states; each rank's own moves its copy)
+                stop = paddle._C_ops.full([1], True, paddle.bool, paddle.CPUPlace())
+                placed.append((stop.get_defining_op(), mesh))
             results = paddle._C_ops.update_loss_scaling_(
                 [update_in[s] for s in slots], flags[mesh], states[0], states[1], states[2],
-                *(attrs[name] for name in UPDATE_ATTRS), states[3],
+                *(attrs[name] for name in UPDATE_ATTRS), stop,
             )  # fmt: skip
             placed += [(op, mesh) for op in _made_ops(results[1], results[0])]
             for slot, out in zip(slots, results[0]):

@@ -152,3 +152,15 @@ def test_a_float16_overflow_in_one_ranks_rows_is_skipped_everywhere():
     before, after = autopar.simulate(dist, feeds[:1], []), autopar.simulate(dist, feeds[:2], [])
     for name, value in before.parameters.items():
         np.testing.assert_array_equal(after.parameters[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["mp", "dp_x_mp", "zero2"])
+def test_check_finds_no_difference_through_an_overflow(case):
+    """``autopar.check`` compares every value with serial, through the overflowing step: the
+    gradients the scaling ops update in place (a serial capture reads the buffer after them, a
+    rank's reshard a copy made before; on the overflow the ranks' unscaled pieces are discarded
+    values) are left to update_loss_scaling_'s results, which are compared."""
+    seed, mesh, strategy = _annotated(case, False)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    report = autopar.check(dist, probed_feeds(seed, OVERFLOW_AT + 2, OVERFLOW_AT))
+    assert not report.differences, str(report)
