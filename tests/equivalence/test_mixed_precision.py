@@ -41,6 +41,8 @@ def _compiled(amp: Amp, axis: str):
         (Amp("O1", dtype="float16", optimizer="adamw"), "dp"),
         (Amp("O2", optimizer="sgd"), "pp"),
         (Amp("O2", optimizer="adamw"), "dp"),
+        (Amp("O2", optimizer="adamw"), "mp"),
+        (Amp("O2", optimizer="adamw"), "pp"),
     ],
     ids=str,
 )
