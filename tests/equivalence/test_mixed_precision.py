@@ -1,9 +1,8 @@
 """Mixed-precision programs written with Paddle's AMP (``paddle.amp.decorate`` + ``auto_cast``)
 compiled and run through the numerics twin equal the serial twin, within twice the program's
-measured precision floor (autopar.testing.amp.assert_twin_equals_serial), for the strategies
-whose collectives move fp32 values (an O1 program's gradients are fp32; O2 with AdamW updates
-fp32 masters from fp32 gradients) and the pipeline (its transfers move bf16 activations as
-they are)."""
+measured precision floor (autopar.testing.amp.assert_twin_equals_serial): O1 (bf16 and fp16)
+and O2 (SGD and AdamW) on dp, mp, a 2-stage pipeline and ZeRO-2. (O2's bf16 collectives on
+dp x mp and ZeRO 1-3: tests/equivalence/test_amp_collectives.py.)"""
 
 import functools
 
@@ -15,10 +14,12 @@ from autopar.testing.serial import random_feeds
 
 
 def _compiled(amp: Amp, axis: str):
+    zero = axis == "zero2"
+    axis = "dp" if zero else axis
     mesh = autopar.ProcessMesh([0, 1], dim_names=[axis])
     build = functools.partial(amp_mlp, widths=(8, 16, 16, 4), batch=12, stages=mesh if axis == "pp" else None)
     seed = build(amp)
-    strategy = autopar.Strategy()
+    strategy = autopar.Strategy(zero_stage=2 if zero else 0)
     if axis == "dp":
         autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
     elif axis == "mp":
@@ -41,6 +42,9 @@ def _compiled(amp: Amp, axis: str):
         (Amp("O1", dtype="float16", optimizer="adamw"), "dp"),
         (Amp("O2", optimizer="sgd"), "pp"),
         (Amp("O2", optimizer="adamw"), "dp"),
+        (Amp("O2", optimizer="adamw"), "mp"),
+        (Amp("O2", optimizer="adamw"), "pp"),
+        (Amp("O2", optimizer="adamw"), "zero2"),
     ],
     ids=str,
 )

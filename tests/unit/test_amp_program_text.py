@@ -49,6 +49,7 @@ AMPS = (
     Amp("O1", optimizer="sgd"),
     Amp("O1", optimizer="adamw"),
     Amp("O2", optimizer="sgd"),
+    Amp("O2", optimizer="adamw"),  # built on fp32 stand-ins, then the real operands (autopar.testing.amp)
     Amp("O1", dtype="float16", optimizer="sgd"),
     Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True),
 )
