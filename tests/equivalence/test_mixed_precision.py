@@ -2,7 +2,10 @@
 compiled and run through the numerics twin equal the serial twin, within twice the program's
 measured precision floor (autopar.testing.amp.assert_twin_equals_serial): O1 (bf16 and fp16)
 and O2 (SGD and AdamW) on dp, mp, a 2-stage pipeline and ZeRO-2. (O2's bf16 collectives on
-dp x mp and ZeRO 1-3: tests/equivalence/test_amp_collectives.py.)"""
+dp x mp and ZeRO 1-3: tests/equivalence/test_amp_collectives.py.) Under a pipeline the
+low-precision gradients are summed over the micro-batches in float32 and rounded once
+(tests/unit/test_pipeline_accumulation_dtype.py): float16 ones could not be summed at all
+before (this CPU build has no float16 add)."""
 
 import functools
 
@@ -13,7 +16,7 @@ from autopar.testing.amp import Amp, amp_mlp, assert_twin_equals_serial
 from autopar.testing.serial import random_feeds
 
 
-def _compiled(amp: Amp, axis: str):
+def _compiled(amp: Amp, axis: str, micro_batches: int = 2):
     zero = axis == "zero2"
     axis = "dp" if zero else axis
     mesh = autopar.ProcessMesh([0, 1], dim_names=[axis])
@@ -26,7 +29,7 @@ def _compiled(amp: Amp, axis: str):
         autopar.shard_tensor(seed.layers["linear1"].weight, mesh, [None, "mp"])
         autopar.shard_tensor(seed.layers["linear2"].weight, mesh, ["mp", None])
     else:
-        strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
+        strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches))
     return build, seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
 
 
@@ -50,4 +53,24 @@ def _compiled(amp: Amp, axis: str):
 )
 def test_the_twin_equals_the_serial_twin(amp, axis):
     build, seed, dist = _compiled(amp, axis)
+    assert_twin_equals_serial(build, amp, seed, dist, random_feeds(seed.feeds, 3, classes=4))
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.parametrize(
+    "amp",
+    [
+        Amp("O1", dtype="float16", optimizer="sgd"),
+        Amp("O1", dtype="float16", optimizer="adamw"),
+        Amp("O1", optimizer="adamw"),
+        Amp("O2", optimizer="sgd"),
+        Amp("O2", optimizer="adamw"),
+    ],
+    ids=str,
+)
+def test_a_pipeline_accumulates_low_precision_gradients_in_float32(amp, micro_batches):
+    """O1's weight gradients (bf16 / fp16 until the update's cast) and O2's bf16 gradients are
+    summed over the micro-batches in float32, rounded once: equal to the serial twin, whose
+    whole-batch gradient is rounded once. (float16 had no add to sum them with.)"""
+    build, seed, dist = _compiled(amp, "pp", micro_batches)
     assert_twin_equals_serial(build, amp, seed, dist, random_feeds(seed.feeds, 3, classes=4))
