@@ -74,3 +74,16 @@ def test_a_pipeline_accumulates_low_precision_gradients_in_float32(amp, micro_ba
     whole-batch gradient is rounded once. (float16 had no add to sum them with.)"""
     build, seed, dist = _compiled(amp, "pp", micro_batches)
     assert_twin_equals_serial(build, amp, seed, dist, random_feeds(seed.feeds, 3, classes=4))
+
+
+@pytest.mark.parametrize("amp", [Amp("O1", dtype="float16", optimizer="sgd"), Amp("O1", dtype="float16", optimizer="adamw")], ids=str)
+def test_gradient_accumulation_beside_data_parallelism_sums_float16_gradients_in_float32(amp):
+    """Gradient accumulation (a one-stage pipeline, 4 micro-batches) beside dp=2: the O1 float16
+    weight gradients are summed by the same runner in float32 (this build has no float16 add)."""
+    mesh = autopar.ProcessMesh([0, 1], dim_names=["dp"])
+    build = functools.partial(amp_mlp, widths=(8, 16, 16, 4), batch=16)
+    seed = build(amp)
+    autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=4, stages=1))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    assert_twin_equals_serial(build, amp, seed, dist, random_feeds(seed.feeds, 3, classes=4))
