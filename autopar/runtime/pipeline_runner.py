@@ -274,7 +274,7 @@ class PipelineRunner(RankRunner):
             if not pieces:
                 out.append(None)
             elif key in self.role.summed:
-                out.append(np.sum(np.stack(pieces), axis=0))
+                out.append(sum_over_micro_batches(pieces, self.plan.values.info(key).dtype))
             else:
                 out.append(pieces[-1])  # the same on every micro-batch
         return out
@@ -303,6 +303,16 @@ class Float32Sums:
         rounded = narrow(running, dtype)
         self.sums[name] = (running, rounded)
         return rounded
+
+
+def sum_over_micro_batches(pieces: Sequence[np.ndarray], dtype: str) -> np.ndarray:
+    """A fetched value's micro-batch pieces (a loss, a gradient) summed: a low-precision one
+    (bfloat16 held as its uint16 bits, which are no numbers to add) in float32, rounded once to
+    ``dtype`` as the update's accumulated gradients are."""
+    if not is_low(dtype):
+        return np.sum(np.stack(pieces), axis=0)
+    dtype = str(dtype).removeprefix("paddle.")
+    return narrow(np.sum(np.stack([widen(np.asarray(p), dtype) for p in pieces]), axis=0), dtype)
 
 
 def _dtype_of(tensor: Any) -> str:

@@ -10,7 +10,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.low_precision import STORAGE, narrow, reduce, widen
 from autopar.pipeline_lowering import ACCUMULATE
-from autopar.runtime.pipeline_runner import Float32Sums, PipelineRunner
+from autopar.runtime.pipeline_runner import Float32Sums, PipelineRunner, sum_over_micro_batches
 from autopar.testing.amp import Amp, amp_mlp
 
 # micro-batch gradients whose sum (1) a running low-precision sum loses: 2^k + 1 rounds to 2^k
@@ -27,6 +27,15 @@ def test_cancelling_micro_batches_keep_their_float32_sum(dtype):
         total = sums.add("w@GRAD", total, part, dtype)
     assert total.dtype == STORAGE[dtype]
     assert np.all(widen(total, dtype) == 1.0)
+
+
+@pytest.mark.parametrize("dtype", sorted(CANCELLING))
+def test_a_fetched_low_precision_value_sums_its_micro_batch_pieces_in_float32(dtype):
+    parts = [narrow(np.full((3,), v, np.float32), dtype) for v in CANCELLING[dtype]]
+    total = sum_over_micro_batches(parts, dtype)
+    assert total.dtype == STORAGE[dtype]
+    assert np.all(widen(total, dtype) == 1.0)
+    assert sum_over_micro_batches([np.ones(2, np.float32)] * 3, "float32").tolist() == [3.0, 3.0]
 
 
 def test_the_step_sum_is_rounded_once_not_per_micro_batch():
