@@ -198,7 +198,10 @@ class PipelineRunner(RankRunner):
         ]  # fmt: skip
 
     def _low_precision_accumulated(self, stage: int) -> list[int]:
-        return [j for j in self._accumulated_of(stage) if is_low(_dtype_of(self.scope.find_var(self.hosts[0].accumulated[j]).get_tensor()))]
+        """Those of :meth:`_accumulated_of` held in bfloat16 / float16 (micro-batch 0's copy, made
+        by the time any ACCUMULATE of the stage runs)."""
+        first = self.hosts[0]
+        return [j for j in self._accumulated_of(stage) if is_low(_dtype_of(self.scope.find_var(first.accumulated[j]).get_tensor()))]
 
     def collectives(self) -> list[Collective]:
         """This rank's collectives of one step in the order it meets them, each stamped with its
