@@ -12,7 +12,7 @@ import functools
 import pytest
 
 import autopar
-from autopar.testing.amp import Amp, amp_mlp, assert_twin_equals_serial
+from autopar.testing.amp import Amp, amp_mlp, assert_twin_equals_serial, run_serial_twin, twinned
 from autopar.testing.serial import random_feeds
 
 
@@ -112,3 +112,25 @@ def test_a_fetched_bf16_gradient_of_a_pipeline_is_its_micro_batches_summed_as_nu
     want = run_serial_twin(seed.main, seed.startup, feeds, [seed.loss, gradient]).fetches[0][1]
     assert got.dtype == np.uint16  # bf16 bits, as the runtime holds them
     np.testing.assert_allclose(as_float32(got), as_float32(want), rtol=0, atol=4 * 2.0**-8 * np.max(np.abs(as_float32(want))))
+
+
+def test_a_float16_overflow_in_one_micro_batch_of_a_pipeline_is_skipped_on_every_stage():
+    """Paddle's float16 O1 program with dynamic loss scaling on 2 stages, 2 micro-batches (its
+    fp16 gradients could not be summed before): an input of 1e5 in micro-batch 0's rows
+    (beyond float16's 65504) overflows that micro-batch's gradients; the float32 sum keeps the
+    inf, every stage skips the step, and the losses after it follow the serial twin's (whose
+    scale was halved)."""
+    import numpy as np
+
+    amp = Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True)
+    _, seed, dist = _compiled(amp, "pp")
+    feeds = random_feeds(seed.feeds, 4, classes=4)
+    feeds[1]["x"][0, 0] = 1e5  # row 0: micro-batch 0's
+    twin = twinned(dist)
+    result, serial = autopar.simulate(twin, feeds, [seed.loss]), run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+    assert np.isnan(serial.fetches[1][0]).all()  # the overflow is real
+    for step, (got, want) in enumerate(zip(result.fetches, serial.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=2.0**-10, equal_nan=True, err_msg=f"loss at step {step}")
+    before, after = autopar.simulate(twin, feeds[:1], []), autopar.simulate(twin, feeds[:2], [])
+    for name, value in before.parameters.items():  # the overflowing step is skipped on both stages
+        np.testing.assert_array_equal(after.parameters[name], value, err_msg=name)
