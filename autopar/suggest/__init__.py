@@ -174,7 +174,8 @@ class _Search:
             annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
             annotated = PlacementTable(annotated, self.graph)
             chosen = list(strategies(shape, self.batch, self.cluster))
-            self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world, self.precision)
+            self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world, self.precision,
+                                         self.precision_words)  # fmt: skip
         return self.entries[shape]
 
     def run(self, shapes: Iterable[Shape]) -> None:
@@ -292,6 +293,7 @@ class _Shape:
     strategies: list[Strategy]
     world: int  # devices the search had
     precision: Any  # the Precision every plan is priced in
+    precision_words: str  # and what the search reports it as
     analyses: dict[tuple, Any] = field(default_factory=dict)
     plans: list[Plan] = field(default_factory=list)
 
@@ -314,7 +316,7 @@ class _Shape:
         analysis = self.analysis(program, startup, strategy)
         dist = _compiled(program, self.mesh, startup, strategy, analysis)
         plan = Plan(self.shape, self.mesh, strategy, self.placements, dist.decisions.price(self.precision), budget, self.split,
-                    program, startup, analysis, self.world, self.precision)  # fmt: skip
+                    program, startup, analysis, self.world, self.precision_words)  # fmt: skip
         self.plans.append(plan)
         return plan
 

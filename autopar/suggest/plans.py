@@ -40,7 +40,7 @@ class Plan:
     startup_program: Any = field(repr=False, compare=False)
     analysis: Any = field(repr=False, compare=False)
     world: int = 0  # devices the search had (0: the plan's own); a plan may leave some idle
-    precision: Any = field(default=None, compare=False)  # the Precision it was priced in (None: as built)
+    precision: str = "float32"  # what it was priced in (the program's own dtypes, or the mixed precision asked)
 
     @property
     def devices(self) -> str:
