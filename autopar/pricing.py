@@ -292,7 +292,9 @@ class _Sync:
     def seconds(self, state: CompileState, rank: int, by_index: dict[int, Any], precision: Precision) -> float:
         """What it costs ``rank`` (0: not taking part), in ``precision``."""
         if self.bucket is not None:
-            return _bucket_seconds(state, self.bucket, by_index, rank, precision)[0] if rank in _bucket_ranks(self.bucket, by_index) else 0.0
+            if rank not in _bucket_ranks(self.bucket, by_index):
+                return 0.0
+            return self.bucket.time if precision.as_built else _bucket_seconds(state, self.bucket, by_index, rank, precision)[0]
         ratio = _ratio(state, self.planned, precision)
         return sum(_step_seconds(step, group, ratio, state.cluster)[0] for step in self.planned.plan.steps if not step.kind.is_local
                    for _, group in _taking_part(step, [rank]))  # fmt: skip

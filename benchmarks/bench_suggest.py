@@ -29,6 +29,7 @@ published shape only; ``--published-only`` skips the search). Rows: 1-10 (defaul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -36,15 +37,39 @@ from dataclasses import dataclass
 warnings.filterwarnings("ignore")
 
 import autopar  # noqa: E402
-from autopar.cost_model import load_cluster  # noqa: E402
+from autopar.cost_model import Cluster, load_cluster  # noqa: E402
 from autopar.suggest import Plan, price_plan  # noqa: E402
 from autopar.testing.models import gpt_block_program  # noqa: E402
 from autopar.units import format_bytes, format_time  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
-# NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), SXM 80GB: BF16 / FP16
-# Tensor Core 312 TFLOPS dense (624 with sparsity). Megatron's runs were on A100 80GB (SC'21, Sec. 5).
+# NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), A100 80GB SXM column:
+# FP32 19.5, TF32 156, BF16 / FP16 Tensor Core 312 TFLOPS dense (twice with sparsity), HBM2e
+# 2,039 GB/s, NVLink 600 GB/s (both directions). Megatron's runs (SC'21, Sec. 5.1): Selene, 8
+# A100 80GB per node over NVLink / NVSwitch, eight 200 Gb/s HDR InfiniBand HCAs per node.
 A100_BF16_PEAK = 312e12
+A100_PEAKS = {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12}
+A100_BANDWIDTH, A100_NVLINK, A100_IB = 2.039e12, 300e9, 25e9  # bytes/s; NVLink and HDR per direction per GPU
+
+
+def a100_node(h100: Cluster) -> Cluster:
+    """An A100 80GB node derived from ``h100`` (h100-node) by the datasheets' ratios, none of it
+    measured: each dtype's achieved rates scaled by the peaks' ratio (the same fraction of peak
+    as H100.md measured), the streaming rate by the memory bandwidths', NVLink 300 GB/s and HDR
+    InfiniBand 25 GB/s per direction per GPU (latencies as h100-node's)."""
+    device = h100.device
+    peaks = dict(device.peak_flops)
+
+    def scaled(rates: tuple) -> tuple:
+        return tuple((dtype, rate * A100_PEAKS[dtype] / peaks[dtype]) for dtype, rate in rates if dtype in A100_PEAKS)
+
+    a100 = dataclasses.replace(
+        device, peak_flops=tuple(sorted(A100_PEAKS.items())), achieved_flops=scaled(device.achieved_flops),
+        batched_flops=scaled(device.batched_flops), memory_bandwidth=A100_BANDWIDTH,
+        achieved_bandwidth=device.achieved_bandwidth * A100_BANDWIDTH / device.memory_bandwidth,
+    )  # fmt: skip
+    intra, inter = dataclasses.replace(h100.intra, bandwidth=A100_NVLINK), dataclasses.replace(h100.inter, bandwidth=A100_IB)
+    return dataclasses.replace(h100, name="a100-node (derived)", device=a100, intra=intra, inter=inter, sources=())
 
 
 @dataclass(frozen=True)
@@ -113,8 +138,9 @@ class Comparison:
     """One Table 1 row: the published measured step beside our price of the same plan."""
 
     row: Published
-    theirs: Plan  # their plan, priced by our cost model
+    theirs: Plan  # their plan, priced by our cost model (h100-node)
     h100_peak: float  # the profile's dense bf16 peak, FLOP/s
+    on_a100: Plan | None = None  # their plan priced on :func:`a100_node` (derived from the datasheets)
 
     @property
     def published(self) -> float:
@@ -131,6 +157,11 @@ class Comparison:
         """Our price of their plan over the scaled published step, minus one."""
         return self.theirs.price.step / self.scaled - 1.0
 
+    @property
+    def a100_error(self) -> float:
+        """Our price of their plan on the derived A100 node over their measured step, minus one."""
+        return self.on_a100.price.step / self.published - 1.0
+
     def lines(self) -> list[str]:
         row, p = self.row, self.theirs.price
         return [
@@ -138,17 +169,24 @@ class Comparison:
             f"{row.teraflops:g} TFLOP/s per GPU x {row.gpus} GPUs over {row.flops():.3g} FLOPs a step = "
             f"{format_time(self.published)} a step; scaled to H100 by peak ({A100_BF16_PEAK / 1e12:g} -> "
             f"{self.h100_peak / 1e12:g} TFLOP/s): {format_time(self.scaled)}",
-            f"  ours (priced, {self.theirs.precision}): their plan {self.theirs.shape} "
+            f"  ours (priced on h100-node, {self.theirs.precision.split(' ')[0]}): their plan {self.theirs.shape} "
             f"[{self.theirs.features}] {format_time(p.step)} = compute {format_time(p.compute)} + comm "
             f"{format_time(p.communication)} + bubble {format_time(p.bubble)}; error against the scaled "
             f"published step: {self.error:+.0%}",
-        ]  # fmt: skip
+        ] + ([] if self.on_a100 is None else [
+            f"  ours on an A100 node derived from h100-node by the datasheets' ratios (not measured): "
+            f"{format_time(self.on_a100.price.step)} = compute {format_time(self.on_a100.price.compute)} + comm "
+            f"{format_time(self.on_a100.price.communication)}; error against their measured step: {self.a100_error:+.0%}",
+        ])  # fmt: skip
 
 
 def compare(row: Published, program, startup, profile: str = "h100-node", precision: str | None = "bf16") -> Comparison:
-    """Our price of ``row``'s published plan (``program``: its model, built) beside their measured step."""
-    plan = price_plan(program, (row.data, row.tensor, row.pipeline), theirs(row), startup, cluster=profile, precision=precision)
-    return Comparison(row, plan, load_cluster(profile).device.flops_for("bfloat16"))
+    """Our price of ``row``'s published plan (``program``: its model, built) beside their measured
+    step: on ``profile``, and on an A100 node derived from it (:func:`a100_node`)."""
+    shape, cluster = (row.data, row.tensor, row.pipeline), load_cluster(profile)
+    plan = price_plan(program, shape, theirs(row), startup, cluster=profile, precision=precision)
+    on_a100 = price_plan(program, shape, theirs(row), startup, cluster=a100_node(cluster), precision=precision)
+    return Comparison(row, plan, cluster.device.flops_for("bfloat16"), on_a100)
 
 
 def megatron(rows: list[int], factor: int, precision: str | None = "bf16", search: bool = True) -> None:

@@ -333,12 +333,14 @@ def _compiled(program: Any, mesh: ProcessMesh, startup: Any, strategy: Strategy,
         return compile_program(program, mesh, startup, strategy, analysis=analysis)
 
 
-def _parameter_bytes(graph: ProgramGraph, precision: Any) -> tuple[int, int]:
+def _parameter_bytes(graph: ProgramGraph, precision: Any = None) -> tuple[int, int]:
     """Bytes of the parameters and of the optimizer states (the program's state tensors: an O2
     program's fp32 masters among them; a float32 program priced in mixed precision gains a
     master per parameter), in ``precision``."""
     from autopar.cost_model import tensor_bytes
+    from autopar.cost_model.precision import AS_BUILT
 
+    precision = precision or AS_BUILT
     values = list(graph.values.values())
     params = sum(tensor_bytes(v.shape, precision.dtype(v.dtype, v.kind), None, 0) for v in values if v.kind == "parameter")
     states = sum(tensor_bytes(v.shape, v.dtype, None, 0) for v in values if v.kind == "state")
