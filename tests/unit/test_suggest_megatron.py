@@ -45,8 +45,25 @@ def test_a_row_prints_the_published_step_beside_our_bf16_price_of_their_plan_and
     assert str(compared.theirs.shape) == "dp=2" and compared.theirs.strategy.recompute
     assert compared.theirs.precision.startswith("bfloat16") and fp32.theirs.precision == "float32"
     assert compared.theirs.price.step < fp32.theirs.price.step
-    published, ours = compared.lines()
+    published, ours, a100 = compared.lines()
     assert "measured by them on A100 80GB" in published and f"= {format_time(row.step)} a step" in published
     assert f"scaled to H100 by peak (312 -> 989.4 TFLOP/s): {format_time(scaled)}" in published
     assert f"{format_time(compared.theirs.price.step)} = compute" in ours
     assert f"error against the scaled published step: {compared.error:+.0%}" in ours
+    assert compared.a100_error == pytest.approx(compared.on_a100.price.step / row.step - 1)
+    assert "derived from h100-node by the datasheets' ratios (not measured)" in a100
+    assert f"error against their measured step: {compared.a100_error:+.0%}" in a100
+
+
+def test_the_a100_node_is_h100_node_scaled_by_the_datasheets(bench):
+    """The same fraction of each dtype's peak as the H100 measured; A100 80GB's 2.039 TB/s, NVLink
+    300 GB/s and HDR InfiniBand 25 GB/s per direction."""
+    from autopar.cost_model import shipped_profile
+
+    h100 = shipped_profile("h100-node")
+    a100 = bench.a100_node(h100)
+    assert a100.device.matmul_rate("bfloat16") == pytest.approx(7.1e14 * 312 / 989.4)
+    assert a100.device.matmul_rate("bfloat16", batched=True) == pytest.approx(3.0e14 * 312 / 989.4)
+    assert a100.device.matmul_rate("float32") == pytest.approx(5.057e13 * 19.5 / 67)
+    assert a100.device.stream_bandwidth(1e9) == pytest.approx(2.95e12 * 2.039 / 3.35)
+    assert (a100.intra.bandwidth, a100.inter.bandwidth, a100.devices_per_node) == (300e9, 25e9, 8)
