@@ -149,17 +149,17 @@ def collective_lines(dist: Any) -> list[str]:
     for rank in dist.mesh.ranks:
         for c in dist.comm_ops(rank):
             key = (c.kind, c.reduce if kind_of(c.kind).reduces else "", c.value, str(c.src),
-                   str(c.dst), c.bytes, c.time, c.reason)  # fmt: skip
+                   str(c.dst), c.bytes, c.dtype, c.time, c.reason)  # fmt: skip
             groups = merged.setdefault(key, [])
             if c.group not in groups:
                 groups.append(c.group)
     total = sum(len(dist.comm_ops(r)) for r in dist.mesh.ranks)
     lines = [f"collectives: {len(merged)} ({total} over all ranks)"]
-    for (kind, reduce, value, src, dst, nbytes, time, reason), groups in merged.items():
+    for (kind, reduce, value, src, dst, nbytes, dtype, time, reason), groups in merged.items():
         name = f"{kind}({reduce})" if reduce else kind
         where = " ".join(str(list(g)) for g in groups)
         lines.append(
-            f"  {name:<20} {value:<18} {src} -> {dst}  groups {where}  {format_bytes(nbytes)}  {format_time(time)}"
+            f"  {name:<20} {value:<18} {src} -> {dst}  groups {where}  {format_bytes(nbytes)} {dtype}  {format_time(time)}"
         )
         lines.append(f"  {'':<20} why: {reason}")
     return lines

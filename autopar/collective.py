@@ -87,7 +87,9 @@ class Collective:
     ``(i + shift) % p`` and receives member ``(i - shift) % p``'s. all_to_all_v: as all_to_all,
     but member ``i`` sends ``splits[i][j]`` elements along ``split_axis`` to member ``j`` (its
     pieces in order); ``splits`` empty: even pieces, as all_to_all.
-    ``bytes``: the planner's nccl-tests size on this collective; ``time``: predicted seconds.
+    ``bytes``: the planner's nccl-tests size on this collective, in ``dtype`` (what it moves: a
+    gradient reduced in another dtype, ``Strategy.reduce_dtype``, moves that one); ``time``:
+    predicted seconds.
     """
 
     kind: CollectiveKind
@@ -123,6 +125,6 @@ class Collective:
         extra = f", shift={self.shift}" if self.shift else ""
         extra += f", splits={[list(row) for row in self.splits]}" if self.splits else ""
         return (
-            f"{self.kind}(group={list(self.group)}{extra}, {self.bytes} B, {self.time * 1e6:.1f}us) "
+            f"{self.kind}(group={list(self.group)}{extra}, {self.dtype}, {self.bytes} B, {self.time * 1e6:.1f}us) "
             f"{self.value}: {self.src} -> {self.dst} — {self.reason}"
         )

@@ -18,6 +18,16 @@ One class per :class:`~autopar.collective.CollectiveKind`, registered in :data:`
 - ``calibration``: how the gloo calibration times it (tools/calibrate.py).
 
 Adding a kind is adding one class here: every pass, backend and price reads this table.
+
+Low precision: a Collective's ``dtype`` says what its arrays hold. A ``bfloat16`` value lives in
+numpy as its ``uint16`` bits (as Paddle's scope hands it over and takes it back); kinds that only
+move data move the bits unchanged. A reduction of a low-precision value (``bfloat16``,
+``float16``) combines the members one by one in group order, each combination done in float32
+and rounded to the low precision (round to nearest even) — what a ring's per-hop reduction in
+that precision computes (:func:`autopar.low_precision.reduce`); an average divides that sum by
+the member count, rounded once more. ``perform``, ``perform_into`` and ``eager`` all compute it, so
+the simulator, shared memory and gloo give bit-identical results; gloo never sums
+low-precision values itself (``in_place`` is None for them; ``eager`` exchanges the inputs).
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import numpy as np
 from autopar.collective import Collective, CollectiveKind
 from autopar.dist_attr import shard_bounds
 from autopar.errors import AutoparError, NativeUnsupported
+from autopar.low_precision import is_low
+from autopar.low_precision import reduce as reduce_low
 from autopar.pieces import REDUCERS
 from autopar.placement import Partial, Placement, Replicate, Shard
 
@@ -47,10 +59,16 @@ def _piece_view(x: np.ndarray, axis: int, parts: int, index: int) -> np.ndarray:
     return x[(slice(None),) * (axis % max(x.ndim, 1)) + (slice(lo, hi),)]
 
 
-def _reduce(arrays: list[np.ndarray], reduce: str) -> np.ndarray:
+def _reduce(arrays: list[np.ndarray], reduce: str, dtype: str = "float32") -> np.ndarray:
+    """The members' reduction; ``dtype``: the Collective's (a low-precision one has its own rule,
+    see the module docstring)."""
     shapes = {a.shape for a in arrays}
     if len(shapes) != 1:
         raise AutoparError(f"reduction over pieces of different shapes {sorted(shapes)}")
+    if is_low(dtype):
+        return reduce_low(arrays, reduce, dtype)
+    if arrays[0].dtype == np.uint16:
+        raise AutoparError(f"a {dtype} reduction got uint16 arrays (bfloat16 bits): the Collective's dtype must say bfloat16")
     return REDUCERS[reduce](np.stack(arrays), axis=0).astype(arrays[0].dtype)
 
 
@@ -199,7 +217,7 @@ class AllReduce(Kind):
         return lambda: dist.all_reduce(x)
 
     def perform(self, job, pieces):
-        out = _reduce(pieces, job.reduce)
+        out = _reduce(pieces, job.reduce, job.dtype)
         return [out] * len(pieces)
 
     def coefficients(self, p, nbytes, algorithm="ring"):
@@ -218,6 +236,8 @@ class AllReduce(Kind):
     def eager(self, job, x, backend):
         import paddle.distributed as pdist
 
+        if is_low(job.dtype):  # (gloo would sum in its own order and precision)
+            return _exchanged(job, x, backend)
         if job.reduce not in ("sum", "avg", "max", "min"):
             raise AutoparError(f"the host backend cannot all_reduce with {job.reduce!r} over the world")
         tensor = backend.buffer(x)
@@ -229,6 +249,9 @@ class AllReduce(Kind):
     def perform_into(self, job, out, inputs):
         # the members combined one by one in group order: what _reduce's stacked reduction
         # computes, bit for bit (tests/unit/test_shared_memory_comm.py)
+        if is_low(job.dtype):
+            out[...] = _reduce([inputs[r] for r in job.group], job.reduce, job.dtype)
+            return True
         combine = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}.get(job.reduce)
         if combine is None:
             return False
@@ -244,7 +267,7 @@ class AllReduce(Kind):
         from paddle.base import core
 
         name = {"sum": "SUM", "max": "MAX", "min": "MIN"}.get(job.reduce)
-        if name is None:
+        if name is None or is_low(job.dtype):
             return None
         return lambda group, tensor: group.all_reduce(tensor, getattr(core.ReduceOp, name), True)
 
@@ -302,11 +325,11 @@ class ReduceScatter(Kind):
         return nbytes, nbytes / p  # all_reduce of the input, then the own chunk
 
     def perform(self, job, pieces):
-        total = _reduce(pieces, job.reduce)
+        total = _reduce(pieces, job.reduce, job.dtype)
         return [own_piece(total, job.axis, len(pieces), i) for i in range(len(pieces))]
 
     def perform_for(self, job, pieces, index):  # the own piece of each input, reduced: 1/p of the work
-        return _reduce([_piece_view(p, job.axis, len(pieces), index) for p in pieces], job.reduce)
+        return _reduce([_piece_view(p, job.axis, len(pieces), index) for p in pieces], job.reduce, job.dtype)
 
     def coefficients(self, p, nbytes, algorithm="ring"):
         return float(p - 1), (p - 1) / p * nbytes
@@ -508,11 +531,15 @@ class Broadcast(Kind):
     def eager(self, job, x, backend):
         import paddle.distributed as pdist
 
+        if is_low(job.dtype):  # (bits through an exchange, not a gloo tensor of that dtype)
+            return _exchanged(job, x, backend)
         tensor = backend.buffer(x)
         pdist.broadcast(tensor, src=job.group[job.root])
         return tensor.numpy()
 
     def in_place(self, job):
+        if is_low(job.dtype):
+            return None
         return lambda group, tensor: group.broadcast(tensor, job.group[job.root], True)
 
 

@@ -14,6 +14,8 @@ import numpy as np
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
+from autopar.low_precision import is_low
+from autopar.low_precision import reduce as reduce_low
 
 REDUCERS = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
 
@@ -58,24 +60,30 @@ def scatter(value: np.ndarray, dist: DistAttr, rng: np.random.Generator | None =
     return pieces
 
 
-def reduce_partials(pieces: Mapping[int, np.ndarray], dist: DistAttr) -> dict[int, np.ndarray]:
-    """Reduce every rank's piece over the partial mesh dims (ascending mesh dim order)."""
+def reduce_partials(pieces: Mapping[int, np.ndarray], dist: DistAttr, dtype: str = "float32") -> dict[int, np.ndarray]:
+    """Reduce every rank's piece over the partial mesh dims (ascending mesh dim order); a
+    low-precision ``dtype`` by its rule (member by member, each addition rounded)."""
     out = dict(pieces)
     for mesh_dim, kind in sorted(dist.partial_dims.items()):
         for group in dist.mesh.groups(mesh_dim):
             shapes = {out[r].shape for r in group}
             if len(shapes) != 1:
                 raise AutoparError(f"partial pieces over mesh dim {mesh_dim} differ in shape: {shapes}")
-            reduced = REDUCERS[kind](np.stack([out[r] for r in group]), axis=0)
+            arrays = [out[r] for r in group]
+            if arrays[0].dtype == np.uint16 and not is_low(dtype):
+                raise AutoparError(f"partial pieces of uint16 (bfloat16 bits) reduced as {dtype}: give the value's dtype")
+            reduced = reduce_low(arrays, kind, dtype) if is_low(dtype) else REDUCERS[kind](np.stack(arrays), axis=0)
             for rank in group:
                 out[rank] = reduced
     return out
 
 
-def assemble(pieces: Mapping[int, np.ndarray], dist: DistAttr, shape: Sequence[int]) -> np.ndarray:
+def assemble(pieces: Mapping[int, np.ndarray], dist: DistAttr, shape: Sequence[int], dtype: str = "float32") -> np.ndarray:
     """The global array from every rank's piece (partials reduced, shards placed); only the
-    ranks of ``dist``'s mesh are read (a pipeline stage's value is on its ranks only)."""
-    reduced = reduce_partials({r: pieces[r] for r in dist.mesh.ranks}, dist)
+    ranks of ``dist``'s mesh are read (a pipeline stage's value is on its ranks only).
+    ``dtype``: the value's (a bfloat16 one's pieces are its bits, reduced by
+    :func:`autopar.low_precision.reduce`)."""
+    reduced = reduce_partials({r: pieces[r] for r in dist.mesh.ranks}, dist, dtype)
     first = next(iter(reduced.values()))
     out = np.empty(tuple(shape), dtype=first.dtype)
     for rank, piece in reduced.items():

@@ -533,12 +533,15 @@ def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, in
         if planned.need.site.kind is SiteKind.WRITE_BACK:
             for rank in involved:
                 ops[rank][once] += 1
+        if planned.plan.dtype != state.graph.values[planned.need.value].dtype:  # cast there and back (reduce_dtype)
+            for rank in involved:
+                ops[rank][once] += 2
     for bucket in state.buckets:
         for rank in _held_by(bucket.src.mesh, ranks):
             ops[rank][1] += allreduce_fusion.emitted_ops(state, bucket, [by_index[i] for i in bucket.members], rank)
     for bucket in state.zero_buckets:
         for rank in ranks:
-            ops[rank][1] += zero_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)
+            ops[rank][1] += zero_fusion.emitted_ops(state, bucket, [by_index[i] for i in bucket.members], rank)
     for bucket in state.site_buckets:
         for rank in ranks:
             ops[rank][0] += site_fusion.emitted_ops(bucket, [by_index[i] for i in bucket.members], rank)

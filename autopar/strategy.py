@@ -16,6 +16,8 @@ from autopar.schedule import SCHEDULES as SCHEDULE_GENERATORS
 
 SCHEDULES = tuple(SCHEDULE_GENERATORS)  # the names autopar.schedule generates (one table)
 MIB = 1 << 20
+# what Strategy.reduce_dtype may name: the floating dtypes a collective sums (cast there and back)
+REDUCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def _named_fields(cls: type) -> type:
@@ -100,6 +102,11 @@ class Strategy:
     values, each rank weighted by its share of the rows), so replicas stay identical and the
     running mean equals serial's; why averaging and not rank 0's copy: passes/batch_norm_stats.py.
     Default (False): batch norm over a split batch is exact (global statistics).
+
+    ``reduce_dtype``: the dtype gradient reductions (all_reduce / reduce_scatter of gradients,
+    fused buckets and ZeRO's included) move and sum in. None: each gradient's own dtype (a
+    bfloat16 gradient of an AMP O2 program is reduced in bfloat16); ``"float32"``: cast up before
+    the collective and back after, so the optimizer reads the dtype it was built with.
     """
 
     pipeline: PipelineConfig | None = None
@@ -110,6 +117,7 @@ class Strategy:
     fuse_allreduce: bool = True  # gradient all-reduces packed into buckets (passes/allreduce_fusion.py)
     allreduce_bucket_mb: float = 32.0
     local_batch_norm: bool = False  # per-rank batch statistics, NOT equal to serial (passes/batch_norm_stats.py)
+    reduce_dtype: str | None = None  # the dtype gradient reductions move; None: each gradient's own (docs/paddle_amp.md)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -138,6 +146,11 @@ class Strategy:
             raise AutoparError(
                 f"Strategy.allreduce_bucket_mb={self.allreduce_bucket_mb} is less than one byte "
                 f"(the least is 1 / 2**20 = {1 / MIB:.3g} MB)"
+            )
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise AutoparError(
+                f"Strategy.reduce_dtype={self.reduce_dtype!r} is not a dtype gradients are reduced in; "
+                f"expected None (each gradient's own dtype) or one of {REDUCE_DTYPES}"
             )
         _check_type("Strategy", "extra", self.extra, dict, "a dict")
 

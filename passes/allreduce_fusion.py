@@ -46,14 +46,14 @@ from typing import ClassVar
 
 from autopar.causes import in_layer, layers_text, value_layer
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
-from autopar.collective_kinds import REDUCE_CODES, kind_of
+from autopar.collective_kinds import kind_of
 from autopar.cost_model.planner import ReshardPlan, all_reduce_plan, group_at
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import Role
 from autopar.mesh import ProcessMesh
 from autopar.passes.base import CompileState, GradientBucket, GradientFusion, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import read_site
+from autopar.passes.reshard_emission import cast_to, emit_collective, read_site
 from autopar.propagation import SiteKind
 
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -289,9 +289,11 @@ def emitted_ops(state: CompileState, bucket: GradientBucket, planned: list[Plann
     members = [p for p in planned if p.shared_with is None]
     shaped = sum(1 for m in members if len(m.need.need.local_shape(m.plan.shape, rank)) != 1)
     zeroed = bool(bucket.zeroed) and rank != group_at(bucket.src.mesh, rank, bucket.zeroed)[0]
+    # a gradient reduced in another dtype: cast there and back
+    casts = sum(2 for m in members if state.graph.values[m.need.value].dtype != bucket.dtype)
     # concat 3, scale 2, all_reduce 1, split 4 (each with its constants); a gradient of several
     # dims flattened and shaped back: two reshapes of 2
-    return 3 + 2 * zeroed + 1 + 4 + 4 * shaped
+    return 3 + 2 * zeroed + 1 + 4 + 4 * shaped + casts
 
 
 def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, planned: list[PlannedReshard]) -> None:
@@ -300,15 +302,23 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, p
     members = [p for p in planned if p.shared_with is None]
     first_reader, _ = read_site(state, rp, members[0])
     paddle.pir.set_insertion_point(first_reader)
-    inputs = [rp.current(m.need.value) for m in members]
+    inputs = [cast_to(rp.current(m.need.value), bucket.dtype) for m in members]  # (Strategy.reduce_dtype)
     shapes = [m.need.need.local_shape(m.plan.shape, rp.rank) for m in members]
     flat = paddle._C_ops.concat([x if len(s) == 1 else paddle._C_ops.reshape(x, [-1]) for x, s in zip(inputs, shapes)], 0)
     if bucket.zeroed and rp.rank != group_at(bucket.src.mesh, rp.rank, bucket.zeroed)[0]:
         flat = paddle._C_ops.scale(flat, 0.0, 0.0, True)  # make_partial: one copy along ``zeroed`` is summed
     group = group_at(bucket.src.mesh, rp.rank, bucket.mesh_dims)  # (a stage's sub-mesh under a pipeline)
-    ring = rp.rings.setdefault(group, state.ring_of(bucket.mesh_dims, group))
-    fused = paddle._C_ops.all_reduce(flat, ring, REDUCE_CODES[bucket.reduce])
+    total = sum(math.prod(s) for s in shapes)
+    collective = Collective(
+        kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
+        value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
+        shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
+        reason=bucket.reason, reduce=bucket.reduce, dtype=bucket.dtype,
+    )  # fmt: skip
+    fused = emit_collective(state, rp, collective, flat, bucket.mesh_dims)
     pieces = paddle._C_ops.split(fused, [math.prod(s) for s in shapes], 0)
+    dtypes = [state.graph.values[m.need.value].dtype for m in members]
+    pieces = [cast_to(piece, dtype) for piece, dtype in zip(pieces, dtypes)]
     for member, piece, shape in zip(members, pieces, shapes):
         out = piece if len(shape) == 1 else paddle._C_ops.reshape(piece, list(shape))
         consumer, slot = read_site(state, rp, member)
@@ -318,11 +328,3 @@ def _emit_bucket(state: CompileState, rp: RankProgram, bucket: GradientBucket, p
         if read.shared_with is not None:
             consumer, slot = read_site(state, rp, read)
             consumer.operand(slot).set_source(rp.resharded[read.shared_with])
-    total = sum(math.prod(s) for s in shapes)
-    collective = Collective(
-        kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey("bucket", bucket.index),
-        value=f"bucket {bucket.index} ({len(members)} gradients)", src=bucket.src, dst=DistAttr.of(state.mesh, ((),)),
-        shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
-        reason=bucket.reason, reduce=bucket.reduce,
-    )  # fmt: skip
-    rp.collectives.append((collective, fused.get_defining_op().id()))

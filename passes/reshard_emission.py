@@ -11,6 +11,9 @@ backend lowering adapts the op for the native backend. A reshard that shares its
 an earlier one reads that result; gradient all-reduces planned into a bucket are left to
 :mod:`.allreduce_fusion`. A write-back (ZeRO: an in-place update of a resharded copy) reshards
 the updated copy right after the op and assigns it to the updated variable (``assign_out_``).
+A collective of a dtype Paddle's build registers no kernel for (bfloat16 on the CPU build) is
+carried in the host form all the same (:func:`collective_op`); a gradient reduced in another
+dtype (``Strategy.reduce_dtype``, planned so) is cast to it before its steps and back after.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import KINDS, point_to_point
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, NativeUnsupported
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
@@ -72,11 +75,18 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None
     after = need.site.kind not in (SiteKind.BEFORE_READ, SiteKind.REFRESH)
     source = rp.produced(need.value) if after else rp.current(need.value)
     current, inserted = source, set()
+    moved = planned.plan.dtype  # (a gradient reduced in another dtype: Strategy.reduce_dtype)
+    if moved != value.dtype:
+        current = cast_to(current, moved)
+        inserted.add(current.get_defining_op().id())
     for number, step in enumerate(planned.plan.steps):
         key = CollectiveKey("reshard", planned.index, number)
         current = emit_step(state, rp, step, current, value, planned.reason, key)
         if current is not source:
             inserted.add(current.get_defining_op().id())
+    if moved != value.dtype:
+        current = cast_to(current, value.dtype)
+        inserted.add(current.get_defining_op().id())
     if need.site.kind is SiteKind.AFTER_PRODUCER:
         replace_uses(source, current, inserted)
         rp.final[need.value] = current
@@ -123,11 +133,9 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
             kind=step.kind, group=group, key=key, value=value.label, src=step.src, dst=step.dst,
             shape=tuple(value.shape), output_shape=tuple(local), bytes=step.bytes, time=step.time, reason=reason,
             reduce=step.reduce or "sum", axis=axis, split_axis=split_axis,
-            root=0, dtype=value.dtype, shift=step.shift,
+            root=0, dtype=dtype_name(x), shift=step.shift,
         )  # fmt: skip
-        ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
-        out = collective_op(collective, x, ring)
-        rp.collectives.append((collective, out.get_defining_op().id()))
+        return emit_collective(state, rp, collective, x, step.mesh_dims)
     out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))
     return out
 
@@ -159,21 +167,69 @@ def _point_to_point(
     return out
 
 
-def collective_op(collective: Collective, x: Any, ring: int) -> Any:
-    """The Paddle op carrying ``collective`` in the host form of a rank program. Paddle checks an
-    op's input dtype against the kernels its build registers when the op is built: a collective
-    of a dtype the build has none for (bfloat16 on the CPU build) is refused here by name, not
-    with Paddle's TypeError."""
+def emit_collective(state: CompileState, rp: RankProgram, collective: Collective, x: Any, mesh_dims: Any) -> Any:
+    """The op carrying ``collective`` on ``rp`` (its ring made over ``mesh_dims``), reading ``x``
+    and typed to ``collective.output_shape``, recorded in ``rp.collectives``: every emission
+    site's one way to put a collective into a rank program (:func:`collective_op`)."""
+    import paddle
+
+    ring = rp.rings.setdefault(collective.group, state.ring_of(mesh_dims, collective.group))
+    out = collective_op(collective, x, ring, native=rp.backend == "native")
+    out.set_type(paddle.pir.create_shaped_type(x.type(), list(collective.output_shape)))
+    rp.collectives.append((collective, out.get_defining_op().id()))
+    return out
+
+
+def collective_op(collective: Collective, x: Any, ring: int, native: bool = False) -> Any:
+    """The Paddle op carrying ``collective``. Paddle checks an op's input dtype against the kernels
+    its build registers when the op is built: the CPU build has no bfloat16 collective kernel.
+    In the host form the op is only a placeholder the runtime performs from the Collective
+    value, so a dtype the build cannot carry is carried anyway (:func:`_carrier`); the native
+    form runs the op itself, so there it is refused by name (``NativeUnsupported``: the host
+    backend runs it, and ``backend="auto"`` picks that)."""
+    entry = KINDS[collective.kind]
     try:
-        return KINDS[collective.kind].host_op(collective, x, ring)
+        return entry.host_op(collective, x, ring)
     except TypeError as err:
         if "Check data type error" not in str(err):
             raise
-        raise AutoparError(
-            f"{collective.kind} of {collective.value} ({collective.dtype}, {collective.reason.split(':')[0]}) cannot be "
-            f"built: this Paddle build has no {collective.dtype} kernel for it. Mixed-precision programs whose "
-            "collectives move low-precision values are not supported yet (docs/paddle_amp.md)"
-        ) from None
+    if native:
+        raise NativeUnsupported(
+            f"native backend: {collective.kind} of {collective.value} ({collective.dtype}, "
+            f"{collective.reason.split(':')[0]}) cannot be built: this Paddle build has no {collective.dtype} "
+            "kernel for it; the host backend carries it (backend='host' or 'auto')"
+        )
+    return _carrier(entry, collective, x, ring)
+
+
+def _carrier(entry: Any, collective: Collective, x: Any, ring: int) -> Any:
+    """``entry``'s host op for ``x`` of a dtype the build has no kernel for: built on a float32
+    proxy of ``x`` (a cast), then made to read ``x`` itself, its result retyped to ``x``'s dtype
+    and the proxy erased. Paddle never runs the op (the host runtime performs the Collective),
+    so the program text says what moves: a bfloat16 all_reduce of the bfloat16 value."""
+    import paddle
+
+    proxy = paddle._C_ops.cast(x, paddle.float32)
+    out = entry.host_op(collective, proxy, ring)
+    op = out.get_defining_op()
+    if op.num_operands() < 1 or not op.operand_source(0).is_same(proxy) or not proxy.has_one_use():
+        raise AutoparError(f"{collective.kind} of {collective.value}: its host op does not read its input as operand 0")
+    op.operand(0).set_source(x)
+    proxy.get_defining_op().erase()
+    out.set_type(paddle.pir.create_shaped_type(x.type(), list(out.shape)))
+    return out
+
+
+def dtype_name(x: Any) -> str:
+    """The dtype of a Paddle value by its name (``"bfloat16"``), as Collectives and plans spell it."""
+    return str(x.dtype).removeprefix("paddle.")
+
+
+def cast_to(x: Any, dtype: str) -> Any:
+    """``x`` cast to ``dtype`` (a name), or ``x`` itself when it has that dtype."""
+    import paddle
+
+    return x if dtype_name(x) == dtype else paddle._C_ops.cast(x, getattr(paddle, dtype))
 
 
 def replace_uses(source: Any, new: Any, inserted: set[int] = frozenset()) -> None:

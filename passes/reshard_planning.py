@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
 
-from autopar.causes import in_layer, layer_of, parameter_layer, reshard_cause
+from autopar.causes import gradients, in_layer, layer_of, parameter_layer, reshard_cause
 from autopar.collective_kinds import kind_of
 from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
@@ -33,15 +33,20 @@ SOURCES = ("parameter", "state", "feed")
 @dataclass(frozen=True)
 class ReshardPlanning(Pass):
     """``pipelined``: the Strategy places pipeline stages — reshards may cross stage meshes, and
-    copies of a parameter on other stages follow its update (refresh needs)."""
+    copies of a parameter on other stages follow its update (refresh needs). ``reduce_dtype``:
+    the dtype gradient reductions move (None: the gradient's own); a gradient reduced in
+    another dtype is planned, priced and emitted in it, cast before and back after
+    (:mod:`.reshard_emission`)."""
 
     pipelined: bool = declared()
+    reduce_dtype: str | None = declared(None)
 
     name: ClassVar[str] = "reshard_planning"
     plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
     plan_ensures: ClassVar[str] = "reshard-planned"
 
     def plan(self, state: CompileState) -> PlannedReshards:
+        grads = gradients(state.graph) if self.reduce_dtype is not None else {}
         first_read: dict[tuple, int] = {}
         zero_plan = state.result(ZeroPlan)
         zero = {z.gradient: z for z in state.zero}
@@ -58,7 +63,8 @@ class ReshardPlanning(Pass):
             if value.kind in SOURCES and have.mesh != need.need.mesh and whole and need.site.kind is not SiteKind.REFRESH:
                 # a whole parameter, state or feed: every rank has its own copy (start-up and feeds run everywhere)
                 have = DistAttr.replicated(need.need.mesh, len(value.shape))
-            plan = plan_reshard(have, need.need, value.shape, value.dtype, state.cluster)
+            moved = self.reduce_dtype if need.value in grads and have.partial else value.dtype  # (a gradient reduction)
+            plan = plan_reshard(have, need.need, value.shape, moved, state.cluster)
             if not plan.steps:
                 continue
             _check_site(state, need, plan, written_back, self.pipelined)

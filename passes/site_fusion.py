@@ -39,7 +39,7 @@ from autopar.cost_model.planner import plan_reshard
 from autopar.dist_attr import DistAttr
 from autopar.passes.allreduce_fusion import gradients_complete
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import collective_op, read_site
+from autopar.passes.reshard_emission import emit_collective, read_site
 from autopar.passes.results import SiteBucket, SiteBuckets
 from autopar.propagation import SiteKind
 
@@ -164,10 +164,7 @@ def _emit(state: CompileState, rp: RankProgram, bucket: SiteBucket, members: lis
         dst=DistAttr.of(mesh, ((),)), shape=(total,), output_shape=(total,), bytes=bucket.bytes, time=bucket.time,
         reason=bucket.reason, reduce=bucket.reduce, dtype=members[0].plan.dtype,
     )  # fmt: skip
-    ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
-    gathered = collective_op(collective, flat, ring)
-    gathered.set_type(paddle.pir.create_shaped_type(flat.type(), [total]))
-    rp.collectives.append((collective, gathered.get_defining_op().id()))
+    gathered = emit_collective(state, rp, collective, flat, step.mesh_dims)
     if not gather:
         for member, piece in zip(members, paddle._C_ops.split(gathered, sizes, 0)):
             out = paddle._C_ops.reshape(piece, list(member.need.need.local_shape(member.plan.shape, rp.rank)))

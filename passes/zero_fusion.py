@@ -38,7 +38,7 @@ from autopar.dist_attr import DistAttr
 from autopar.graph import Role, ValueKey
 from autopar.passes.allreduce_fusion import check_bucket_bytes
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
-from autopar.passes.reshard_emission import collective_op, read_site, replace_uses
+from autopar.passes.reshard_emission import cast_to, dtype_name, emit_collective, read_site, replace_uses
 from autopar.passes.results import ZeroBucket, ZeroBuckets
 from autopar.propagation import SiteKind
 
@@ -103,8 +103,9 @@ def _riders(state: CompileState, rp: RankProgram, by_index: dict[int, PlannedRes
         return []
     first = by_index[scatters[0].members[0]]
     group = first.plan.steps[0].group_of(rp.rank)
-    if by_index[gathers[0].members[0]].plan.steps[0].group_of(rp.rank) != group:
-        return []
+    gather = by_index[gathers[0].members[0]]
+    if gather.plan.steps[0].group_of(rp.rank) != group or gather.plan.dtype != first.plan.dtype:
+        return []  # (a rider is one buffer's piece in both: gradients reduced in another dtype than the parameters')
     positions = {op.id(): i for i, op in enumerate(rp.program.global_block().ops)}
     start = positions[rp.ops[min(by_index[i].need.op for i in scatters[0].members)].id()]
     out: list[ValueKey] = []
@@ -240,7 +241,7 @@ def _rank_rows(x: Any, planned: PlannedReshard, have: DistAttr, sharded: DistAtt
     return paddle._C_ops.stack([_padded(p, size, max(sizes)) for p, size in zip(pieces, sizes)], 0)
 
 
-def emitted_ops(bucket: ZeroBucket, members: list[PlannedReshard], rank: int) -> int:
+def emitted_ops(state: CompileState, bucket: ZeroBucket, members: list[PlannedReshard], rank: int) -> int:
     """How many ops :meth:`ZeroBucketFusion.emit` adds to ``rank``'s program for ``bucket``
     (what pricing counts: on a host each op costs its launch; each Paddle op below with the
     constants it takes: reshape 2, slice 3, concat 3, split 4, stack 2, full 1)."""
@@ -250,6 +251,7 @@ def emitted_ops(bucket: ZeroBucket, members: list[PlannedReshard], rank: int) ->
     own = group.index(rank)
     ops = 3 + 2 + 1 + 4  # the buffer joined (and flattened or split into rows), the collective, the split
     for member in members:
+        ops += 2 * (member.plan.dtype != state.graph.values[member.need.value].dtype)  # reduce_dtype: cast there and back
         sizes, shape = _sizes(member, group), member.plan.shape
         padded = 2 * (len(shape) != 1)  # (_padded: flattened unless 1-d, padded with a full + concat)
         if kind_of(bucket.kind).reduces:
@@ -297,8 +299,6 @@ def _record(
     state: CompileState, rp: RankProgram, bucket: ZeroBucket, x: Any, group: tuple[int, ...], step: Any,
     riders: list[ValueKey] = (),
 ) -> Any:  # fmt: skip
-    import paddle
-
     scatter = kind_of(bucket.kind).reduces
     chunk = math.prod(x.shape) // (len(group) if scatter else 1)
     total = chunk * len(group)
@@ -309,14 +309,10 @@ def _record(
         value=f"zero bucket {bucket.index} ({len(bucket.members)} tensors)",
         src=DistAttr.of(mesh, ((),), tuple((d, "sum") for d in step.mesh_dims)) if scatter else split,
         dst=split if scatter else DistAttr.of(mesh, ((),)), shape=(total,), output_shape=(chunk,) if scatter else (total,),
-        bytes=bucket.bytes, time=bucket.time, reduce=step.reduce or "sum",
+        bytes=bucket.bytes, time=bucket.time, reduce=step.reduce or "sum", dtype=dtype_name(x),
         reason=bucket.reason + (f"; fetched {', '.join(state.graph.values[k].label for k in riders)} rides along (no collective of its own)" if riders else ""),
     )  # fmt: skip
-    ring = rp.rings.setdefault(group, state.ring_of(step.mesh_dims, group))
-    out = collective_op(collective, x, ring)
-    out.set_type(paddle.pir.create_shaped_type(x.type(), list(collective.output_shape)))
-    rp.collectives.append((collective, out.get_defining_op().id()))
-    return out
+    return emit_collective(state, rp, collective, x, step.mesh_dims)
 
 
 def _emit_scatter(
@@ -337,7 +333,9 @@ def _emit_scatter(
         sources = [rp.current(m.need.value) for m in members]
     readers = [{u.id() for u in source.all_used_ops()} for source in sources]
     sizes = [_sizes(m, group) for m in members]
-    rows = [_rank_rows(x, m, m.need.have, m.need.need, rp.rank, group) for x, m in zip(sources, members)]
+    moved = members[0].plan.dtype  # (gradients reduced in another dtype: Strategy.reduce_dtype)
+    cast = [cast_to(x, moved) for x in sources]
+    rows = [_rank_rows(x, m, m.need.have, m.need.need, rp.rank, group) for x, m in zip(cast, members)]
     numels = [math.prod(state.graph.values[key].shape) for key in riders]
     for key, numel in zip(riders, numels):  # row 0: the local value; the others' rows zeros
         value = paddle._C_ops.reshape(rp.produced(key), [1, numel])
@@ -351,7 +349,7 @@ def _emit_scatter(
     for member, flat, size, source, old in zip(members, split, sizes, sources, readers):
         local = member.need.need.local_shape(member.plan.shape, rp.rank)
         value = paddle._C_ops.slice(flat, [0], [0], [size[own]], [1], []) if size[own] != max(size) else flat
-        value = paddle._C_ops.reshape(value, list(local))
+        value = cast_to(paddle._C_ops.reshape(value, list(local)), state.graph.values[member.need.value].dtype)
         if after:
             replace_uses(source, value, {u.id() for u in source.all_used_ops()} - old)  # (not the pieces cut here)
             rp.final[member.need.value] = value

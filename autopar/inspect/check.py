@@ -217,8 +217,18 @@ def _serial_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any
             executor.run(dist.serial_startup_program)
         for feed in feeds:
             arrays = executor.run(program, feed=dict(feed), fetch_list=[ops[k[0]].result(k[1]) for k in keys])
-            out.append({k: np.asarray(a) for k, a in zip(keys, arrays)})
+            out.append({k: _numbers(a, dist.values.info(k).dtype) for k, a in zip(keys, arrays)})
     return out
+
+
+def _numbers(array: Any, dtype: str) -> np.ndarray:
+    """A value as numbers to compare: a bfloat16 one comes out of Paddle as its uint16 bits,
+    widened here to float32 (exactly), so neither its pieces' sums nor its differences are
+    taken on the bits."""
+    from autopar.low_precision import widen
+
+    array = np.asarray(array)
+    return widen(array, "bfloat16") if dtype == "bfloat16" and array.dtype == np.uint16 else array
 
 
 def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any]]) -> list[dict[ValueKey, dict[int, dict[int, np.ndarray]]]]:
@@ -240,13 +250,13 @@ def _distributed_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str
         for rank, runner in runners.items():
             if isinstance(runner, PipelineRunner):
                 for key, pieces in runner.captured().items():
-                    step.setdefault(key, {})[rank] = dict(pieces)
+                    step.setdefault(key, {})[rank] = {mb: _numbers(p, dist.values.info(key).dtype) for mb, p in pieces.items()}
             else:
                 for key, piece in zip(runner.fetch_keys, runner.fetch_pieces()):
-                    step.setdefault(key, {})[rank] = {0: piece}
+                    step.setdefault(key, {})[rank] = {0: _numbers(piece, dist.values.info(key).dtype)}
             for key, name in named.items():
                 if runner.scope.find_var(name) is not None:
-                    step.setdefault(key, {})[rank] = {0: runner.read(name)}
+                    step.setdefault(key, {})[rank] = {0: _numbers(runner.read(name), dist.values.info(key).dtype)}
         out.append(step)
     return out
 

@@ -137,6 +137,7 @@ class ReshardDecision:
     time: float
     reason: str
     shared_with: int | None  # an earlier reshard whose result this one reuses
+    dtype: str = "float32"  # what its steps move (a gradient reduced in Strategy.reduce_dtype moves that)
 
 
 class Reshards(tuple):
@@ -154,7 +155,7 @@ class Reshards(tuple):
         moved = [r for r in self if r.shared_with is None]
         total = f"{format_bytes(sum(r.bytes for r in moved))}, {format_time(sum(r.time for r in moved))} predicted"
         rows = [("value", "for", "site", "from -> to", "steps", "bytes", "time", "why")]
-        rows += [(r.value, r.op, r.site, f"{r.have} -> {r.need}", " + ".join(r.kinds) or "-", format_bytes(r.bytes),
+        rows += [(r.value, r.op, r.site, f"{r.have} -> {r.need}", " + ".join(r.kinds) or "-", f"{format_bytes(r.bytes)} {r.dtype}",
                   format_time(r.time), r.reason.split(": ", 1)[0] if r.shared_with is None else f"reuses reshard {r.shared_with}")
                  for r in self]  # fmt: skip
         return "\n".join([f"{len(self)} reshards ({total})", *text_table(rows, "  ")])
@@ -418,7 +419,7 @@ class Decisions:
             out.append(ReshardDecision(
                 planned.index, need.value, self.label(need.value), str(self._state.graph.ops[need.op]), need.op,
                 need.site.kind.value, need.have, need.need, tuple(step.kind.value for step in planned.plan.steps),
-                planned.plan.bytes, planned.plan.time, planned.reason, planned.shared_with,
+                planned.plan.bytes, planned.plan.time, planned.reason, planned.shared_with, planned.plan.dtype,
             ))  # fmt: skip
         return Reshards(out)
 

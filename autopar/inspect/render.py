@@ -61,7 +61,7 @@ def _op_node(op: OpView, name: str) -> Node:
         kind = f"{c.kind.upper()} ({c.reduce})" if kind_of(c.kind).reduces else c.kind.upper()
         label = "\n".join([
             kind,
-            f"group {list(c.group)} · {format_bytes(c.bytes)} · {format_time(c.time)}",
+            f"group {list(c.group)} · {format_bytes(c.bytes)} {c.dtype} · {format_time(c.time)}",
             f"{c.value}: {c.src} → {c.dst}",
             _wrap(f"why: {c.reason}"),
         ])  # fmt: skip

@@ -235,7 +235,7 @@ class Executor:
         for i, key in enumerate(runner.fetch_keys):
             info = self.plan.values.info(key)
             by_rank = {r: everyone[r][i] for r in info.produced.mesh.ranks}
-            out.append(assemble(by_rank, info.produced, info.shape))
+            out.append(assemble(by_rank, info.produced, info.shape, info.dtype))
         return out
 
     def _in_scope(self, runner: Any) -> bool:

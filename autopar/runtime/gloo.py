@@ -158,12 +158,13 @@ class GlooCommunicator:
         return tensor
 
     def gathered(self, x: np.ndarray) -> dict[int, np.ndarray]:
-        """Every rank's array, by rank (gloo's all_gather when the shapes agree, else an exchange)."""
+        """Every rank's array, by rank (gloo's all_gather when the shapes agree, else an exchange;
+        bfloat16 bits, held as uint16, always through the exchange: they come back as uint16)."""
         import paddle
         import paddle.distributed as pdist
 
         pieces: list[Any] = []
-        if self._even(x):
+        if x.dtype != np.uint16 and self._even(x):
             pdist.all_gather(pieces, paddle.to_tensor(x))
             return dict(zip(range(self.world), (p.numpy() for p in pieces)))
         pdist.all_gather_object(pieces, x)

@@ -227,8 +227,10 @@ def _segment(program: Any, k: int, members: set[int], crossing: set, names: dict
             if key[0] in members:
                 value = ops[key[0]].result(key[1])
                 paddle.pir.set_insertion_point_after(ops[key[0]])
-                if ops[key[0]].name() == "builtin.split":
-                    # an element of a vector has no scope variable of its own to rename: copy it
+                if ops[key[0]].name() == "builtin.split" or str(value.dtype) == "paddle.bfloat16":
+                    # an element of a vector has no scope variable of its own to rename: copy it.
+                    # (Measured, Paddle 3.3.1: the interpreter drops the export of a bfloat16
+                    # bias gradient of add_grad in an O2 program; a copy keeps it.)
                     value = paddle._pir_ops.assign(value)
                 paddle._pir_ops.set_persistable_value(value, names[key])
                 value.persistable = True

@@ -56,7 +56,8 @@ MAX_DIMS = 8
 POST, GROUP, COUNT, DTYPE, NDIM, GEN, DIMS = range(7)
 HEADER = DIMS + MAX_DIMS
 DTYPES = [np.dtype(t) for t in ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "uint16")]
-_BY_NAME = {dtype.name: dtype for dtype in DTYPES if dtype.name != "uint16"}  # (Paddle's uint16 is bfloat16's storage)
+# a scope tensor's dtype -> the numpy dtype its memory is viewed as (bfloat16 as its uint16 bits)
+_BY_NAME = {dtype.name: dtype for dtype in DTYPES if dtype.name != "uint16"} | {"bfloat16": np.dtype(np.uint16)}
 MIN_CAPACITY = 1 << 16
 SLEEP = 20e-6  # seconds between checks once a wait is not over at once (Linux rounds it up to ~60 us)
 

@@ -179,7 +179,7 @@ def fetched(values: ValueTable, keys: Sequence[Any], runners: Mapping[int, RankR
 def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np.ndarray:
     """A serial value's global array from every rank's piece (as its producer makes it)."""
     info = values.info(key)
-    return assemble(pieces, info.produced, info.shape)
+    return assemble(pieces, info.produced, info.shape, info.dtype)
 
 
 def parameters(values: ValueTable, runners: Mapping[int, RankRunner]) -> dict[str, np.ndarray]:

@@ -28,16 +28,13 @@ def test_gradients_planned_into_a_bucket_are_left_to_the_fusion():
     assert [c.kind for c, _ in emitted] == ["all_reduce"] * 6 and {c.key.source for c, _ in emitted} == {"reshard"}
 
 
-def test_a_collective_of_a_dtype_the_build_cannot_carry_is_refused_by_name():
-    """Paddle's AMP O2 (bfloat16 parameters, ``paddle.amp.decorate``) on mp = 2: the row-parallel
-    output is a bfloat16 all_reduce. Paddle's CPU build registers no bfloat16 all_reduce kernel, so
-    the op cannot be built: an AutoparError naming the collective, the value and its dtype, not
-    Paddle's TypeError (a CUDA build carries it)."""
+def _o2_row_parallel():
+    """Paddle's AMP O2 (bfloat16 parameters through ``paddle.amp.decorate``, fp32 masters) on
+    mp = 2: the row-parallel output is a bfloat16 all_reduce, which Paddle's CPU build registers
+    no kernel for (its op cannot be built on a bfloat16 input)."""
     import paddle
-    import pytest
 
     import autopar
-    from autopar.errors import AutoparError
 
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
@@ -53,9 +50,42 @@ def test_a_collective_of_a_dtype_the_build_cannot_carry_is_refused_by_name():
     mesh = autopar.ProcessMesh([0, 1], ["mp"])
     autopar.shard_tensor(model[0].weight, mesh, [None, "mp"])
     autopar.shard_tensor(model[2].weight, mesh, ["mp", None])
-    dist = autopar.compile(main, mesh, startup_program=startup)
+    return autopar.compile(main, mesh, startup_program=startup)
+
+
+def test_a_collective_of_a_dtype_the_build_cannot_carry_is_carried_in_the_host_form():
+    """The host form's op is a placeholder the runtime performs: a bfloat16 all_reduce reading
+    the bfloat16 value itself, typed bfloat16, with no trace of the float32 proxy it was built on;
+    its Collective says bfloat16 and counts 2 bytes an element."""
+    import paddle
+
+    dist = _o2_row_parallel()
+    plan = dist.rank_plan(0)
+    (collective,) = dist.comm_ops(0)
+    assert (collective.kind, collective.dtype, collective.bytes) == ("all_reduce", "bfloat16", 4 * 4 * 2)
+    ops = list(plan.program.global_block().ops)
+    carrier = ops[plan.collectives[0][1]]
+    assert carrier.name() == "pd_op.all_reduce"
+    assert carrier.operand_source(0).dtype == carrier.result(0).dtype == paddle.bfloat16
+    assert carrier.operand_source(0).get_defining_op().name() == "pd_op.matmul"  # the value itself, no cast between
+    assert "(tensor<4x4xbf16>) -> tensor<4x4xbf16>" in str(plan.program).split("pd_op.all_reduce")[1].splitlines()[0]
+    casts = [op.name() for op in dist.serial_program.global_block().ops].count("pd_op.cast")
+    assert [op.name() for op in ops].count("pd_op.cast") == casts  # the proxy cast erased
+
+
+def test_a_collective_of_a_dtype_the_build_cannot_carry_is_refused_by_name_in_the_native_form():
+    """The native form runs the op itself: on a build without the kernel (the CPU build) it is
+    refused naming the collective, the value and its dtype (a CUDA build carries it); the auto
+    backend then runs the host form."""
+    import paddle
+    import pytest
+
+    from autopar.errors import NativeUnsupported
+
+    dist = _o2_row_parallel()
     if paddle.is_compiled_with_cuda():
-        assert any(c.dtype == "bfloat16" for c in dist.comm_ops(0))
+        assert dist.rank_plan(0, "native").collectives
         return
-    with pytest.raises(AutoparError, match=r"all_reduce of .* \(bfloat16, row-parallel output.*no bfloat16 kernel"):
-        dist.rank_plan(0)
+    with pytest.raises(NativeUnsupported, match=r"all_reduce of .* \(bfloat16, row-parallel output.*no bfloat16 kernel"):
+        dist.rank_plan(0, "native")
+    assert dist.rank_plan(0, "auto").backend == "host"

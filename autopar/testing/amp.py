@@ -1,0 +1,417 @@
+"""Mixed-precision programs as users write them, and the numerics twin that runs them on CPU.
+
+Programs are built with Paddle's own AMP API, the form that builds in static PIR programs
+(docs/paddle_amp.md): ``paddle.amp.decorate(models, optimizers, level, dtype)`` and
+``paddle.amp.auto_cast`` around the forward, ``paddle.amp.GradScaler`` for dynamic loss scaling.
+
+Paddle 3.3.1's CPU build cannot run a bfloat16 training step: bf16 ``matmul_grad`` crashes and
+``adamw_`` refuses a bf16 parameter at build. The *numerics twin* makes such a program runnable
+while computing what a GPU's bf16 kernels compute: each low-precision ``matmul`` /
+``matmul_grad`` becomes its fp32 kernel on its inputs cast up exactly, its results rounded back
+to the low precision (a bf16 GEMM accumulating in fp32). The twin rewrites a compiled rank
+program (:func:`twinned`, op positions carried over) and the serial program
+(:func:`run_serial_twin`) alike, so "distributed = serial" is checked between the two twins,
+while the compiled program that is checked as text stays the real mixed-precision one.
+
+Three forms cannot be built here at all, so their builders make them another way and say so:
+O2 with AdamW (built with ``adamw_`` on the fp32 master, the bf16 copy refreshed from it: the
+twin at build time); float16 O1 (built in bf16, then every bf16 value retyped to float16, casts
+rebuilt: op for op the program Paddle builds on a GPU, rounded to float16 by the twin, so it
+overflows at 65504 as fp16 does); dynamic loss scaling on bf16 (Paddle emits its scaling ops only
+for float16: that path is forced on the bf16 program; grads are fp32 at O1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autopar.rank_plan import RankPlan
+from autopar.testing.models import SeedProgram
+from autopar.testing.serial import SerialResult
+
+TWINNED_OPS = ("pd_op.matmul", "pd_op.matmul_grad")  # low-precision kernels this CPU build cannot run
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Amp:
+    """How a program is mixed precision: Paddle's AMP ``level`` ("O1": fp32 parameters, matmuls
+    cast to ``dtype``; "O2": ``dtype`` parameters with fp32 master weights; "O0": no AMP, the
+    fp32 program), the optimizer, and dynamic loss scaling (``GradScaler``)."""
+
+    level: str = "O2"
+    dtype: str = "bfloat16"
+    optimizer: str = "sgd"
+    loss_scaling: bool = False
+    init_loss_scaling: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if self.level not in ("O0", "O1", "O2") or self.dtype not in LOW_PRECISION or self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"unsupported {self}: levels O0/O1/O2, dtypes {LOW_PRECISION}, optimizers sgd/adamw")
+        if self.loss_scaling and self.level != "O1":
+            raise ValueError("dynamic loss scaling is built on O1 here (its check ops have no bf16 CPU kernel)")
+        if self.dtype == "float16" and self.level == "O2":
+            raise ValueError("float16 O2 cannot be twinned here: its adds, activations and sgd_ have no float16 CPU kernel")
+
+    def __str__(self) -> str:
+        scaling = " + dynamic loss scaling" if self.loss_scaling else ""
+        return f"{self.level} {self.dtype} {self.optimizer}{scaling}"
+
+
+def amp_mlp(
+    amp: Amp, batch: int = 8, widths: Sequence[int] = (8, 16, 4), seed: int = 7, lr: float = 0.05, stages: Any = None
+) -> SeedProgram:
+    """An MLP (GELU between the linears, cross-entropy on fp32 logits) trained in mixed precision
+    as a user writes it. (GELU is smooth: a bf16 rounding never switches a unit off as at a
+    ReLU's kink, so two roundings of one run differ by rounding, not by a different branch.) ``layers`` names the linears ``linear1``...; ``values`` holds
+    the loss scaling states when ``amp.loss_scaling``. ``stages``: a mesh whose first dim is a
+    pipeline's: the linears split evenly over its stages (``autopar.shard_op``), the loss on the
+    last."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = seed
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():  # the same names every build
+        x = paddle.static.data("x", [batch, widths[0]], "float32")
+        label = paddle.static.data("label", [batch, 1], "int64")
+        layers = {f"linear{i + 1}": paddle.nn.Linear(widths[i], widths[i + 1]) for i in range(len(widths) - 1)}
+        model = paddle.nn.Sequential(*[m for i, layer in enumerate(layers.values()) for m in (layer, paddle.nn.GELU())][:-1])
+        model, opt = _decorated(amp, model, lr)
+        criterion = lambda logits: paddle.mean(paddle.nn.functional.cross_entropy(logits.astype("float32"), label))  # noqa: E731
+        with paddle.amp.auto_cast(enable=amp.level != "O0", level=amp.level, dtype="bfloat16"):  # float16: retyped below
+            if stages is None:
+                loss = criterion(model(x))
+            else:
+                loss = _staged(model, stages, x, criterion)
+        values = _minimize(amp, opt, loss)
+    if amp.dtype == "float16":
+        _retype_to_float16(main)
+    return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers, values)
+
+
+def _staged(model: Any, mesh: Any, x: Any, criterion: Any) -> Any:
+    """``model``'s layers run on ``mesh``'s stages in order (an activation stays with its linear)."""
+    import autopar
+
+    blocks = [list(model)[i : i + 2] for i in range(0, len(model), 2)]
+    count = mesh.shape[0]
+    h = x
+    for i, block in enumerate(blocks):
+        h = autopar.shard_op(lambda t, block=block: _chain(block, t), mesh[i * count // len(blocks)])(h)
+    return autopar.shard_op(criterion, mesh[count - 1])(h)
+
+
+def _chain(layers: Sequence[Any], t: Any) -> Any:
+    for layer in layers:
+        t = layer(t)
+    return t
+
+
+def _retype_to_float16(program: Any) -> None:
+    """``program``, built in bf16, made the float16 program Paddle builds on a GPU: each cast to
+    bf16 rebuilt as a cast to float16, every other bf16 value retyped. (This CPU build refuses
+    to construct a float16 matmul, so an fp16 program cannot be built directly; at O1 the two
+    programs differ only in that dtype.)"""
+    import paddle
+    from paddle import _C_ops
+
+    float16 = None
+    with paddle.static.program_guard(program):
+        for op in list(program.global_block().ops):
+            if op.name() == "pd_op.cast" and str(op.result(0).dtype) == "paddle.bfloat16":
+                paddle.pir.set_insertion_point(op)
+                made = _C_ops.cast(op.operand_source(0), paddle.float16)
+                op.result(0).replace_all_uses_with(made)
+                op.erase()
+                float16 = made.type()
+        paddle.pir.reset_insertion_point_to_end()
+    for op in program.global_block().ops:
+        for value in op.results():
+            if value.initialized() and value.is_dense_tensor_type() and str(value.dtype) == "paddle.bfloat16":
+                value.set_type(paddle.pir.create_shaped_type(float16, value.shape))
+
+
+def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
+    """``model`` and its multi-precision optimizer through ``paddle.amp.decorate`` (O2 casts
+    the parameters, so it comes before the forward is built)."""
+    import paddle
+
+    mixed = amp.level != "O0"
+    if amp.optimizer == "sgd":
+        opt = paddle.optimizer.SGD(lr, parameters=model.parameters(), multi_precision=mixed)
+    else:
+        opt = paddle.optimizer.AdamW(lr, parameters=model.parameters(), weight_decay=0.01, multi_precision=mixed)
+    if not mixed:
+        return model, opt
+    return paddle.amp.decorate(models=model, optimizers=opt, level=amp.level, dtype="bfloat16")
+
+
+def _minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
+    """Minimize ``loss`` as the program's form does; the loss scaling states by name when scaling."""
+    with _twin_adamw() if (amp.level, amp.optimizer) == ("O2", "adamw") else contextlib.nullcontext():
+        if not amp.loss_scaling:
+            opt.minimize(loss)
+            return {}
+        return _minimize_scaled(amp, opt, loss)
+
+
+def _minimize_scaled(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
+    """Paddle's dynamic loss scaling: its float16 path (the only one that emits the scaling
+    ops) forced while the program is built in bf16 (a float16 program is retyped after; a bf16
+    one keeps Paddle's float16 scaling on bf16 arithmetic). Gradients are fp32 (O1)."""
+    import paddle
+    from paddle.amp.auto_cast import amp_global_state
+    from paddle.base import core
+
+    opt._amp_vartype = core.DataType.FLOAT16
+    state = amp_global_state()
+    before, state.amp_dtype = state.amp_dtype, "float16"
+    try:
+        scaler = paddle.amp.GradScaler(
+            init_loss_scaling=amp.init_loss_scaling, incr_every_n_steps=2, decr_every_n_nan_or_inf=1, use_dynamic_loss_scaling=True
+        )
+        scaler.minimize(opt, scaler.scale(loss))
+    finally:
+        state.amp_dtype = before
+    return {"loss_scaling": scaler._scale}
+
+
+@contextlib.contextmanager
+def _twin_adamw() -> Iterator[None]:
+    """While building: ``adamw_`` on a low-precision parameter with an fp32 master (which this
+    build refuses) becomes ``adamw_`` on the master, then the parameter refreshed from it: what
+    the multi-precision kernel computes."""
+    from paddle import _C_ops
+
+    real = _C_ops.adamw_
+
+    def adamw_(param: Any, grad: Any, lr: Any, m1: Any, m2: Any, m2max: Any, b1p: Any, b2p: Any, master: Any, found_inf: Any, *attrs: Any) -> Any:
+        import paddle
+
+        if master is None or str(param.dtype) == "paddle.float32":
+            return real(param, grad, lr, m1, m2, m2max, b1p, b2p, master, found_inf, *attrs)
+        attrs = list(attrs)
+        attrs[8] = False  # multi_precision: the master is the parameter now
+        outs = real(master, _C_ops.cast(grad, paddle.float32), lr, m1, m2, m2max, b1p, b2p, None, found_inf, *attrs)
+        _C_ops.assign_out_(_C_ops.cast(outs[0], param.dtype), param)
+        return outs
+
+    _C_ops.adamw_ = adamw_
+    try:
+        yield
+    finally:
+        _C_ops.adamw_ = real
+
+
+def _is_low(value: Any) -> bool:
+    return value.initialized() and str(value.dtype).rsplit(".", 1)[-1] in LOW_PRECISION
+
+
+def twin_program(program: Any) -> tuple[dict[int, int], dict[int, int]]:
+    """Rewrite ``program`` in place: each op of :data:`TWINNED_OPS` reading a low-precision
+    value runs its fp32 kernel on the values cast up, each result cast back to its dtype.
+    Returns ``(replaced, made_for)``: the id of each op erased -> the id of its fp32 op, and the
+    id of each op inserted -> the id of the op it was made for."""
+    import paddle
+    from paddle import _C_ops
+
+    replaced: dict[int, int] = {}
+    made_for: dict[int, int] = {}
+    with paddle.static.program_guard(program):
+        for op in list(program.global_block().ops):
+            if op.name() not in TWINNED_OPS:
+                continue
+            inputs = [op.operand_source(i) for i in range(op.num_operands())]
+            if not any(_is_low(v) for v in inputs):
+                continue
+            old_id, before = op.id(), set(map(_op_id, program.global_block().ops))
+            paddle.pir.set_insertion_point(op)
+            up = [_C_ops.cast(v, paddle.float32) if _is_low(v) else v for v in inputs]
+            transpose = (op.attrs()["transpose_x"], op.attrs()["transpose_y"])
+            fp32 = [_C_ops.matmul(*up, *transpose)] if op.name() == "pd_op.matmul" else list(_C_ops.matmul_grad(*up, *transpose))
+            for i, new in enumerate(fp32):
+                old = op.result(i)
+                if old.initialized() and not old.use_empty():
+                    old.replace_all_uses_with(_C_ops.cast(new, old.dtype))
+            kernel = fp32[0].get_defining_op().id()
+            op.erase()
+            replaced[old_id] = kernel
+            made_for.update({i: old_id for i in map(_op_id, program.global_block().ops) if i not in before and i != kernel})
+    paddle.pir.reset_insertion_point_to_end()
+    return replaced, made_for
+
+
+def _op_id(op: Any) -> int:
+    return op.id()
+
+
+def twin_plan(plan: RankPlan) -> RankPlan:
+    """``plan`` running the twin: its program cloned and rewritten by :func:`twin_program`,
+    every op position the plan holds (collectives, serial values, fetches, pipeline phases and
+    pieces) moved to where the op is now; an inserted cast runs where the op it serves runs."""
+    program = plan.program.clone()
+    old = [op.id() for op in program.global_block().ops]
+    replaced, made_for = twin_program(program)
+    if not replaced:
+        return plan
+    now = {op_id: i for i, op_id in enumerate(op.id() for op in program.global_block().ops)}
+    moved = [now[replaced.get(op_id, op_id)] for op_id in old]
+    origin = {op_id: position for position, op_id in enumerate(old)}
+    source = [origin[made_for.get(op_id, op_id)] if op_id not in replaced.values() else None for op_id in now]
+    for op_id, kernel in replaced.items():
+        source[now[kernel]] = origin[op_id]
+    role = plan.pipeline
+    if role is not None:
+        grouped: dict[int, list[int]] = {}
+        for position, from_position in enumerate(source):
+            grouped.setdefault(from_position, []).append(position)
+        pieces = tuple(dataclasses.replace(p, ops=tuple(sorted(q for o in p.ops for q in grouped[o]))) for p in role.pieces)
+        role = dataclasses.replace(role, phases=tuple(role.phases[s] for s in source), pieces=pieces)
+    return dataclasses.replace(
+        plan,
+        program=program,
+        collectives=tuple((c, moved[p]) for c, p in plan.collectives),
+        op_positions=tuple(moved[p] for p in plan.op_positions),
+        replaced={key: (moved[p], r) for key, (p, r) in plan.replaced.items()},
+        fetch_positions=tuple((moved[p], r) for p, r in plan.fetch_positions),
+        pipeline=role,
+    )
+
+
+class Twinned:
+    """A DistributedProgram whose rank plans run the twin (:func:`twin_plan`); everything else
+    is the compiled program's. Hand it to ``autopar.simulate`` or ``autopar.Executor``."""
+
+    def __init__(self, dist: Any) -> None:
+        self.compiled = dist
+        self._plans: dict[Any, RankPlan] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+    def rank_plan(self, *args: Any, **kwargs: Any) -> RankPlan:
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in self._plans:
+            self._plans[key] = twin_plan(self.compiled.rank_plan(*args, **kwargs))
+        return self._plans[key]
+
+
+def twinned(dist: Any) -> Twinned:
+    return Twinned(dist)
+
+
+def run_serial_twin(main: Any, startup: Any, feeds: Sequence[Mapping[str, Any]], fetch_list: Sequence[Any]) -> SerialResult:
+    """The serial reference of a mixed-precision program: ``main`` cloned and twinned, run from
+    ``startup`` in a fresh scope (``main`` itself is untouched). ``parameters`` holds the
+    parameters and the fp32 master weights by name."""
+    import paddle
+
+    twin = main.clone()
+    fetches_in_twin = [_same_value(main, twin, v) for v in fetch_list]  # found before the rewrite
+    twin_program(twin)
+    scope = paddle.static.Scope()
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(scope):
+        exe.run(startup)
+        fetches = [[np.asarray(v) for v in exe.run(twin, feed=dict(feed), fetch_list=fetches_in_twin)] for feed in feeds]
+    return SerialResult(fetches, {n: read_tensor(scope, n) for n in state_names(main)})
+
+
+def _same_value(main: Any, clone: Any, value: Any) -> Any:
+    """``value`` of ``main`` in its ``clone`` (same ops, same order); not a result of an op the
+    twin replaces."""
+    op = value.get_defining_op()
+    if op.name() in TWINNED_OPS:
+        raise ValueError(f"{op.name()}'s result is remade by the twin: fetch a value computed from it")
+    position = next(i for i, o in enumerate(main.global_block().ops) if o.id() == op.id())
+    return clone.global_block().ops[position].result(value.index())
+
+
+def state_names(program: Any) -> list[str]:
+    """Parameters and persistable states (fp32 masters, loss scaling, optimizer moments) a
+    program reads from the scope, by name."""
+    names = []
+    for op in program.global_block().ops:
+        if op.name() == "builtin.parameter":
+            names.append(str(op.attrs()["parameter_name"]))
+        elif op.name() == "pd_op.data" and op.result(0).persistable:
+            names.append(str(op.attrs()["name"]))
+    return names
+
+
+def read_tensor(scope: Any, name: str) -> np.ndarray:
+    """A scope tensor as numpy; a bf16 one as float32 (exact: bf16 is fp32's upper half)."""
+    return as_float32(np.array(scope.find_var(name).get_tensor()))
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How far the serial twin lies from the same program in fp32: the rounding of the low
+    precision itself. A distributed run rounds its pieces separately (a gradient summed from
+    bf16 pieces, a micro-batch's rounded gradient), so it differs from the serial twin by bf16
+    roundings; it is held to this floor. (Reordering the batch's rows, the floor of fp32 runs,
+    moves the bf16 twin by ~0: it does not change which values are rounded.)"""
+
+    losses: tuple[float, ...]  # per step, |loss of the fp32 program - loss of the serial twin|
+    parameters: Mapping[str, float]  # per parameter, max |difference| after the last step
+
+
+def measured_floor(build: Callable[[Amp], SeedProgram], amp: Amp, feeds: Sequence[Mapping[str, Any]]) -> Floor:
+    """The :class:`Floor` of ``build(amp)`` against ``build`` of the same program without AMP."""
+    import paddle
+
+    start = paddle.get_rng_state()
+    mixed, plain = build(amp), build(dataclasses.replace(amp, level="O0", loss_scaling=False))
+    twin = run_serial_twin(mixed.main, mixed.startup, feeds, [mixed.loss])
+    paddle.set_rng_state(start)
+    fp32 = run_serial_twin(plain.main, plain.startup, feeds, [plain.loss])
+    paddle.set_rng_state(start)
+    losses = tuple(float(abs(a[0] - b[0])) for a, b in zip(twin.fetches, fp32.fetches))
+    names = _parameter_names(plain.main)
+    return Floor(losses, {n: float(np.max(np.abs(twin.parameters[n] - fp32.parameters[n]))) for n in names})
+
+
+def _parameter_names(program: Any) -> list[str]:
+    return [str(op.attrs()["parameter_name"]) for op in program.global_block().ops if op.name() == "builtin.parameter"]
+
+
+def assert_twin_equals_serial(
+    build: Callable[[Amp], SeedProgram], amp: Amp, seed: SeedProgram, dist: Any, feeds: Sequence[Mapping[str, Any]]
+) -> None:
+    """``dist`` (compiled from ``seed = build(amp)``) run twinned in the simulator equals the
+    serial twin from one generator state, within twice the :func:`measured_floor`: losses every
+    step (against the largest step's floor) and every parameter after the last step (its own).
+
+    Why twice: the distributed run and the serial twin are two bf16 computations of the same
+    fp32 result, each about a floor away from it; a wrong collective or placement moves values
+    by their own size, far beyond. The simulator also refuses replicated copies (parameters,
+    fp32 masters, optimizer states) that differ by a bit."""
+    import paddle
+
+    from autopar.runtime.simulator import simulate
+
+    floor = measured_floor(build, amp, feeds)
+    start = paddle.get_rng_state()
+    result = simulate(twinned(dist), feeds, [seed.loss])
+    paddle.set_rng_state(start)
+    serial = run_serial_twin(seed.main, seed.startup, feeds, [seed.loss])
+    bound = 2 * max(floor.losses)
+    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
+        error = abs(float(got[0]) - float(want[0]))
+        assert error <= bound, f"{amp}: loss at step {step} {float(got[0])}, the serial twin's {float(want[0])}: {error} > {bound}"
+    for name, floor_of in floor.parameters.items():
+        error = float(np.max(np.abs(as_float32(result.parameters[name]) - serial.parameters[name])))
+        assert error <= 2 * floor_of, f"{amp}: {name} is {error} from the serial twin's, more than twice its floor {floor_of}"
+
+
+def as_float32(array: np.ndarray) -> np.ndarray:
+    """A parameter as float32: a bf16 one read as its uint16 bits is widened exactly."""
+    array = np.asarray(array)
+    return (array.astype(np.uint32) << 16).view(np.float32) if array.dtype == np.uint16 else array.astype(np.float32)
