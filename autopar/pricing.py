@@ -401,10 +401,19 @@ def _communication(
 
 
 def _ratio(state: CompileState, planned: PlannedReshard, precision: Precision) -> float:
-    """Bytes ``planned`` moves in ``precision`` per byte planned (1: as built)."""
-    if precision.as_built:
+    """Bytes ``planned`` moves in ``precision`` per byte planned (1: as built, and for a gradient
+    reduction planned in the user's ``Strategy.reduce_dtype``: it moves that dtype either way)."""
+    if precision.as_built or _reduced_as_asked(state, planned):
         return 1.0
     return precision.ratio(planned.plan.dtype, state.graph.values[planned.need.value].kind)
+
+
+def _reduced_as_asked(state: CompileState, planned: PlannedReshard) -> bool:
+    """Whether ``planned`` is a gradient reduction (a partial value the backward makes) planned in
+    ``Strategy.reduce_dtype`` (passes/reshard_planning.py)."""
+    reduce = state.strategy.reduce_dtype
+    return (reduce is not None and planned.plan.dtype == reduce and bool(planned.need.have.partial)
+            and state.graph.ops[planned.need.value[0]].role is Role.BACKWARD)  # fmt: skip
 
 
 def _step_seconds(step: Any, group: tuple[int, ...], ratio: float, cluster: Any) -> tuple[float, int]:
@@ -419,8 +428,7 @@ def _bucket_seconds(state: CompileState, bucket: Any, by_index: dict[int, Any], 
     """A fused bucket's seconds and bytes on ``rank`` in ``precision`` (its members' dtype and kind)."""
     if precision.as_built:
         return bucket.time, bucket.bytes
-    first = by_index[bucket.members[0]]
-    ratio = precision.ratio(getattr(bucket, "dtype", None) or first.plan.dtype, state.graph.values[first.need.value].kind)
+    ratio = _ratio(state, by_index[bucket.members[0]], precision)  # (a bucket's members share a dtype)
     found = _bucket_group(bucket, by_index, rank)
     if found is None:
         return bucket.time * ratio, int(bucket.bytes * ratio)

@@ -116,3 +116,13 @@ def test_the_search_prices_every_plan_in_the_precision_asked(gpt):
         bf16 = autopar.suggest(gpt.main, 2, gpt.startup, cluster=H100, top=1, shapes=[(2, 1, 1)], precision="bf16")
     assert fp32.precision == "float32" and bf16.precision.startswith("bfloat16")
     assert bf16[0].price.step < fp32[0].price.step / 3
+
+
+def test_gradients_reduced_in_float32_as_asked_keep_their_bytes_in_bf16(gpt):
+    """``Strategy(reduce_dtype="float32")``: the mixed-precision program's gradient all_reduces
+    move float32, as the float32 program's do."""
+    fp32 = autopar.price_plan(gpt.main, (2, 1, 1), None, gpt.startup, cluster=H100)
+    asked = autopar.Strategy(reduce_dtype="float32")
+    bf16 = autopar.price_plan(gpt.main, (2, 1, 1), asked, gpt.startup, cluster=H100, precision="bf16")
+    assert bf16.price.sent == fp32.price.sent
+    assert bf16.price.communication == pytest.approx(fp32.price.communication)
