@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.cost_model.precision import AS_BUILT, LOW, Precision, program_precision
+from autopar.cost_model.precision import AS_BUILT, Precision, program_precision
 from autopar.errors import AutoparError, CostModelError
 
 MASTER_SUFFIX = "_fp32_master_0"  # Paddle's O2 master weights: persistable <param>_fp32_master_0
@@ -47,7 +47,7 @@ def chosen(who: str, given: Any, graph: Any) -> tuple[Precision, str]:
         words = (f"{asked.compute} (a float32 program priced as mixed precision: {asked.compute} activations, "
                  "parameters, gradients and their collectives, float32 master weights and optimizer states)")  # fmt: skip
         return asked, words
-    if asked.compute in built.split("/") and built in LOW:
+    if built == asked.compute:
         return AS_BUILT, own
     raise AutoparError(f"{who}: precision={given!r}, but the program computes in {own}; pass precision=None "
                        "to price it as built")  # fmt: skip
