@@ -126,3 +126,22 @@ def test_gradients_reduced_in_float32_as_asked_keep_their_bytes_in_bf16(gpt):
     bf16 = autopar.price_plan(gpt.main, (2, 1, 1), asked, gpt.startup, cluster=H100, precision="bf16")
     assert bf16.price.sent == fp32.price.sent
     assert bf16.price.communication == pytest.approx(fp32.price.communication)
+
+
+def test_the_twins_amp_programs_are_priced_by_the_dtypes_they_carry():
+    """``autopar.testing.amp``'s programs as users write them, on two data ranks: an O2 SGD
+    program's bfloat16 gradients all-reduced in half the bytes of the float32 program's; an O2
+    AdamW program holding 2 + 2 + 4 (master) + 8 (Adam) bytes a parameter; a float16 O1 program
+    reported as such."""
+    from autopar.testing.amp import Amp, amp_mlp
+
+    def priced(amp):
+        seed = amp_mlp(amp, widths=(64, 256, 16))
+        return autopar.price_plan(seed.main, (2, 1, 1), None, seed.startup, cluster=H100)
+
+    fp32, o2 = priced(Amp("O0")), priced(Amp("O2", "bfloat16", "sgd"))
+    assert fp32.precision == "float32" and o2.precision.startswith("bfloat16 (O2")
+    assert o2.price.sent == fp32.price.sent // 2 and o2.price.communication < fp32.price.communication
+    adamw = priced(Amp("O2", "bfloat16", "adamw"))
+    assert adamw.price.parameter_memory == pytest.approx(PARAMS * (2 + 2 + 4 + 8), abs=64)  # (+ the step's scalars)
+    assert priced(Amp("O1", "float16", "sgd")).precision == "float16 (O1: parameters float32)"
