@@ -131,7 +131,7 @@ def test_gradients_reduced_in_float32_as_asked_keep_their_bytes_in_bf16(gpt):
 def test_the_twins_amp_programs_are_priced_by_the_dtypes_they_carry():
     """``autopar.testing.amp``'s programs as users write them, on two data ranks: an O2 SGD
     program's bfloat16 gradients all-reduced in half the bytes of the float32 program's; an O2
-    AdamW program holding 2 + 2 + 4 (master) + 8 (Adam) bytes a parameter; a float16 O1 program
+    AdamW program (the real adamw_ on the bf16 parameter and its master) holding 2 + 2 + 4 (master) + 8 (Adam) bytes a parameter; a float16 O1 program
     reported as such."""
     from autopar.testing.amp import Amp, amp_mlp
 
@@ -144,4 +144,5 @@ def test_the_twins_amp_programs_are_priced_by_the_dtypes_they_carry():
     assert o2.price.sent == fp32.price.sent // 2 and o2.price.communication < fp32.price.communication
     adamw = priced(Amp("O2", "bfloat16", "adamw"))
     assert adamw.price.parameter_memory == pytest.approx(PARAMS * (2 + 2 + 4 + 8), abs=64)  # (+ the step's scalars)
+    assert adamw.price.sent == o2.price.sent  # (its gradients all-reduced in bfloat16 too)
     assert priced(Amp("O1", "float16", "sgd")).precision == "float16 (O1: parameters float32)"
