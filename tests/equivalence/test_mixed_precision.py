@@ -148,3 +148,17 @@ def test_a_float16_overflow_in_one_micro_batch_of_a_pipeline_is_skipped_on_every
     before, after = autopar.simulate(twin, feeds[:1], []), autopar.simulate(twin, feeds[:2], [])
     for name, value in before.parameters.items():  # the overflowing step is skipped on both stages
         np.testing.assert_array_equal(after.parameters[name], value, err_msg=name)
+
+
+def test_a_pipeline_fetch_no_rank_makes_is_refused_by_name():
+    """The loss scale, a state each stage keeps and no stage's compute makes, fetched from a
+    pipeline: refused naming it (it was an AttributeError from inside the assembly)."""
+    from autopar.errors import AutoparError
+    from autopar.testing.amp import twinned
+
+    mesh = autopar.ProcessMesh([0, 1], dim_names=["pp"])
+    seed = amp_mlp(Amp("O1", loss_scaling=True), widths=(8, 16, 16, 4), batch=12, stages=mesh)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    with pytest.raises(AutoparError, match="no rank made its piece of the fetched loss_scaling_0"):
+        autopar.simulate(twinned(dist), random_feeds(seed.feeds, 1, classes=4), [seed.loss, "loss_scaling_0"])
