@@ -162,6 +162,15 @@ class DeadOpRemoval(Rewrite):
         return work.reported(self, str(pruned), **moved)
 
 
+def _op_for_op(rewrite: Rewrite, work: Analysed, rewritten: Any, nothing: str) -> Analysed:
+    """``work`` after a rewrite that keeps every op where it was (``rewritten``: its result,
+    with ``.program``; None: it found nothing to do, reported as ``nothing``)."""
+    if rewritten is None:
+        return work.reported(rewrite, nothing)
+    same = tuple(range(len(work.graph.ops)))
+    return work.reported(rewrite, str(rewritten), **work.moved(rewritten.program, same))
+
+
 @dataclass(frozen=True)
 class ShapeReads(Rewrite):
     """Shape reads made constants (:mod:`.static_shapes`): a shape is known from the global
@@ -170,11 +179,7 @@ class ShapeReads(Rewrite):
     name: ClassVar[str] = "static_shapes"
 
     def apply(self, work: Analysed) -> Analysed:
-        rewritten = constant_shapes(work.program)
-        if rewritten is None:
-            return work.reported(self, "no shape read")
-        same = tuple(range(len(work.graph.ops)))
-        return work.reported(self, str(rewritten), **work.moved(rewritten.program, same))
+        return _op_for_op(self, work, constant_shapes(work.program), "no shape read")
 
 
 @dataclass(frozen=True)
@@ -186,11 +191,7 @@ class LossScalingResults(Rewrite):
     name: ClassVar[str] = "loss_scaling_results"
 
     def apply(self, work: Analysed) -> Analysed:
-        rewired = loss_scaling_results(work.program)
-        if rewired is None:
-            return work.reported(self, "no dynamic loss scaling")
-        same = tuple(range(len(work.graph.ops)))
-        return work.reported(self, str(rewired), **work.moved(rewired.program, same))
+        return _op_for_op(self, work, loss_scaling_results(work.program), "no dynamic loss scaling")
 
 
 @dataclass(frozen=True)
