@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_long_run.py
 	$(PY) benchmarks/bench_launch_faults.py
 	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_mixed_precision.py
 	$(PY) benchmarks/bench_pipeline.py
 	$(PY) benchmarks/bench_training_pieces.py
 	$(PY) benchmarks/bench_checkpoint.py

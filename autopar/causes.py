@@ -30,6 +30,7 @@ NORM_PLUMBING = ops_where("norm_plumbing", short=True)
 # how a clipped (or otherwise rescaled) gradient is made from the raw one
 RESCALES = ops_where("rescales", short=True)
 MATMULS = ops_where("matmul_like", short=True)
+OVERFLOW_CHECKS = ops_where("checks_overflow", short=True)
 LAYERS_SHOWN = 3
 
 
@@ -176,6 +177,8 @@ def reshard_cause(state: Any, need: Any) -> str:
         return in_layer("pipeline stage boundary", layer_of(graph, reader.index) or layer_of(graph, producer.index))
     if str(reader) in state.propagation.unsupported:
         return in_layer(f"no SPMD rule for {reader.short_name}", layer_of(graph, reader.index))
+    if reduced and producer.short_name in OVERFLOW_CHECKS:  # each rank checked only its pieces of the gradients
+        return "loss scaling overflow flag (found_inf) agreed over " + "/".join(need.have.mesh.dim_names[d] for d in sorted(reduced))
     if reduced:
         origin = _partial_origin(state, need.value, reduced)
         return in_layer(_partial_feature(origin), layer_of(graph, origin.index) or layer_of(graph, reader.index))

@@ -11,10 +11,11 @@ A checkpoint is a directory::
 
 ``index.json``::
 
-    {"format": "autopar-checkpoint", "version": 1, "data": "data-20250101T120000-1a2b3c4d",
+    {"format": "autopar-checkpoint", "version": 2, "data": "data-20250101T120000-1a2b3c4d",
      "mesh": {"shape": [2, 2], "dim_names": ["dp", "mp"], "ranks": [0, 1, 2, 3]},
      "metadata": {},                                  # the user's, from exe.save(path, metadata=)
      "tensors": {"linear_0.w_0": {"kind": "parameter", "shape": [16, 32], "dtype": "float32",
+                  "stored_as": "float32",           # the files' numpy dtype ("uint16" for bfloat16)
                   "placement": "[R,S(1)]", "mesh": "...",          # how it lay when saved
                   "boxes": [{"file": "data-.../linear_0.w_0.at_0_0.npy", "offsets": [0, 0],
                              "shape": [16, 16], "bytes": 1152, "sha256": "<hex>", "rank": 0},
@@ -24,9 +25,16 @@ A tensor's boxes tile it. Reading one without autopar (``sha256sum`` checks a fi
 
     index = json.load(open("ckpt/index.json"))
     t = index["tensors"]["linear_0.w_0"]
-    full = np.empty(t["shape"], t["dtype"])
+    full = np.empty(t["shape"], t["stored_as"])
     for b in t["boxes"]:
         full[tuple(slice(o, o + n) for o, n in zip(b["offsets"], b["shape"]))] = np.load("ckpt/" + b["file"])
+    if t["dtype"] == "bfloat16":  # the bits: as float32 values, exactly
+        full = (full.astype(np.uint32) << 16).view(np.float32)
+
+A bfloat16 tensor (Paddle's AMP O2 parameters) is saved as the ``uint16`` bits the scope hands
+out, tagged ``"dtype": "bfloat16"``; a load gives the scope back a bfloat16 tensor with the same
+bits. O2's fp32 master weights (``<param>_fp32_master_0``) are states like the moments, saved
+and resharded as placed. Version-1 checkpoints (before bfloat16) load as they are.
 
 :func:`load_full` gives the whole serial state dict (``paddle.static.set_program_state`` takes
 it) and :func:`export_paddle` writes the ``.pdparams`` / ``.pdopt`` pair ``paddle.static.load``
@@ -51,7 +59,8 @@ SHA-256, header), assembles the piece, and once every rank has read its pieces w
 (the price: a rank holds its loaded pieces beside its state for the moment of the load).
 
 The path must be visible to every rank (one host, or shared storage), and one job saves into a
-path at a time. Tensors of a dtype numpy lacks (bfloat16) are refused by name.
+path at a time. Tensors of a dtype the format cannot hold (numpy lacks it and it is not
+bfloat16: ``float8_e4m3fn``) are refused by name.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from typing import Any
 import numpy as np
 
 from autopar.checkpoint_format import (
+    BITS,
     DATA_DIR,
     INDEX,
     Box,
@@ -77,10 +87,12 @@ from autopar.checkpoint_format import (
     CheckpointError,
     Index,
     TensorEntry,
+    dtype_name,
     export_paddle,
     fsync_directory,
     load_full,
     read_index,
+    stored_dtype,
     sync_files,
     write_index,
     write_npy,
@@ -107,23 +119,23 @@ def saved_values(values: ValueTable) -> dict[str, ValueInfo]:
                 f"{info.kind} {name!r} is placed {info.placement} (partial): only whole values can be saved"
             )
         try:
-            np.dtype(info.dtype)
-        except TypeError:
-            raise CheckpointError(
-                f"{info.kind} {name!r} has dtype {info.dtype}, which numpy (and so the checkpoint format) lacks"
-            ) from None
+            dtype_name(info.dtype)
+        except CheckpointError as err:
+            raise CheckpointError(f"{info.kind} {name!r}: {err}") from None
         out[name] = info
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class BoxWrite:
-    """One file of a save: tensor ``name``'s ``box``, written by ``rank`` as ``file``."""
+    """One file of a save: tensor ``name``'s ``box``, written by ``rank`` as ``file``; ``dtype``
+    the tensor's (its index name: the runner's array must be of ``stored_dtype(dtype)``)."""
 
     name: str
     box: Box
     rank: int
     file: str
+    dtype: str
 
 
 def plan_writes(values: ValueTable) -> list[BoxWrite]:
@@ -144,7 +156,7 @@ def plan_writes(values: ValueTable) -> list[BoxWrite]:
                     f"two boxes of the checkpoint would share the file name {file!r} (tensor {name!r}): rename one"
                 )
             files.add(file)
-            writes.append(BoxWrite(name, box, rank, file))
+            writes.append(BoxWrite(name, box, rank, file, dtype_name(info.dtype)))
     return writes
 
 
@@ -196,6 +208,11 @@ class SaveTransaction:
                 raise CheckpointError(
                     f"rank {rank} holds {item.name!r} with shape {list(array.shape)}, its placement gives the box {item.box}"
                 )
+            if array.dtype != stored_dtype(item.dtype):  # (bfloat16: the bits, never values converted)
+                raise CheckpointError(
+                    f"rank {rank} hands out {item.name!r} as a {array.dtype} array; a {item.dtype} tensor is saved "
+                    f"from a {stored_dtype(item.dtype)} array"
+                )
             target = self.staging / item.file
             try:
                 size, digest = write_npy(target, array)
@@ -222,7 +239,7 @@ class SaveTransaction:
             box = Box(tuple(item["offsets"]), tuple(item["shape"]))
             boxes.setdefault(name, []).append(BoxFile(item["file"], box, item["bytes"], item["sha256"], item["rank"]))
         tensors = {
-            name: TensorEntry(name, info.kind, info.shape, str(np.dtype(info.dtype)), str(info.placement), str(info.placement.mesh),
+            name: TensorEntry(name, info.kind, info.shape, dtype_name(info.dtype), str(info.placement), str(info.placement.mesh),
                               tuple(sorted(boxes.get(name, []), key=lambda b: b.box.offsets)))
             for name, info in saved_values(values).items()
         }  # fmt: skip
@@ -336,7 +353,7 @@ def read_pieces(index: Index, wanted: Sequence[tuple[str, ValueInfo, Box]]) -> d
                 f"checkpoint {index.root / INDEX}: tensor {name!r} has shape {list(entry.shape)}, the program's {info.kind} "
                 f"has {list(info.shape)}"
             )
-        if entry.dtype != str(np.dtype(info.dtype)):
+        if entry.dtype != dtype_name(info.dtype):
             raise CheckpointError(
                 f"checkpoint {index.root / INDEX}: tensor {name!r} has dtype {entry.dtype}, the program's {info.kind} has {info.dtype}"
             )
@@ -346,7 +363,8 @@ def read_pieces(index: Index, wanted: Sequence[tuple[str, ValueInfo, Box]]) -> d
 
 
 def install(runner: Any, name: str, array: np.ndarray) -> None:
-    """Write a loaded piece into the runner's scope, after checking the scope's own shape."""
+    """Write a loaded piece into the runner's scope, after checking the scope's own shape and
+    dtype (Paddle makes a bfloat16 tensor of ``uint16`` bits: a bf16 tensor stays bf16)."""
     var = runner.scope.find_var(name)
     if var is not None and var.get_tensor()._is_initialized():
         held = tuple(var.get_tensor().shape())
@@ -354,12 +372,20 @@ def install(runner: Any, name: str, array: np.ndarray) -> None:
             raise AutoparError(
                 f"rank {runner.rank} holds {name!r} with shape {list(held)}, the loaded piece has {list(array.shape)}"
             )
+        kept, given = dtype_name(var.get_tensor()._dtype()), _scope_dtype(array)
+        if kept != given:
+            raise AutoparError(f"rank {runner.rank} holds {name!r} as {kept}, the loaded piece would make it {given}")
     if hasattr(runner, "write"):
         runner.write(name, array)
         return
     from autopar.runtime.device import current_device
 
     runner.scope.var(name).get_tensor().set(np.require(array, requirements="C"), current_device().place)
+
+
+def _scope_dtype(array: np.ndarray) -> str:
+    """The dtype of the tensor Paddle's ``tensor.set(array)`` makes: ``uint16`` bits are bfloat16."""
+    return next((name for name, bits in BITS.items() if array.dtype == bits), str(array.dtype))
 
 
 def load_ranks(path: Any, plans: Mapping[int, RankPlan], runners: Mapping[int, Any]) -> dict[str, Any]:

@@ -6,6 +6,14 @@ rank writes and reads which box; the layout is described there.
 Every read is checked before a byte is used: a file that is missing, shorter or longer than the
 index says, whose SHA-256 differs, or whose ``.npy`` header disagrees with the index raises
 :class:`CheckpointError` naming the tensor and the file.
+
+Dtypes: every numpy dtype, and (since version 2) ``bfloat16``, which numpy lacks. A bfloat16
+tensor's files hold its bits exactly as Paddle's scope hands them out (``np.array`` of a bf16
+tensor is a ``uint16`` array of the top 16 bits of each float32), and its index entry says
+``"dtype": "bfloat16", "stored_as": "uint16"``: the dtype is recorded, never inferred from the
+files, and the values are never converted (so never rounded) on the way. Paddle takes such a
+``uint16`` array back as a bfloat16 tensor (``tensor.set``, ``paddle.static.set_program_state``).
+Another dtype numpy lacks (``float8_e4m3fn``) is refused by name (:func:`dtype_name`).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import numpy as np
 from autopar.errors import CheckpointError
 
 FORMAT = "autopar-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: bfloat16 tensors (index entries gain "stored_as")
+READS = (1, 2)  # version 1 (autopar before bfloat16) has numpy dtypes only: the same files
 INDEX = "index.json"
 DATA_DIR = re.compile(r"^data-\d{8}T\d{6}-[0-9a-f]{8}(\.partial)?$")  # the only directories a save removes
 READERS = 4  # files read and verified at once by a load
@@ -163,13 +172,35 @@ def read_box_file(root: Path, name: str, dtype: str, record: BoxFile) -> np.ndar
         raise CheckpointError(
             f"{where} holds shape {list(shape)}, the index says box {record.box} (shape {list(record.box.shape)})"
         )
-    if _dtype_name(found) != dtype:
-        raise CheckpointError(f"{where} holds dtype {found}, the index says {dtype}")
+    if np.dtype(found) != stored_dtype(dtype):
+        stored = "" if str(stored_dtype(dtype)) == dtype else f" (stored as {stored_dtype(dtype)})"
+        raise CheckpointError(f"{where} holds dtype {found}, the index says {dtype}{stored}")
     return np.frombuffer(data, dtype=found, count=math.prod(shape), offset=fp.tell()).reshape(shape)
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(np.dtype(dtype))
+# ---- dtypes ------------------------------------------------------------------------------
+# Dtypes numpy lacks that the format holds: the numpy dtype of their bits in the files.
+BITS = {"bfloat16": np.dtype("<u2")}  # the top half of a float32's bits: what Paddle's scope hands out
+
+
+def dtype_name(dtype: Any) -> str:
+    """The index's name of a dtype (a numpy dtype, a Paddle dtype or its name): numpy's name, or
+    ``bfloat16``; a dtype the format cannot hold raises :class:`CheckpointError` naming it."""
+    text = str(dtype).removeprefix("paddle.")
+    if text in BITS:
+        return text
+    try:
+        return str(np.dtype(text))
+    except TypeError:
+        raise CheckpointError(
+            f"dtype {text} cannot be held by the checkpoint format: numpy lacks it, and of the dtypes numpy lacks "
+            f"the format holds only {', '.join(sorted(BITS))} (as bits)"
+        ) from None
+
+
+def stored_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of the files of a tensor of dtype ``dtype`` (an index name)."""
+    return BITS.get(dtype) or np.dtype(dtype)
 
 
 # ---- the index -------------------------------------------------------------------------
@@ -178,14 +209,19 @@ class TensorEntry:
     name: str
     kind: str  # "parameter" or "state" (optimizer state, learning rate, step counters)
     shape: tuple[int, ...]
-    dtype: str
+    dtype: str  # the tensor's: a numpy dtype's name or "bfloat16" (files: stored_dtype(dtype))
     placement: str  # as saved, for people: "[S(0),R]" on ``mesh``
     mesh: str
     boxes: tuple[BoxFile, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "shape": list(self.shape), "dtype": self.dtype, "placement": self.placement,
-                "mesh": self.mesh, "boxes": [b.to_json() for b in self.boxes]}  # fmt: skip
+        return {"kind": self.kind, "shape": list(self.shape), "dtype": self.dtype, "stored_as": str(self.stored),
+                "placement": self.placement, "mesh": self.mesh, "boxes": [b.to_json() for b in self.boxes]}  # fmt: skip
+
+    @property
+    def stored(self) -> np.dtype:
+        """The numpy dtype of its files and of the arrays a read returns (bfloat16: uint16 bits)."""
+        return stored_dtype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -241,7 +277,7 @@ class Index:
                         out[key] = array
                     continue
                 if key not in out:
-                    out[key] = np.empty(box.shape, dtype=np.dtype(dtype))
+                    out[key] = np.empty(box.shape, dtype=stored_dtype(dtype))
                 out[key][common.slices(box.offsets)] = array[common.slices(record.box.offsets)]
         for name, boxes in wanted.items():
             for box in boxes:
@@ -250,7 +286,7 @@ class Index:
                         f"checkpoint {self.root / INDEX}: the boxes of tensor {name!r} cover {covered.get((name, box), 0)} "
                         f"of the {box.size} elements of {box}"
                     )
-                out.setdefault((name, box), np.empty(box.shape, dtype=np.dtype(self.tensors[name].dtype)))
+                out.setdefault((name, box), np.empty(box.shape, dtype=self.tensors[name].stored))
         return out
 
     def _verified(self, jobs: Sequence[tuple[str, str, BoxFile, Any]]) -> Iterator[np.ndarray]:
@@ -277,9 +313,10 @@ def read_index(path: str | os.PathLike) -> Index:
         raise CheckpointError(f"checkpoint index {where} cannot be read: {err}") from err
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise CheckpointError(f'{where} is not an autopar checkpoint index (no "format": "{FORMAT}")')
-    if document.get("version") != VERSION:
+    if document.get("version") not in READS:
         raise CheckpointError(
-            f"{where} has format version {document.get('version')!r}; this autopar reads version {VERSION}"
+            f"{where} has format version {document.get('version')!r}; this autopar reads versions "
+            f"{', '.join(map(str, READS))}"
         )
     try:
         tensors = {name: _entry(name, spec) for name, spec in document["tensors"].items()}
@@ -294,7 +331,7 @@ def read_index(path: str | os.PathLike) -> Index:
 
 def _entry(name: str, spec: Mapping[str, Any]) -> TensorEntry:
     shape = tuple(int(s) for s in spec["shape"])
-    dtype = _dtype_name(spec["dtype"])
+    dtype = dtype_name(spec["dtype"])  # ("stored_as" follows from it: written for readers without autopar)
     boxes = []
     for item in spec["boxes"]:
         box = Box(tuple(int(o) for o in item["offsets"]), tuple(int(s) for s in item["shape"]))
@@ -337,7 +374,9 @@ def fsync_directory(path: Path) -> None:
 # ---- the full serial state -------------------------------------------------------------
 def load_full(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint as one full array, by name: the serial program's state dict
-    (``paddle.static.set_program_state(main, state)`` after its start-up takes it)."""
+    (``paddle.static.set_program_state(main, state)`` after its start-up takes it). A bfloat16
+    tensor comes as its ``uint16`` bits, as ``paddle.static.save`` writes it and Paddle takes it
+    back (``index.tensors[name].dtype`` says bfloat16)."""
     index = read_index(path)
     found = index.read_many({name: [Box.whole(entry.shape)] for name, entry in index.tensors.items()})
     return {name: found[name, Box.whole(entry.shape)] for name, entry in sorted(index.tensors.items())}

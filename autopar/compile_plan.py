@@ -33,6 +33,7 @@ from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import (
     DeadOpRemoval,
     LocalBatchNorm,
+    LossScalingResults,
     MaskedMeans,
     MicroBatch,
     PipelineStages,
@@ -41,6 +42,7 @@ from autopar.rewrites import (
     SequenceParallel,
     ShapeReads,
     StageNorms,
+    StageOverflowChecks,
 )  # fmt: skip
 from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
 
@@ -107,10 +109,10 @@ def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
 
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The serial rewrites ``strategy`` declares, in the order they run (autopar/rewrites)."""
-    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads()]
+    found: list[Rewrite] = [DeadOpRemoval(), ShapeReads(), LossScalingResults()]
     pipeline = strategy.pipeline
     if pipeline is not None:
-        found += [PipelineStages(pipeline.stages), StageNorms()]
+        found += [PipelineStages(pipeline.stages), StageNorms(), StageOverflowChecks()]
     if strategy.local_batch_norm:
         found.append(LocalBatchNorm())
     if pipeline is not None and pipeline.micro_batches > 1:

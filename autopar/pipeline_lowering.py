@@ -11,7 +11,8 @@ backward). :func:`lower` joins the two, once, at compile time:
 - the schedule becomes a tuple of :class:`RankAction` values, each running one piece for one
   micro-batch: compute (``F`` / ``B`` / ``I`` / ``W`` / ``OPT``), ``SEND`` / ``RECV`` naming their
   :class:`Transfer` (value, micro-batch, sender, receiver), ``REDUCE_GRAD`` / ``UNSHARD`` for
-  gradient buckets, and ``ACCUMULATE`` (micro-batch ``k``'s gradients of a stage added into
+  gradient buckets, ``SYNC`` for a step-wide agreement of every stage (dynamic loss scaling's
+  found_inf, all-reduced over the stages in the update phase), and ``ACCUMULATE`` (micro-batch ``k``'s gradients of a stage added into
   micro-batch 0's, which the update reads). A RECV action of the schedule runs the recvs its
   phase starts with, a SEND action the sends it ends with; a transfer in the middle of a phase
   runs where it sits.
@@ -58,6 +59,7 @@ Link = tuple[int, int]  # (sending rank, receiving rank)
 TRANSFER_KINDS = frozenset({SEND, RECV})
 COLLECTIVE_KINDS = TRANSFER_KINDS | {REDUCE_GRAD, UNSHARD, RESHARD, SYNC}  # a piece of one collective op
 PIECE_KINDS = COMPUTE_KINDS | {OPTIMIZER} | COLLECTIVE_KINDS  # the kinds that run a piece
+SYNC_SOURCE = "sync"  # the key source of a step-wide agreement (passes/pipeline_split.py: found_inf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +134,9 @@ class RankAction:
 
 
 def _collective_kind(collective: Collective) -> ActionKind | None:
-    """The action a collective op of a phase is, when it is one of its own: a transfer, or a
-    gradient bucket (a reduction, or ZeRO's gather); None: it runs inside the compute."""
+    """The action a collective op of a phase is, when it is one of its own: a transfer, a
+    gradient bucket (a reduction, or ZeRO's gather), or a step-wide agreement (SYNC); None: it
+    runs inside the compute."""
     kind = kind_of(collective.kind)
     if kind.sends:
         return SEND
@@ -141,6 +144,8 @@ def _collective_kind(collective: Collective) -> ActionKind | None:
         return RECV
     if collective.key.source == "bucket":
         return UNSHARD if kind.gathers else REDUCE_GRAD
+    if collective.key.source == SYNC_SOURCE:
+        return SYNC
     return None
 
 

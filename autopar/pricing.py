@@ -40,6 +40,15 @@ The step, on the busiest rank of each pipeline rank:
 Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states, and the kept
 activations times the micro-batches in flight (1F1B and ZB-H1: ``p - s`` on stage ``s``; FThenB:
 all ``m``).
+
+Precision (:class:`~autopar.cost_model.precision.Precision`): as built, every op computes in its
+operands' dtype (a bfloat16 matmul at the device's bfloat16 rate), moves and holds each value in
+its own dtype, and every collective its plan's dtype (an AMP O2 program: bfloat16 activations,
+parameters and gradients, float32 masters and states). ``Precision("bfloat16")`` prices a float32
+program as the mixed-precision program it stands for (the Megatron comparison's synthetic
+programs): its float32 activations, parameters and gradients in bfloat16 — compute, memory and
+the collectives moving them (each planned collective rescaled by its alpha-beta formula) — plus
+a float32 master per parameter, placed like its optimizer states.
 """
 
 from __future__ import annotations
@@ -54,7 +63,9 @@ from autopar.collective import CollectiveKind
 from autopar.collective_kinds import kind_of, point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
 from autopar.cost_model.comm import shared_cores_time
+from autopar.cost_model.compute import compute_dtype
 from autopar.cost_model.planner import group_at, plan_reshard
+from autopar.cost_model.precision import AS_BUILT, Precision, rescaled_time
 from autopar.graph import Role
 from autopar.inspect.cost_report import FREE_OPS, saved_activations
 from autopar.passes.base import CompileState, GradientBucket, PlannedReshard
@@ -130,18 +141,20 @@ class RankTimes:
         return self.compute + self.exposed
 
 
-def price(state: CompileState) -> Price:
+def price(state: CompileState, precision: Precision = AS_BUILT) -> Price:
     """The :class:`Price` of a planned compile state (no rank program is built): the first and
-    last rank of each pipeline rank's mesh stand for it (the first computes for both)."""
+    last rank of each pipeline rank's mesh stand for it (the first computes for both);
+    ``precision``: as built, or the mixed precision a float32 program stands for."""
     meshes = _stage_meshes(state)
     ends = list(dict.fromkeys(r for mesh in meshes for r in (mesh.ranks[0], mesh.ranks[-1])))
-    return step_price(state, rank_times(state, ends, computing=[mesh.ranks[0] for mesh in meshes], meshes=meshes))
+    computing = [mesh.ranks[0] for mesh in meshes]
+    return step_price(state, rank_times(state, ends, computing=computing, meshes=meshes, precision=precision), precision)
 
 
-def step_price(state: CompileState, times: dict[int, RankTimes]) -> Price:
+def step_price(state: CompileState, times: dict[int, RankTimes], precision: Precision = AS_BUILT) -> Price:
     """The step from the :func:`rank_times` of some of each stage's ranks: the slowest stage's
     micro-batches and the largest update; the busiest rank's exposed communication; the bubble
-    (memory from each stage's first rank)."""
+    (memory from each stage's first rank, in ``precision``)."""
     pipeline = state.strategy.pipeline
     micro = pipeline.micro_batches if pipeline is not None else 1
     stages: dict[int, list[RankTimes]] = {}
@@ -158,7 +171,7 @@ def step_price(state: CompileState, times: dict[int, RankTimes]) -> Price:
         )  # fmt: skip
         bubble = pipeline_bubble(pipeline.schedule, micro, virtual, per_rank)
     firsts = [min(ts, key=lambda t: t.rank).rank for _, ts in sorted(stages.items())]
-    memory, held = _memory(state, firsts, micro)
+    memory, held = _memory(state, firsts, micro, precision)
     sent = max(t.sent for t in times.values())
     return Price(compute, busiest.exposed, bubble, memory, held, sent, busiest.hidden)
 
@@ -193,12 +206,13 @@ def pipeline_bubble(schedule: str, micro_batches: int, virtual_stages: int, per_
 
 
 def rank_times(
-    state: CompileState, ranks: Iterable[int], computing: Iterable[int] | None = None, meshes: list[Any] | None = None
-) -> dict[int, RankTimes]:
+    state: CompileState, ranks: Iterable[int], computing: Iterable[int] | None = None, meshes: list[Any] | None = None,
+    precision: Precision = AS_BUILT,
+) -> dict[int, RankTimes]:  # fmt: skip
     """:class:`RankTimes` of each of ``ranks``. ``computing``: the ranks whose ops are priced
     (default: all of ``ranks``); another rank takes the compute of the first of them on its
     stage (a search prices a stage's first rank only). ``meshes``: each pipeline rank's mesh,
-    when the caller has them."""
+    when the caller has them; ``precision``: see the module docstring."""
     ranks = list(dict.fromkeys(ranks))
     computing = ranks if computing is None else list(dict.fromkeys(computing))
     pipeline = state.strategy.pipeline
@@ -211,9 +225,9 @@ def rank_times(
     stage_of = _stage_of(meshes or _stage_meshes(state), ranks)
     # collectives inside the program (no host segment), beside the compute: gradient syncs overlap the backward
     syncs = _gradient_syncs(state) if not device.segment_seconds else []
-    computed, ready = _compute(state, computing, {op for sync in syncs for op in sync.producers})
+    computed, ready = _compute(state, computing, {op for sync in syncs for op in sync.producers}, precision)
     added = _added_ops(state, ranks) if launch else {}
-    communicated = _communication(state, ranks)
+    communicated = _communication(state, ranks, precision)
     by_stage = {}
     for rank in computing:
         by_stage.setdefault(stage_of.get(rank, 0), rank)
@@ -227,7 +241,7 @@ def rank_times(
         hidden = 0.0
         if syncs:
             made = {op: shared * seconds for op, seconds in ready[source].items()}
-            hidden = _hidden(state, syncs, rank, made, backward)
+            hidden = _hidden(state, syncs, rank, made, backward, precision)
         out[rank] = RankTimes(rank, stage_of[rank], micro, forward, backward, update, runs, *communicated[rank], hidden)
     return out
 
@@ -247,7 +261,7 @@ def _stage_of(meshes: list[Any], ranks: list[int]) -> dict[int, int]:
 
 
 def _compute(
-    state: CompileState, ranks: list[int], producers: set[int] = frozenset()
+    state: CompileState, ranks: list[int], producers: set[int] = frozenset(), precision: Precision = AS_BUILT
 ) -> tuple[dict[int, tuple[float, float, float]], dict[int, dict[int, float]]]:
     """Forward, backward (of one micro-batch) and update seconds of the ops of each of ``ranks``
     (each op visited once: it is priced on those of ``ranks`` its mesh holds); and, for each
@@ -260,7 +274,7 @@ def _compute(
         if op.name in FREE_OPS or op.index not in propagation.op_results:
             continue
         for rank in _held_by(propagation.op_meshes.get(op.index, state.mesh), ranks):
-            times[rank][column.get(op.role, 1)] += _op_seconds(state, op, rank, cluster)
+            times[rank][column.get(op.role, 1)] += _op_seconds(state, op, rank, cluster, precision)
             if op.index in producers:
                 ready[rank][op.index] = times[rank][1]
     return {rank: (f, b, u) for rank, (f, b, u) in times.items()}, ready
@@ -275,11 +289,15 @@ class _Sync:
     bucket: GradientBucket | None = None
     planned: PlannedReshard | None = None
 
-    def seconds(self, rank: int, by_index: dict[int, Any]) -> float:
-        """What it costs ``rank`` (0: not taking part)."""
+    def seconds(self, state: CompileState, rank: int, by_index: dict[int, Any], precision: Precision) -> float:
+        """What it costs ``rank`` (0: not taking part), in ``precision``."""
         if self.bucket is not None:
-            return self.bucket.time if rank in _bucket_ranks(self.bucket, by_index) else 0.0
-        return sum(step.time for step in self.planned.plan.steps if not step.kind.is_local and _taking_part(step, [rank]))
+            if rank not in _bucket_ranks(self.bucket, by_index):
+                return 0.0
+            return self.bucket.time if precision.as_built else _bucket_seconds(state, self.bucket, by_index, rank, precision)[0]
+        ratio = _ratio(state, self.planned, precision)
+        return sum(_step_seconds(step, group, ratio, state.cluster)[0] for step in self.planned.plan.steps if not step.kind.is_local
+                   for _, group in _taking_part(step, [rank]))  # fmt: skip
 
 
 def _gradient_syncs(state: CompileState) -> list[_Sync]:
@@ -300,7 +318,9 @@ def _gradient_syncs(state: CompileState) -> list[_Sync]:
     return syncs
 
 
-def _hidden(state: CompileState, syncs: list[_Sync], rank: int, ready: dict[int, float], backward: float) -> float:
+def _hidden(
+    state: CompileState, syncs: list[_Sync], rank: int, ready: dict[int, float], backward: float, precision: Precision = AS_BUILT
+) -> float:  # fmt: skip
     """Seconds of ``rank``'s gradient syncs that run behind its backward (``ready``: backward
     seconds up to the end of each op making a gradient; ``backward``: the whole micro-batch's).
     Each sync starts when its last gradient is made and the one before it on the link is done
@@ -311,7 +331,7 @@ def _hidden(state: CompileState, syncs: list[_Sync], rank: int, ready: dict[int,
     by_index = {planned.index: planned for planned in state.reshards}
     starts = []
     for sync in syncs:
-        seconds = sync.seconds(rank, by_index)
+        seconds = sync.seconds(state, rank, by_index, precision)
         if seconds > 0:
             starts.append((max((ready.get(op, backward) for op in sync.producers), default=backward), seconds))
     free, hidden = 0.0, 0.0
@@ -333,11 +353,13 @@ def _ranks_in(mesh: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(rank for rank in ranks if rank in members)
 
 
-def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[float, float, int, int, int, int]]:
+def _communication(
+    state: CompileState, ranks: list[int], precision: Precision = AS_BUILT
+) -> dict[int, tuple[float, float, int, int, int, int]]:  # fmt: skip
     """Per each of ``ranks``: seconds of the collectives it takes part in per micro-batch and once
     a step (a gradient sync, a fused bucket), the bytes it sends in each and their number (each
-    planned reshard visited once). Where the job's processes outnumber the node's cores, each
-    collective's fixed costs stretch (:func:`~autopar.cost_model.comm.shared_cores_time`)."""
+    planned reshard visited once; in ``precision``). Where the job's processes outnumber the
+    node's cores, each collective's fixed costs stretch (:func:`~autopar.cost_model.comm.shared_cores_time`)."""
     out = {rank: [0.0, 0.0, 0, 0, 0, 0] for rank in ranks}  # per micro-batch, once: seconds, sent, collectives
     cluster, fused = state.cluster, _fused(state)
     processes = min(len(state.mesh.ranks), cluster.devices_per_node)
@@ -346,14 +368,16 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
         if planned.shared_with is not None or planned.index in fused:
             continue
         once = int(state.graph.ops[planned.need.op].role is Role.OPTIMIZER)
+        ratio = _ratio(state, planned, precision)
         for step in planned.plan.steps:
             if step.kind.is_local:  # (a local slice is a copy the compute side does not see: a few bytes)
                 continue
             for rank, group in _taking_part(step, ranks):
-                out[rank][once] += step.time + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
-                out[rank][2 + once] += step.bytes
+                seconds, moved = _step_seconds(step, group, ratio, cluster)
+                out[rank][once] += seconds + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
+                out[rank][2 + once] += moved
                 out[rank][4 + once] += 1
-    for op, plan in _row_reshards(state):  # (a vocabulary-parallel row's all_reduces, emitted by its rewrite)
+    for op, plan in _row_reshards(state, precision):  # (a vocabulary-parallel row's all_reduces, emitted by its rewrite)
         once = int(op.role is Role.OPTIMIZER)
         for step in plan.steps:
             for rank, group in [] if step.kind.is_local else _taking_part(step, ranks):
@@ -369,13 +393,50 @@ def _communication(state: CompileState, ranks: list[int]) -> dict[int, tuple[flo
             stretch = 0.0
             if shared and (found := _bucket_group(bucket, by_index, rank)) is not None:
                 stretch = _stretch(*found, cluster, processes)
-            out[rank][once] += bucket.time + stretch
-            out[rank][2 + once] += bucket.bytes
+            seconds, moved = _bucket_seconds(state, bucket, by_index, rank, precision)
+            out[rank][once] += seconds + stretch
+            out[rank][2 + once] += moved
             out[rank][4 + once] += 1
     return {rank: (a, b, int(c), int(d), e, f) for rank, (a, b, c, d, e, f) in out.items()}
 
 
-def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
+def _ratio(state: CompileState, planned: PlannedReshard, precision: Precision) -> float:
+    """Bytes ``planned`` moves in ``precision`` per byte planned (1: as built, and for a gradient
+    reduction planned in the user's ``Strategy.reduce_dtype``: it moves that dtype either way)."""
+    if precision.as_built or _reduced_as_asked(state, planned):
+        return 1.0
+    return precision.ratio(planned.plan.dtype, state.graph.values[planned.need.value].kind)
+
+
+def _reduced_as_asked(state: CompileState, planned: PlannedReshard) -> bool:
+    """Whether ``planned`` is a gradient reduction (a partial value the backward makes) planned in
+    ``Strategy.reduce_dtype`` (passes/reshard_planning.py)."""
+    reduce = state.strategy.reduce_dtype
+    return (reduce is not None and planned.plan.dtype == reduce and bool(planned.need.have.partial)
+            and state.graph.ops[planned.need.value[0]].role is Role.BACKWARD)  # fmt: skip
+
+
+def _step_seconds(step: Any, group: tuple[int, ...], ratio: float, cluster: Any) -> tuple[float, int]:
+    """A planned step's seconds and bytes for one of its groups, moving ``ratio`` times its bytes."""
+    if ratio == 1.0:
+        return step.time, step.bytes
+    kind = "send_recv" if point_to_point(step.kind) else step.kind.value
+    return rescaled_time(kind, tuple(group), step.bytes, step.time, ratio, cluster), int(step.bytes * ratio)
+
+
+def _bucket_seconds(state: CompileState, bucket: Any, by_index: dict[int, Any], rank: int, precision: Precision) -> tuple[float, int]:
+    """A fused bucket's seconds and bytes on ``rank`` in ``precision`` (its members' dtype and kind)."""
+    if precision.as_built:
+        return bucket.time, bucket.bytes
+    ratio = _ratio(state, by_index[bucket.members[0]], precision)  # (a bucket's members share a dtype)
+    found = _bucket_group(bucket, by_index, rank)
+    if found is None:
+        return bucket.time * ratio, int(bucket.bytes * ratio)
+    kind, group = found
+    return rescaled_time(kind.value, group, bucket.bytes, bucket.time, ratio, state.cluster), int(bucket.bytes * ratio)
+
+
+def _row_reshards(state: CompileState, precision: Precision = AS_BUILT) -> list[tuple[Any, Any]]:
     """The all_reduces of one value per row that the vocabulary-parallel rewrite emits for an op
     whose normalized axis (softmax, cross-entropy: Megatron's LM head) stays split
     (:mod:`autopar.passes.vocab_parallel`): (op, planned reshard) each, planned as the rewrite
@@ -388,6 +449,7 @@ def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
     for op, split in split_rows(state):
         required = state.propagation.op_results[op.index].inputs
         dist, value = required[split.operand], state.graph.values[op.inputs[split.operand]]
+        dtype = precision.dtype(value.dtype, value.kind)
         others = {d: k for attr in required if attr is not None for d, k in attr.partial if d not in split.mesh_dims}
         mapping = tuple(() if t == split.axis else dims for t, dims in enumerate(dist.mapping))
         row = tuple(1 if t == split.axis else n for t, n in enumerate(value.shape))
@@ -400,10 +462,10 @@ def _row_reshards(state: CompileState) -> list[tuple[Any, Any]]:
                 gathered = tuple(tuple(split.mesh_dims) if t == split.axis else dims for t, dims in enumerate(mapping))
                 src = DistAttr.of(dist.mesh, gathered, others)
                 shape = tuple(count if t == split.axis else n for t, n in enumerate(row))
-                out.append((op, plan_reshard(src, dst, shape, value.dtype, state.cluster)))
+                out.append((op, plan_reshard(src, dst, shape, dtype, state.cluster)))
                 continue
             src = DistAttr.of(dist.mesh, mapping, {**others, **{d: reduce for d in split.mesh_dims}})
-            out.append((op, plan_reshard(src, dst, row, value.dtype, state.cluster)))
+            out.append((op, plan_reshard(src, dst, row, dtype, state.cluster)))
     return out
 
 
@@ -529,22 +591,28 @@ def _bucket_ranks(bucket: Any, by_index: dict[int, Any]) -> Iterable[int]:
     return {rank for member in bucket.members for rank in by_index[member].plan.src.mesh.ranks}
 
 
-def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any) -> float:
-    """Roofline seconds of ``op``'s local piece on ``rank`` (the shapes its rule reads and makes)."""
+def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any, precision: Precision = AS_BUILT) -> float:
+    """Roofline seconds of ``op``'s local piece on ``rank`` (the shapes its rule reads and makes,
+    each operand in its dtype, computed in its inputs' :func:`compute_dtype`; under a stood-for
+    ``precision`` the optimizer's ops as built: they update the float32 master)."""
     inferred = state.propagation.op_results[op.index]
     values = state.graph.values
     ins = tuple(_local(values[key].shape, dist, rank) for key, dist in zip(op.inputs, inferred.inputs) if key is not None)
     outs = tuple(_local(values[key].shape, dist, rank) for key, dist in zip(op.outputs, inferred.outputs) if key is not None)
-    dtype = values[op.outputs[0]].dtype if op.outputs and op.outputs[0] is not None else "float32"
+    typed = AS_BUILT if op.role is Role.OPTIMIZER else precision
+    in_dtypes = tuple(typed.dtype(values[key].dtype, values[key].kind) for key in op.inputs if key is not None)
+    out_dtypes = tuple(typed.dtype(values[key].dtype, values[key].kind) for key in op.outputs if key is not None)
     transposes = (bool(op.attrs.get("transpose_x")), bool(op.attrs.get("transpose_y")))
-    return _seconds(op.name, ins, outs, transposes, dtype, cluster)
+    return _seconds(op.name, ins, outs, transposes, in_dtypes + out_dtypes, cluster)
 
 
 @lru_cache(maxsize=1 << 16)
-def _seconds(name: str, ins: tuple, outs: tuple, transposes: tuple[bool, bool], dtype: str, cluster: Any) -> float:
+def _seconds(name: str, ins: tuple, outs: tuple, transposes: tuple[bool, bool], dtypes: tuple[str, ...], cluster: Any) -> float:
     """(Cached across candidates: a search prices the same layer's ops on the same pieces often.)"""
     attrs = {"transpose_x": transposes[0], "transpose_y": transposes[1]}
-    return op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype)[0].time(cluster, dtype) + cluster.device.op_seconds
+    dtype = compute_dtype(dtypes[: len(ins)], dtypes[len(ins) :])
+    cost = op_cost_or_traffic(name, list(ins), list(outs), attrs, dtype, dtypes)[0]
+    return cost.time(cluster, dtype) + cluster.device.op_seconds
 
 
 @lru_cache(maxsize=1 << 16)
@@ -554,26 +622,32 @@ def _local(shape: tuple[int, ...], dist: Any, rank: int) -> tuple[int, ...]:
     return tuple(dist.local_shape(shape, rank))
 
 
-def _memory(state: CompileState, ranks: list[int], micro: int) -> tuple[int, int]:
-    """Peak bytes on the fullest of ``ranks`` and, of it, parameters + gradients + states."""
+def _memory(state: CompileState, ranks: list[int], micro: int, precision: Precision = AS_BUILT) -> tuple[int, int]:
+    """Peak bytes on the fullest of ``ranks`` and, of it, parameters + gradients + states (each
+    value in its ``precision`` dtype; a stood-for precision's float32 masters placed like their
+    parameter's optimizer states: ZeRO's shard)."""
     graph, propagation = state.graph, state.propagation
     zero = state.result(ZeroPlan)
     grads = {z.param: z.sharded for z in zero.shards if z.sharded is not None} if zero is not None and zero.stage >= 2 else {}
+    states = {z.param: z.sharded for z in zero.shards if z.sharded is not None} if zero is not None else {}
     pipeline = state.strategy.pipeline
     held = dict.fromkeys(ranks, 0)
     activations = dict.fromkeys(ranks, 0)
     for key, value in graph.values.items():
         if value.kind not in ("parameter", "state"):
             continue
-        dist = propagation.dist(key)
+        dist, dtype = propagation.dist(key), precision.dtype(value.dtype, value.kind)
+        master = precision.master_of(value.dtype) if value.kind == "parameter" else None
         for rank in _held_by(dist.mesh, ranks):
-            held[rank] += tensor_bytes(value.shape, value.dtype, dist, rank)
+            held[rank] += tensor_bytes(value.shape, dtype, dist, rank)
             if value.kind == "parameter":
-                held[rank] += tensor_bytes(value.shape, value.dtype, grads.get(key, dist), rank)
+                held[rank] += tensor_bytes(value.shape, dtype, grads.get(key, dist), rank)
+            if master is not None:
+                held[rank] += tensor_bytes(value.shape, master, states.get(key, dist), rank)
     for key in saved_activations(graph):
         dist, value = propagation.dist(key), graph.values[key]
         for rank in _held_by(dist.mesh, ranks):
-            activations[rank] += tensor_bytes(value.shape, value.dtype, dist, rank)
+            activations[rank] += tensor_bytes(value.shape, precision.dtype(value.dtype, value.kind), dist, rank)
     peak, held_at_peak = 0, 0
     for position, rank in enumerate(ranks):
         in_flight = 1

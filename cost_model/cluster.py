@@ -149,6 +149,10 @@ class Device:
     ``kernel_seconds``: seconds per element (of an op's largest operand) each kernel took in
     training steps (cpu profiles: ``tools/kernel_rates.py``); an op of a measured
     kernel costs at least its elements times that; absent: the roofline alone.
+    ``batched_flops``: the rate per dtype of a *batched* matmul (both operands carry batch
+    dims: attention's score and context products, which run far below a GEMM's rate on a
+    GPU: h100-node's bfloat16 score bmm at 300 TFLOP/s against GEMMs' 710, ``measured/H100.md``);
+    a dtype not measured: :meth:`matmul_rate`'s GEMM rate.
     """
 
     peak_flops: tuple[tuple[str, float], ...]  # (dtype, FLOP/s); "float32" is the fallback
@@ -162,6 +166,7 @@ class Device:
     cache_bandwidth: float = 0.0
     cores: int = 0  # a CPU node's cores, shared by its processes; 0: each device computes on its own
     kernel_seconds: tuple[tuple[str, float], ...] = ()  # (kernel, seconds per element) measured
+    batched_flops: tuple[tuple[str, float], ...] = ()  # (dtype, FLOP/s) of batched matmuls measured; absent: matmul_rate
 
     def shared_by(self, processes: int) -> float:
         """How much slower each of ``processes`` computing at once on a node runs (a CPU's
@@ -172,9 +177,12 @@ class Device:
         table = dict(self.peak_flops)
         return table.get(str(dtype).removeprefix("paddle."), table["float32"])
 
-    def matmul_rate(self, dtype: str) -> float:
-        """FLOP/s a matmul of ``dtype`` achieves (the peak where none was measured)."""
+    def matmul_rate(self, dtype: str, batched: bool = False) -> float:
+        """FLOP/s a matmul of ``dtype`` achieves (the peak where none was measured);
+        ``batched``: a batched matmul's (attention's products), where the device measured one."""
         name = str(dtype).removeprefix("paddle.")
+        if batched and name in _table(self.batched_flops):
+            return _table(self.batched_flops)[name]
         achieved = dict(self.achieved_flops)
         if name in achieved:
             return achieved[name]
@@ -208,6 +216,8 @@ class Device:
         achieved.update(op_seconds=self.op_seconds, segment_seconds=self.segment_seconds)
         if self.kernel_seconds:
             achieved["kernel_seconds"] = dict(self.kernel_seconds)
+        if self.batched_flops:
+            achieved["batched_flops"] = dict(self.batched_flops)
         out["achieved"] = achieved
         return out
 
@@ -229,6 +239,9 @@ class Device:
         kernels = achieved.get("kernel_seconds", {})
         if not isinstance(kernels, Mapping):
             raise CostModelError(f"cluster profile: field {at}.kernel_seconds must be an object")
+        batched = achieved.get("batched_flops", {})
+        if not isinstance(batched, Mapping):
+            raise CostModelError(f"cluster profile: field {at}.batched_flops must be an object")
         return cls(
             peak,
             _figure(data, "memory_bandwidth", where, allow_zero=False),
@@ -240,6 +253,7 @@ class Device:
             *(_figure(achieved, k, at) if k in achieved else 0.0 for k in ("cache_bytes", "cache_bandwidth")),
             int(_figure(data, "cores", where)) if "cores" in data else 0,
             tuple(sorted((k, _figure(kernels, k, f"{at}.kernel_seconds")) for k in kernels)),
+            tuple(sorted((k, _figure(batched, k, f"{at}.batched_flops", allow_zero=False)) for k in batched)),
         )
 
 

@@ -3,13 +3,19 @@
 :func:`op_cost` prices one op on given (local) shapes: ``flops`` counts multiply and add as
 two, ``bytes`` is every input read once plus every output written once. :meth:`OpCost.time`
 is the roofline ``max(flops / matmul rate[dtype], bytes / streamed bandwidth)`` on a cluster's
-device, at the rates it achieves (measured; the peaks where none was), and no less than the
+device, at the rates it achieves (measured; the peaks where none was; a batched matmul —
+attention's products — at the device's batched rate), and no less than the
 op's elements times its kernel's measured seconds per element where the device measured it
 (CPU kernels that compute per element or reduce run far below the streamed bandwidth). Covered: the ops with
 SPMD rules — matmul, conv2d, elementwise and activations, reductions, softmax, layer_norm, embedding, optimizer updates (sgd, momentum, adam, adamw) —
 and their grad ops (matmul / conv grads cost twice the forward FLOPs: one product per input
 gradient; other grads once). Shapes are per rank: pass ``DistAttr.local_shape(...)`` to
 price a shard. An op outside the table raises :class:`CostModelError` naming it.
+
+Mixed precision: ``dtype`` is the dtype the op computes in (its matmul rate: a bfloat16 GEMM on
+h100-node at 710 TFLOP/s, a float32 one at 50.6; :func:`compute_dtype` reads it off the
+operands), ``dtypes`` each operand's own (a ``cast`` from float32 to bfloat16 reads 4 bytes an
+element and writes 2; an O2 ``sgd_`` reads a bfloat16 gradient and a float32 master).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class OpCost:
     bytes: float
     kernel: str = ""
     elements: float = 0.0
+    batched: bool = False  # a batched matmul (attention's products): the device's batched rate
 
     def time(self, cluster: Cluster, dtype: str = "float32") -> float:
         """Roofline seconds on ``cluster``'s device, at the rates its ops achieve
@@ -47,7 +54,8 @@ class OpCost:
         (a CPU's ``gelu_grad`` computes, its ``add_grad`` reduces, far below the streamed
         bandwidth); without the fixed cost per op (``device.op_seconds``)."""
         device = cluster.device
-        roofline = max(self.flops / device.matmul_rate(dtype), self.bytes / device.stream_bandwidth(self.bytes))
+        rate = device.matmul_rate(dtype, self.batched)
+        roofline = max(self.flops / rate, self.bytes / device.stream_bandwidth(self.bytes))
         return max(roofline, self.elements * device.element_seconds(self.kernel))
 
 
@@ -55,8 +63,39 @@ def _numel(shape: Shape) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def _traffic(inputs: Sequence[Shape], outputs: Sequence[Shape], itemsize: int) -> float:
-    return float(sum(_numel(s) for s in [*inputs, *outputs]) * itemsize)
+def _traffic(inputs: Sequence[Shape], outputs: Sequence[Shape], itemsizes: Sequence[int]) -> float:
+    """Bytes of every operand read or written once (``itemsizes``: inputs' then outputs')."""
+    return float(sum(_numel(s) * size for s, size in zip([*inputs, *outputs], itemsizes)))
+
+
+def _itemsizes(count: int, dtype: str, dtypes: Sequence[str] | None) -> list[int]:
+    """Bytes per element of each of ``count`` operands: ``dtypes``' own, else ``dtype``'s."""
+    if dtypes is None:
+        return [dtype_bytes(dtype)] * count
+    if len(dtypes) != count:
+        raise CostModelError(f"{len(dtypes)} operand dtypes given for {count} operands: {list(dtypes)}")
+    return [dtype_bytes(d) for d in dtypes]
+
+
+FLOATING = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def compute_dtype(input_dtypes: Sequence[str], output_dtypes: Sequence[str] = ()) -> str:
+    """The dtype an op computes in: its first floating-point input's (a bfloat16 matmul of an
+    AMP program; a ``cast`` to bfloat16 reads float32), else its first floating-point output's,
+    else float32."""
+    for dtype in [*input_dtypes, *output_dtypes]:
+        name = str(dtype).removeprefix("paddle.")
+        if name in FLOATING:
+            return name
+    return "float32"
+
+
+def is_batched(x: Shape, y: Shape) -> bool:
+    """Whether a matmul of ``x`` by ``y`` is batched: ``y`` is no weight (it has batch dims of
+    more than one element), as attention's ``q @ k^T`` and ``p @ v``; a GEMM of activations by
+    a 2-D weight is not."""
+    return len(x) > 2 and len(y) > 2 and _numel(y[:-2]) > 1
 
 
 def base_name(op_name: str) -> str:
@@ -98,10 +137,12 @@ def op_cost(
     outputs: Sequence[Shape],
     attrs: Mapping[str, Any] | None = None,
     dtype: str = "float32",
+    dtypes: Sequence[str] | None = None,
 ) -> OpCost:
-    """FLOPs and bytes of ``op_name`` (Paddle name, ``pd_op.`` prefix optional) on these shapes."""
-    cost = _op_cost(op_name, inputs, outputs, attrs, dtype)
-    return OpCost(cost.flops, cost.bytes, base_name(op_name), _largest(inputs, outputs))
+    """FLOPs and bytes of ``op_name`` (Paddle name, ``pd_op.`` prefix optional) on these shapes;
+    ``dtypes``: each operand's dtype, inputs' then outputs' (default: ``dtype`` for all)."""
+    cost = _op_cost(op_name, inputs, outputs, attrs, _itemsizes(len(inputs) + len(outputs), dtype, dtypes))
+    return OpCost(cost.flops, cost.bytes, base_name(op_name), _largest(inputs, outputs), cost.batched)
 
 
 def _largest(inputs: Sequence[Shape], outputs: Sequence[Shape]) -> float:
@@ -109,16 +150,17 @@ def _largest(inputs: Sequence[Shape], outputs: Sequence[Shape]) -> float:
     return float(max(map(_numel, [*inputs, *outputs]), default=0))
 
 
-def _op_cost(op_name: str, inputs: Sequence[Shape], outputs: Sequence[Shape], attrs: Mapping[str, Any] | None, dtype: str) -> OpCost:
+def _op_cost(
+    op_name: str, inputs: Sequence[Shape], outputs: Sequence[Shape], attrs: Mapping[str, Any] | None, itemsizes: list[int]
+) -> OpCost:  # fmt: skip
     name = base_name(op_name)
     grad = name.endswith("_grad")
     fwd = name.removesuffix("_grad")
-    itemsize = dtype_bytes(dtype)
-    traffic = _traffic(inputs, outputs, itemsize)
+    traffic = _traffic(inputs, outputs, itemsizes)
     out_elems = sum(_numel(s) for s in outputs)
     if fwd == "matmul":
         flops = matmul_flops(inputs[0], inputs[1], attrs)
-        return OpCost(flops * (2 if grad else 1), traffic)
+        return OpCost(flops * (2 if grad else 1), traffic, batched=is_batched(inputs[0], inputs[1]))
     if fwd in ("conv2d", "depthwise_conv2d"):
         flops = conv2d_flops(inputs[0], inputs[1], inputs[-1] if grad else outputs[0])
         return OpCost(flops * (2 if grad else 1), traffic)
@@ -131,7 +173,7 @@ def _op_cost(op_name: str, inputs: Sequence[Shape], outputs: Sequence[Shape], at
     if fwd == "layer_norm":
         return OpCost(8.0 * _numel(inputs[0]), traffic)
     if fwd == "embedding":
-        return OpCost(float(out_elems if grad else 0), float((sum(map(_numel, outputs)) * 2) * itemsize))
+        return OpCost(float(out_elems if grad else 0), float(sum(map(_numel, outputs)) * 2 * itemsizes[-1]))
     if fwd in OPTIMIZERS:
         per_elem, _ = OPTIMIZERS[fwd]
         return OpCost(float(per_elem * _numel(inputs[0])), traffic)
@@ -168,15 +210,17 @@ def einsum_cost(
 
 def op_cost_or_traffic(
     op_name: str, inputs: Sequence[Shape], outputs: Sequence[Shape], attrs: Mapping[str, Any] | None = None, dtype: str = "float32",
+    dtypes: Sequence[str] | None = None,
 ) -> tuple[OpCost, bool]:  # fmt: skip
     """:func:`op_cost`, and True; for an op the table lacks (or an odd dtype or shape), its
-    memory traffic alone — every operand read and result written once — and False: a shape,
-    index or copy op is memory-bound, and pricing it so beats leaving it free."""
+    memory traffic alone — every operand read and result written once, in its dtype — and
+    False: a shape, index or copy op is memory-bound, and pricing it so beats leaving it free."""
     try:
-        return op_cost(op_name, inputs, outputs, attrs, dtype), True
+        return op_cost(op_name, inputs, outputs, attrs, dtype, dtypes), True
     except (CostModelError, IndexError, KeyError, ValueError):
+        count = len(inputs) + len(outputs)
         try:
-            itemsize = dtype_bytes(dtype)
+            itemsizes = _itemsizes(count, dtype, dtypes)
         except CostModelError:
-            itemsize = 4
-        return OpCost(0.0, _traffic(inputs, outputs, itemsize), base_name(op_name), _largest(inputs, outputs)), False
+            itemsizes = [4] * count
+        return OpCost(0.0, _traffic(inputs, outputs, itemsizes), base_name(op_name), _largest(inputs, outputs)), False

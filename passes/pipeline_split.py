@@ -27,16 +27,23 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import kind_of
+from autopar.cost_model import plan_reshard
+from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, Role
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
+from autopar.passes.reshard_emission import collective_op, replace_uses
 from autopar.passes.results import PipelinePlan
+from autopar.pipeline_lowering import SYNC_SOURCE
 from autopar.schedule import UPDATE, B, F, I, Phase, W, verified_schedule
+from autopar.spmd import ops_where
 
 PHASES = {Role.FORWARD: F, Role.BACKWARD: B}  # an op's role -> its phase's kind (the optimizer's: UPDATE)
+LOSS_SCALE_UPDATES = ops_where("moves_loss_scale")  # update_loss_scaling_: reads the overflow flag as operand 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,58 @@ class PipelineSplit(Pass):
                 ops[i].erase()
         if plan.schedule_name == "ZBH1":
             _split_backward(rp)
+        _agree_overflow(state, rp)
+
+
+def _agree_overflow(state: CompileState, rp: RankProgram) -> None:
+    """The SYNC point of dynamic loss scaling: each stage checked only its own gradients
+    (autopar/rewrites/stage_overflow.py), so the overflow flag each stage's update reads is a
+    pending max over the pipeline's stages. Right before each update, it is all-reduced (max) over
+    the ranks holding this rank's piece on every stage: once per step, in the update phase, before
+    any stage moves its loss scale or skips; the rank's other readers of the flag (its optimizer
+    ops' memcpy) read the agreed one too. Each rank's update moves its own copy of the scale
+    (``stop_update`` cleared: in the serial program only the first stage's does)."""
+    plan = state.pipeline
+    if len(plan.meshes) < 2:
+        return
+    updates = [
+        op for index, op in enumerate(rp.ops)
+        if op is not None and state.graph.ops[index].name in LOSS_SCALE_UPDATES
+    ]  # fmt: skip
+    if not updates:
+        return
+    import paddle
+
+    mine = plan.meshes[plan.pipeline_rank(rp.rank)]
+    position = mine.ranks.index(rp.rank)
+    group = tuple(mesh.ranks[position] for mesh in plan.meshes)
+    pending = DistAttr.of(state.mesh, ((),), {0: "max"})
+    reshard = plan_reshard(pending, DistAttr.replicated(state.mesh, 1), (1,), "bool", state.cluster)
+    step = reshard.steps[0]
+    ring = rp.rings.setdefault(group, state.ring_of((0,), group))
+    for number, update in enumerate(updates):
+        flag = update.operand_source(1)
+        collective = Collective(
+            kind=CollectiveKind.ALL_REDUCE, group=group, key=CollectiveKey(SYNC_SOURCE, number), value=f"found_inf of {update.name()}",
+            src=pending, dst=DistAttr.replicated(state.mesh, 1), shape=(1,), output_shape=(1,), bytes=step.bytes,
+            time=step.time, reason=f"loss scaling overflow flag (found_inf) agreed over {state.mesh.dim_names[0]}: "
+            f"each pipeline stage checked only its own gradients; every stage's {update.name()} reads the flag of all",
+            reduce="max", dtype="bool",
+        )  # fmt: skip
+        with paddle.static.program_guard(rp.program):
+            paddle.pir.set_insertion_point(update)
+            agreed = collective_op(collective, flag, ring)
+            paddle.pir.reset_insertion_point_to_end()
+        made = agreed.get_defining_op()
+        replace_uses(flag, agreed, {made.id()})
+        rp.collectives.append((collective, made.id()))
+        rp.phases[made.id()] = UPDATE
+        with paddle.static.program_guard(rp.program):  # this rank's update moves its own copy of the scale
+            paddle.pir.set_insertion_point(update)
+            moves = paddle._C_ops.full([1], False, paddle.bool, paddle.CPUPlace())
+            paddle.pir.reset_insertion_point_to_end()
+        update.operand(5).set_source(moves)
+        rp.phases[moves.get_defining_op().id()] = UPDATE
 
 
 def _split_backward(rp: RankProgram) -> None:

@@ -41,6 +41,8 @@ EPS = {"float64": 2.3e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.9
 SUMMING = ("softmax", "norm", "mean", "sum", "cross_entropy", "logsumexp", "max", "min", "prod", "cumsum")
 MOVES = ("reshape", "transpose", "flatten", "squeeze", "assign", "slice", "concat", "split", "cast", "stack", "unbind", "expand")
 MATMULS = ops_where("contracts", short=True)
+SCALES_IN_PLACE = ops_where("scales_in_place", short=True)  # check_finite_and_unscale_, update_loss_scaling_
+OVERFLOW_CHECKS = ops_where("checks_overflow", short=True)
 
 
 @dataclass(frozen=True)
@@ -187,9 +189,28 @@ def _keys(dist: Any) -> list[ValueKey]:
             return False  # (a -1 size: an auxiliary output, batch_norm's reserve space)
         return not (op.name in CONSTANT_OPS and not op.inputs)
 
-    keys = [k for k in graph.tensor_keys() if compared(k)]
+    scaled = in_place_scaled(graph)
+    keys = [k for k in graph.tensor_keys() if compared(k) and k not in scaled]
     made = makers(graph)
     return sorted(keys, key=lambda k: (made.get(k, k[0]), k))
+
+
+def in_place_scaled(graph: Any) -> set[ValueKey]:
+    """The gradients dynamic loss scaling unscales and zeroes in place, and the check's unscaled
+    copies: not compared. A captured gradient is its buffer after those ops ran (serial) or a
+    copy made before them (a rank's reshard, a pipeline's accumulated micro-batches), and on an
+    overflowing step the ranks' unscaled pieces are discarded values that differ (Paddle's check
+    zeroes only the pieces of the rank that saw the overflow). update_loss_scaling_'s results,
+    which the optimizer reads, are compared instead (measured: without this, a pipeline's check
+    reported its gradients 1024x the serial ones)."""
+    found: set[ValueKey] = set()
+    for op in graph.ops:
+        if op.short_name not in SCALES_IN_PLACE:
+            continue
+        found |= {k for k in op.inputs if k is not None and graph.values[k].kind == "activation"}
+        if op.short_name in OVERFLOW_CHECKS:
+            found |= {k for k in op.outputs[:-1] if k is not None}  # (its flag, the last, is compared)
+    return found
 
 
 def makers(graph: Any) -> dict[ValueKey, int]:

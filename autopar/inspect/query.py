@@ -36,6 +36,7 @@ from autopar.text_table import text_table
 if TYPE_CHECKING:
     from autopar.collective import Collective
     from autopar.cost_model.cluster import Cluster
+    from autopar.cost_model.precision import Precision
     from autopar.passes.results import ZeroShard
     from autopar.pricing import Price, RankTimes
     from autopar.rewrites.recompute import Recomputation
@@ -488,13 +489,15 @@ class Decisions:
         times = rank_times(self._state, self._state.mesh.ranks)
         return times, step_price(self._state, times)
 
-    def price(self) -> Price:
+    def price(self, precision: Precision | None = None) -> Price:
         """The step's :class:`Price` as the search prices a candidate (:func:`autopar.pricing.price`:
         the first and last rank of each pipeline rank's mesh stand for it; ``priced()`` asks every
-        rank). What ``autopar.suggest`` ranks plans by."""
+        rank). What ``autopar.suggest`` ranks plans by. ``precision``: a
+        :class:`~autopar.cost_model.precision.Precision` (None: every value in its own dtype)."""
+        from autopar.cost_model.precision import AS_BUILT
         from autopar.pricing import price
 
-        return price(self._state)
+        return price(self._state, precision or AS_BUILT)
 
     def recompute(self) -> Recomputation | None:
         """Recompute's rewrite and report (:class:`~autopar.rewrites.recompute.Recomputation`: ``print``

@@ -29,6 +29,7 @@ from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
 from autopar.rewrites.dead_ops import dead_ops
+from autopar.rewrites.loss_scaling import loss_scaling_results
 from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
@@ -39,6 +40,7 @@ from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants
 from autopar.rewrites.stage_inference import infer_stages, on_stages, reader_stages
 from autopar.rewrites.stage_norms import stage_norms
+from autopar.rewrites.stage_overflow import stage_overflow_checks
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
 from autopar.shared_parameters import owner_meshes, reader_meshes
@@ -176,6 +178,22 @@ class ShapeReads(Rewrite):
 
 
 @dataclass(frozen=True)
+class LossScalingResults(Rewrite):
+    """Dynamic loss scaling's in-place ops read through their results (:mod:`.loss_scaling`):
+    the optimizer reads the checked gradients, so a reshard between them lands on the value
+    that exists there."""
+
+    name: ClassVar[str] = "loss_scaling_results"
+
+    def apply(self, work: Analysed) -> Analysed:
+        rewired = loss_scaling_results(work.program)
+        if rewired is None:
+            return work.reported(self, "no dynamic loss scaling")
+        same = tuple(range(len(work.graph.ops)))
+        return work.reported(self, str(rewired), **work.moved(rewired.program, same))
+
+
+@dataclass(frozen=True)
 class PipelineStages(Rewrite):
     """Where each op of a pipeline runs: ``PipelineConfig(stages=n)``'s layer cut
     (:mod:`.pipeline_cut`), else the stages shard_op placed and those the annotations on stage
@@ -221,6 +239,22 @@ class StageNorms(Rewrite):
         staged = stage_norms(work.program, work.graph, work.op_meshes)
         if staged is None:
             return work.reported(self, "no clip norm crosses stages")
+        moved = work.moved(staged.program, staged.positions)
+        return work.reported(self, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
+
+
+@dataclass(frozen=True)
+class StageOverflowChecks(Rewrite):
+    """Dynamic loss scaling's check and update split by pipeline stage, the stages' overflow
+    flags combined and read by every stage (:mod:`.stage_overflow`): no gradient crosses a
+    stage for its check, and every stage moves its copy of the loss scale alike."""
+
+    name: ClassVar[str] = "stage_overflow_checks"
+
+    def apply(self, work: Analysed) -> Analysed:
+        staged = stage_overflow_checks(work.program, work.graph, work.op_meshes)
+        if staged is None:
+            return work.reported(self, "no loss-scaling check crosses stages")
         moved = work.moved(staged.program, staged.positions)
         return work.reported(self, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
 

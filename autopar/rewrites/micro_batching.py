@@ -236,8 +236,16 @@ def _cuttable(graph: ProgramGraph, key: ValueKey, have: DistAttr, need: DistAttr
 
 def _accumulated(graph: ProgramGraph, need: ReshardNeed) -> bool:
     """A read by the once-per-step update of a sum pending over the micro-batches: the runtime
-    accumulates it (gradients; a masked mean's parts, :mod:`.masked_mean`)."""
-    return graph.ops[need.op].role is Role.OPTIMIZER and need.have.partial_dims == {0: "sum"} and need.need.is_replicated
+    accumulates it (gradients; a masked mean's parts, :mod:`.masked_mean`); or of a reduction
+    the update phase itself leaves pending over them (dynamic loss scaling's overflow flag, a
+    max over the gradients it checks): that phase runs once, on the accumulated sums, so what
+    it makes is whole there."""
+    if graph.ops[need.op].role is not Role.OPTIMIZER or not need.need.is_replicated:
+        return False
+    if need.have.partial_dims == {0: "sum"}:
+        return True
+    made_in_update = graph.ops[need.value[0]].role is Role.OPTIMIZER
+    return made_in_update and bool(need.have.partial_dims) and not need.have.sharded_mesh_dims()
 
 
 def _layer(op: OpNode) -> str:

@@ -119,7 +119,7 @@ def build_host_plan(plan: RankPlan, exports: list[tuple[int, int]] = (), prefix:
             mine = {i for i, s in segment_of.items() if s == k}
             if any(not _is_source(ops[i]) for i in mine):
                 jobs.append(_segment(program, k, mine, crossing, names, segment_of))
-                pieces.append(piece[min(mine)])
+                pieces.append(piece[members[0]] if members else piece[min(mine)])  # (not a combine moved in from an earlier piece)
             continue
         (hi,) = members
         pieces.append(piece[hi])

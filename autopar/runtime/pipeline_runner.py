@@ -4,7 +4,8 @@ The rank plan carries the schedule already lowered onto its program
 (:attr:`~autopar.rank_plan.PipelineRole.steps`, :mod:`autopar.pipeline_lowering`): the
 program cut into pieces, and :class:`~autopar.pipeline_lowering.RankAction` values each running
 one piece for one micro-batch — compute (``F`` / ``B`` / ``I`` / ``W`` / ``OPT``), ``SEND`` /
-``RECV`` naming their transfer, bucket collectives, ``ACCUMULATE``. The runner checks the list
+``RECV`` naming their transfer, bucket collectives, ``SYNC`` (a step-wide agreement of the
+stages, dynamic loss scaling's found_inf: its collective runs like a bucket's), ``ACCUMULATE``. The runner checks the list
 (:func:`~autopar.pipeline_lowering.verify_rank`) and walks it through one dispatch table keyed by
 the action's kind; it derives nothing from the schedule itself.
 

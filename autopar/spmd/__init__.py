@@ -18,6 +18,7 @@ from autopar.spmd import (  # noqa: F401  (registration)
     fused,
     gather_scatter,
     indexing,
+    loss_scaling,
     masking,
     matmul,
     metrics,

@@ -66,10 +66,25 @@ class DivideGradRule(EquationGradRule):
         return keep_pending(result, inputs, [0] if y_grad_live else [0, 2])
 
 
+class MultiplyGradRule(EquationGradRule):
+    """``(x, y, out_grad) -> (x_grad, y_grad)``: ``x_grad = out_grad * y``, ``y_grad = out_grad
+    * x``; an operand read only for a dead gradient gives the other its shape only: its pending
+    sums are left pending (a loss scaled by dynamic loss scaling, ``multiply(loss, scale)``,
+    whose scale takes no gradient: the loss of one micro-batch, or of one data-parallel rank, is
+    not reduced for it)."""
+
+    def infer_forward(self, inputs: Sequence[TensorSpec], attrs: Mapping[str, Any], ctx: RuleContext) -> RuleResult:
+        result = super().infer_forward(inputs, attrs, ctx)
+        live = ctx.live_outputs
+        dead = [operand for operand, grad in ((0, 1), (1, 0)) if live is not None and len(live) > grad and not live[grad]]
+        return keep_pending(result, inputs, dead)
+
+
 register_rule(EquationGradRule(_broadcast_grad_letters, grad=-1, results=(0, 1), shape_only=(0, 1)), *(f"{n}_grad" for n in ADDITIVE))
+register_rule(MultiplyGradRule(_broadcast_grad_letters, grad=-1, results=(0, 1), shape_only=()), *(f"{n}_grad" for n in MULTILINEAR))
 register_rule(
     EquationGradRule(_broadcast_grad_letters, grad=-1, results=(0, 1), shape_only=()),
-    *(f"{n}_grad" for n in MULTILINEAR + ("maximum", "minimum", "elementwise_pow")),
+    *(f"{n}_grad" for n in ("maximum", "minimum", "elementwise_pow")),
 )
 register_rule(DivideGradRule(_broadcast_grad_letters, grad=-1, results=(0, 1), shape_only=()), "divide_grad")
 

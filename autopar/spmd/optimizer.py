@@ -11,7 +11,8 @@ The parameter's placement decides (if it has none yet, the gradient's splits, th
 state's). The gradient and states are required complete (never partial): the planner turns a
 partial gradient into an all_reduce, or a reduce_scatter where the parameter is split
 (ZeRO). learning_rate, beta pows, beta1/beta2/epsilon and skip_update are required
-replicated; every output lies like the input it updates in place.
+replicated; every output lies like the input it updates in place. ``assign_out_(x, out)``
+(an in-place copy into ``out``) is such an update too, ``out`` deciding.
 """
 
 from __future__ import annotations
@@ -86,8 +87,12 @@ ADAM = OptimizerRule(like_param=(0, 1, 3, 4, 5, 8), outputs=(0, 3, 4, 5, 6, 7, 8
 register_rule(SGD, "sgd_", "sgd")
 register_rule(MOMENTUM, "momentum_", "momentum")
 register_rule(ADAM, "adam_", "adam", "adamw_", "adamw")
+# assign_out_(x, out) writes x into out in place (a bf16 parameter refreshed from its fp32 master
+# after an update on the master): the destination's placement decides, x is brought to it
+register_rule(OptimizerRule(like_param=(1, 0), outputs=(1,)), "assign_out_")
 # (FLOPs per parameter element, states per parameter) of one update, keyed as the cost model asks
 declare("sgd_", "momentum_", "adam_", "adamw_", updates_parameter=True)
+declare("adamw_", cpu_twinned="on_master")  # no bf16 / fp16 CPU kernel for a low-precision parameter
 declare("sgd", optimizer_cost=(2, 0))
 declare("momentum", optimizer_cost=(4, 1))
 declare("adam", optimizer_cost=(12, 2))

@@ -99,6 +99,10 @@ TRAIT_MEANINGS: dict[str, str] = {
     "updates_parameter": "an optimizer's in-place update of a parameter: its op is in the update phase (graph roles)",
     "loss_seed": "a constant that may seed the backward (the loss gradient's ones) (graph roles)",
     "packs_vector": "packs values into a vector or takes one apart (builtin.combine / split): the graph reads through it",
+    "scales_in_place": "updates the gradients of dynamic loss scaling in place: readers after it read its results (the loss-scaling rewrite)",
+    "moves_loss_scale": "moves dynamic loss scaling's scale and step counts from the agreed overflow flag, its operand 1 (pipeline split: the stages agree on it first)",
+    "checks_overflow": "makes dynamic loss scaling's overflow flag (found_inf) from the gradients it reads: every rank holding a piece of them must agree on it (causes, pipeline split)",
+    "cpu_twinned": "its bfloat16 / float16 kernel cannot run on Paddle's CPU build: the numerics twin runs its fp32 kernel on rounded inputs (autopar.testing.amp)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }
 TRAITS: dict[str, dict[str, object]] = {}  # op name without "pd_op." (other dialects kept: "builtin.split") -> trait -> value

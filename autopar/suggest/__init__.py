@@ -15,6 +15,9 @@ best plan found. Every shape's plain strategies are priced first (each ZeRO stag
 micro-batch count); sequence parallelism and recompute — which trade time for memory — for the
 :data:`FURTHER` fastest shapes and for every plain strategy that does not fit (its variants
 may), gradient accumulation only for shapes where nothing fits yet.
+Every plan is priced in one precision (:mod:`.precision`): the program's own dtypes (a user's
+AMP O2 program: bfloat16), or, asked with ``precision="bf16"``, a float32 program as the
+mixed-precision program it stands for; ``Suggestions.precision`` says which.
 The result is ranked by predicted step time among the plans that fit (a plan leaving devices idle
 after those that use more of them and are within :data:`TIE` of it), then by memory, near-ties shown as ties
 (:mod:`.plans`); each :class:`Plan` says why in the user's terms, and
@@ -52,14 +55,17 @@ __all__ = ["FURTHER", "TIE", "Plan", "Suggestions", "price_plan", "suggest"]
 def suggest(
     program: Any, world: int, startup_program: Any = None, memory_per_rank: int | str | None = None,
     cluster: str | Any = None, top: int = 5, shapes: Iterable[Shape | Sequence[int]] | None = None,
-    all_devices: bool = False,
+    all_devices: bool = False, precision: str | None = None,
 ) -> Suggestions:  # fmt: skip
     """The ``top`` plans for ``program`` on ``world`` devices (see the module docstring).
     ``memory_per_rank``: bytes, or a size such as ``"80GB"`` (default: the profile's device
     memory); ``cluster``: a cost profile name, a JSON path or a ``Cluster`` (default: the
     hardware in use); ``shapes``: only these mesh shapes (``Shape`` or ``(dp, mp, pp)``, on at
     most ``world`` devices; default: every factorisation of ``world`` and the shapes on fewer
-    devices that cannot grow); ``all_devices``: only plans that use every device."""
+    devices that cannot grow); ``all_devices``: only plans that use every device;
+    ``precision``: None prices the program as built (each value's own dtype: a user's AMP
+    program in bfloat16), ``"bf16"`` / ``"fp16"`` a float32 program as the mixed-precision
+    program it stands for (:mod:`.precision`)."""
     arguments.programs("suggest", program, startup_program)
     world = arguments.count("suggest", "world", world, "number of devices")
     top = arguments.count("suggest", "top", top)
@@ -68,7 +74,7 @@ def suggest(
     budget = arguments.budget("suggest", memory_per_rank)
     arguments.warn_annotated("suggest", program)
     started = time.perf_counter()
-    search = _Search(program, startup_program, world, cluster, budget)
+    search = _Search(program, startup_program, world, cluster, budget, precision, "suggest")
     with gc_paused():  # (once for the whole search: each compile's own pause ended in a collection's worth of work)
         search.run(only if only is not None else search.shapes(all_devices))
     out = search.result(top, memory_per_rank)
@@ -81,7 +87,7 @@ FURTHER = 3  # shapes whose sequence-parallel and recompute variants are priced 
 
 def price_plan(
     program: Any, shape: Shape | Sequence[int], strategy: Strategy | None = None, startup_program: Any = None,
-    memory_per_rank: int | str | None = None, cluster: str | Any = None,
+    memory_per_rank: int | str | None = None, cluster: str | Any = None, precision: str | None = None,
 ) -> Plan:  # fmt: skip
     """One given plan priced as :func:`suggest` prices its candidates: ``shape`` (``Shape`` or
     ``(dp, mp, pp)``) with the annotations the search would find for it, and ``strategy``
@@ -93,7 +99,8 @@ def price_plan(
     strategy = strategy or Strategy()
     cluster = arguments.profile("price_plan", cluster) or strategy.cluster
     (shape,) = arguments.shapes("price_plan", [shape], None)
-    search = _Search(program, startup_program, shape.world, cluster, arguments.budget("price_plan", memory_per_rank))
+    budget = arguments.budget("price_plan", memory_per_rank)
+    search = _Search(program, startup_program, shape.world, cluster, budget, precision, "price_plan")
     why = search.unfit(shape, strategy)
     if why is not None:
         raise AutoparError(f"price_plan: {shape}: {why}")
@@ -104,10 +111,16 @@ class _Search:
     """One search's state: the program's graph and batch, the profile, the budget, the shapes
     tried and the plans priced."""
 
-    def __init__(self, program: Any, startup: Any, world: int, cluster: str | None, budget: int | None) -> None:
+    def __init__(
+        self, program: Any, startup: Any, world: int, cluster: str | None, budget: int | None, precision: Any = None,
+        who: str = "suggest",
+    ) -> None:  # fmt: skip
+        from autopar.suggest.precision import chosen
+
         self.program, self.startup, self.world, self.cluster = program, startup, world, cluster
         self.graph, self.batch, self.profile, self.budget = _setting(program, cluster, budget)
-        self.weights = _parameter_bytes(self.graph)
+        self.precision, self.precision_words = chosen(who, precision, self.graph)
+        self.weights = _parameter_bytes(self.graph, self.precision)
         self.stages = most_stages(self.graph)
         self.entries: dict[Shape, _Shape] = {}
         self.plans: list[Plan] = []
@@ -161,7 +174,8 @@ class _Search:
             annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
             annotated = PlacementTable(annotated, self.graph)
             chosen = list(strategies(shape, self.batch, self.cluster))
-            self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world)
+            self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world, self.precision,
+                                         self.precision_words)  # fmt: skip
         return self.entries[shape]
 
     def run(self, shapes: Iterable[Shape]) -> None:
@@ -228,6 +242,7 @@ class _Search:
         """The ranked plans (see :class:`Suggestions`), the first ``top``."""
         out = Suggestions(sorted(self.plans, key=_rank_key))
         out.searched, out.pruned, out.skipped = len(self.plans), self.pruned, SkippedPlans(self.skipped)
+        out.precision = self.precision_words
         if not any(plan.fits for plan in out):
             least = f"; the least a plan needs is {format_bytes(self.least)}" if self.least < float("inf") else ""
             hint = arguments.unit_hint(given, self.budget) if given is not None else ""
@@ -277,6 +292,8 @@ class _Shape:
     split: str
     strategies: list[Strategy]
     world: int  # devices the search had
+    precision: Any  # the Precision every plan is priced in
+    precision_words: str  # and what the search reports it as
     analyses: dict[tuple, Any] = field(default_factory=dict)
     plans: list[Plan] = field(default_factory=list)
 
@@ -298,8 +315,8 @@ class _Shape:
         """``strategy`` on this shape compiled from its analysis and priced (kept in ``plans``)."""
         analysis = self.analysis(program, startup, strategy)
         dist = _compiled(program, self.mesh, startup, strategy, analysis)
-        plan = Plan(self.shape, self.mesh, strategy, self.placements, dist.decisions.price(), budget, self.split, program,
-                    startup, analysis, self.world)  # fmt: skip
+        plan = Plan(self.shape, self.mesh, strategy, self.placements, dist.decisions.price(self.precision), budget, self.split,
+                    program, startup, analysis, self.world, self.precision_words)  # fmt: skip
         self.plans.append(plan)
         return plan
 
@@ -316,12 +333,19 @@ def _compiled(program: Any, mesh: ProcessMesh, startup: Any, strategy: Strategy,
         return compile_program(program, mesh, startup, strategy, analysis=analysis)
 
 
-def _parameter_bytes(graph: ProgramGraph) -> tuple[int, int]:
-    """Bytes of the parameters and of the optimizer states (the program's state tensors)."""
+def _parameter_bytes(graph: ProgramGraph, precision: Any = None) -> tuple[int, int]:
+    """Bytes of the parameters and of the optimizer states (the program's state tensors: an O2
+    program's fp32 masters among them; a float32 program priced in mixed precision gains a
+    master per parameter), in ``precision``."""
     from autopar.cost_model import tensor_bytes
+    from autopar.cost_model.precision import AS_BUILT
 
-    params = sum(tensor_bytes(v.shape, v.dtype, None, 0) for v in graph.values.values() if v.kind == "parameter")
-    states = sum(tensor_bytes(v.shape, v.dtype, None, 0) for v in graph.values.values() if v.kind == "state")
+    precision = precision or AS_BUILT
+    values = list(graph.values.values())
+    params = sum(tensor_bytes(v.shape, precision.dtype(v.dtype, v.kind), None, 0) for v in values if v.kind == "parameter")
+    states = sum(tensor_bytes(v.shape, v.dtype, None, 0) for v in values if v.kind == "state")
+    masters = [(v, precision.master_of(v.dtype)) for v in values if v.kind == "parameter"]
+    states += sum(tensor_bytes(v.shape, master, None, 0) for v, master in masters if master is not None)
     return params, states
 
 

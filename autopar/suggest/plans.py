@@ -40,6 +40,7 @@ class Plan:
     startup_program: Any = field(repr=False, compare=False)
     analysis: Any = field(repr=False, compare=False)
     world: int = 0  # devices the search had (0: the plan's own); a plan may leave some idle
+    precision: str = "float32"  # what it was priced in (the program's own dtypes, or the mixed precision asked)
 
     @property
     def devices(self) -> str:
@@ -58,7 +59,8 @@ class Plan:
 
     def compile(self) -> Any:
         """The DistributedProgram of this plan (the program is compiled with the plan's
-        annotations; it is not annotated)."""
+        annotations; it is not annotated). A float32 program priced in mixed precision
+        (``precision="bf16"``) compiles as the float32 program it is."""
         return compile_program(self.program, self.mesh, self.startup_program, self.strategy, analysis=self.analysis)
 
     @property
@@ -117,6 +119,7 @@ class Suggestions(list):
 
     searched: int = 0
     pruned: int = 0
+    precision: str = "float32"  # what every plan was priced in: the program's own dtypes, or the mixed precision asked
     seconds: float = 0.0
     skipped: SkippedPlans = SkippedPlans()
     notes: tuple[str, ...] = ()
@@ -155,6 +158,7 @@ class Suggestions(list):
             lines.append(f"n= : tied, steps within {self.tolerance:.0%} of each other (within the cost model's error: "
                          "measure them to choose)")  # fmt: skip
         lines.append(f"{self.searched} candidates priced, {self.pruned} pruned by memory, in {self.seconds:.1f} s")
+        lines.append(f"precision: {self.precision}")
         lines += str(self.skipped).splitlines() if self.skipped else []
         lines += [f"note: {note}" for note in self.notes]
         if self:

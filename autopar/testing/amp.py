@@ -13,12 +13,14 @@ program (:func:`twinned`, op positions carried over) and the serial program
 (:func:`run_serial_twin`) alike, so "distributed = serial" is checked between the two twins,
 while the compiled program that is checked as text stays the real mixed-precision one.
 
-Three forms cannot be built here at all, so their builders make them another way and say so:
-O2 with AdamW (built with ``adamw_`` on the fp32 master, the bf16 copy refreshed from it: the
-twin at build time); float16 O1 (built in bf16, then every bf16 value retyped to float16, casts
+Two forms cannot be built here as they are written, so their builders build them another way
+and say so: O2 with AdamW (``adamw_`` refuses a bf16 parameter at build: built on fp32
+stand-ins, then made to read the bf16 parameter and gradient, so the text is the real op; the
+twin runs it on the fp32 master and refreshes the bf16 copy from it, as the multi-precision
+kernel does); float16 O1 (built in bf16, then every bf16 value retyped to float16, casts
 rebuilt: op for op the program Paddle builds on a GPU, rounded to float16 by the twin, so it
-overflows at 65504 as fp16 does); dynamic loss scaling on bf16 (Paddle emits its scaling ops only
-for float16: that path is forced on the bf16 program; grads are fp32 at O1).
+overflows at 65504 as fp16 does). Dynamic loss scaling on bf16 forces Paddle's float16 scaling
+path (Paddle emits scaling ops only for float16); the gradients it checks are fp32 at O1.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from autopar.rank_plan import RankPlan
+from autopar.spmd import trait_values
 from autopar.testing.models import SeedProgram
 from autopar.testing.serial import SerialResult
 
-TWINNED_OPS = ("pd_op.matmul", "pd_op.matmul_grad")  # low-precision kernels this CPU build cannot run
+TWINNED = trait_values("cpu_twinned")  # op -> how the twin runs it: its low-precision kernel cannot run on this CPU build
 LOW_PRECISION = ("bfloat16", "float16")
 
 
@@ -155,7 +158,7 @@ def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
 
 def _minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
     """Minimize ``loss`` as the program's form does; the loss scaling states by name when scaling."""
-    with _twin_adamw() if (amp.level, amp.optimizer) == ("O2", "adamw") else contextlib.nullcontext():
+    with _low_precision_adamw() if (amp.level, amp.optimizer) == ("O2", "adamw") else contextlib.nullcontext():
         if not amp.loss_scaling:
             opt.minimize(loss)
             return {}
@@ -184,23 +187,28 @@ def _minimize_scaled(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _twin_adamw() -> Iterator[None]:
-    """While building: ``adamw_`` on a low-precision parameter with an fp32 master (which this
-    build refuses) becomes ``adamw_`` on the master, then the parameter refreshed from it: what
-    the multi-precision kernel computes."""
+def _low_precision_adamw() -> Iterator[None]:
+    """While building: ``adamw_`` on a low-precision parameter with its fp32 master, which this
+    build refuses to construct (its CPU kernel takes fp32 / fp64 parameters), built on fp32
+    stand-ins of the parameter and gradient, then made to read the real ones, its parameter
+    result retyped: the program Paddle builds on a GPU, op for op. The twin runs it
+    (:func:`twin_program`)."""
+    import paddle
     from paddle import _C_ops
 
     real = _C_ops.adamw_
 
-    def adamw_(param: Any, grad: Any, lr: Any, m1: Any, m2: Any, m2max: Any, b1p: Any, b2p: Any, master: Any, found_inf: Any, *attrs: Any) -> Any:
-        import paddle
-
-        if master is None or str(param.dtype) == "paddle.float32":
-            return real(param, grad, lr, m1, m2, m2max, b1p, b2p, master, found_inf, *attrs)
-        attrs = list(attrs)
-        attrs[8] = False  # multi_precision: the master is the parameter now
-        outs = real(master, _C_ops.cast(grad, paddle.float32), lr, m1, m2, m2max, b1p, b2p, None, found_inf, *attrs)
-        _C_ops.assign_out_(_C_ops.cast(outs[0], param.dtype), param)
+    def adamw_(param: Any, grad: Any, *rest: Any) -> Any:
+        if str(param.dtype) == "paddle.float32":
+            return real(param, grad, *rest)
+        stand_ins = [_C_ops.cast(param, paddle.float32), _C_ops.cast(grad, paddle.float32)]
+        outs = real(*stand_ins, *rest)
+        op = outs[0].get_defining_op()
+        op.operand(0).set_source(param)
+        op.operand(1).set_source(grad)
+        outs[0].set_type(param.type())
+        for stand_in in stand_ins:
+            stand_in.get_defining_op().erase()
         return outs
 
     _C_ops.adamw_ = adamw_
@@ -215,37 +223,67 @@ def _is_low(value: Any) -> bool:
 
 
 def twin_program(program: Any) -> tuple[dict[int, int], dict[int, int]]:
-    """Rewrite ``program`` in place: each op of :data:`TWINNED_OPS` reading a low-precision
-    value runs its fp32 kernel on the values cast up, each result cast back to its dtype.
-    Returns ``(replaced, made_for)``: the id of each op erased -> the id of its fp32 op, and the
-    id of each op inserted -> the id of the op it was made for."""
+    """Rewrite ``program`` in place: each op the registry marks ``cpu_twinned`` reading a
+    low-precision value is rebuilt as its fp32 kernel ("fp32_kernel": the values cast up
+    exactly, each result cast back to its dtype; "on_master": an update of a low-precision
+    parameter run on its fp32 master, the parameter then refreshed from it). Returns
+    ``(replaced, made_for)``: the id of each op erased -> the id of the op standing for it, and
+    the id of each op inserted -> the id of the op it was made for."""
     import paddle
-    from paddle import _C_ops
 
     replaced: dict[int, int] = {}
     made_for: dict[int, int] = {}
     with paddle.static.program_guard(program):
         for op in list(program.global_block().ops):
-            if op.name() not in TWINNED_OPS:
-                continue
-            inputs = [op.operand_source(i) for i in range(op.num_operands())]
-            if not any(_is_low(v) for v in inputs):
+            how = TWINNED.get(op.name().removeprefix("pd_op."))
+            if how is None or not any(_is_low(op.operand_source(i)) for i in range(op.num_operands())):
                 continue
             old_id, before = op.id(), set(map(_op_id, program.global_block().ops))
             paddle.pir.set_insertion_point(op)
-            up = [_C_ops.cast(v, paddle.float32) if _is_low(v) else v for v in inputs]
-            transpose = (op.attrs()["transpose_x"], op.attrs()["transpose_y"])
-            fp32 = [_C_ops.matmul(*up, *transpose)] if op.name() == "pd_op.matmul" else list(_C_ops.matmul_grad(*up, *transpose))
-            for i, new in enumerate(fp32):
-                old = op.result(i)
-                if old.initialized() and not old.use_empty():
-                    old.replace_all_uses_with(_C_ops.cast(new, old.dtype))
-            kernel = fp32[0].get_defining_op().id()
+            kernel = _fp32_kernel(op) if how == "fp32_kernel" else _on_master(op)
             op.erase()
             replaced[old_id] = kernel
             made_for.update({i: old_id for i in map(_op_id, program.global_block().ops) if i not in before and i != kernel})
     paddle.pir.reset_insertion_point_to_end()
     return replaced, made_for
+
+
+def _fp32_kernel(op: Any) -> int:
+    """``op`` (a matmul's attrs) run in fp32 on its inputs cast up, results cast back; the id
+    of the fp32 op."""
+    import paddle
+    from paddle import _C_ops
+
+    up = [_C_ops.cast(v, paddle.float32) if _is_low(v) else v for v in op.operands_source()]
+    made = getattr(_C_ops, op.name().removeprefix("pd_op."))(*up, op.attrs()["transpose_x"], op.attrs()["transpose_y"])
+    fp32 = list(made) if isinstance(made, (tuple, list)) else [made]
+    for i, new in enumerate(fp32):
+        old = op.result(i)
+        if old.initialized() and not old.use_empty():
+            old.replace_all_uses_with(_C_ops.cast(new, old.dtype))
+    return fp32[0].get_defining_op().id()
+
+
+def _on_master(op: Any) -> int:
+    """``adamw_(param, grad, ..., master, ...)`` of a low-precision parameter as what its
+    multi-precision kernel computes: ``adamw_`` on the fp32 master with the gradient cast up,
+    then the parameter written from the new master (``assign_out_``)."""
+    import paddle
+    from paddle import _C_ops
+
+    param, grad, *middle, master, skip, beta1, beta2, epsilon = op.operands_source()
+    attrs = op.attrs()
+    names = ("lr_ratio", "coeff", "with_decay", "lazy_mode", "min_row_size_to_use_multithread")
+    outs = _C_ops.adamw_(
+        master, _C_ops.cast(grad, paddle.float32), *middle, None, skip if skip.initialized() else None, beta1, beta2, epsilon,
+        *(attrs[n] for n in names), False, attrs["use_global_beta_pow"], attrs.get("amsgrad", False),
+    )  # fmt: skip
+    refreshed = _C_ops.assign_out_(_C_ops.cast(outs[0], param.dtype), param)
+    # the parameter, moments, beta pows and master as the new ops make them
+    for i, new in [(0, refreshed), *((i, outs[i]) for i in range(1, 6)), (6, outs[0])]:
+        if op.result(i).initialized() and not op.result(i).use_empty():
+            op.result(i).replace_all_uses_with(new)
+    return outs[0].get_defining_op().id()
 
 
 def _op_id(op: Any) -> int:
@@ -328,7 +366,7 @@ def _same_value(main: Any, clone: Any, value: Any) -> Any:
     """``value`` of ``main`` in its ``clone`` (same ops, same order); not a result of an op the
     twin replaces."""
     op = value.get_defining_op()
-    if op.name() in TWINNED_OPS:
+    if op.name().removeprefix("pd_op.") in TWINNED:
         raise ValueError(f"{op.name()}'s result is remade by the twin: fetch a value computed from it")
     position = next(i for i, o in enumerate(main.global_block().ops) if o.id() == op.id())
     return clone.global_block().ops[position].result(value.index())

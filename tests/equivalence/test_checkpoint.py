@@ -124,7 +124,7 @@ def test_numpy_alone_reads_the_checkpoint_and_each_box_is_written_once(tmp_path)
     path = tmp_path / "ckpt"
     result = autopar.simulate(dist, random_feeds(seed.feeds, 1), [seed.loss], save_to=path)
     index = json.loads((path / "index.json").read_text())
-    assert index["format"] == "autopar-checkpoint" and index["version"] == 1
+    assert index["format"] == "autopar-checkpoint" and index["version"] == 2
     assert index["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "mp"], "ranks": [0, 1, 2, 3]}
     full = {}
     for name, tensor in index["tensors"].items():

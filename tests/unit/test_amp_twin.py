@@ -81,3 +81,16 @@ def test_a_float16_program_is_the_bf16_build_retyped_and_its_twin_overflows_as_f
     np.testing.assert_array_equal(run.parameters["loss_scaling_0"], [512.0])  # 1024 halved once, not yet doubled again
     bf16 = amp_mlp(Amp(level="O1", dtype="bfloat16", loss_scaling=True))
     assert np.isfinite(run_serial_twin(bf16.main, bf16.startup, feeds, [bf16.loss]).fetches[1][0])
+
+
+def test_o2_adamw_is_the_real_update_and_the_twin_runs_it_on_the_master():
+    o2 = amp_mlp(Amp(level="O2", optimizer="adamw"))
+    updates = [op for op in o2.main.global_block().ops if op.name() == "pd_op.adamw_"]
+    assert updates and all(
+        str(op.operand_source(0).dtype) == "paddle.bfloat16" and str(op.operand_source(8).dtype) == "paddle.float32"
+        and op.attrs()["multi_precision"] for op in updates
+    )  # fmt: skip
+    twin_program(o2.main)
+    names = [op.name() for op in o2.main.global_block().ops]
+    assert names.count("pd_op.assign_out_") == len(updates) == names.count("pd_op.adamw_")
+    assert all(str(op.operand_source(0).dtype) == "paddle.float32" for op in o2.main.global_block().ops if op.name() == "pd_op.adamw_")
