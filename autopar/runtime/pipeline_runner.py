@@ -14,7 +14,12 @@ jobs from micro-batch ``k``'s own copy of the host plan, whose values passed bet
 their own scope names (its activations stay in the rank's scope from its forward to its
 backward, whatever runs in between). ``ACCUMULATE`` adds a micro-batch's gradients of a stage,
 in the rank's scope, into micro-batch 0's (which the update reads), whatever order the backwards
-ran in (zero-bubble defers weight gradients); the update runs once. (Measured: running the same
+ran in (zero-bubble defers weight gradients); the update runs once. A low-precision value (an O1
+weight gradient before its cast to fp32, an O2 gradient) is summed in float32, as Megatron's and
+Paddle's ``main_grad``: the runner keeps each one's float32 running sum over the step and writes
+it back rounded once to the value's dtype (:class:`Float32Sums`), what the serial program's one
+rounding of the whole batch's gradient is closest to (a bf16 sum would round every micro-batch's
+partial sum again; this CPU build has no float16 ``add`` at all). (Measured: running the same
 segments in one child scope per micro-batch instead fails inside Paddle's cached interpreters on
 the second step.) Each transfer's collective is stamped with its micro-batch; the host backend's
 recv takes the next message on its link and checks it carries that key
@@ -37,6 +42,7 @@ from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.feed_names import MICRO_BATCH_FEED, WHOLE_BATCH
 from autopar.index_feeds import check_index_feed
+from autopar.low_precision import STORAGE, is_low, narrow, widen
 from autopar.pipeline_lowering import ACCUMULATE, PIECE_KINDS, RankAction, verify_rank
 from autopar.rank_plan import RankPlan, ValueKey
 from autopar.runtime.host_plan import HostPlan, build_host_plan
@@ -80,7 +86,8 @@ class PipelineRunner(RankRunner):
             kind: self._run_piece for kind in PIECE_KINDS
         } | {ACCUMULATE: self._accumulate}
         self.micro_feeds: list[dict[str, np.ndarray]] = []
-        self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program
+        self.adders: dict[tuple[int, int], Any] = {}  # (micro-batch, stage) -> its gradient-adding program (fp32 and wider)
+        self.low_sums = Float32Sums()  # the step's float32 sums of low-precision accumulated values
         self.pieces: dict[ValueKey, list[np.ndarray]] = {}
         self.spans: list[Span] = []  # the last step's compute actions as they ran (start, end)
         self.job = 0  # the next job of the current action's piece
@@ -123,6 +130,7 @@ class PipelineRunner(RankRunner):
         self.feeds = self.micro_feeds[-1]
         self.position = self.job = 0
         self.pieces, self.by_micro_batch = {}, {}
+        self.low_sums = Float32Sums()
         self.spans, self._began = [], 0.0
 
     # ---- stepping ---------------------------------------------------------------------
@@ -169,8 +177,31 @@ class PipelineRunner(RankRunner):
         return None
 
     def _accumulate(self, action: RankAction) -> None:
-        """Micro-batch ``k``'s values of a stage that the update reads, added into micro-batch 0's."""
-        self.run_program(("add", action.micro_batch, action.stage), self._adder(action.micro_batch, action.stage), {})
+        """Micro-batch ``k``'s values of a stage that the update reads, added into micro-batch 0's:
+        float32 (and wider) ones by a Paddle add in the scope, low-precision ones in float32
+        (:class:`Float32Sums`), micro-batch 0's copy rewritten as the rounded running sum."""
+        k, stage = action.micro_batch, action.stage
+        adder = self._adder(k, stage)
+        if adder is not None:
+            self.run_program(("add", k, stage), adder, {})
+        for j in self._low_precision_accumulated(stage):
+            total, part = self.hosts[0].accumulated[j], self.hosts[k].accumulated[j]
+            dtype = _dtype_of(self.scope.find_var(total).get_tensor())
+            self.write(total, self.low_sums.add(total, self.read(total), self.read(part), dtype))
+
+    def _accumulated_of(self, stage: int) -> list[int]:
+        """Indices into the host plans' ``accumulated`` of ``stage``'s values (F: a masked mean's
+        sum and count; B / I / W: gradients)."""
+        first = self.hosts[0]
+        return [
+            j for j, phase in enumerate(first.accumulated_phases) if phase.kind in (F, B, I, W) and phase.stage == stage
+        ]  # fmt: skip
+
+    def _low_precision_accumulated(self, stage: int) -> list[int]:
+        """Those of :meth:`_accumulated_of` held in bfloat16 / float16 (micro-batch 0's copy, made
+        by the time any ACCUMULATE of the stage runs)."""
+        first = self.hosts[0]
+        return [j for j in self._accumulated_of(stage) if is_low(_dtype_of(self.scope.find_var(first.accumulated[j]).get_tensor()))]
 
     def collectives(self) -> list[Collective]:
         """This rank's collectives of one step in the order it meets them, each stamped with its
@@ -184,19 +215,22 @@ class PipelineRunner(RankRunner):
     def _adder(self, micro_batch: int, stage: int) -> Any:
         """A program adding micro-batch ``micro_batch``'s values of ``stage`` that the update reads
         (gradients; a masked mean's sum and count, made in the forward) into micro-batch 0's in
-        the scope (no copy through numpy); built on first use, when they exist."""
+        the scope (no copy through numpy); built on first use, when they exist. Low-precision
+        values are not in it (summed in float32 by :meth:`_accumulate`); None when none is left."""
         import paddle
 
-        found = self.adders.get((micro_batch, stage))
-        if found is not None:
-            return found
+        if (micro_batch, stage) in self.adders:
+            return self.adders[(micro_batch, stage)]
         first, this = self.hosts[0], self.hosts[micro_batch]
+        low = set(self._low_precision_accumulated(stage))
+        wide = [j for j in self._accumulated_of(stage) if j not in low]
+        if not wide:
+            self.adders[(micro_batch, stage)] = None
+            return None
         program = paddle.static.Program()
         with paddle.static.program_guard(program):
-            for j, total in enumerate(first.accumulated):
-                phase = first.accumulated_phases[j]
-                if phase.kind not in (F, B, I, W) or phase.stage != stage:  # (F: a masked mean's sum and count)
-                    continue
+            for j in wide:
+                total = first.accumulated[j]
                 tensor = self.scope.find_var(total).get_tensor()
                 shape, dtype = list(tensor.shape()), str(np.array(tensor).dtype)
                 whole = paddle.static.data(total, shape, dtype)
@@ -243,10 +277,50 @@ class PipelineRunner(RankRunner):
             if not pieces:
                 out.append(None)
             elif key in self.role.summed:
-                out.append(np.sum(np.stack(pieces), axis=0))
+                out.append(sum_over_micro_batches(pieces, self.plan.values.info(key).dtype))
             else:
                 out.append(pieces[-1])  # the same on every micro-batch
         return out
+
+
+class Float32Sums:
+    """One step's float32 running sums of low-precision values accumulated over micro-batches,
+    by scope name. :meth:`add` widens both operands exactly, adds in float32 and returns the sum
+    rounded once to the value's dtype (round to nearest even: :func:`autopar.low_precision.narrow`)
+    for micro-batch 0's copy; the next :meth:`add` continues from the float32 sum, not from that
+    rounding, so the update reads the whole step's sum rounded once. (A copy that is no longer
+    the one last returned — written meanwhile — starts a new sum from it.)"""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> (float32 sum, its rounding handed out)
+
+    def add(self, name: str, total: np.ndarray, part: np.ndarray, dtype: str) -> np.ndarray:
+        """``total`` (micro-batch 0's copy of ``name``, held as ``dtype`` is) plus ``part``,
+        rounded to ``dtype``; the float32 sum is kept for the next micro-batch."""
+        if total.dtype != STORAGE[dtype] or part.dtype != STORAGE[dtype]:
+            raise AutoparError(f"accumulating {name!r} ({dtype}): held as {total.dtype} and {part.dtype}, expected {STORAGE[dtype]}")
+        running, handed = self.sums.get(name, (None, None))
+        if running is None or not np.array_equal(handed.view(np.uint8), total.view(np.uint8)):  # (bits: NaN too)
+            running = widen(total, dtype)
+        running = running + widen(part, dtype)
+        rounded = narrow(running, dtype)
+        self.sums[name] = (running, rounded)
+        return rounded
+
+
+def sum_over_micro_batches(pieces: Sequence[np.ndarray], dtype: str) -> np.ndarray:
+    """A fetched value's micro-batch pieces (a loss, a gradient) summed: a low-precision one
+    (bfloat16 held as its uint16 bits, which are no numbers to add) in float32, rounded once to
+    ``dtype`` as the update's accumulated gradients are."""
+    if not is_low(dtype):
+        return np.sum(np.stack(pieces), axis=0)
+    dtype = str(dtype).removeprefix("paddle.")
+    return narrow(np.sum(np.stack([widen(np.asarray(p), dtype) for p in pieces]), axis=0), dtype)
+
+
+def _dtype_of(tensor: Any) -> str:
+    """A scope tensor's dtype name (``"bfloat16"``; numpy shows its bits as uint16)."""
+    return str(tensor._dtype()).removeprefix("paddle.")
 
 
 def _stamped(collective: Collective, micro_batch: int) -> Collective:

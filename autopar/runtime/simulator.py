@@ -176,9 +176,21 @@ def fetched(values: ValueTable, keys: Sequence[Any], runners: Mapping[int, RankR
     return out
 
 
-def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray]) -> np.ndarray:
-    """A serial value's global array from every rank's piece (as its producer makes it)."""
+def gather(values: ValueTable, key: Any, pieces: Mapping[int, np.ndarray | None]) -> np.ndarray:
+    """A serial value's global array from every rank's piece (as its producer makes it). A
+    whole value that only some ranks of its mesh make in a pipeline (a state each stage keeps
+    a copy of, as the loss scale: None where a stage's runner did not make it) is any made
+    copy, checked equal to the others."""
     info = values.info(key)
+    made = {r: p for r, p in pieces.items() if p is not None and r in info.produced.mesh.ranks}
+    if len(made) < len(info.produced.mesh.ranks):
+        if not made or info.produced.sharded_mesh_dims() or info.produced.partial:
+            raise AutoparError(f"simulate: no rank made its piece of the fetched {info.label} ({info.produced})")
+        first_rank, first = next(iter(made.items()))
+        for rank, piece in made.items():
+            if not np.array_equal(piece, first, equal_nan=True):
+                raise AutoparError(f"simulate: fetched {info.label} differs between ranks {first_rank} and {rank}")
+        return first
     return assemble(pieces, info.produced, info.shape, info.dtype)
 
 

@@ -43,4 +43,4 @@ register_rule(EquationGradRule(_matmul_grad_letters, grad=2, results=(0, 1), sha
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("matmul", keeps_split=True, matmul_like=True)
 declare("matmul", "matmul_grad", contracts=True)
-declare("matmul", "matmul_grad", cpu_twinned="fp32_kernel")  # bf16 matmul_grad crashes, fp16 matmul has no CPU kernel
+declare("matmul", "matmul_grad", cpu_twinned=("transpose_x", "transpose_y"))  # bf16 matmul_grad crashes, fp16 matmul has no CPU kernel

@@ -222,17 +222,25 @@ def _is_low(value: Any) -> bool:
     return value.initialized() and str(value.dtype).rsplit(".", 1)[-1] in LOW_PRECISION
 
 
-def twin_program(program: Any) -> tuple[dict[int, int], dict[int, int]]:
+@dataclass(frozen=True)
+class TwinRewrite:
+    """What :func:`twin_program` did, by op id: ``replaced``, each op erased -> the op standing
+    for it; ``made_for``, each op inserted -> the op it was made for; ``results``, each result
+    ``(op, index)`` of an erased op -> the ``(op, index)`` now making that value."""
+
+    replaced: dict[int, int]
+    made_for: dict[int, int]
+    results: dict[tuple[int, int], tuple[int, int]]
+
+
+def twin_program(program: Any) -> TwinRewrite:
     """Rewrite ``program`` in place: each op the registry marks ``cpu_twinned`` reading a
-    low-precision value is rebuilt as its fp32 kernel ("fp32_kernel": the values cast up
-    exactly, each result cast back to its dtype; "on_master": an update of a low-precision
-    parameter run on its fp32 master, the parameter then refreshed from it). Returns
-    ``(replaced, made_for)``: the id of each op erased -> the id of the op standing for it, and
-    the id of each op inserted -> the id of the op it was made for."""
+    low-precision value is rebuilt as its fp32 kernel (the trait names the attributes it takes:
+    the values cast up exactly, each result cast back to its dtype; "on_master": an update of a
+    low-precision parameter run on its fp32 master, the parameter then refreshed from it)."""
     import paddle
 
-    replaced: dict[int, int] = {}
-    made_for: dict[int, int] = {}
+    done = TwinRewrite({}, {}, {})
     with paddle.static.program_guard(program):
         for op in list(program.global_block().ops):
             how = TWINNED.get(op.name().removeprefix("pd_op."))
@@ -240,34 +248,37 @@ def twin_program(program: Any) -> tuple[dict[int, int], dict[int, int]]:
                 continue
             old_id, before = op.id(), set(map(_op_id, program.global_block().ops))
             paddle.pir.set_insertion_point(op)
-            kernel = _fp32_kernel(op) if how == "fp32_kernel" else _on_master(op)
+            kernel, made = _on_master(op) if how == "on_master" else _fp32_kernel(op, how)
+            for i, new in made.items():
+                if not op.result(i).use_empty():
+                    op.result(i).replace_all_uses_with(new)
+                done.results[(old_id, i)] = (new.get_defining_op().id(), new.index())
             op.erase()
-            replaced[old_id] = kernel
-            made_for.update({i: old_id for i in map(_op_id, program.global_block().ops) if i not in before and i != kernel})
+            done.replaced[old_id] = kernel
+            done.made_for.update({i: old_id for i in map(_op_id, program.global_block().ops) if i not in before and i != kernel})
     paddle.pir.reset_insertion_point_to_end()
-    return replaced, made_for
+    return done
 
 
-def _fp32_kernel(op: Any) -> int:
-    """``op`` (a matmul's attrs) run in fp32 on its inputs cast up, results cast back; the id
-    of the fp32 op."""
+def _fp32_kernel(op: Any, attributes: Sequence[str]) -> tuple[int, dict[int, Any]]:
+    """``op`` run in fp32 on its inputs cast up, given its ``attributes`` in order: the fp32
+    op's id, and each result's new value (the fp32 one cast back to its dtype)."""
     import paddle
     from paddle import _C_ops
 
     up = [_C_ops.cast(v, paddle.float32) if _is_low(v) else v for v in op.operands_source()]
-    made = getattr(_C_ops, op.name().removeprefix("pd_op."))(*up, op.attrs()["transpose_x"], op.attrs()["transpose_y"])
+    made = getattr(_C_ops, op.name().removeprefix("pd_op."))(*up, *(op.attrs()[name] for name in attributes))
     fp32 = list(made) if isinstance(made, (tuple, list)) else [made]
-    for i, new in enumerate(fp32):
-        old = op.result(i)
-        if old.initialized() and not old.use_empty():
-            old.replace_all_uses_with(_C_ops.cast(new, old.dtype))
-    return fp32[0].get_defining_op().id()
+    return fp32[0].get_defining_op().id(), {
+        i: _C_ops.cast(new, op.result(i).dtype) for i, new in enumerate(fp32) if op.result(i).initialized()
+    }
 
 
-def _on_master(op: Any) -> int:
+def _on_master(op: Any) -> tuple[int, dict[int, Any]]:
     """``adamw_(param, grad, ..., master, ...)`` of a low-precision parameter as what its
     multi-precision kernel computes: ``adamw_`` on the fp32 master with the gradient cast up,
-    then the parameter written from the new master (``assign_out_``)."""
+    then the parameter written from the new master (``assign_out_``). The new adamw_'s id, and
+    each result's new value: the parameter, moments, beta pows and the master."""
     import paddle
     from paddle import _C_ops
 
@@ -279,11 +290,8 @@ def _on_master(op: Any) -> int:
         *(attrs[n] for n in names), False, attrs["use_global_beta_pow"], attrs.get("amsgrad", False),
     )  # fmt: skip
     refreshed = _C_ops.assign_out_(_C_ops.cast(outs[0], param.dtype), param)
-    # the parameter, moments, beta pows and master as the new ops make them
-    for i, new in [(0, refreshed), *((i, outs[i]) for i in range(1, 6)), (6, outs[0])]:
-        if op.result(i).initialized() and not op.result(i).use_empty():
-            op.result(i).replace_all_uses_with(new)
-    return outs[0].get_defining_op().id()
+    made = {0: refreshed, **{i: outs[i] for i in range(1, 6)}, 6: outs[0]}
+    return outs[0].get_defining_op().id(), {i: v for i, v in made.items() if op.result(i).initialized()}
 
 
 def _op_id(op: Any) -> int:
@@ -296,7 +304,8 @@ def twin_plan(plan: RankPlan) -> RankPlan:
     pieces) moved to where the op is now; an inserted cast runs where the op it serves runs."""
     program = plan.program.clone()
     old = [op.id() for op in program.global_block().ops]
-    replaced, made_for = twin_program(program)
+    done = twin_program(program)
+    replaced, made_for = done.replaced, done.made_for
     if not replaced:
         return plan
     now = {op_id: i for i, op_id in enumerate(op.id() for op in program.global_block().ops)}
@@ -312,13 +321,20 @@ def twin_plan(plan: RankPlan) -> RankPlan:
             grouped.setdefault(from_position, []).append(position)
         pieces = tuple(dataclasses.replace(p, ops=tuple(sorted(q for o in p.ops for q in grouped[o]))) for p in role.pieces)
         role = dataclasses.replace(role, phases=tuple(role.phases[s] for s in source), pieces=pieces)
+    def value_at(position: int, result: int) -> tuple[int, int]:
+        """Where the value op ``position`` made as ``result`` is made now (a replaced op's
+        value: by the op the twin made for it, e.g. the cast back to bf16)."""
+        found = done.results.get((old[position], result))
+        return (now[found[0]], found[1]) if found is not None else (moved[position], result)
+
+    values = {(s, r): value_at(p, r) for s, p in enumerate(plan.op_positions) for (op_id, r) in done.results if old[p] == op_id}
     return dataclasses.replace(
         plan,
         program=program,
         collectives=tuple((c, moved[p]) for c, p in plan.collectives),
         op_positions=tuple(moved[p] for p in plan.op_positions),
-        replaced={key: (moved[p], r) for key, (p, r) in plan.replaced.items()},
-        fetch_positions=tuple((moved[p], r) for p, r in plan.fetch_positions),
+        replaced={**values, **{key: value_at(p, r) for key, (p, r) in plan.replaced.items()}},
+        fetch_positions=tuple(value_at(p, r) for p, r in plan.fetch_positions),
         pipeline=role,
     )
 
@@ -351,9 +367,8 @@ def run_serial_twin(main: Any, startup: Any, feeds: Sequence[Mapping[str, Any]],
     parameters and the fp32 master weights by name."""
     import paddle
 
-    twin = main.clone()
-    fetches_in_twin = [_same_value(main, twin, v) for v in fetch_list]  # found before the rewrite
-    twin_program(twin)
+    twin, value_in_twin = twin_clone(main, fetch_list)
+    fetches_in_twin = [value_in_twin(v) for v in fetch_list]
     scope = paddle.static.Scope()
     exe = paddle.static.Executor(paddle.CPUPlace())
     with paddle.static.scope_guard(scope):
@@ -362,14 +377,21 @@ def run_serial_twin(main: Any, startup: Any, feeds: Sequence[Mapping[str, Any]],
     return SerialResult(fetches, {n: read_tensor(scope, n) for n in state_names(main)})
 
 
-def _same_value(main: Any, clone: Any, value: Any) -> Any:
-    """``value`` of ``main`` in its ``clone`` (same ops, same order); not a result of an op the
-    twin replaces."""
-    op = value.get_defining_op()
-    if op.name().removeprefix("pd_op.") in TWINNED:
-        raise ValueError(f"{op.name()}'s result is remade by the twin: fetch a value computed from it")
-    position = next(i for i, o in enumerate(main.global_block().ops) if o.id() == op.id())
-    return clone.global_block().ops[position].result(value.index())
+def twin_clone(main: Any, values: Sequence[Any] = ()) -> tuple[Any, Callable[[Any], Any]]:
+    """A clone of ``main`` rewritten by :func:`twin_program`, and the clone's value for each of
+    ``values`` (of ``main``; a twinned op's result: the value the twin makes for it)."""
+    twin = main.clone()
+    position = {op.id(): i for i, op in enumerate(main.global_block().ops)}
+    cloned = list(twin.global_block().ops)
+    where = {v.id: (cloned[position[v.get_defining_op().id()]].id(), v.index()) for v in values}  # before the rewrite
+    done = twin_program(twin)
+    ops = {op.id(): op for op in twin.global_block().ops}
+
+    def value_in_twin(value: Any) -> Any:
+        op_id, result = done.results.get(where[value.id], where[value.id])
+        return ops[op_id].result(result)
+
+    return twin, value_in_twin
 
 
 def state_names(program: Any) -> list[str]:

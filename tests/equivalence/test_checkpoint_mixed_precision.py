@@ -30,13 +30,12 @@ from autopar.errors import AutoparError
 from autopar.runtime.simulator import runner_for, start_ranks
 from autopar.testing.amp import (
     Amp,
-    _same_value,
     amp_mlp,
     as_float32,
     measured_floor,
     run_serial_twin,
     state_names,
-    twin_program,
+    twin_clone,
     twinned,
 )
 from autopar.testing.serial import random_feeds
@@ -342,9 +341,8 @@ def trained(amp, how):
 def serial_twin_from(seed, path, feeds):
     """The serial twin of ``seed`` resumed from the checkpoint at ``path`` (``load_full`` into
     Paddle's own program after its start-up): its losses on ``feeds`` and its state after."""
-    twin = seed.main.clone()
-    loss = _same_value(seed.main, twin, seed.loss)
-    twin_program(twin)
+    twin, value_in_twin = twin_clone(seed.main, [seed.loss])
+    loss = value_in_twin(seed.loss)
     scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     with paddle.static.scope_guard(scope):
         exe.run(seed.startup)

@@ -24,8 +24,8 @@ def test_a_twinned_matmul_is_a_bf16_gemm_accumulating_in_fp32():
         x = paddle.static.data("x", [3, 5], "float32")
         y = paddle.static.data("y", [4, 5], "float32")
         out = paddle.matmul(x.astype("bfloat16"), y.astype("bfloat16"), transpose_y=True).astype("float32")
-    replaced, made_for = twin_program(main)
-    assert len(replaced) == 1 and len(made_for) == 3  # two inputs cast up, one result cast down
+    done = twin_program(main)
+    assert len(done.replaced) == 1 and len(done.made_for) == 3  # two inputs cast up, one result cast down
     rng = np.random.default_rng(0)
     feed = {"x": rng.standard_normal((3, 5)).astype("float32"), "y": rng.standard_normal((4, 5)).astype("float32")}
     (got,) = paddle.static.Executor().run(main, feed=feed, fetch_list=[out])
@@ -35,7 +35,8 @@ def test_a_twinned_matmul_is_a_bf16_gemm_accumulating_in_fp32():
 
 def test_only_low_precision_matmuls_are_rewritten():
     fp32 = amp_mlp(Amp(level="O0"))
-    assert twin_program(fp32.main) == ({}, {})
+    done = twin_program(fp32.main)
+    assert not done.replaced and not done.made_for
     o1 = amp_mlp(Amp(level="O1"))
     twin_program(o1.main)
     matmuls = [op for op in o1.main.global_block().ops if op.name() in ("pd_op.matmul", "pd_op.matmul_grad")]
@@ -94,3 +95,18 @@ def test_o2_adamw_is_the_real_update_and_the_twin_runs_it_on_the_master():
     names = [op.name() for op in o2.main.global_block().ops]
     assert names.count("pd_op.assign_out_") == len(updates) == names.count("pd_op.adamw_")
     assert all(str(op.operand_source(0).dtype) == "paddle.float32" for op in o2.main.global_block().ops if op.name() == "pd_op.adamw_")
+
+
+def test_a_bf16_bias_gradient_is_the_column_sum_as_in_fp32():
+    """This CPU build's bf16 add_grad of a square input returns the row sums as the bias
+    gradient (measured); the twin runs it in fp32 on the rounded values."""
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x, b = paddle.static.data("x", [4, 4], "float32"), paddle.static.data("b", [4], "float32")
+        g = paddle.static.data("g", [4, 4], "float32")
+        _, db = paddle._C_ops.add_grad(x.astype("bfloat16"), b.astype("bfloat16"), g.astype("bfloat16"), -1)
+        db = db.astype("float32")
+    twin_program(main)
+    feed = {"x": np.zeros((4, 4), "float32"), "b": np.zeros(4, "float32"), "g": np.arange(16, dtype="float32").reshape(4, 4)}
+    (got,) = paddle.static.Executor().run(main, feed=feed, fetch_list=[db])
+    np.testing.assert_array_equal(got, feed["g"].sum(axis=0))
