@@ -171,6 +171,16 @@ def _op_for_op(rewrite: Rewrite, work: Analysed, rewritten: Any, nothing: str) -
     return work.reported(rewrite, str(rewritten), **work.moved(rewritten.program, same))
 
 
+def _per_stage(rewrite: Rewrite, work: Analysed, staged: Any, nothing: str) -> Analysed:
+    """``work`` after a rewrite that moves ops and places the ones it makes on stages
+    (``staged``: its result, with ``.program``, ``.positions`` and ``.meshes``; None: nothing
+    to do, reported as ``nothing``)."""
+    if staged is None:
+        return work.reported(rewrite, nothing)
+    moved = work.moved(staged.program, staged.positions)
+    return work.reported(rewrite, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
+
+
 @dataclass(frozen=True)
 class ShapeReads(Rewrite):
     """Shape reads made constants (:mod:`.static_shapes`): a shape is known from the global
@@ -237,11 +247,7 @@ class StageNorms(Rewrite):
     name: ClassVar[str] = "stage_norms"
 
     def apply(self, work: Analysed) -> Analysed:
-        staged = stage_norms(work.program, work.graph, work.op_meshes)
-        if staged is None:
-            return work.reported(self, "no clip norm crosses stages")
-        moved = work.moved(staged.program, staged.positions)
-        return work.reported(self, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
+        return _per_stage(self, work, stage_norms(work.program, work.graph, work.op_meshes), "no clip norm crosses stages")
 
 
 @dataclass(frozen=True)
@@ -254,10 +260,7 @@ class StageOverflowChecks(Rewrite):
 
     def apply(self, work: Analysed) -> Analysed:
         staged = stage_overflow_checks(work.program, work.graph, work.op_meshes)
-        if staged is None:
-            return work.reported(self, "no loss-scaling check crosses stages")
-        moved = work.moved(staged.program, staged.positions)
-        return work.reported(self, str(staged), **{**moved, "op_meshes": {**moved["op_meshes"], **staged.meshes}})
+        return _per_stage(self, work, staged, "no loss-scaling check crosses stages")
 
 
 @dataclass(frozen=True)

@@ -115,12 +115,20 @@ def stage_norms(program: Any, graph: ProgramGraph, op_meshes: Mapping[int, Proce
             erased |= {index, _position(raw, combine)}
             summed.append(f"{stack.name()}#{index}: {len(norms)} norms -> {len(parts)} per-stage sums")
         paddle.pir.reset_insertion_point_to_end()
+    return StagedNorms(work, *erased_and_placed(work, raw, erased, placed), tuple(summed))
+
+
+def erased_and_placed(
+    work: Any, raw: list[Any], erased: set[int], placed: list[tuple[Any, ProcessMesh]]
+) -> tuple[tuple[int | None, ...], dict[int, ProcessMesh]]:
+    """Erase ops ``erased`` (indices into ``raw``, ``work``'s ops before a per-stage rewrite);
+    then where each old op is now (None: erased) and the stage mesh of each ``placed`` op by
+    its new index."""
     for index in sorted(erased, reverse=True):
         raw[index].erase()
     where = {op.id(): position for position, op in enumerate(work.global_block().ops)}
     positions = tuple(None if i in erased else where[op.id()] for i, op in enumerate(raw))
-    meshes = {where[op.id()]: mesh for op, mesh in placed}
-    return StagedNorms(work, positions, meshes, tuple(summed))
+    return positions, {where[op.id()]: mesh for op, mesh in placed}
 
 
 def _position(raw: list[Any], op: Any) -> int:

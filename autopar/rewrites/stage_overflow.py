@@ -34,6 +34,7 @@ from autopar.causes import gradients
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role
 from autopar.mesh import ProcessMesh
+from autopar.rewrites.stage_norms import erased_and_placed
 from autopar.shared_parameters import reader_meshes
 from autopar.spmd import ops_where
 
@@ -143,12 +144,7 @@ def stage_overflow_checks(program: Any, graph: ProgramGraph, op_meshes: Mapping[
     for pair in pairs:
         erased |= _split(work, raw, pair, placed)
         split.append(f"{raw[pair.check].name()}#{pair.check}: {len(pair.stages)} gradients on {len(set(pair.stages))} stages")
-    for index in sorted(erased, reverse=True):
-        raw[index].erase()
-    where = {op.id(): position for position, op in enumerate(work.global_block().ops)}
-    positions = tuple(None if i in erased else where[op.id()] for i, op in enumerate(raw))
-    meshes = {where[op.id()]: mesh for op, mesh in placed}
-    return StagedChecks(work, positions, meshes, tuple(split))
+    return StagedChecks(work, *erased_and_placed(work, raw, erased, placed), tuple(split))
 
 
 def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, ProcessMesh]]) -> set[int]:
