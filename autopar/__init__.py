@@ -18,10 +18,10 @@ from autopar.mesh import ProcessMesh
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.runtime.executor import Executor
 from autopar.runtime.simulator import SimulationResult, simulate
-from autopar.strategy import PipelineConfig, Strategy
+from autopar.strategy import ContextParallel, PipelineConfig, Strategy
 from autopar.suggest import Plan, price_plan, suggest
 
 __all__ = [
-    "Analysis", "AutoparError", "CheckReport", "CompileReport", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement", "Plan",
+    "Analysis", "AutoparError", "CheckReport", "CompileReport", "ContextParallel", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement", "Plan",
     "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "keep", "price_plan", "reshard", "shard_op", "shard_tensor", "simulate", "suggest",
 ]  # fmt: skip

@@ -86,8 +86,42 @@ def _recompute_selection(value: Any) -> bool | tuple[str, ...]:
     return tuple(names)
 
 
+CONTEXT_PARALLEL_METHODS = ("ring", "all_to_all", "all_gather")
+CONTEXT_PARALLEL_BALANCES = (None, "zigzag")
+
+
+@_named_fields
+@dataclass(frozen=True, slots=True)
+class ContextParallel:
+    """Context parallelism: the sequence of the activations split over the mesh dim ``dim``
+    (Paddle's ``sep``), and how attention sees the whole sequence (docs/context_parallel.md):
+
+    - ``"ring"``: q stays split; key / value blocks travel around the ring (cp - 1 shifts), each
+      rank merging its block results with the online-softmax rule, and the backward rings dK / dV;
+    - ``"all_to_all"`` (DeepSpeed-Ulysses): q, k, v go from sequence-split to head-split before
+      the attention core and back after it (heads divisible by the dim's size);
+    - ``"all_gather"``: q stays split, key and value are gathered whole each layer.
+
+    ``balance="zigzag"``: rank i holds sequence chunks i and 2cp-1-i (a causal mask's work even
+    over the ranks); feeds are permuted on the way in, fetches back.
+    """
+
+    dim: str = "sep"
+    method: str = "ring"
+    balance: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_type("ContextParallel", "dim", self.dim, str, "a mesh dim's name")
+        if not self.dim.strip():
+            raise AutoparError("ContextParallel.dim must name a mesh dim, got an empty name")
+        if self.method not in CONTEXT_PARALLEL_METHODS:
+            raise AutoparError(f"ContextParallel.method must be one of {CONTEXT_PARALLEL_METHODS}, got {self.method!r}")
+        if self.balance not in CONTEXT_PARALLEL_BALANCES:
+            raise AutoparError(f"ContextParallel.balance must be one of {CONTEXT_PARALLEL_BALANCES}, got {self.balance!r}")
+
+
 # fields whose passes have not landed yet: value that means "off" -> the issue that builds it
-NOT_YET: dict[str, tuple[Any, str]] = {}
+NOT_YET: dict[str, tuple[Any, str]] = {"context_parallel": (None, "context parallelism (issue 39)")}
 
 
 @_named_fields
@@ -118,6 +152,7 @@ class Strategy:
     allreduce_bucket_mb: float = 32.0
     local_batch_norm: bool = False  # per-rank batch statistics, NOT equal to serial (passes/batch_norm_stats.py)
     reduce_dtype: str | None = None  # the dtype gradient reductions move; None: each gradient's own (docs/paddle_amp.md)
+    context_parallel: ContextParallel | None = None  # the sequence split over a mesh dim (docs/context_parallel.md)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -152,6 +187,8 @@ class Strategy:
                 f"Strategy.reduce_dtype={self.reduce_dtype!r} is not a dtype gradients are reduced in; "
                 f"expected None (each gradient's own dtype) or one of {REDUCE_DTYPES}"
             )
+        if self.context_parallel is not None:
+            _check_type("Strategy", "context_parallel", self.context_parallel, ContextParallel, "an autopar.ContextParallel or None")
         _check_type("Strategy", "extra", self.extra, dict, "a dict")
 
     @property
