@@ -12,7 +12,12 @@ from autopar.testing.serial import assert_simulation_equals_serial
 from autopar.testing.zoo import moe
 
 M = autopar.ProcessMesh
-MESHES = {"dp": M([0, 1], ["dp"]), "ep2": M([0, 1], ["ep"]), "ep4": M([0, 1, 2, 3], ["ep"]), "dp x ep": M([[0, 1], [2, 3]], ["dp", "ep"])}
+MESHES = {
+    "dp": M([0, 1], ["dp"]),
+    "ep2": M([0, 1], ["ep"]),
+    "ep4": M([0, 1, 2, 3], ["ep"]),
+    "dp x ep": M([[0, 1], [2, 3]], ["dp", "ep"]),
+}
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -21,4 +26,3 @@ def test_the_zoo_moe_equals_serial(name):
     seed = moe.build(config, batch=4, seq=8, mesh=mesh)
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
     assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
-

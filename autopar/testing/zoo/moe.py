@@ -104,7 +104,9 @@ def network(config: Config = Config()) -> Any:
             gates = F.softmax(self.wg(x), axis=-1)  # [S, E]
             _, first = paddle.topk(gates, k=1, axis=-1)
             mask1 = F.one_hot(first.reshape([-1]), E)  # [S, E]
-            _, second = paddle.topk(paddle.where(mask1 > 0, paddle.full_like(gates, float("-inf")), gates), k=1, axis=-1)
+            _, second = paddle.topk(
+                paddle.where(mask1 > 0, paddle.full_like(gates, float("-inf")), gates), k=1, axis=-1
+            )
             mask2 = F.one_hot(second.reshape([-1]), E)
             locations1 = paddle.cumsum(mask1, axis=0) - 1  # each token's slot in its first expert
             locations2 = paddle.cumsum(mask2, axis=0) - 1 + mask1.sum(axis=0, keepdim=True)
@@ -203,6 +205,9 @@ def feeds(config: Config, batch: int, seq: int, steps: int, seed: int = 0) -> li
 
     rng = np.random.default_rng(seed)
     return [
-        {"tokens": rng.integers(0, config.vocab_size, (batch, seq)), "labels": rng.integers(0, config.vocab_size, (batch, seq))}
+        {
+            "tokens": rng.integers(0, config.vocab_size, (batch, seq)),
+            "labels": rng.integers(0, config.vocab_size, (batch, seq)),
+        }
         for _ in range(steps)
     ]
