@@ -57,10 +57,8 @@ class Amp:
     def __post_init__(self) -> None:
         if self.level not in ("O0", "O1", "O2") or self.dtype not in LOW_PRECISION or self.optimizer not in ("sgd", "adamw"):
             raise ValueError(f"unsupported {self}: levels O0/O1/O2, dtypes {LOW_PRECISION}, optimizers sgd/adamw")
-        if self.loss_scaling and self.level != "O1":
-            raise ValueError("dynamic loss scaling is built on O1 here (its check ops have no bf16 CPU kernel)")
-        if self.dtype == "float16" and self.level == "O2":
-            raise ValueError("float16 O2 cannot be twinned here: its adds, activations and sgd_ have no float16 CPU kernel")
+        if self.loss_scaling and (self.level, self.dtype) not in (("O1", "bfloat16"), ("O1", "float16"), ("O2", "float16")):
+            raise ValueError(f"{self}: dynamic loss scaling is built at O1 and at float16 O2 (Paddle disables it for bf16)")
 
     def __str__(self) -> str:
         scaling = " + dynamic loss scaling" if self.loss_scaling else ""
@@ -96,6 +94,7 @@ def amp_mlp(
         values = _minimize(amp, opt, loss)
     if amp.dtype == "float16":
         _retype_to_float16(main)
+        _retype_to_float16(startup)  # O2: the startup casts the parameters to the low precision
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers, values)
 
 
@@ -135,10 +134,35 @@ def _retype_to_float16(program: Any) -> None:
                 op.erase()
                 float16 = made.type()
         paddle.pir.reset_insertion_point_to_end()
+    if float16 is None:
+        return
     for op in program.global_block().ops:
         for value in op.results():
-            if value.initialized() and value.is_dense_tensor_type() and str(value.dtype) == "paddle.bfloat16":
-                value.set_type(paddle.pir.create_shaped_type(float16, value.shape))
+            if value.initialized():
+                _retyped(value, "paddle.bfloat16", float16)
+
+
+def _retyped(value: Any, dtype: str, to: Any) -> None:
+    """``value``'s type with each ``dtype`` tensor in it (a dense tensor, or a vector's members:
+    a ``builtin.combine`` of gradients, the scaling ops' results) made a tensor of ``to``'s dtype."""
+    import paddle
+
+    def each(tensor: Any) -> Any:
+        return paddle.pir.create_shaped_type(to, tensor.shape) if str(tensor.dtype) == dtype else tensor.type()
+
+    if value.is_dense_tensor_type():
+        if str(value.dtype) == dtype:
+            value.set_type(each(value))
+    elif value.type().as_vec_type() is not None:
+        members = value.type().as_vec_type().as_list()
+        if any(str(m.dtype) == dtype for m in members):
+            value.set_type(paddle.base.libpaddle.pir.create_vec_type([_type_of(m, dtype, to) for m in members]))
+
+
+def _type_of(member: Any, dtype: str, to: Any) -> Any:
+    import paddle
+
+    return paddle.pir.create_shaped_type(to, member.shape) if str(member.dtype) == dtype else member
 
 
 def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
@@ -158,22 +182,28 @@ def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
 
 def _minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
     """Minimize ``loss`` as the program's form does; the loss scaling states by name when scaling."""
-    with _low_precision_adamw() if (amp.level, amp.optimizer) == ("O2", "adamw") else contextlib.nullcontext():
+    o2 = amp.level == "O2"
+    with _low_precision_adamw() if o2 and amp.optimizer == "adamw" else contextlib.nullcontext():
         if not amp.loss_scaling:
             opt.minimize(loss)
             return {}
-        return _minimize_scaled(amp, opt, loss)
+        with _low_precision_scaling() if o2 else contextlib.nullcontext():
+            return _minimize_scaled(amp, opt, loss)
 
 
 def _minimize_scaled(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
     """Paddle's dynamic loss scaling: its float16 path (the only one that emits the scaling
     ops) forced while the program is built in bf16 (a float16 program is retyped after; a bf16
-    one keeps Paddle's float16 scaling on bf16 arithmetic). Gradients are fp32 (O1)."""
+    one keeps Paddle's float16 scaling on bf16 arithmetic). Gradients are fp32 at O1; at O2
+    they are the bf16-built float16 ones, which Paddle's O2 path (``_use_pure_fp16``) checks as
+    its "fp16" group: told so here, since it sorts them by the forced dtype."""
     import paddle
     from paddle.amp.auto_cast import amp_global_state
     from paddle.base import core
 
     opt._amp_vartype = core.DataType.FLOAT16
+    if amp.level == "O2":
+        opt._split_grads = _split_low_precision_grads
     state = amp_global_state()
     before, state.amp_dtype = state.amp_dtype, "float16"
     try:
@@ -184,6 +214,63 @@ def _minimize_scaled(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
     finally:
         state.amp_dtype = before
     return {"loss_scaling": scaler._scale}
+
+
+def _split_low_precision_grads(params_grads: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any], list[Any]]:
+    """Paddle's ``OptimizerWithMixedPrecision._split_grads`` with bf16 gradients in the low
+    precision group (the program is float16 once retyped)."""
+    grads = [g for _, g in params_grads]
+    low = [g for g in grads if _is_low(g)]
+    return grads, [g for g in grads if not _is_low(g)], low
+
+
+@contextlib.contextmanager
+def _low_precision_scaling() -> Iterator[None]:
+    """While building: ``check_finite_and_unscale_`` and ``update_loss_scaling_`` on low-precision
+    gradients (float16 O2's: Paddle's GradScaler checks them as they are), which this build
+    refuses to construct (their CPU kernels take fp32 / fp64), built on fp32 stand-ins of the
+    gradients, then made to read the real ones, their in-place results retyped (the vector and
+    its members): the ops Paddle builds on a GPU. The twin runs them on fp32 carriers
+    (:func:`twin_program`)."""
+    import paddle
+    from paddle import _C_ops
+
+    real = {name: getattr(_C_ops, name) for name in ("check_finite_and_unscale_", "update_loss_scaling_")}
+
+    def on_stand_ins(name: str) -> Callable[..., Any]:
+        def build(grads: Sequence[Any], *rest: Any) -> Any:
+            if not any(_is_low(g) for g in grads):
+                return real[name](grads, *rest)
+            stand_ins = [_C_ops.cast(g, paddle.float32) if _is_low(g) else g for g in grads]
+            made = real[name](stand_ins, *rest)
+            for stand_in, grad in zip(stand_ins, grads):
+                if stand_in is not grad:
+                    stand_in.replace_all_uses_with(grad)
+                    stand_in.get_defining_op().erase()
+            op = _scaling_op(grads[0], name)
+            combined = op.operand_source(0)
+            combined.set_type(paddle.base.libpaddle.pir.create_vec_type([g.type() for g in grads]))
+            op.result(0).set_type(combined.type())
+            for split in op.result(0).all_used_ops():  # builtin.split: the in-place gradients
+                for result, grad in zip(split.results(), grads):
+                    result.set_type(grad.type())
+            return made
+
+        return build
+
+    for name in real:
+        setattr(_C_ops, name, on_stand_ins(name))
+    try:
+        yield
+    finally:
+        for name, builder in real.items():
+            setattr(_C_ops, name, builder)
+
+
+def _scaling_op(grad: Any, name: str) -> Any:
+    """The last ``pd_op.<name>`` reading ``grad`` (through its ``builtin.combine``)."""
+    found = [op for combine in grad.all_used_ops() if combine.name() == "builtin.combine" for op in combine.result(0).all_used_ops()]
+    return [op for op in found if op.name() == f"pd_op.{name}"][-1]
 
 
 @contextlib.contextmanager
