@@ -130,6 +130,7 @@ def _retype_to_float16(program: Any) -> None:
             if op.name() == "pd_op.cast" and str(op.result(0).dtype) == "paddle.bfloat16":
                 paddle.pir.set_insertion_point(op)
                 made = _C_ops.cast(op.operand_source(0), paddle.float16)
+                made.persistable = op.result(0).persistable  # the startup's parameter casts: set_parameter renames them
                 op.result(0).replace_all_uses_with(made)
                 op.erase()
                 float16 = made.type()
@@ -320,17 +321,28 @@ class TwinRewrite:
     results: dict[tuple[int, int], tuple[int, int]]
 
 
-def twin_program(program: Any) -> TwinRewrite:
+def twin_program(program: Any, float16_ops: frozenset[int] = frozenset()) -> TwinRewrite:
     """Rewrite ``program`` in place: each op the registry marks ``cpu_twinned`` reading a
     low-precision value is rebuilt as its fp32 kernel (the trait names the attributes it takes:
     the values cast up exactly, each result cast back to its dtype; "on_master": an update of a
-    low-precision parameter run on its fp32 master, the parameter then refreshed from it)."""
+    low-precision parameter run on its fp32 master, the parameter then refreshed from it).
+
+    A program with float16 parameters (float16 O2) is run on **float32 carriers** instead: this
+    CPU build has no float16 add, activation, matmul or scaling kernel, so every float16 value
+    is held as a float32 value carrying a float16 number (:func:`_carry_float16`); only its
+    updates (``sgd_``, ``adamw_``) are rewritten onto the master as above. ``float16_ops``: ids of
+    ops that must still read and make float16 (a rank plan's collectives: the runtime moves and
+    sums float16 by the low-precision rule, autopar/low_precision.py, as the Collective says)."""
     import paddle
 
+    carried = _has_float16_parameters(program)
     done = TwinRewrite({}, {}, {})
     with paddle.static.program_guard(program):
         for op in list(program.global_block().ops):
-            how = TWINNED.get(op.name().removeprefix("pd_op."))
+            name = op.name().removeprefix("pd_op.")
+            how = TWINNED.get(name)
+            if carried:  # every other op runs its fp32 kernel on the carriers
+                how = "on_master" if name in ("sgd_", "adamw_") else None
             if how is None or not any(_is_low(op.operand_source(i)) for i in range(op.num_operands())):
                 continue
             old_id, before = op.id(), set(map(_op_id, program.global_block().ops))
@@ -343,8 +355,111 @@ def twin_program(program: Any) -> TwinRewrite:
             op.erase()
             done.replaced[old_id] = kernel
             done.made_for.update({i: old_id for i in map(_op_id, program.global_block().ops) if i not in before and i != kernel})
+        if carried:
+            _read_scaling_results(program)
+            _carry_float16(program, done, float16_ops)
     paddle.pir.reset_insertion_point_to_end()
     return done
+
+
+# ops that read and make float16 as they are on this CPU build (cast both ways; the parameter
+# and the persistable states read from the scope; the refresh of a parameter from its master)
+FLOAT16_KERNELS = ("pd_op.cast", "builtin.parameter", "pd_op.data", "pd_op.assign_out_")
+
+
+def _has_float16_parameters(program: Any) -> bool:
+    return any(op.name() == "builtin.parameter" and str(op.result(0).dtype) == "paddle.float16" for op in program.global_block().ops)
+
+
+def _carry_float16(program: Any, done: TwinRewrite, float16_ops: frozenset[int]) -> None:
+    """``program``'s float16 values held as float32 carriers of float16 numbers, in place.
+
+    Each op making a float16 value without a float16 CPU kernel (everything but
+    :data:`FLOAT16_KERNELS` and ``float16_ops``) is retyped to make float32 — its fp32 kernel
+    on carriers: a GPU's float16 kernel computing in fp32 — and its result rounded to float16
+    right after it (a cast down, made for it), so an fp32 result beyond 65504 becomes inf as in
+    float16; the value is carried up (a cast, exact) right before its first reader that needs
+    the carrier, made for that reader. So a value a pipeline's update reads crosses from the
+    backward as float16 and the runner sums its micro-batches in float32, rounded once, as it
+    does for a real float16 gradient. Ops with float16 kernels and ``float16_ops`` (a rank
+    plan's collectives: their Collective records say float16, and the runtime receives the
+    float16 value and sums it by the low-precision rule) read and make float16 as they are.
+    Vectors of float16 tensors (a ``builtin.combine`` of gradients, the scaling ops' results)
+    are retyped; their members are rounded where ``builtin.split`` takes them out."""
+    import paddle
+    from paddle import _C_ops
+
+    float32 = paddle.pir.create_shaped_type(_dense_type(program, "paddle.float32"), [1])
+    origin = {kernel: op_id for op_id, kernel in done.replaced.items()}
+
+    def made_for(op_id: int) -> int:
+        """The op of the program as it came that ``op_id`` serves."""
+        while op_id in done.made_for or op_id in origin:
+            op_id = done.made_for.get(op_id, origin.get(op_id, op_id))
+        return op_id
+
+    held: dict[int, Any] = {}  # value id -> the value holding it in float16
+    carried: dict[int, Any] = {}  # value id -> its float32 carrier
+    for op in list(program.global_block().ops):
+        natively = op.name() in FLOAT16_KERNELS or op.id() in float16_ops
+        for i, source in enumerate(op.operands_source()):
+            if not source.initialized() or source.id not in held:
+                continue
+            if natively:
+                op.operand(i).set_source(held[source.id])
+                continue
+            if source.id not in carried:
+                paddle.pir.set_insertion_point(op)
+                carried[source.id] = _C_ops.cast(held[source.id], paddle.float32)
+                done.made_for[carried[source.id].get_defining_op().id()] = made_for(op.id())
+            op.operand(i).set_source(carried[source.id])
+        for i, value in enumerate(op.results()):
+            if not value.initialized():
+                continue
+            if not value.is_dense_tensor_type():
+                _retyped(value, "paddle.float16", float32)
+            elif str(value.dtype) == "paddle.float16" and natively:
+                held[value.id] = value
+            elif str(value.dtype) == "paddle.float16":
+                value.set_type(paddle.pir.create_shaped_type(float32, value.shape))
+                paddle.pir.set_insertion_point_after(op)
+                held[value.id] = _C_ops.cast(value, paddle.float16)
+                down = held[value.id].get_defining_op().id()
+                done.made_for[down] = made_for(op.id())
+                done.results[(op.id(), i)] = (down, 0)
+
+
+def _read_scaling_results(program: Any) -> None:
+    """Each read of a gradient placed after an in-place scaling op (``check_finite_and_unscale_``,
+    ``update_loss_scaling_``) moved onto that op's result, in place, as the compile does
+    (autopar/rewrites/loss_scaling.py): the reads are right only while the gradient and the
+    op's result share one buffer, and a carrier is a new buffer (the op updates the carrier;
+    the optimizer would read the float16 value it was carried from, never unscaled). A
+    compiled rank program reads the results already; the serial program is moved here."""
+    ops = list(program.global_block().ops)
+    position = {op.id(): index for index, op in enumerate(ops)}
+    for index, op in enumerate(ops):
+        if op.name() not in ("pd_op.check_finite_and_unscale_", "pd_op.update_loss_scaling_"):
+            continue
+        combine = op.operand_source(0).get_defining_op()
+        splits = [user for user in op.result(0).all_used_ops() if user.name() == "builtin.split"]
+        if combine.name() != "builtin.combine" or len(splits) != 1:
+            continue
+        for old, new in zip(combine.operands_source(), splits[0].results()):
+            for user in old.all_used_ops():
+                if position[user.id()] > index:
+                    for slot in range(user.num_operands()):
+                        if user.operand_source(slot).is_same(old):
+                            user.operand(slot).set_source(new)
+
+
+def _dense_type(program: Any, dtype: str) -> Any:
+    """The type of some dense ``dtype`` value of ``program`` (one to build ``dtype`` types from)."""
+    for op in program.global_block().ops:
+        for value in op.results():
+            if value.initialized() and value.is_dense_tensor_type() and str(value.dtype) == dtype:
+                return value.type()
+    raise ValueError(f"no {dtype} value in the program")
 
 
 def _fp32_kernel(op: Any, attributes: Sequence[str]) -> tuple[int, dict[int, Any]]:
@@ -362,13 +477,19 @@ def _fp32_kernel(op: Any, attributes: Sequence[str]) -> tuple[int, dict[int, Any
 
 
 def _on_master(op: Any) -> tuple[int, dict[int, Any]]:
-    """``adamw_(param, grad, ..., master, ...)`` of a low-precision parameter as what its
-    multi-precision kernel computes: ``adamw_`` on the fp32 master with the gradient cast up,
-    then the parameter written from the new master (``assign_out_``). The new adamw_'s id, and
-    each result's new value: the parameter, moments, beta pows and the master."""
+    """``adamw_(param, grad, ..., master, ...)`` (or ``sgd_(param, lr, grad, master)``) of a
+    low-precision parameter as what its multi-precision kernel computes: the update of the fp32
+    master with the gradient cast up, then the parameter written from the new master
+    (``assign_out_``). The new update's id, and each result's new value: the parameter, moments,
+    beta pows and the master."""
     import paddle
     from paddle import _C_ops
 
+    if op.name() == "pd_op.sgd_":
+        param, lr, grad, master = op.operands_source()
+        new_master, _ = _C_ops.sgd_(master, lr, _C_ops.cast(grad, paddle.float32), None, False)
+        refreshed = _C_ops.assign_out_(_C_ops.cast(new_master, param.dtype), param)
+        return new_master.get_defining_op().id(), {0: refreshed, 1: new_master}
     param, grad, *middle, master, skip, beta1, beta2, epsilon = op.operands_source()
     attrs = op.attrs()
     names = ("lr_ratio", "coeff", "with_decay", "lazy_mode", "min_row_size_to_use_multithread")
@@ -391,7 +512,7 @@ def twin_plan(plan: RankPlan) -> RankPlan:
     pieces) moved to where the op is now; an inserted cast runs where the op it serves runs."""
     program = plan.program.clone()
     old = [op.id() for op in program.global_block().ops]
-    done = twin_program(program)
+    done = twin_program(program, frozenset(old[position] for _, position in plan.collectives))
     replaced, made_for = done.replaced, done.made_for
     if not replaced:
         return plan
