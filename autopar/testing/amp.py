@@ -233,29 +233,19 @@ def _low_precision_scaling() -> Iterator[None]:
     gradients, then made to read the real ones, their in-place results retyped (the vector and
     its members): the ops Paddle builds on a GPU. The twin runs them on fp32 carriers
     (:func:`twin_program`)."""
-    import paddle
     from paddle import _C_ops
+
+    from autopar.rewrites.stage_overflow import scaling_op
 
     real = {name: getattr(_C_ops, name) for name in ("check_finite_and_unscale_", "update_loss_scaling_")}
 
     def on_stand_ins(name: str) -> Callable[..., Any]:
         def build(grads: Sequence[Any], *rest: Any) -> Any:
-            if not any(_is_low(g) for g in grads):
-                return real[name](grads, *rest)
-            stand_ins = [_C_ops.cast(g, paddle.float32) if _is_low(g) else g for g in grads]
-            made = real[name](stand_ins, *rest)
-            for stand_in, grad in zip(stand_ins, grads):
-                if stand_in is not grad:
-                    stand_in.replace_all_uses_with(grad)
-                    stand_in.get_defining_op().erase()
-            op = _scaling_op(grads[0], name)
-            combined = op.operand_source(0)
-            combined.set_type(paddle.base.libpaddle.pir.create_vec_type([g.type() for g in grads]))
-            op.result(0).set_type(combined.type())
-            for split in op.result(0).all_used_ops():  # builtin.split: the in-place gradients
-                for result, grad in zip(split.results(), grads):
-                    result.set_type(grad.type())
-            return made
+            setattr(_C_ops, name, real[name])  # (scaling_op calls the real builder)
+            try:
+                return scaling_op(name, grads, *rest)
+            finally:
+                setattr(_C_ops, name, build)
 
         return build
 
@@ -266,12 +256,6 @@ def _low_precision_scaling() -> Iterator[None]:
     finally:
         for name, builder in real.items():
             setattr(_C_ops, name, builder)
-
-
-def _scaling_op(grad: Any, name: str) -> Any:
-    """The last ``pd_op.<name>`` reading ``grad`` (through its ``builtin.combine``)."""
-    found = [op for combine in grad.all_used_ops() if combine.name() == "builtin.combine" for op in combine.result(0).all_used_ops()]
-    return [op for op in found if op.name() == f"pd_op.{name}"][-1]
 
 
 @contextlib.contextmanager
@@ -535,12 +519,16 @@ def twin_plan(plan: RankPlan) -> RankPlan:
         found = done.results.get((old[position], result))
         return (now[found[0]], found[1]) if found is not None else (moved[position], result)
 
-    values = {(s, r): value_at(p, r) for s, p in enumerate(plan.op_positions) for (op_id, r) in done.results if old[p] == op_id}
+    remapped: dict[int, list[int]] = {}  # op id -> its results made elsewhere now
+    for op_id, r in done.results:
+        remapped.setdefault(op_id, []).append(r)
+    present = [(s, p) for s, p in enumerate(plan.op_positions) if p >= 0]  # (a negative position: not on this rank)
+    values = {(s, r): value_at(p, r) for s, p in present for r in remapped.get(old[p], ())}
     return dataclasses.replace(
         plan,
         program=program,
         collectives=tuple((c, moved[p]) for c, p in plan.collectives),
-        op_positions=tuple(moved[p] for p in plan.op_positions),
+        op_positions=tuple(moved[p] if p >= 0 else p for p in plan.op_positions),
         replaced={**values, **{key: value_at(p, r) for key, (p, r) in plan.replaced.items()}},
         fetch_positions=tuple(value_at(p, r) for p, r in plan.fetch_positions),
         pipeline=role,
