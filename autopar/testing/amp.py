@@ -91,10 +91,10 @@ def amp_mlp(
                 loss = criterion(model(x))
             else:
                 loss = _staged(model, stages, x, criterion)
-        values = _minimize(amp, opt, loss)
+        values = minimize(amp, opt, loss)
     if amp.dtype == "float16":
-        _retype_to_float16(main)
-        _retype_to_float16(startup)  # O2: the startup casts the parameters to the low precision
+        retype_to_float16(main)
+        retype_to_float16(startup)  # O2: the startup casts the parameters to the low precision
     return SeedProgram(main, startup, {"x": x, "label": label}, loss, layers, values)
 
 
@@ -116,7 +116,7 @@ def _chain(layers: Sequence[Any], t: Any) -> Any:
     return t
 
 
-def _retype_to_float16(program: Any) -> None:
+def retype_to_float16(program: Any) -> None:
     """``program``, built in bf16, made the float16 program Paddle builds on a GPU: each cast to
     bf16 rebuilt as a cast to float16, every other bf16 value retyped. (This CPU build refuses
     to construct a float16 matmul, so an fp16 program cannot be built directly; at O1 the two
@@ -181,8 +181,10 @@ def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
     return paddle.amp.decorate(models=model, optimizers=opt, level=amp.level, dtype="bfloat16")
 
 
-def _minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
-    """Minimize ``loss`` as the program's form does; the loss scaling states by name when scaling."""
+def minimize(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
+    """Minimize ``loss`` as the program's form does (``opt`` from ``paddle.amp.decorate``, the
+    program built in bf16); when scaling, ``loss_scaling`` (the scale state) and ``scaled`` (the
+    scaled loss). A float16 program is then :func:`retype_to_float16`'d by its builder."""
     o2 = amp.level == "O2"
     with _low_precision_adamw() if o2 and amp.optimizer == "adamw" else contextlib.nullcontext():
         if not amp.loss_scaling:
@@ -211,10 +213,11 @@ def _minimize_scaled(amp: Amp, opt: Any, loss: Any) -> dict[str, Any]:
         scaler = paddle.amp.GradScaler(
             init_loss_scaling=amp.init_loss_scaling, incr_every_n_steps=2, decr_every_n_nan_or_inf=1, use_dynamic_loss_scaling=True
         )
-        scaler.minimize(opt, scaler.scale(loss))
+        scaled = scaler.scale(loss)
+        scaler.minimize(opt, scaled)
     finally:
         state.amp_dtype = before
-    return {"loss_scaling": scaler._scale}
+    return {"loss_scaling": scaler._scale, "scaled": scaled}
 
 
 def _split_low_precision_grads(params_grads: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any], list[Any]]:
