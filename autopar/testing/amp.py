@@ -40,6 +40,7 @@ from autopar.testing.serial import SerialResult
 
 TWINNED = trait_values("cpu_twinned")  # op -> how the twin runs it: its low-precision kernel cannot run on this CPU build
 LOW_PRECISION = ("bfloat16", "float16")
+MASTER = "_fp32_master_0"  # the suffix of an O2 parameter's fp32 master weight
 
 
 @dataclass(frozen=True)
@@ -666,8 +667,10 @@ def assert_twin_equals_serial(
         error = abs(float(got[0]) - float(want[0]))
         assert error <= bound, f"{amp}: loss at step {step} {float(got[0])}, the serial twin's {float(want[0])}: {error} > {bound}"
     for name, floor_of in floor.parameters.items():
-        error = float(np.max(np.abs(as_float32(result.parameters[name]) - serial.parameters[name])))
-        assert error <= 2 * floor_of, f"{amp}: {name} is {error} from the serial twin's, more than twice its floor {floor_of}"
+        for copy in (name, name + MASTER):  # the parameter, and its fp32 master (O2) held to the same floor
+            if copy in result.parameters:
+                error = float(np.max(np.abs(as_float32(result.parameters[copy]) - serial.parameters[copy])))
+                assert error <= 2 * floor_of, f"{amp}: {copy} is {error} from the serial twin's, more than twice its floor {floor_of}"
 
 
 def as_float32(array: np.ndarray) -> np.ndarray:

@@ -16,6 +16,12 @@ from autopar.testing.amp import Amp, amp_mlp, assert_twin_equals_serial, run_ser
 from autopar.testing.serial import random_feeds
 
 
+# float16 O2 (the bf16 build retyped, run on float32 carriers by the twin) with GradScaler's
+# dynamic loss scaling on its float16 gradients
+FLOAT16_O2_SGD = Amp("O2", dtype="float16", optimizer="sgd", loss_scaling=True)
+FLOAT16_O2_ADAMW = Amp("O2", dtype="float16", optimizer="adamw", loss_scaling=True)
+
+
 def _compiled(amp: Amp, layout: str, micro_batches: int = 2):
     """``layout``: dp, mp, pp (2 ranks, ``micro_batches``), dpxmp (2 x 2), zero1 / zero2 / zero3 (dp = 2)."""
     zero = int(layout[-1]) if layout.startswith("zero") else 0
@@ -56,6 +62,8 @@ def _compiled(amp: Amp, layout: str, micro_batches: int = 2):
         (Amp("O2", optimizer="adamw"), "zero2"),
         (Amp("O2", optimizer="adamw"), "zero3"),
         (Amp("O2", optimizer="adamw"), "dpxmp"),
+        *[(FLOAT16_O2_SGD, layout) for layout in ("dp", "mp", "pp", "zero2")],
+        *[(FLOAT16_O2_ADAMW, layout) for layout in ("dp", "mp", "pp", "dpxmp", "zero1", "zero2", "zero3")],
     ],
     ids=str,
 )
