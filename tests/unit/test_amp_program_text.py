@@ -2,24 +2,28 @@
 Paddle, as tests/unit/test_device.py checks the APIs the GPU path calls.
 
 Programs: Paddle's AMP as users write it (``autopar.testing.amp.amp_mlp``: ``paddle.amp.decorate``
-+ ``auto_cast``), bf16 O1 with SGD and with AdamW, bf16 O2 with SGD(multi_precision) (O2 AdamW
-cannot be built on this CPU build: docs/paddle_amp.md), compiled on dp = 2, mp = 2, ZeRO-2 on
-dp = 2 and a 2-stage pipeline; every rank's program in its **native** form
-(``dist.rank_plan(rank, backend="native")``: the collectives as Paddle ops).
++ ``auto_cast``), bf16 O1 with SGD and with AdamW, bf16 O2 with SGD(multi_precision) and AdamW
+(which this CPU build cannot construct on a bf16 parameter: built on fp32 stand-ins, then the
+real operands), float16 O1, and float16 O2 with SGD and AdamW and GradScaler's dynamic loss
+scaling on its float16 gradients (the bf16 build retyped; the scaling ops built as AdamW is),
+compiled on dp = 2, mp = 2, ZeRO-2 on dp = 2 and a 2-stage pipeline; every rank's program in
+its **native** form (``dist.rank_plan(rank, backend="native")``: the collectives as Paddle ops),
+and its startup (at O2: the parameters cast to the low precision, the masters cast back).
 
 Where the native form cannot be built here, the refusal must name why — a collective of a dtype
 this CPU build has no kernel for (Paddle's CPU build has no bf16 all_reduce / reduce_scatter:
-O2 on dp, mp and ZeRO-2), or a pipeline's send / recv (static gloo programs have none) — and the
-host form (the same program with the collectives the host backend runs) is checked instead.
+bf16 O2 on dp, mp and ZeRO-2; float16 ones it has), or a pipeline's send / recv (static gloo
+programs have none) — and the host form (the same program with the collectives the host
+backend runs) is checked instead.
 
 Checked on every op: its name is an op of the installed Paddle — declared in the installed PIR
 headers (``pd_op.h``, ``manual_op.h``, ``builtin_op.h``: the op classes Paddle registers) and,
 for a forward ``pd_op``, a ``paddle._C_ops`` builder; its operands are those of the header's operand accessors
 (count, and names in order) and of the live registry (``Operation.get_input_names``: the
 registered OpYamlInfo). Then where AMP put the casts and the masters: O1 parameters stay fp32 and reach
-each matmul through a cast to bf16; the optimizer updates fp32 parameters with fp32 gradients
-and no master. O2 parameters are bf16 and reach matmuls as they are; each optimizer op updates a
-bf16 parameter from its fp32 master (``<param>_fp32_master_0``, the operand Paddle names
+each matmul through a cast to the low precision; the optimizer updates fp32 parameters with fp32
+gradients and no master. O2 parameters are low precision and reach matmuls as they are; each
+optimizer op updates a low-precision parameter from its fp32 master (``<param>_fp32_master_0``, the operand Paddle names
 ``master_param``), the master's piece shaped as the parameter's piece it
 updates and as the compiled placement of the master gives it on that rank; every parameter a
 rank holds is updated by exactly one optimizer op.
