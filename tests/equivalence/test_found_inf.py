@@ -137,16 +137,18 @@ def test_without_the_agreement_a_rank_local_check_lets_the_ranks_diverge(case, m
         _run(case)
 
 
-def test_a_float16_overflow_in_one_ranks_rows_is_skipped_everywhere():
-    """Paddle's float16 O1 program (autopar.testing.amp: the bf16 build retyped, rounded to
-    float16 by the twin) overflowing by itself: an input of 1e5 in the rows of data-parallel rank 0
-    (beyond float16's 65504) makes only that rank's gradient pieces non-finite. Both ranks skip
-    the step and halve the scale with the serial twin, and go on with it (losses within float16's
-    precision: the twins round the ranks' pieces separately)."""
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_float16_overflow_in_one_ranks_rows_is_skipped_everywhere(level):
+    """Paddle's float16 O1 and O2 programs (autopar.testing.amp: the bf16 build retyped, rounded
+    to float16 by the twin; O2 run on float32 carriers of its float16 values) overflowing by
+    themselves: an input of 1e5 in the rows of data-parallel rank 0 (beyond float16's 65504)
+    makes only that rank's gradient pieces non-finite. Both ranks skip the step and halve the
+    scale with the serial twin, and go on with it (losses within float16's precision: the twins
+    round the ranks' pieces separately)."""
     from autopar.testing.amp import Amp, amp_mlp
     from autopar.testing.serial import random_feeds
 
-    seed = amp_mlp(Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True))
+    seed = amp_mlp(Amp(level, dtype="float16", optimizer="adamw", loss_scaling=True))
     mesh = autopar.ProcessMesh([0, 1], ["dp"])
     autopar.shard_tensor(seed.feeds["x"], mesh, ["dp", None])
     dist = twinned(autopar.compile(seed.main, mesh, startup_program=seed.startup))

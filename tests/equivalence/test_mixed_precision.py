@@ -170,3 +170,38 @@ def test_a_pipeline_fetch_no_rank_makes_is_refused_by_name():
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
     with pytest.raises(AutoparError, match="no rank made its piece of the fetched loss_scaling_0"):
         autopar.simulate(twinned(dist), random_feeds(seed.feeds, 1, classes=4), [seed.loss, "loss_scaling_0"])
+
+
+def test_a_float16_o2_twin_moves_float16_through_its_collectives():
+    """The twin carries float16 O2's values in float32 but hands every collective the float16
+    value its Collective says it moves (dp's gradient syncs, ZeRO-3's parameter all_gathers and
+    gradient reduce_scatters, mp's row-parallel all_reduce), so the runtime sums float16 by the
+    low-precision rule as on a GPU; a float32 carrier there would be refused by that rule."""
+    for layout in ("dp", "mp", "zero3"):
+        _, seed, dist = _compiled(FLOAT16_O2_ADAMW, layout)
+        plan = twinned(dist).rank_plan(0)
+        ops = list(plan.program.global_block().ops)
+        moved = {c.dtype for c, _ in plan.collectives}
+        assert "float16" in moved, (layout, moved)
+        for collective, position in plan.collectives:
+            op = ops[position]
+            values = [v for v in (*op.operands_source(), *op.results()) if v.initialized()]
+            assert {str(v.dtype).removeprefix("paddle.") for v in values} == {collective.dtype}, (layout, str(collective), op.name())
+
+
+def test_a_float16_o2_pipeline_sums_its_float16_gradients_in_float32():
+    """Under a pipeline the values the update reads cross from the backward as float16 (the twin
+    carries them up after the crossing), so the runner sums each micro-batch's float16 gradient in
+    float32 and rounds once (tests/unit/test_pipeline_accumulation_dtype.py), as for a real
+    float16 program; a float32 carrier crossing would be summed unrounded."""
+    from autopar.runtime.host_plan import build_host_plan
+    from autopar.schedule import F
+
+    _, seed, dist = _compiled(FLOAT16_O2_SGD, "pp")
+    for rank in dist.mesh.ranks:
+        plan = twinned(dist).rank_plan(rank)
+        host = build_host_plan(plan)
+        ops = list(plan.program.global_block().ops)
+        key_of = {name: key for key, name in host.names.items()}
+        gradients = [ops[key_of[n][0]].result(key_of[n][1]) for n, phase in zip(host.accumulated, host.accumulated_phases) if phase.kind is not F]
+        assert gradients and {str(v.dtype) for v in gradients} == {"paddle.float16"}, (rank, [str(v.dtype) for v in gradients])
