@@ -15,7 +15,6 @@ import autopar
 from autopar.testing.amp import Amp, amp_mlp, assert_twin_equals_serial, run_serial_twin, twinned
 from autopar.testing.serial import random_feeds
 
-
 # float16 O2 (the bf16 build retyped, run on float32 carriers by the twin) with GradScaler's
 # dynamic loss scaling on its float16 gradients
 FLOAT16_O2_SGD = Amp("O2", dtype="float16", optimizer="sgd", loss_scaling=True)
