@@ -19,8 +19,16 @@ stand-ins, then made to read the bf16 parameter and gradient, so the text is the
 twin runs it on the fp32 master and refreshes the bf16 copy from it, as the multi-precision
 kernel does); float16 O1 (built in bf16, then every bf16 value retyped to float16, casts
 rebuilt: op for op the program Paddle builds on a GPU, rounded to float16 by the twin, so it
-overflows at 65504 as fp16 does). Dynamic loss scaling on bf16 forces Paddle's float16 scaling
-path (Paddle emits scaling ops only for float16); the gradients it checks are fp32 at O1.
+overflows at 65504 as fp16 does); float16 O2 likewise (its startup too), with GradScaler's
+check / update ops on the float16 gradients built on fp32 stand-ins as adamw_ is. Dynamic loss
+scaling on bf16 forces Paddle's float16 scaling path (Paddle emits scaling ops only for
+float16); the gradients it checks are fp32 at O1.
+
+float16 O2 cannot be twinned op by op: this build has no float16 add, activation, matmul,
+``sgd_`` or scaling kernel. Its twin holds every float16 value as a float32 *carrier* of a
+float16 number (each op's fp32 kernel, its result rounded through float16 right after), the
+parameters float16 in the scope, the updates on the fp32 masters, and the collectives in
+float16 as their Collective records say (:func:`twin_program`, :func:`_carry_float16`).
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ MASTER = "_fp32_master_0"  # the suffix of an O2 parameter's fp32 master weight
 class Amp:
     """How a program is mixed precision: Paddle's AMP ``level`` ("O1": fp32 parameters, matmuls
     cast to ``dtype``; "O2": ``dtype`` parameters with fp32 master weights; "O0": no AMP, the
-    fp32 program), the optimizer, and dynamic loss scaling (``GradScaler``)."""
+    fp32 program), the optimizer, and dynamic loss scaling (``GradScaler``: at O1, and at
+    float16 O2 on its float16 gradients; Paddle disables it for bfloat16)."""
 
     level: str = "O2"
     dtype: str = "bfloat16"
