@@ -158,22 +158,14 @@ def _retyped(value: Any, dtype: str, to: Any) -> None:
     a ``builtin.combine`` of gradients, the scaling ops' results) made a tensor of ``to``'s dtype."""
     import paddle
 
-    def each(tensor: Any) -> Any:
-        return paddle.pir.create_shaped_type(to, tensor.shape) if str(tensor.dtype) == dtype else tensor.type()
-
     if value.is_dense_tensor_type():
         if str(value.dtype) == dtype:
-            value.set_type(each(value))
-    elif value.type().as_vec_type() is not None:
-        members = value.type().as_vec_type().as_list()
-        if any(str(m.dtype) == dtype for m in members):
-            value.set_type(paddle.base.libpaddle.pir.create_vec_type([_type_of(m, dtype, to) for m in members]))
-
-
-def _type_of(member: Any, dtype: str, to: Any) -> Any:
-    import paddle
-
-    return paddle.pir.create_shaped_type(to, member.shape) if str(member.dtype) == dtype else member
+            value.set_type(paddle.pir.create_shaped_type(to, value.shape))
+        return
+    vector = value.type().as_vec_type()
+    if vector is not None and any(str(m.dtype) == dtype for m in vector.as_list()):
+        members = [paddle.pir.create_shaped_type(to, m.shape) if str(m.dtype) == dtype else m for m in vector.as_list()]
+        value.set_type(paddle.base.libpaddle.pir.create_vec_type(members))
 
 
 def _decorated(amp: Amp, model: Any, lr: float) -> tuple[Any, Any]:
@@ -332,13 +324,13 @@ def twin_program(program: Any, float16_ops: frozenset[int] = frozenset()) -> Twi
     sums float16 by the low-precision rule, autopar/low_precision.py, as the Collective says)."""
     import paddle
 
-    carried = _has_float16_parameters(program)
+    on_carriers = _has_float16_parameters(program)
     done = TwinRewrite({}, {}, {})
     with paddle.static.program_guard(program):
         for op in list(program.global_block().ops):
             name = op.name().removeprefix("pd_op.")
             how = TWINNED.get(name)
-            if carried:  # every other op runs its fp32 kernel on the carriers
+            if on_carriers:  # every other op runs its fp32 kernel on the carriers
                 how = "on_master" if name in ("sgd_", "adamw_") else None
             if how is None or not any(_is_low(op.operand_source(i)) for i in range(op.num_operands())):
                 continue
@@ -352,7 +344,7 @@ def twin_program(program: Any, float16_ops: frozenset[int] = frozenset()) -> Twi
             op.erase()
             done.replaced[old_id] = kernel
             done.made_for.update({i: old_id for i in map(_op_id, program.global_block().ops) if i not in before and i != kernel})
-        if carried:
+        if on_carriers:
             _read_scaling_results(program)
             _carry_float16(program, done, float16_ops)
     paddle.pir.reset_insertion_point_to_end()
@@ -386,7 +378,7 @@ def _carry_float16(program: Any, done: TwinRewrite, float16_ops: frozenset[int])
     import paddle
     from paddle import _C_ops
 
-    float32 = paddle.pir.create_shaped_type(_dense_type(program, "paddle.float32"), [1])
+    float32 = _dense_type(program, "paddle.float32")
     origin = {kernel: op_id for op_id, kernel in done.replaced.items()}
 
     def made_for(op_id: int) -> int:
@@ -398,7 +390,7 @@ def _carry_float16(program: Any, done: TwinRewrite, float16_ops: frozenset[int])
     held: dict[int, Any] = {}  # value id -> the value holding it in float16
     carried: dict[int, Any] = {}  # value id -> its float32 carrier
     for op in list(program.global_block().ops):
-        natively = op.name() in FLOAT16_KERNELS or op.id() in float16_ops
+        natively = op.name() in FLOAT16_KERNELS or op.id() in float16_ops or _makes_float16_by_attribute(op)
         for i, source in enumerate(op.operands_source()):
             if not source.initialized() or source.id not in held:
                 continue
@@ -424,6 +416,12 @@ def _carry_float16(program: Any, done: TwinRewrite, float16_ops: frozenset[int])
                 down = held[value.id].get_defining_op().id()
                 done.made_for[down] = made_for(op.id())
                 done.results[(op.id(), i)] = (down, 0)
+
+
+def _makes_float16_by_attribute(op: Any) -> bool:
+    """Whether ``op`` is told to make float16 (a ``full`` or ``full_like`` of dtype float16): its
+    kernel makes float16 whatever its inputs, so it cannot make a carrier."""
+    return str(op.attrs().get("dtype", "")) == "paddle.float16"
 
 
 def _read_scaling_results(program: Any) -> None:
@@ -511,7 +509,7 @@ def twin_plan(plan: RankPlan) -> RankPlan:
     old = [op.id() for op in program.global_block().ops]
     done = twin_program(program, frozenset(old[position] for _, position in plan.collectives))
     replaced, made_for = done.replaced, done.made_for
-    if not replaced:
+    if not replaced and not made_for:
         return plan
     now = {op_id: i for i, op_id in enumerate(op.id() for op in program.global_block().ops)}
     moved = [now[replaced.get(op_id, op_id)] for op_id in old]
