@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from autopar.rank_plan import RankPlan
+from autopar.rewrites.stage_overflow import scaling_op
 from autopar.spmd import trait_values
 from autopar.testing.models import SeedProgram
 from autopar.testing.serial import SerialResult
@@ -239,8 +240,6 @@ def _low_precision_scaling() -> Iterator[None]:
     its members): the ops Paddle builds on a GPU. The twin runs them on fp32 carriers
     (:func:`twin_program`)."""
     from paddle import _C_ops
-
-    from autopar.rewrites.stage_overflow import scaling_op
 
     real = {name: getattr(_C_ops, name) for name in ("check_finite_and_unscale_", "update_loss_scaling_")}
 

@@ -15,7 +15,8 @@ non-finite in exactly the piece of the rank that holds that element of ``h``: th
 (the last data-parallel rank's), the last column (the last tensor-parallel rank's), stage 0 of
 a pipeline. The scaler is Paddle's float16 path forced on a program whose gradients are fp32
 (docs/paddle_amp.md, Q3), the only form that emits the scaling ops on this CPU build;
-``low_precision`` runs the forward under bf16 O1 autocast (run it through the numerics twin).
+``low_precision`` runs the forward under bf16 O1 autocast, ``float16_o2`` builds Paddle's float16
+O2 program, whose scaling ops check the float16 gradients (run both through the numerics twin).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.testing.amp import Amp, minimize, retype_to_float16
 from autopar.testing.models import SeedProgram
 
 INIT_LOSS_SCALING = 1024.0
@@ -43,8 +45,6 @@ def probed_mlp(
     instead (float16 parameters and gradients, fp32 masters, the scaling ops on the float16
     gradients: built as autopar.testing.amp builds it; run it through the numerics twin)."""
     import paddle
-
-    from autopar.testing.amp import Amp, minimize, retype_to_float16
 
     level = "O2" if float16_o2 else "O1"
 
