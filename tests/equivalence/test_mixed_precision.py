@@ -1,7 +1,8 @@
 """Mixed-precision programs written with Paddle's AMP (``paddle.amp.decorate`` + ``auto_cast``)
 compiled and run through the numerics twin equal the serial twin, within twice the program's
 measured precision floor (autopar.testing.amp.assert_twin_equals_serial): O1 (bf16 and fp16)
-and O2 (SGD and AdamW) on dp, mp, dp x mp, a 2-stage pipeline and ZeRO-1/2/3. (O2's bf16 collectives on
+and O2 (SGD and AdamW; bf16, and float16 with dynamic loss scaling on its float16 gradients,
+run by the twin on float32 carriers) on dp, mp, dp x mp, a 2-stage pipeline and ZeRO-1/2/3. (O2's bf16 collectives on
 dp x mp and ZeRO 1-3: tests/equivalence/test_amp_collectives.py.) Under a pipeline the
 low-precision gradients are summed over the micro-batches in float32 and rounded once
 (tests/unit/test_pipeline_accumulation_dtype.py): float16 ones could not be summed at all
@@ -135,15 +136,15 @@ def test_a_fetched_bf16_gradient_of_a_pipeline_is_its_micro_batches_summed_as_nu
     np.testing.assert_allclose(as_float32(got), as_float32(want), rtol=0, atol=4 * 2.0**-8 * np.max(np.abs(as_float32(want))))
 
 
-def test_a_float16_overflow_in_one_micro_batch_of_a_pipeline_is_skipped_on_every_stage():
-    """Paddle's float16 O1 program with dynamic loss scaling on 2 stages, 2 micro-batches (its
-    fp16 gradients could not be summed before): an input of 1e5 in micro-batch 0's rows
+@pytest.mark.parametrize("amp", [Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True), FLOAT16_O2_ADAMW], ids=str)
+def test_a_float16_overflow_in_one_micro_batch_of_a_pipeline_is_skipped_on_every_stage(amp):
+    """Paddle's float16 O1 and O2 programs with dynamic loss scaling on 2 stages, 2 micro-batches
+    (their fp16 gradients could not be summed before): an input of 1e5 in micro-batch 0's rows
     (beyond float16's 65504) overflows that micro-batch's gradients; the float32 sum keeps the
     inf, every stage skips the step, and the losses after it follow the serial twin's (whose
     scale was halved)."""
     import numpy as np
 
-    amp = Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True)
     _, seed, dist = _compiled(amp, "pp")
     feeds = random_feeds(seed.feeds, 4, classes=4)
     feeds[1]["x"][0, 0] = 1e5  # row 0: micro-batch 0's
