@@ -5,7 +5,8 @@ micro-batches (with ZeRO-2 too).
 Each case runs in fp32 (the scaling ops on an fp32 program: distributed equals serial to
 rounding) and in bf16 O1 through the numerics twin (autopar.testing.amp: the distributed twin
 equals the serial twin within twice the precision floor, the twin's distance from the fp32
-program). The probe (autopar.testing.overflow) makes linear1's gradients non-finite at step OVERFLOW_AT
+program); mp (AdamW and SGD) and pp also in float16 O2, where the scaling ops check the float16
+gradients themselves (carried in float32 by the twin). The probe (autopar.testing.overflow) makes linear1's gradients non-finite at step OVERFLOW_AT
 in the piece of one rank only (the last data-parallel row, the last tensor-parallel column,
 pipeline stage 0); the serial program sees the same overflow. Every case must: skip that step
 (the parameters after it equal those before it), halve the loss scale (the scaled loss over
