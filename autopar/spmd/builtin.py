@@ -28,4 +28,5 @@ class ReadAsIsRule(SpmdRule):
 
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("fetch", free=True)
+declare("builtin.parameter", "data", cpu_float16=True)  # read from the scope in any dtype
 declare("print", side_effect=True)

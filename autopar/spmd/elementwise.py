@@ -114,6 +114,7 @@ def _scale_linearity(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> 
 
 
 register_rule(EinsumRule(same_equation, linearity=_cast_linearity, tensors=1), "cast")
+declare("cast", cpu_float16=True)  # casts both ways between float16 and float32 on CPU
 LINEAR_UNARY = ("assign", "share_data", "neg")
 NONLINEAR_UNARY = (
     "relu", "gelu", "tanh", "sigmoid", "exp", "sqrt", "rsqrt", "square", "log", "abs", "silu",

@@ -102,6 +102,7 @@ TRAIT_MEANINGS: dict[str, str] = {
     "scales_in_place": "updates the gradients of dynamic loss scaling in place: readers after it read its results (the loss-scaling rewrite)",
     "moves_loss_scale": "moves dynamic loss scaling's scale and step counts from the agreed overflow flag, its operand 1 (pipeline split: the stages agree on it first)",
     "checks_overflow": "makes dynamic loss scaling's overflow flag (found_inf) from the gradients it reads: every rank holding a piece of them must agree on it (causes, pipeline split)",
+    "cpu_float16": "reads and makes float16 as it is on Paddle's CPU build (a cast, a parameter or state read from the scope, a parameter refreshed from its master): the float16 O2 twin keeps it float16 (autopar.testing.amp)",
     "cpu_twinned": "its bfloat16 / float16 kernel cannot run (or is wrong) on Paddle's CPU build: the numerics twin runs its fp32 kernel on rounded inputs, given these attributes in order, or (\"on_master\") the update on the fp32 master (autopar.testing.amp)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }

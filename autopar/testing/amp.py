@@ -43,7 +43,7 @@ import numpy as np
 
 from autopar.rank_plan import RankPlan
 from autopar.rewrites.stage_overflow import scaling_op
-from autopar.spmd import trait_values
+from autopar.spmd import ops_where, trait_values
 from autopar.testing.models import SeedProgram
 from autopar.testing.serial import SerialResult
 
@@ -352,7 +352,7 @@ def twin_program(program: Any, float16_ops: frozenset[int] = frozenset()) -> Twi
 
 # ops that read and make float16 as they are on this CPU build (cast both ways; the parameter
 # and the persistable states read from the scope; the refresh of a parameter from its master)
-FLOAT16_KERNELS = ("pd_op.cast", "builtin.parameter", "pd_op.data", "pd_op.assign_out_")
+FLOAT16_KERNELS = ops_where("cpu_float16")
 
 
 def _has_float16_parameters(program: Any) -> bool:
@@ -363,7 +363,7 @@ def _carry_float16(program: Any, done: TwinRewrite, float16_ops: frozenset[int])
     """``program``'s float16 values held as float32 carriers of float16 numbers, in place.
 
     Each op making a float16 value without a float16 CPU kernel (everything but
-    :data:`FLOAT16_KERNELS` and ``float16_ops``) is retyped to make float32 — its fp32 kernel
+    :data:`FLOAT16_KERNELS`, the registry's ``cpu_float16`` ops and ``float16_ops``) is retyped to make float32 — its fp32 kernel
     on carriers: a GPU's float16 kernel computing in fp32 — and its result rounded to float16
     right after it (a cast down, made for it), so an fp32 result beyond 65504 becomes inf as in
     float16; the value is carried up (a cast, exact) right before its first reader that needs
