@@ -30,10 +30,14 @@ at strategy priority (the user's annotations win), the sequence whole: the plann
 sequence -> heads before the core and heads -> sequence after it (one all_to_all each on a GPU
 profile; the cheapest plan of the profile elsewhere), forward, and the mirror backward. A head
 count the split does not divide (heads per rank of the other mesh dims splitting them, e.g.
-tensor parallelism's) is refused by name (op, tensor, heads, cp).
+tensor parallelism's) is refused by name (op, tensor, heads, cp). Where the layer transposes
+the core's output back to ``[B, S, H, D]`` before its output projection, that value is split
+on the sequence: the heads -> sequence move is then one all_to_all right after the core (left
+alone, the planner kept the heads split into the projection and reduce-scattered its result).
 
 Ring attention (``method="ring"``) is a per-op lowering of the cores (passes/ring_attention.py)
-over the same split.
+over the same split. ``balance="zigzag"`` reorders the sequence in the program first
+(:mod:`.zigzag`), so that the same contiguous split gives rank i chunks i and 2cp-1-i.
 """
 
 from __future__ import annotations
