@@ -168,6 +168,12 @@ def head_splits(graph: ProgramGraph, first: PropagationResult, cores: Sequence[A
     """Ulysses: each core's q, k, v, probabilities and output (``[B, H, S, *]``) split on heads
     over ``dim`` and whole along the sequence; refused by name where the heads per rank of the
     other dims splitting them do not divide by the dim's size."""
+    if not cores:
+        raise AutoparError(
+            f"ContextParallel(method='all_to_all') over {dim!r}: the program has no attention core to split on heads "
+            "(matmul(q, k, transpose_y=True) -> scale / mask -> softmax -> dropout -> matmul(p, v), as "
+            "autopar/attention_cores.py finds them; fused attention ops are not among them); use method='all_gather'"
+        )
     found: dict[ValueKey, HeadSplit] = {}
     for core in cores:
         name = str(graph.ops[core.first])

@@ -147,6 +147,24 @@ def test_heads_ulysses_cannot_split_are_refused_by_name():
         autopar.compile(seed.main, SEP4, startup_program=seed.startup, strategy=cp("all_to_all"))
 
 
+def test_ulysses_without_an_attention_core_is_refused_by_name():
+    main, startup = tagged_program()
+    with pytest.raises(AutoparError, match=r"method='all_to_all'\) over 'sep': the program has no attention core to split on heads"):
+        autopar.compile(main, SEP2, startup_program=startup, strategy=cp("all_to_all"))
+
+
+def test_a_program_without_a_sequence_feed_is_refused_by_name():
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [16], "float32")
+        paddle.optimizer.SGD(0.1).minimize((paddle.nn.Linear(16, 4)(x.reshape([1, 16]))).mean())
+    with pytest.raises(AutoparError, match=r"over 'sep': the program has no feed of two dims or more"):
+        autopar.compile(main, SEP2, startup_program=startup, strategy=cp())
+
+
 def test_ulysses_reports_the_cores_it_splits_on_heads():
     seed = llama.build(llama.Config(), batch=4, seq=8, mesh=SEP2)
     dist = autopar.compile(seed.main, SEP2, startup_program=seed.startup, strategy=cp("all_to_all"))
