@@ -67,16 +67,13 @@ def test_zoo_model_with_the_sequence_split_equals_serial(model, cp, method):
 
 COMPOSED = {  # name -> (mesh, method, other Strategy fields, the model)
     "dp2 x sep2, llama, all_to_all": (DP_SEP, "all_to_all", {}, "llama"),
-    "dp2 x sep2, gpt2 dropout, all_gather": (DP_SEP, "all_gather", {}, "gpt2 dropout"),
     "sep2 x mp2 + SP, llama, all_to_all": (SEP_MP, "all_to_all", {"sequence_parallel": "mp"}, "llama"),
     "sep2 x mp2 + SP, gpt2 dropout, all_gather": (SEP_MP, "all_gather", {"sequence_parallel": "mp"}, "gpt2 dropout"),
     "pp2 x sep2 1F1B m=2, llama, all_to_all": (PP_SEP, "all_to_all", {"pipeline": autopar.PipelineConfig(micro_batches=2)}, "llama"),
     "pp2 x sep2 1F1B m=2, gpt2 dropout, all_gather": (
         PP_SEP, "all_gather", {"pipeline": autopar.PipelineConfig(micro_batches=2)}, "gpt2 dropout",
     ),  # fmt: skip
-    "sep2, gpt2 dropout, ring": (SEP[2], "ring", {}, "gpt2 dropout"),
     "sep2 x mp2 + SP, llama, ring": (SEP_MP, "ring", {"sequence_parallel": "mp"}, "llama"),
-    "recompute, llama, all_to_all": (SEP[2], "all_to_all", {"recompute": True}, "llama"),
     "recompute dp2 x sep2, gpt2 dropout, all_to_all": (DP_SEP, "all_to_all", {"recompute": True}, "gpt2 dropout"),
 }
 
