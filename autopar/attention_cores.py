@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
+from autopar.propagation_result import PropagationResult
 
 # ops that may sit between the scores and the softmax (anything else: no core is found there)
 MIDDLE_OPS = frozenset(
@@ -265,3 +267,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def ring_gradient_placements(graph: ProgramGraph, first: PropagationResult, dim: int) -> dict[ValueKey, DistAttr]:
+    """Where ring attention wants each core's K and V gradients (strategy annotations): split by
+    sequence over mesh dim ``dim``. After a first propagation (q split by sequence over ``dim``,
+    K and V read whole: the all_gather plan) they are pending sums over ``dim``, reduced only
+    where a later op needs them whole or split, after the layout ops of the backward; the ring
+    makes each rank's block of them complete, so placed split they are reduce_scattered right
+    after the grad op — which the ring then replaces — and the backward's layout ops run on the
+    blocks. A gradient first propagation does not leave pending over ``dim`` is left as it is."""
+    made = {}
+    for core in attention_cores(graph):
+        grads = {graph.ops[i].forward_op: i for i in core.backward}
+        for forward in (core.first, core.second):
+            grad_op = grads.get(forward)
+            key = graph.ops[grad_op].outputs[1] if grad_op is not None else None
+            if key is None or key not in first.states:
+                continue
+            dist = first.dist(key)
+            seq = dist.ndim - 2
+            if dim not in dist.partial_dims or dist.mapping[seq]:
+                continue
+            mapping = tuple((dim,) if t == seq else dims for t, dims in enumerate(dist.mapping))
+            made[key] = DistAttr.of(dist.mesh, mapping, tuple((d, kind) for d, kind in dist.partial if d != dim))
+    return made

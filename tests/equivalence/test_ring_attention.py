@@ -45,7 +45,21 @@ def test_ring_attention_equals_serial(model, mesh):
     forward = [c for c in comms if c.kind == "permute" and c.value.endswith(".kv")]
     backward = [c for c in comms if c.kind == "permute" and not c.value.endswith(".kv")]
     assert (len(forward), len(backward)) == ((cp - 1) * LAYERS, cp * LAYERS)
-    assert not [c for c in comms if c.kind == "all_gather" and "for matmul" in c.reason]
+    assert not [c for c in comms if c.kind == "all_gather" and ("for matmul" in c.reason or "reshape_grad" in c.reason)]
+    assert not [c for c in comms if c.kind == "reduce_scatter"]  # dK / dV: the ring's blocks, not reduced sums
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
+
+
+def test_gradients_left_pending_by_propagation_are_handed_on_as_pending_sums(monkeypatch):
+    """Without the ring's gradient placements (autopar/rewrites/ring_gradients.py) dK and dV stay
+    pending sums reduced after the backward's layout ops: the ring hands each rank's block on
+    among zeros, and the planner's reduce_scatter makes it whole again — equal all the same."""
+    from autopar.rewrites.ring_gradients import RingGradients
+
+    monkeypatch.setattr(RingGradients, "apply", lambda self, work: work.reported(self, "off"))
+    seed, feeds = _build("gpt2", MESHES["sep2"])
+    dist = autopar.compile(seed.main, MESHES["sep2"], startup_program=seed.startup, strategy=RING)
+    assert len([c for c in dist.comm_ops(0) if c.kind == "reduce_scatter"]) == 2 * LAYERS
     assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
 
 
