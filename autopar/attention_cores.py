@@ -31,8 +31,10 @@ from autopar.propagation_result import PropagationResult
 
 # ops that may sit between the scores and the softmax (anything else: no core is found there)
 MIDDLE_OPS = frozenset(
-    f"pd_op.{name}" for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like")
+    f"pd_op.{name}"
+    for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like", "tril", "triu")
 )
+TRIANGLES = frozenset({"pd_op.tril", "pd_op.triu"})  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
 SHAPE_ONLY = {"pd_op.full_like": frozenset({0})}  # operands read for their shape only (Paddle marks none)
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.attention_cores import AffineMiddle, AttentionCore, affine_middle, attention_cores
+from autopar.attention_cores import TRIANGLES, AffineMiddle, AttentionCore, affine_middle, attention_cores
 from autopar.causes import in_layer, layer_of
 from autopar.collective import CollectiveKey
 from autopar.cost_model.planner import ReshardStep, group_at, plan_ring_shift
@@ -213,6 +213,8 @@ class RankRing:
         group = group_at(state.mesh, rp.rank, (ring.mesh_dim,))
         self.position, self.parts = group.index(rp.rank), ring.parts
         self.block = ring.keys // ring.parts
+        queries = state.graph.values[ring.core.q].shape[-2]
+        self.first_row = shard_bounds(queries, ring.parts, self.position)[0]
         self.count = 0
         self.handed: set[ValueKey] = set()  # K / V gradients handed on in place of their reduce_scatter
 
@@ -281,6 +283,9 @@ class RankRing:
                 what = f"operand {graph.values[key].label} of {node}"
                 mapping.add(operand, made[key] if key in made else self._columns(operand, j, what))
             clone = op.clone(mapping, paddle.pir.CloneOptions(False, True, True))
+            if node.name in TRIANGLES:  # the block's diagonal: counted from its corner at (first row, column j * n)
+                diagonal = int(node.attrs.get("diagonal", 0)) + self.first_row - j * self.block
+                clone.set_int_attr("diagonal", diagonal)
             for r, key in enumerate(node.outputs):
                 if key is None:
                     continue

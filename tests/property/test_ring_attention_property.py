@@ -20,7 +20,7 @@ from autopar.testing.models import SeedProgram
 from autopar.testing.serial import random_feeds, run_serial
 
 RING = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="sep", method="ring"))
-MASKS = ("none", "causal_add", "causal_where", "fed_add", "finite_where")
+MASKS = ("none", "causal_add", "causal_where", "fed_add", "finite_where", "sdpa", "sdpa_causal")  # sdpa: Paddle's own
 SCALES = ("multiply", "divide", "tensor")
 EXAMPLES = None if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else 12  # (each example compiles and runs: ~1 s)
 
@@ -37,11 +37,15 @@ def attention_program(batch, heads, head_dim, seq, mask, scale, dropout, mesh):
         x = paddle.static.data("x", [batch, seq, 8], "float32")
         feeds = {"x": x}
         q, k, v = (
-            paddle.static.nn.fc(x, width, num_flatten_dims=2, bias_attr=False)
-            .reshape([batch, seq, heads, head_dim])
-            .transpose([0, 2, 1, 3])
+            paddle.static.nn.fc(x, width, num_flatten_dims=2, bias_attr=False).reshape([batch, seq, heads, head_dim])
             for _ in range(3)
         )
+        if mask.startswith("sdpa"):  # (this CPU build spells it as the matmul chain: scale(q), full_like + triu mask)
+            out = paddle.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=mask == "sdpa_causal", dropout_p=0.2 if dropout else 0.0, training=True
+            )
+            return _trained(main, startup, feeds, out, x, mesh)
+        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
         att = paddle.matmul(q, k, transpose_y=True)
         if scale == "multiply":
             att = att * (1.0 / math.sqrt(head_dim))
@@ -63,10 +67,16 @@ def attention_program(batch, heads, head_dim, seq, mask, scale, dropout, mesh):
         p = paddle.nn.functional.softmax(att, axis=-1)
         if dropout:
             p = paddle.nn.functional.dropout(p, 0.2, training=True)
-        out = paddle.matmul(p, v)
-        loss = paddle.mean(out * out)
-        paddle.optimizer.SGD(1.0).minimize(loss)
-        autopar.shard_tensor(x, mesh, [autopar.Shard(0) if name == "dp" else autopar.Shard(1) for name in mesh.dim_names])
+        return _trained(main, startup, feeds, paddle.matmul(p, v), x, mesh)
+
+
+def _trained(main, startup, feeds, out, x, mesh):
+    """loss = mean(out ** 2), SGD at learning rate 1; x split by batch over dp, sequence over sep."""
+    import paddle
+
+    loss = paddle.mean(out * out)
+    paddle.optimizer.SGD(1.0).minimize(loss)
+    autopar.shard_tensor(x, mesh, [autopar.Shard(0) if name == "dp" else autopar.Shard(1) for name in mesh.dim_names])
     return SeedProgram(main, startup, feeds, loss, {})
 
 
