@@ -90,3 +90,18 @@ def test_a_sequence_not_divisible_by_the_ring_is_refused_by_name():
             annotate(value, mesh, sep=1)
     with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) has a sequence of 8 keys"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
+
+
+@pytest.mark.parametrize(
+    "extra, refusal",
+    [
+        ({"recompute": True}, "under recompute is not built yet"),
+        ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "in a pipeline / micro-batched program is not built yet"),
+    ],
+)
+def test_what_the_ring_does_not_build_yet_is_refused_by_name(extra, refusal):
+    mesh = M([[0, 1], [2, 3]], ["pp", "sep"]) if "pipeline" in extra else MESHES["sep2"]
+    seed, _ = _build("llama", mesh)
+    strategy = autopar.Strategy(context_parallel=RING.context_parallel, **extra)
+    with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) " + re.escape(refusal)):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
