@@ -28,12 +28,16 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.propagation_result import PropagationResult
+from autopar.spmd import ops_where
 
 # ops that may sit between the scores and the softmax (anything else: no core is found there)
 MIDDLE_OPS = frozenset(
     f"pd_op.{name}"
     for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like", "tril", "triu")
 )
+# ops walked through from the softmax back to the scores (a sequence-local op that is no middle op,
+# soft-capping's tanh, is found and then refused by affine_middle, not mistaken for a mask)
+WALKED = MIDDLE_OPS | ops_where("sequence_local")
 TRIANGLES = frozenset({"pd_op.tril", "pd_op.triu"})  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
 SHAPE_ONLY = {"pd_op.full_like": frozenset({0})}  # operands read for their shape only (Paddle marks none)
 
@@ -141,7 +145,7 @@ def _scores_matmul(graph: ProgramGraph, softmax: OpNode) -> tuple[OpNode | None,
         if op.name == "pd_op.matmul":
             matmuls.add(op.index)
             continue
-        if op.name not in MIDDLE_OPS:
+        if op.name not in WALKED:
             continue  # a mask or a constant built elsewhere: an operand of the middle, not part of it
         seen.add(op.index)
         stack.extend(k for k in op.inputs if k is not None)
@@ -224,6 +228,10 @@ def affine_middle(graph: ProgramGraph, core: AttentionCore) -> AffineMiddle:
         if len(reads) > 1:
             raise AutoparError(f"ring attention: {where} reads the scores twice (not affine in them)")
         slot = reads[0]
+        inside = {k for i in core.middle for k in graph.ops[i].outputs if k is not None}
+        for other, key in enumerate(op.inputs):
+            if other != slot and key is not None and key not in inside and _reads(graph, key, {core.q, core.k}):
+                raise AutoparError(f"ring attention: {where} adds to the scores {graph.values[key].label}, made from q or k")
         factor = _factor(graph, op, slot, where)
         if op.name == "pd_op.where":
             wheres.append((index, slot == 1))
@@ -233,6 +241,21 @@ def affine_middle(graph: ProgramGraph, core: AttentionCore) -> AffineMiddle:
     if graph.ops[core.softmax].inputs[0] not in on_path:
         raise AutoparError(f"ring attention: the softmax of {core} does not read the scores through its middle")
     return AffineMiddle(coefficient, tuple(path), tuple(wheres))
+
+
+def _reads(graph: ProgramGraph, key: ValueKey, sources: set[ValueKey]) -> bool:
+    """Whether ``key`` is made from one of ``sources`` (through any forward ops)."""
+    seen: set[int] = set()
+    stack = [key]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        if current[0] in seen:
+            continue
+        seen.add(current[0])
+        stack.extend(k for k in graph.ops[current[0]].inputs if k is not None)
+    return False
 
 
 def _factor(graph: ProgramGraph, op: OpNode, slot: int, where: str) -> float:

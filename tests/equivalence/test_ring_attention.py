@@ -105,3 +105,20 @@ def test_what_the_ring_does_not_build_yet_is_refused_by_name(extra, refusal):
     strategy = autopar.Strategy(context_parallel=RING.context_parallel, **extra)
     with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) " + re.escape(refusal)):
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+def test_a_middle_not_affine_in_the_scores_is_refused_by_name():
+    """Soft-capping (Gemma 2: ``tanh(scores / c) * c``) cannot be recomputed block by block with one
+    coefficient: refused naming the op."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    mesh = MESHES["sep2"]
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [2, 4, 8], "float32")
+        q, k, v = (paddle.static.nn.fc(x, 8, num_flatten_dims=2).reshape([2, 4, 2, 4]).transpose([0, 2, 1, 3]) for _ in range(3))
+        att = paddle.tanh(paddle.matmul(q, k, transpose_y=True) / 50.0) * 50.0
+        out = paddle.matmul(paddle.nn.functional.softmax(att, axis=-1), v)
+        paddle.optimizer.SGD(0.1).minimize(paddle.mean(out))
+        autopar.shard_tensor(x, mesh, [autopar.Shard(1)])
+    with pytest.raises(autopar.AutoparError, match=r"ring attention: pd_op.tanh#\d+ in attention\(matmul#\d+ .*\) is a tanh of the scores"):
+        autopar.compile(main, mesh, startup_program=startup, strategy=RING)
