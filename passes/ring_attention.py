@@ -50,7 +50,7 @@ from autopar.cost_model.planner import ReshardStep, group_at, plan_ring_shift
 from autopar.dist_attr import DistAttr, shard_bounds
 from autopar.errors import AutoparError
 from autopar.graph import ValueKey
-from autopar.passes.base import CompileState, Pass, RankProgram, declared
+from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.reshard_emission import emit_step, replace_uses
 from autopar.propagation import SiteKind
 
@@ -81,9 +81,13 @@ class RingCore:
     reason: str
     k_read: int | None  # the planned reshard gathering K for the first matmul (None: K is read whole as it is)
     v_read: int | None
+    k_grad_read: int | None  # the same for the backward's matmul_grads (recompute: of the recomputed K, V)
+    v_grad_read: int | None
     first_grad: int | None  # the matmul_grad ops of the core's backward (None: no backward)
     second_grad: int | None
     split_grads: frozenset[ValueKey] = frozenset()  # dK / dV reduce_scattered by sequence right after their grad op
+    # recompute: the backward's clones of the two matmuls and the planned gathers of K, V they read
+    recomputed: tuple[int, int, int | None, int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,6 @@ class RingAttention(Pass):
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
     emit_ensures: ClassVar[str] = "ring-attention"
     mesh_dim: str = "sep"
-    pipelined: bool = declared()
 
     def plan(self, state: CompileState) -> RingPlan:
         if self.mesh_dim not in state.mesh.dim_names:
@@ -111,8 +114,8 @@ class RingAttention(Pass):
         if state.mesh.shape[dim] == 1:
             return RingPlan(())
         cores = attention_cores(state.graph)
-        _refuse_unbuilt(state, cores, self.mesh_dim, self.pipelined)
-        return RingPlan(tuple(_plan_core(state, core, dim) for core in cores))
+        _refuse_unbuilt(state, cores, self.mesh_dim)
+        return RingPlan(tuple(_plan_core(state, core, self.mesh_dim) for core in cores))
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
@@ -125,19 +128,19 @@ class RingAttention(Pass):
             paddle.pir.reset_insertion_point_to_end()
 
 
-def _refuse_unbuilt(state: CompileState, cores: tuple[AttentionCore, ...], name: str, pipelined: bool) -> None:
+def _refuse_unbuilt(state: CompileState, cores: tuple[AttentionCore, ...], name: str) -> None:
     if not cores:
         return
-    if state.micro is not None or pipelined:
-        raise AutoparError(f"ring attention over {name}: {cores[0]} in a pipeline / micro-batched program is not built yet")
-    if state.recompute is not None:
-        raise AutoparError(f"ring attention over {name}: {cores[0]} under recompute is not built yet")
 
 
-def _plan_core(state: CompileState, core: AttentionCore, dim: int) -> RingCore:
+def _plan_core(state: CompileState, core: AttentionCore, name: str) -> RingCore:
     graph, results = state.graph, state.propagation.op_results
-    name, parts = state.mesh.dim_names[dim], state.mesh.shape[dim]
     q_attr, k_attr = results[core.first].inputs[0], results[core.first].inputs[1]
+    mesh = q_attr.mesh  # (a pipeline stage's sub-mesh keeps the dim names)
+    if name not in mesh.dim_names:
+        raise AutoparError(f"ring attention over {name}: {core} runs on {mesh}, which has no dim {name!r}")
+    dim = mesh.dim_names.index(name)
+    parts = mesh.shape[dim]
     v_attr = results[core.second].inputs[1]
     k_shape, v_shape = graph.values[core.k].shape, graph.values[core.v].shape
     seq = len(k_shape) - 2
@@ -158,7 +161,7 @@ def _plan_core(state: CompileState, core: AttentionCore, dim: int) -> RingCore:
             f"{graph.values[core.q].shape[-2]} queries, not divisible by {parts} ranks"
         )
     middle = affine_middle(graph, core)
-    block = DistAttr.of(state.mesh, tuple((dim,) if t == seq else dims for t, dims in enumerate(k_attr.mapping)))
+    block = DistAttr.of(mesh, tuple((dim,) if t == seq else dims for t, dims in enumerate(k_attr.mapping)))
     widths = (k_shape[-1] + v_shape[-1], 2 * (k_shape[-1] + v_shape[-1]), k_shape[-1] + v_shape[-1])
     dtype = graph.values[core.k].dtype
     values = tuple(BlockValue(f"{graph.values[core.k].label}.{what}", (*k_shape[:-1], w), dtype)
@@ -173,8 +176,21 @@ def _plan_core(state: CompileState, core: AttentionCore, dim: int) -> RingCore:
     return RingCore(
         core, middle, dim, parts, keys, shifts, values, reason,
         _gather_read(state, core.first, 1, core.k, dim), _gather_read(state, core.second, 1, core.v, dim),
-        first_grad, second_grad, frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)),
+        _grad_read(state, first_grad, dim), _grad_read(state, second_grad, dim), first_grad, second_grad,
+        frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)), _recomputed(state, core, dim),
     )  # fmt: skip
+
+
+def _recomputed(state: CompileState, core: AttentionCore, dim: int) -> tuple[int, int, int | None, int | None] | None:
+    """The backward's clones of the core's two matmuls (recompute) and the gathers they read."""
+    clones = {state.graph.ops[i].recomputes: i for i in core.recomputed}
+    if not clones:
+        return None
+    if core.first not in clones or core.second not in clones:
+        raise AutoparError(f"ring attention: recompute re-runs part of {core} only (ops {sorted(clones)})")
+    graph, first, second = state.graph, clones[core.first], clones[core.second]
+    k_read = _gather_read(state, first, 1, graph.ops[first].inputs[1], dim)
+    return first, second, k_read, _gather_read(state, second, 1, graph.ops[second].inputs[1], dim)
 
 
 def _scattered(state: CompileState, key: ValueKey, dim: int) -> bool:
@@ -191,6 +207,11 @@ def _scattered(state: CompileState, key: ValueKey, dim: int) -> bool:
                 and steps[0].dst.mapping[seq] == (dim,) and not steps[0].dst.partial
             )  # fmt: skip
     return False
+
+
+def _grad_read(state: CompileState, grad_op: int | None, dim: int) -> int | None:
+    """:func:`_gather_read` of the K (or V) a matmul_grad reads (its operand 1)."""
+    return None if grad_op is None else _gather_read(state, grad_op, 1, state.graph.ops[grad_op].inputs[1], dim)
 
 
 def _gather_read(state: CompileState, op: int, slot: int, key: ValueKey, dim: int) -> int | None:
@@ -210,7 +231,7 @@ class RankRing:
 
     def __init__(self, state: CompileState, rp: RankProgram, ring: RingCore) -> None:
         self.state, self.rp, self.ring, self.core = state, rp, ring, ring.core
-        group = group_at(state.mesh, rp.rank, (ring.mesh_dim,))
+        group = group_at(ring.shifts[0].src.mesh, rp.rank, (ring.mesh_dim,))
         self.position, self.parts = group.index(rp.rank), ring.parts
         self.block = ring.keys // ring.parts
         queries = state.graph.values[ring.core.q].shape[-2]
@@ -228,22 +249,37 @@ class RankRing:
         k, v = self._local(core.first, core.k, self.ring.k_read), self._local(core.second, core.v, self.ring.v_read)
         self.widths = (k.shape[-1], v.shape[-1])
         paddle.pir.set_insertion_point(second)
-        self.kv = paddle.concat([k, v], axis=-1)
         self.drops = self._dropout_rows()
-        out, lse = self._forward()
-        grads = self._backward(out, lse) if self.ring.first_grad is not None else {}
-        old = second.result(0)
-        replace_uses(old, out)
+        out, lse = self._forward(self.q, paddle.concat([k, v], axis=-1))
+        replace_uses(second.result(0), out)
         rp.replaced[core.output] = out
+        if self.ring.recomputed is not None:  # recompute: the ring runs again where the backward re-runs the core
+            out, lse = self._recomputed()
+        grads = self._backward(out, lse) if self.ring.first_grad is not None else {}
         for key, new in grads.items():
             rp.replaced[key] = new
             if key not in self.handed:  # (a block handed on in place of its reduce_scatter: that one is erased)
                 replace_uses(rp.ops[key[0]].result(key[1]), new)
         self._erase()
 
+    def _recomputed(self) -> tuple[Any, Any]:
+        """The forward ring again on the recomputed q, K, V, in place of the backward's clone of
+        the core (its output replaced): its output and log-sum-exp, for the backward ring."""
+        import paddle
+
+        graph, rp = self.state.graph, self.rp
+        first, second, k_read, v_read = self.ring.recomputed
+        q = rp.ops[first].operand_source(0)
+        k = self._local(first, graph.ops[first].inputs[1], k_read)
+        v = self._local(second, graph.ops[second].inputs[1], v_read)
+        paddle.pir.set_insertion_point(rp.ops[second])
+        out, lse = self._forward(q, paddle.concat([k, v], axis=-1))
+        replace_uses(rp.ops[second].result(0), out)
+        return out, lse
+
     def _local(self, op: int, key: ValueKey, gathered: int | None) -> Any:
-        """This rank's block of K (or V): the value the planned gather read, or a slice of the
-        whole one the op reads."""
+        """This rank's block of K (or V) as ``op`` reads it: the value the planned gather read, or
+        a slice of the whole one the op reads."""
         import paddle
 
         if gathered is not None:
@@ -266,12 +302,12 @@ class RankRing:
         return paddle._C_ops.slice(x, [len(x.shape) - 1], [lo], [hi], [1], [])
 
     # ---- pieces of a step ------------------------------------------------------------------
-    def _scores(self, k: Any, j: int) -> tuple[Any, dict[ValueKey, Any]]:
+    def _scores(self, q: Any, k: Any, j: int) -> tuple[Any, dict[ValueKey, Any]]:
         """``middle(q @ k^T)`` for key block ``j``: each middle op cloned on the block (its other
         operands cut to the block's columns); also every value the clones made."""
         import paddle
 
-        made: dict[ValueKey, Any] = {self.core.scores: paddle._C_ops.matmul(self.q, k, False, True)}
+        made: dict[ValueKey, Any] = {self.core.scores: paddle._C_ops.matmul(q, k, False, True)}
         graph = self.state.graph
         for index in self.core.middle:
             node, op = graph.ops[index], self.rp.ops[index]
@@ -299,20 +335,25 @@ class RankRing:
 
     def _dropout_rows(self) -> Any:
         """The rank's rows of the serial dropout multiplier (mask / (1 - p)), all key columns; None
-        without dropout."""
+        without dropout. Under micro-batching the mask is drawn over the whole step and this
+        micro-batch's block cut out (:mod:`.dropout_slicing`, whose scheme this follows)."""
         import paddle
 
         index = self.core.dropout
         if index is None:
             return None
-        node, op = self.state.graph.ops[index], self.rp.ops[index]
-        shape = list(self.state.graph.values[node.inputs[0]].shape)
+        node, op, micro = self.state.graph.ops[index], self.rp.ops[index], self.state.micro
+        value = self.state.graph.values[node.inputs[0]]
+        shape = list(value.shape)  # one micro-batch's
+        dim = micro.split_dim(node.inputs[0]) if micro is not None and node.inputs[0] in micro.placements else None
         x, seed, p = (op.operand_source(i) for i in range(3))
-        ones = paddle._C_ops.full(shape, 1.0, x.dtype, paddle.CPUPlace())
+        ones = paddle._C_ops.full(list(value.program_shape) if dim is not None else shape, 1.0, x.dtype, paddle.CPUPlace())
         attrs = node.attrs
         whole = paddle._C_ops.dropout(
             ones, seed if seed.initialized() else None, p, bool(attrs.get("is_test", False)), attrs["mode"], attrs["seed"], attrs["fix_seed"]
         )
+        if dim is not None:
+            whole = self._micro_batch_block(whole, dim, shape)
         box = self.state.propagation.op_results[index].inputs[0].local_slices(shape, self.rp.rank)
         axes = [t for t, s in enumerate(box) if (s.start, s.stop) != (0, shape[t])]
         if len(shape) - 1 in axes:
@@ -320,6 +361,26 @@ class RankRing:
         if not axes:
             return whole
         return paddle._C_ops.slice(whole, axes, [box[t].start for t in axes], [box[t].stop for t in axes], [1] * len(axes), [])
+
+    def _micro_batch_block(self, whole: Any, dim: int, shape: list[int]) -> Any:
+        """Rows ``[k * n, (k + 1) * n)`` of ``whole`` along ``dim`` for micro-batch ``k`` (fed)."""
+        import paddle
+
+        from autopar.feed_names import MICRO_BATCH_FEED
+
+        if whole.shape[dim] != shape[dim] * self.state.micro.count:
+            raise AutoparError(f"ring attention: the dropout of {self.core} is not {self.state.micro.count} micro-batches along dim {dim}")
+        fed = next((o.result(0) for o in self.rp.program.global_block().ops
+                    if o.name() == "pd_op.data" and o.attrs().get("name") == MICRO_BATCH_FEED), None)  # fmt: skip
+        if fed is None:  # made first in the program: dropout slicing, after this pass, reads it before this core too
+            paddle.pir.set_insertion_point(self.rp.program.global_block().ops[0])
+            fed = paddle._pir_ops.data(MICRO_BATCH_FEED, [1], paddle.int64, paddle.CPUPlace())
+            paddle.pir.set_insertion_point(self.rp.ops[self.core.second])
+        rows = float(shape[dim])
+        start, stop = paddle._C_ops.scale(fed, rows, 0.0, True), paddle._C_ops.scale(fed, rows, rows, True)
+        block = paddle._C_ops.slice(whole, [dim], start, stop, [-1], [])
+        block.set_type(paddle.pir.create_shaped_type(block.type(), shape))
+        return block
 
     def _shift(self, x: Any, which: int) -> Any:
         """``x`` one rank on around the ring (a recorded permute)."""
@@ -338,19 +399,19 @@ class RankRing:
         return out
 
     # ---- forward -------------------------------------------------------------------------
-    def _forward(self) -> tuple[Any, Any]:
+    def _forward(self, q: Any, kv: Any) -> tuple[Any, Any]:
+        """The ring's forward from this rank's q and ``[k | v]`` blocks: the output and log-sum-exp."""
         import paddle
 
         C = paddle._C_ops
-        rows = [*self.q.shape[:-1], 1]
-        m = C.full(rows, NEGATIVE, self.q.dtype, paddle.CPUPlace())
-        total = C.full(rows, 0.0, self.q.dtype, paddle.CPUPlace())
-        acc = C.full([*self.q.shape[:-1], self.widths[1]], 0.0, self.q.dtype, paddle.CPUPlace())
-        kv = self.kv
+        rows = [*q.shape[:-1], 1]
+        m = C.full(rows, NEGATIVE, q.dtype, paddle.CPUPlace())
+        total = C.full(rows, 0.0, q.dtype, paddle.CPUPlace())
+        acc = C.full([*q.shape[:-1], self.widths[1]], 0.0, q.dtype, paddle.CPUPlace())
         for s in range(self.parts):
             j = (self.position - s) % self.parts
             k, v = self._split(kv, self.widths)
-            scores, _ = self._scores(k, j)
+            scores, _ = self._scores(q, k, j)
             new_m = C.maximum(m, C.max(scores, [-1], True))
             alpha = C.exp(C.subtract(m, new_m))
             p = C.exp(C.subtract(scores, new_m))
@@ -370,16 +431,19 @@ class RankRing:
         C, graph, rp = paddle._C_ops, self.state.graph, self.rp
         first, second = graph.ops[self.ring.first_grad], graph.ops[self.ring.second_grad]
         grad_out = rp.ops[second.index].operand_source(2)
+        # q, K, V as the grads read them: the forward's, or under recompute their recomputed copies
+        q = rp.ops[first.index].operand_source(0)
+        k, v = self._local(first.index, first.inputs[1], self.ring.k_grad_read), self._local(second.index, second.inputs[1], self.ring.v_grad_read)
         paddle.pir.set_insertion_point(rp.ops[min(self.core.backward)])  # its outputs have readers among the chain's grads
         drow = C.sum(C.multiply(grad_out, out), [-1], None, True)
-        dq = C.full(list(self.q.shape), 0.0, self.q.dtype, paddle.CPUPlace())
-        zeros = C.full([*self.kv.shape[:-1], sum(self.widths)], 0.0, self.q.dtype, paddle.CPUPlace())
-        bundle = C.concat([self.kv, zeros], -1)
+        dq = C.full(list(q.shape), 0.0, q.dtype, paddle.CPUPlace())
+        zeros = C.full([*k.shape[:-1], sum(self.widths)], 0.0, q.dtype, paddle.CPUPlace())
+        bundle = C.concat([k, v, zeros], -1)
         widths = (*self.widths, *self.widths)
         for s in range(self.parts):
             j = (self.position - s) % self.parts
             k, v, dk, dv = self._split(bundle, widths)
-            scores, made = self._scores(k, j)
+            scores, made = self._scores(q, k, j)
             p = C.exp(C.subtract(scores, lse))
             dp = C.matmul(grad_out, v, False, True)
             kept = p
@@ -388,7 +452,7 @@ class RankRing:
                 kept, dp = C.multiply(p, drops), C.multiply(dp, drops)
             ds = self._through_middle(C.multiply(p, C.subtract(dp, drow)), made, j)
             dq = C.add(dq, C.matmul(ds, k, False, False))
-            dk = C.add(dk, C.matmul(ds, self.q, True, False))
+            dk = C.add(dk, C.matmul(ds, q, True, False))
             dv = C.add(dv, C.matmul(kept, grad_out, True, False))
             if s < self.parts - 1:
                 bundle = self._shift(C.concat([k, v, dk, dv], -1), 1)
@@ -444,7 +508,7 @@ class RankRing:
         rp = self.rp
         serial = {op.id() for op in rp.ops if op is not None}
         dropped: list[Any] = []
-        for index in sorted((*self.core.backward, *self.core.ops), reverse=True):
+        for index in sorted((*self.core.backward, *self.core.recomputed, *self.core.ops), reverse=True):
             op = rp.ops[index]
             if op is None:
                 continue
