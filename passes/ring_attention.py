@@ -43,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from autopar.attention_cores import TRIANGLES, AffineMiddle, AttentionCore, affine_middle, attention_cores
 from autopar.causes import in_layer, layer_of
 from autopar.collective import CollectiveKey
@@ -69,25 +71,21 @@ class BlockValue:
 @dataclass(frozen=True)
 class RingCore:
     """One core's ring, planned once: the core, its middle, the group size, the key length and
-    the three ring shifts (``[k|v]`` forward, ``[k|v|dk|dv]`` and ``[dk|dv]`` backward)."""
+    the ring shifts (``[k|v]`` forward, ``[k|v|dk|dv]`` and ``[dk|dv]`` backward, ``[k|v]`` of a
+    recomputation) with the values they move."""
 
     core: AttentionCore
     middle: AffineMiddle
     mesh_dim: int
     parts: int
     keys: int  # the global sequence length of K and V
-    shifts: tuple[ReshardStep, ReshardStep, ReshardStep]
+    shifts: tuple[ReshardStep, ReshardStep, ReshardStep, ReshardStep]  # [k|v], [k|v|dk|dv], [dk|dv], recomputed [k|v]
     values: tuple[BlockValue, BlockValue, BlockValue]
     reason: str
-    k_read: int | None  # the planned reshard gathering K for the first matmul (None: K is read whole as it is)
-    v_read: int | None
-    k_grad_read: int | None  # the same for the backward's matmul_grads (recompute: of the recomputed K, V)
-    v_grad_read: int | None
     first_grad: int | None  # the matmul_grad ops of the core's backward (None: no backward)
     second_grad: int | None
     split_grads: frozenset[ValueKey] = frozenset()  # dK / dV reduce_scattered by sequence right after their grad op
-    # recompute: the backward's clones of the two matmuls and the planned gathers of K, V they read
-    recomputed: tuple[int, int, int | None, int | None] | None = None
+    recomputed: tuple[int, int] | None = None  # recompute: the backward's clones of the two matmuls
 
 
 @dataclass(frozen=True)
@@ -161,36 +159,56 @@ def _plan_core(state: CompileState, core: AttentionCore, name: str) -> RingCore:
             f"{graph.values[core.q].shape[-2]} queries, not divisible by {parts} ranks"
         )
     middle = affine_middle(graph, core)
-    block = DistAttr.of(mesh, tuple((dim,) if t == seq else dims for t, dims in enumerate(k_attr.mapping)))
     widths = (k_shape[-1] + v_shape[-1], 2 * (k_shape[-1] + v_shape[-1]), k_shape[-1] + v_shape[-1])
     dtype = graph.values[core.k].dtype
     values = tuple(BlockValue(f"{graph.values[core.k].label}.{what}", (*k_shape[:-1], w), dtype)
                    for what, w in zip(("kv", "kv_grads", "grads"), widths))  # fmt: skip
-    shifts = tuple(plan_ring_shift(block, dim, v.shape, dtype, state.cluster) for v in values)
     grads = {state.graph.ops[i].forward_op: i for i in core.backward}
+    clones = {state.graph.ops[i].recomputes: i for i in core.recomputed}
+    # each ring moves K / V blocks split on the other dims as its matmuls read K: the forward, the
+    # backward (which may split heads further), a recomputation
+    reads = [k_attr, *(results[op].inputs[1] for op in (grads.get(core.first), clones.get(core.first)) if op is not None)]
+    blocks = [DistAttr.of(mesh, tuple((dim,) if t == seq else dims for t, dims in enumerate(attr.mapping))) for attr in reads]
+    backward = blocks[1] if core.first in grads else blocks[0]
+    pairs = ((blocks[0], values[0]), (backward, values[1]), (backward, values[2]), (blocks[-1], values[0]))
+    shifts = tuple(plan_ring_shift(block, dim, value.shape, dtype, state.cluster) for block, value in pairs)
     reason = in_layer("ring attention", layer_of(graph, core.first)) + (
         f": {core} passes its key / value blocks one rank on over {name} instead of gathering them"
     )
     first_grad, second_grad = grads.get(core.first), grads.get(core.second)
+    _check_backward_placements(state, core, first_grad, second_grad, name)
     grad_keys = [graph.ops[i].outputs[1] for i in (first_grad, second_grad) if i is not None]
     return RingCore(
         core, middle, dim, parts, keys, shifts, values, reason,
-        _gather_read(state, core.first, 1, core.k, dim), _gather_read(state, core.second, 1, core.v, dim),
-        _grad_read(state, first_grad, dim), _grad_read(state, second_grad, dim), first_grad, second_grad,
-        frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)), _recomputed(state, core, dim),
+        first_grad, second_grad,
+        frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)), _recomputed(state, core),
     )  # fmt: skip
 
 
-def _recomputed(state: CompileState, core: AttentionCore, dim: int) -> tuple[int, int, int | None, int | None] | None:
-    """The backward's clones of the core's two matmuls (recompute) and the gathers they read."""
+def _recomputed(state: CompileState, core: AttentionCore) -> tuple[int, int] | None:
+    """The backward's clones of the core's two matmuls (recompute)."""
     clones = {state.graph.ops[i].recomputes: i for i in core.recomputed}
     if not clones:
         return None
     if core.first not in clones or core.second not in clones:
         raise AutoparError(f"ring attention: recompute re-runs part of {core} only (ops {sorted(clones)})")
-    graph, first, second = state.graph, clones[core.first], clones[core.second]
-    k_read = _gather_read(state, first, 1, graph.ops[first].inputs[1], dim)
-    return first, second, k_read, _gather_read(state, second, 1, graph.ops[second].inputs[1], dim)
+    return clones[core.first], clones[core.second]
+
+
+def _check_backward_placements(state: CompileState, core: AttentionCore, first: int | None, second: int | None, name: str) -> None:
+    """The backward ring runs every block on one batch / head split: the grads of the two matmuls
+    must read and make their values split alike on those dims (the rank holds one piece of each)."""
+    if first is None or second is None:
+        return
+    results = state.propagation.op_results
+    attrs = [*results[first].inputs, *results[second].inputs, *results[first].outputs, results[second].outputs[1]]
+    leading = {tuple(attr.mapping[:-2]) for attr in attrs if attr is not None}
+    if len(leading) > 1:
+        splits = ", ".join(sorted(str(attr) for attr in {a for a in attrs if a is not None}))
+        raise AutoparError(
+            f"ring attention over {name}: the backward of {core} splits batch / heads differently from one value to "
+            f"the next ({splits}); the ring needs one split for them all"
+        )
 
 
 def _scattered(state: CompileState, key: ValueKey, dim: int) -> bool:
@@ -207,23 +225,6 @@ def _scattered(state: CompileState, key: ValueKey, dim: int) -> bool:
                 and steps[0].dst.mapping[seq] == (dim,) and not steps[0].dst.partial
             )  # fmt: skip
     return False
-
-
-def _grad_read(state: CompileState, grad_op: int | None, dim: int) -> int | None:
-    """:func:`_gather_read` of the K (or V) a matmul_grad reads (its operand 1)."""
-    return None if grad_op is None else _gather_read(state, grad_op, 1, state.graph.ops[grad_op].inputs[1], dim)
-
-
-def _gather_read(state: CompileState, op: int, slot: int, key: ValueKey, dim: int) -> int | None:
-    """The planned reshard that makes ``key`` whole over ``dim`` for ``op``'s read and does only that
-    (one step: its sequence split over ``dim`` gathered), or None."""
-    for planned in state.reshards:
-        need = planned.need
-        if need.op == op and need.site.slot == slot and need.site.kind is SiteKind.BEFORE_READ and need.value == key:
-            steps = planned.plan.steps
-            if len(steps) == 1 and tuple(steps[0].mesh_dims) == (dim,) and dim in steps[0].src.sharded_mesh_dims():
-                return planned.index
-    return None
 
 
 class RankRing:
@@ -246,7 +247,7 @@ class RankRing:
         rp, core = self.rp, self.core
         second = rp.ops[core.second]
         self.q = rp.ops[core.first].operand_source(0)
-        k, v = self._local(core.first, core.k, self.ring.k_read), self._local(core.second, core.v, self.ring.v_read)
+        k, v = self._block(core.first, 1), self._block(core.second, 1)
         self.widths = (k.shape[-1], v.shape[-1])
         paddle.pir.set_insertion_point(second)
         self.drops = self._dropout_rows()
@@ -267,26 +268,24 @@ class RankRing:
         the core (its output replaced): its output and log-sum-exp, for the backward ring."""
         import paddle
 
-        graph, rp = self.state.graph, self.rp
-        first, second, k_read, v_read = self.ring.recomputed
-        q = rp.ops[first].operand_source(0)
-        k = self._local(first, graph.ops[first].inputs[1], k_read)
-        v = self._local(second, graph.ops[second].inputs[1], v_read)
+        rp = self.rp
+        first, second = self.ring.recomputed
+        q, k, v = rp.ops[first].operand_source(0), self._block(first, 1), self._block(second, 1)
         paddle.pir.set_insertion_point(rp.ops[second])
-        out, lse = self._forward(q, paddle.concat([k, v], axis=-1))
+        out, lse = self._forward(q, paddle.concat([k, v], axis=-1), 3)
         replace_uses(rp.ops[second].result(0), out)
         return out, lse
 
-    def _local(self, op: int, key: ValueKey, gathered: int | None) -> Any:
-        """This rank's block of K (or V) as ``op`` reads it: the value the planned gather read, or
-        a slice of the whole one the op reads."""
-        import paddle
-
-        if gathered is not None:
-            return self.rp.current(key)
-        whole = self.rp.ops[op].operand_source(1)
-        lo, hi = shard_bounds(self.ring.keys, self.parts, self.position)
-        return paddle._C_ops.slice(whole, [len(whole.shape) - 2], [lo], [hi], [1], [])
+    def _block(self, op: int, slot: int) -> Any:
+        """This rank's block of what ``op`` reads at ``slot`` (q, K or V), its sequence split over
+        the ring's dim, the other dims as ``op`` reads them: cut from the value as its producer
+        placed it (K and V are then never gathered; the reshards ``op``'s read planned die)."""
+        key = self.state.graph.ops[op].inputs[slot]
+        read = self.state.propagation.op_results[op].inputs[slot]
+        seq = read.ndim - 2
+        want = DistAttr.of(read.mesh, tuple((self.ring.mesh_dim,) if t == seq else d for t, d in enumerate(read.mapping)))
+        shape = self.state.graph.values[key].shape
+        return self._rebox(self.rp.current(key), self.state.propagation.dist(key), want, shape, f"input {slot} of {self.state.graph.ops[op]}", len(shape))
 
     def _columns(self, x: Any, j: int, what: str) -> Any:
         """Block ``j`` of ``x``'s last (key) dim; ``x`` as it is when it broadcasts over it."""
@@ -322,12 +321,11 @@ class RankRing:
             if node.name in TRIANGLES:  # the block's diagonal: counted from its corner at (first row, column j * n)
                 diagonal = int(node.attrs.get("diagonal", 0)) + self.first_row - j * self.block
                 clone.set_int_attr("diagonal", diagonal)
+            # (every middle op is elementwise: its block's shape is its operands' broadcast)
+            shape = list(np.broadcast_shapes(*(tuple(clone.operand_source(i).shape) for i in range(clone.num_operands()))))
             for r, key in enumerate(node.outputs):
                 if key is None:
                     continue
-                shape = list(op.result(r).shape)
-                if shape and shape[-1] == self.ring.keys:
-                    shape[-1] = self.block
                 result = clone.result(r)
                 result.set_type(paddle.pir.create_shaped_type(op.result(r).type(), shape))
                 made[key] = result
@@ -387,7 +385,7 @@ class RankRing:
         key = CollectiveKey("ring", self.core.first, self.count)
         self.count += 1
         step = self.ring.shifts[which]
-        return emit_step(self.state, self.rp, step, x, self.ring.values[which], self.ring.reason, key)
+        return emit_step(self.state, self.rp, step, x, self.ring.values[which % 3], self.ring.reason, key)
 
     def _split(self, x: Any, widths: tuple[int, ...]) -> list[Any]:
         import paddle
@@ -399,8 +397,9 @@ class RankRing:
         return out
 
     # ---- forward -------------------------------------------------------------------------
-    def _forward(self, q: Any, kv: Any) -> tuple[Any, Any]:
-        """The ring's forward from this rank's q and ``[k | v]`` blocks: the output and log-sum-exp."""
+    def _forward(self, q: Any, kv: Any, shift: int = 0) -> tuple[Any, Any]:
+        """The ring's forward from this rank's q and ``[k | v]`` blocks: the output and log-sum-exp
+        (``shift``: which planned ring shift moves the blocks)."""
         import paddle
 
         C = paddle._C_ops
@@ -421,7 +420,7 @@ class RankRing:
             acc = C.add(C.multiply(acc, alpha), C.matmul(p, v, False, False))
             m = new_m
             if s < self.parts - 1:
-                kv = self._shift(kv, 0)
+                kv = self._shift(kv, shift)
         return C.divide(acc, total), C.add(m, C.log(total))
 
     # ---- backward ------------------------------------------------------------------------
@@ -432,9 +431,17 @@ class RankRing:
         first, second = graph.ops[self.ring.first_grad], graph.ops[self.ring.second_grad]
         grad_out = rp.ops[second.index].operand_source(2)
         # q, K, V as the grads read them: the forward's, or under recompute their recomputed copies
-        q = rp.ops[first.index].operand_source(0)
-        k, v = self._local(first.index, first.inputs[1], self.ring.k_grad_read), self._local(second.index, second.inputs[1], self.ring.v_grad_read)
+        q, k, v = self._block(first.index, 0), self._block(first.index, 1), self._block(second.index, 1)
         paddle.pir.set_insertion_point(rp.ops[min(self.core.backward)])  # its outputs have readers among the chain's grads
+        # the backward may split batch / heads further than the forward (heads over mp): cut what it keeps to match
+        results, want = self.state.propagation.op_results, self.state.propagation.op_results[second.index].inputs[2]
+        made = results[self.ring.recomputed[1] if self.ring.recomputed is not None else self.core.second].outputs[0]
+        shape = graph.values[self.core.output].shape
+        out, lse = (self._rebox(x, made, want, shape, what) for x, what in ((out, "output"), (lse, "log-sum-exp")))
+        drops = self.drops
+        if drops is not None:
+            drop_shape = graph.values[graph.ops[self.core.dropout].inputs[0]].shape
+            drops = self._rebox(drops, results[self.core.dropout].inputs[0], want, drop_shape, "dropout mask")
         drow = C.sum(C.multiply(grad_out, out), [-1], None, True)
         dq = C.full(list(q.shape), 0.0, q.dtype, paddle.CPUPlace())
         zeros = C.full([*k.shape[:-1], sum(self.widths)], 0.0, q.dtype, paddle.CPUPlace())
@@ -447,9 +454,9 @@ class RankRing:
             p = C.exp(C.subtract(scores, lse))
             dp = C.matmul(grad_out, v, False, True)
             kept = p
-            if self.drops is not None:
-                drops = self._columns(self.drops, j, "the dropout")
-                kept, dp = C.multiply(p, drops), C.multiply(dp, drops)
+            if drops is not None:
+                block = self._columns(drops, j, "the dropout")
+                kept, dp = C.multiply(p, block), C.multiply(dp, block)
             ds = self._through_middle(C.multiply(p, C.subtract(dp, drow)), made, j)
             dq = C.add(dq, C.matmul(ds, k, False, False))
             dk = C.add(dk, C.matmul(ds, q, True, False))
@@ -473,6 +480,27 @@ class RankRing:
             self.handed.add(key)
             return block
         return self._pending(block)
+
+    def _rebox(self, x: Any, have: DistAttr, want: DistAttr, shape: tuple[int, ...], what: str, dims: int = -2) -> Any:
+        """``x`` (this rank's piece of a value of global ``shape`` placed as ``have``) cut to its
+        piece as ``want`` on its first ``dims`` dims (default: the leading batch / head dims, the
+        last two being the ring's); refused where ``want`` is no sub-piece of ``have``."""
+        import paddle
+
+        if have.partial:
+            raise AutoparError(f"ring attention: {what} of {self.core} is a pending sum {have}")
+        held, wanted = have.local_slices(shape, self.rp.rank), want.local_slices(shape, self.rp.rank)
+        axes, starts, ends = [], [], []
+        for t in range(len(shape))[:dims]:
+            h, w = held[t], wanted[t]
+            if (h.start, h.stop) == (w.start, w.stop):
+                continue
+            if not h.start <= w.start <= w.stop <= h.stop:
+                raise AutoparError(f"ring attention: the backward of {self.core} reads its {what} as {want}, the forward makes it {have}")
+            axes.append(t)
+            starts.append(w.start - h.start)
+            ends.append(w.stop - h.start)
+        return paddle._C_ops.slice(x, axes, starts, ends, [1] * len(axes), []) if axes else x
 
     def _through_middle(self, ds: Any, made: dict[ValueKey, Any], j: int) -> Any:
         """The softmax input's gradient taken back through the middle to the scores: its scalar,
