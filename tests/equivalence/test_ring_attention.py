@@ -12,7 +12,7 @@ import pytest
 import autopar
 from autopar.testing.serial import assert_simulation_equals_serial
 from autopar.testing.zoo import gpt2, llama
-from autopar.testing.zoo.placements import annotate
+from autopar.testing.zoo.placements import annotate, column, row
 
 M = autopar.ProcessMesh
 RING = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="sep", method="ring"))
@@ -90,6 +90,33 @@ def test_a_sequence_not_divisible_by_the_ring_is_refused_by_name():
             annotate(value, mesh, sep=1)
     with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) has a sequence of 8 keys"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_ring_attention_with_tensor_parallel_heads_equals_serial(model):
+    """mp2 x sep2, Megatron's column / row split of the projections: the forward reads whole or
+    split heads as the model's q/k/v layout allows (GPT-2's fused c_attn: whole), the backward may
+    split them further; each ring moves blocks as its matmuls read them."""
+    mesh = M([[0, 1], [2, 3]], ["mp", "sep"])
+    seed, feeds = _build(model, mesh)
+    model_layers = seed.layers["model"]
+    with paddle.static.program_guard(seed.main, seed.startup):
+        if model == "llama":
+            for layer in model_layers.layers:
+                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
+                    column(linear, mesh)
+                row(layer.attention.wo, mesh)
+                row(layer.feed_forward.w2, mesh)
+        else:
+            for block in model_layers.h:
+                column(block.attn.c_attn, mesh)
+                row(block.attn.c_proj, mesh)
+                column(block.mlp.c_fc, mesh)
+                row(block.mlp.c_proj, mesh)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
+    assert [c.kind for c in dist.comm_ops(0)].count("permute") == 3 * LAYERS
+    assert not [c for c in dist.comm_ops(0) if c.kind == "all_gather" and "for matmul" in c.reason]
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
