@@ -25,17 +25,23 @@ core. The backward recomputes each block's probabilities from ``lse``::
 
 with ``[k_j | v_j | dk_j | dv_j]`` moving on after each step but the last, and ``[dk | dv]`` once
 more after it (c permutes): each rank ends with the whole gradient of its own K and V block.
-The all_gather plan's dK / dV were pending sums over the dim (each rank's contribution to every
-block); the ring's are complete for one block, handed on as that block among zeros (a valid
-pending sum), and a reduce_scatter the planner put after them whose pieces are exactly those
-blocks becomes the local slice it is (:func:`_sliced_sums`). The gathers of K and V the core
-read are erased with the ops no one reads any more.
+The rewrite :mod:`autopar.rewrites.ring_gradients` placed dK and dV split by sequence, so the
+planner reduce_scatters their pending sums right after the grad ops: the ring's blocks are what
+those reduce_scatters make, and take their place (:meth:`RankRing._gradient`); where the planner
+reduces them elsewhere, each block is handed on among zeros (a valid pending sum). Each rank's
+q / K / V block is cut from the value as its producer placed it (:meth:`RankRing._block`), so
+the gathers of K and V the plan had die and are erased with every op no one reads any more.
 
-Dropout: each rank draws the serial mask over the global shape with the op's seed (as
-:mod:`.dropout_slicing` does) and keeps its rows. Refused by name: a core whose q is not split by
-sequence over the dim, whose K / V are, a sequence not divisible by the dim's size, a middle that
-is not affine in the scores (:func:`autopar.attention_cores.affine_middle`), pipelines,
-micro-batching and recompute (not built yet).
+Each ring moves blocks split on the other dims as its matmuls read them: the backward may split
+heads further than the forward (then the forward's output, log-sum-exp and dropout rows are cut
+to match). Recompute re-runs the core in the backward: the ring runs again there, and the
+backward ring reads the recomputed output and log-sum-exp. Pipelines: each stage rings its own
+cores, per micro-batch. Dropout: each rank draws the serial mask over the global shape with the
+op's seed (under micro-batching the whole step's, then the micro-batch's block), as
+:mod:`.dropout_slicing` does, and keeps its rows. Refused by name: a core whose q is not split by
+sequence over the dim, whose K / V are split over it, a sequence not divisible by the dim's
+size, a middle that is not affine in the scores (:func:`autopar.attention_cores.affine_middle`),
+a backward splitting batch / heads differently from one of its values to the next.
 """
 
 from __future__ import annotations
