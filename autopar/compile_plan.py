@@ -46,6 +46,7 @@ from autopar.rewrites import (
     StageNorms,
     StageOverflowChecks,
 )  # fmt: skip
+from autopar.rewrites.ring_gradients import RingGradients
 from autopar.strategy import ContextParallel, EffectiveStrategy, PipelineConfig, Strategy
 
 if TYPE_CHECKING:
@@ -131,6 +132,9 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
         found.append(ContextParallelSplit(context.dim, context.method, context.balance))
     if strategy.sequence_parallel:
         found.append(SequenceParallel(strategy.sequence_parallel))
+    cp = strategy.context_parallel
+    if cp is not None and cp.method == "ring":  # (after the context-parallel split of the sequence)
+        found.append(RingGradients(cp.dim))
     return tuple(found)
 
 
@@ -147,7 +151,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
             passes.append(ZeroBucketFusion(strategy.bucket_bytes))
     cp = strategy.context_parallel
     if cp is not None and cp.method == "ring":  # before op_lowering: the ring draws the core's dropout itself
-        passes.append(RingAttention(cp.dim, pipelined=pipelined))
+        passes.append(RingAttention(cp.dim))
     passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
