@@ -56,8 +56,6 @@ AnalysedField = int | bool | str | tuple[str, ...] | ContextParallel | None  # t
 ANALYSED = (
     "micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm", "context_parallel",
 )  # fmt: skip
-# ContextParallel choices whose lowering has not landed: (field, value) -> what is missing (one line each)
-CONTEXT_PARALLEL_NOT_LANDED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -183,7 +181,8 @@ def checked_strategy(strategy: Any) -> Strategy:
 
 
 def _check_context_parallel(context: ContextParallel | None, mesh: ProcessMesh) -> None:
-    """Refuse, by name, a context-parallel dim the mesh lacks and a choice not built yet."""
+    """Refuse, by name, a context-parallel dim the mesh lacks (what a method or balance cannot
+    do is refused where it is done: autopar/rewrites/context_parallel.py, zigzag.py, the ring)."""
     if context is None:
         return
     if context.dim not in mesh.dim_names:
@@ -191,9 +190,6 @@ def _check_context_parallel(context: ContextParallel | None, mesh: ProcessMesh) 
             f"Strategy.context_parallel: ContextParallel(dim={context.dim!r}) names no dim of the mesh "
             f"(its dims: {list(mesh.dim_names)}); add a mesh dim of that name for the sequence split"
         )
-    for (name, value), missing in CONTEXT_PARALLEL_NOT_LANDED.items():
-        if getattr(context, name) == value:
-            raise AutoparError(f"Strategy.context_parallel: ContextParallel({name}={value!r}): {missing}; refused rather than ignored")
 
 
 def _has_stages(program: Program, mesh: ProcessMesh) -> bool:
