@@ -45,6 +45,7 @@ from autopar.rewrites import (
     ShapeReads,
     StageNorms,
     StageOverflowChecks,
+    ZigzagOrder,
 )  # fmt: skip
 from autopar.rewrites.ring_gradients import RingGradients
 from autopar.strategy import ContextParallel, EffectiveStrategy, PipelineConfig, Strategy
@@ -116,6 +117,9 @@ def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The serial rewrites ``strategy`` declares, in the order they run (autopar/rewrites)."""
     found: list[Rewrite] = [DeadOpRemoval(), ShapeReads(), LossScalingResults()]
+    context = strategy.context_parallel
+    if context is not None and context.balance == "zigzag":  # first: stages and micro-batches see the reordered program
+        found.append(ZigzagOrder(context.dim))
     pipeline = strategy.pipeline
     if pipeline is not None:
         found += [PipelineStages(pipeline.stages), StageNorms(), StageOverflowChecks()]
@@ -125,7 +129,6 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
         found += [MaskedMeans(), MicroBatch(pipeline.micro_batches)]
     if strategy.recompute:  # after micro-batching: strategies differing in recompute share it (its clones are copies)
         found.append(Recompute(strategy.recompute))
-    context = strategy.context_parallel
     if context is not None:  # before sequence parallelism: its first propagation sees the sequence split
         found.append(ContextParallelSplit(context.dim, context.method, context.balance))
     if strategy.sequence_parallel:

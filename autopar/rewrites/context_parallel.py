@@ -100,7 +100,6 @@ class ContextSplit:
     length: int
     carriers: tuple[Carrier, ...]
     heads: tuple[HeadSplit, ...] = ()
-    reordered: str = ""  # balance="zigzag": what was reordered (autopar.rewrites.zigzag)
 
     def __str__(self) -> str:
         split = [c for c in self.carriers if c.split]
@@ -112,8 +111,6 @@ class ContextSplit:
         if self.heads:
             cores = len({h.core for h in self.heads})
             text += f"; q, k, v, probabilities and output of {cores} attention core(s) split on heads ({len(self.heads)} values)"
-        if self.reordered:
-            text += f"; {self.reordered}"
         return text
 
 

@@ -1,6 +1,6 @@
 """Zig-zag balance for context parallelism: the sequence reordered so that a contiguous split
-gives rank i chunks i and 2cp-1-i (stage: rewrites, inside the context-parallel rewrite,
-before its annotations).
+gives rank i chunks i and 2cp-1-i (stage: rewrites, the first one, so that pipeline stages
+and micro-batches see the reordered program as the user's).
 
 With a causal mask, row r of the attention reads keys 0..r: split the sequence in cp
 contiguous pieces and the last rank does most of the work. Cut it in 2cp chunks and hand rank
@@ -21,7 +21,7 @@ is the serial one. A value built in the graph from constants alone with a dim of
 sequence length that is neither of those (nor made from one) cannot be made to follow: it is
 refused by name, and so is a random draw (dropout: its mask would be drawn in the zig-zag
 order, not serial's). What is not done: a fetched per-token value (logits) comes back in the
-zig-zag order, and pipelines / micro-batching are refused by name.
+zig-zag order.
 """
 
 from __future__ import annotations
@@ -91,7 +91,10 @@ def zigzag(
     with paddle.static.program_guard(work):
         for key, dims in targets.items():
             result = raw[key[0]].result(key[1])
-            paddle.pir.set_insertion_point_after(raw[key[0]])
+            if graph.values[key].kind == "feed":  # before its first reader: a pipeline's labels are read on the last stage
+                paddle.pir.set_insertion_point(raw[min(graph.values[key].users)])
+            else:
+                paddle.pir.set_insertion_point_after(raw[key[0]])
             value, ops = result, []
             for axis in dims:
                 size = graph.values[key].shape[axis]
@@ -110,6 +113,21 @@ def zigzag(
     labels = tuple(f"{graph.values[k].label} (dims {list(d)})" if graph.values[k].kind == "feed" else f"{graph.ops[k[0]]} (dims {list(d)})"
                    for k, d in targets.items())  # fmt: skip
     return Zigzag(work, positions, {where[op.id()]: m for op, m in inserted.items()}, stand_ins, labels)
+
+
+def reordered_feeds(graph: ProgramGraph, length: int) -> dict[ValueKey, ValueKey]:
+    """Each feed carrying the sequence that is read through its zig-zag copy (the one
+    ``index_select`` along dim 1 :func:`zigzag` put after it) -> that copy."""
+    found = {}
+    for key, value in graph.values.items():
+        if value.kind != "feed" or len(value.shape) < 2 or value.shape[1] != length:
+            continue
+        readers = sorted({u for u in value.users if graph.ops[u].role is Role.FORWARD})
+        if len(readers) == 1:
+            reader = graph.ops[readers[0]]
+            if reader.short_name == "index_select" and reader.attrs.get("axis") == 1 and reader.inputs[0] == key:
+                found[key] = reader.outputs[0]
+    return found
 
 
 def _targets(graph: ProgramGraph, length: int, feeds: Sequence[ValueKey]) -> dict[ValueKey, tuple[int, ...]]:
