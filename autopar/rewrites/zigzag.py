@@ -53,14 +53,13 @@ def zigzag_order(length: int, cp: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Zigzag:
-    """The rewritten program: ``positions`` (old op index -> new), ``meshes`` (each inserted op
-    -> its producer's sub-mesh, where placed), ``stand_ins`` (old key of a reordered value ->
-    the new key of its reordered copy, which every reader now reads) and what was reordered."""
+    """The rewritten program (every reader of a reordered value reads its reordered copy):
+    ``positions`` (old op index -> new), ``meshes`` (each inserted op -> the sub-mesh of the op
+    it serves, where one is placed) and what was reordered."""
 
     program: Program
     positions: tuple[int, ...]
     meshes: Mapping[int, ProcessMesh]
-    stand_ins: Mapping[ValueKey, ValueKey]
     labels: tuple[str, ...]
 
     def __str__(self) -> str:
@@ -86,13 +85,13 @@ def zigzag(
     order = zigzag_order(length, cp)
     work = program.clone()
     raw = list(work.global_block().ops)
-    made: dict[ValueKey, Any] = {}
     inserted: dict[Any, ProcessMesh] = {}
     with paddle.static.program_guard(work):
         for key, dims in targets.items():
             result = raw[key[0]].result(key[1])
-            if graph.values[key].kind == "feed":  # before its first reader: a pipeline's labels are read on the last stage
-                paddle.pir.set_insertion_point(raw[min(graph.values[key].users)])
+            served = min(graph.values[key].users) if graph.values[key].kind == "feed" else key[0]
+            if served != key[0]:  # a feed: before its first reader (a pipeline's labels are read on the last stage)
+                paddle.pir.set_insertion_point(raw[served])
             else:
                 paddle.pir.set_insertion_point_after(raw[key[0]])
             value, ops = result, []
@@ -103,16 +102,14 @@ def zigzag(
                 ops += [index.get_defining_op(), value.get_defining_op()]
             result.replace_all_uses_with(value)
             ops[1].operand(0).set_source(result)  # (the first select reads the value itself)
-            made[key] = value
-            if key[0] in op_meshes:
-                inserted.update(dict.fromkeys(ops, op_meshes[key[0]]))
+            if served in op_meshes:
+                inserted.update(dict.fromkeys(ops, op_meshes[served]))
         paddle.pir.reset_insertion_point_to_end()
     where = {op.id(): position for position, op in enumerate(work.global_block().ops)}
     positions = tuple(where[op.id()] for op in raw)
-    stand_ins = {key: (where[value.get_defining_op().id()], 0) for key, value in made.items()}
     labels = tuple(f"{graph.values[k].label} (dims {list(d)})" if graph.values[k].kind == "feed" else f"{graph.ops[k[0]]} (dims {list(d)})"
                    for k, d in targets.items())  # fmt: skip
-    return Zigzag(work, positions, {where[op.id()]: m for op, m in inserted.items()}, stand_ins, labels)
+    return Zigzag(work, positions, {where[op.id()]: m for op, m in inserted.items()}, labels)
 
 
 def reordered_feeds(graph: ProgramGraph, length: int) -> dict[ValueKey, ValueKey]:
