@@ -79,6 +79,7 @@ def zigzag(
             f"ContextParallel(balance='zigzag') over {dim!r} ({cp} ranks) cuts the sequence in {2 * cp} chunks: "
             f"its length {length} is not divisible by {2 * cp}"
         )
+    _refuse_other_sequence_dims(graph, length, dim)
     targets = _targets(graph, length, feeds)
     _refuse_unfollowed(graph, length, targets, dim)
     _refuse_random(graph, dim)
@@ -163,6 +164,18 @@ def _refuse_unfollowed(graph: ProgramGraph, length: int, targets: Mapping[ValueK
                     "the zig-zag order cannot follow (it follows position aranges of the sequence length and causal "
                     "masks from triu / tril); use balance=None"
                 )
+
+
+def _refuse_other_sequence_dims(graph: ProgramGraph, length: int, dim: str) -> None:
+    """A feed with a dim of the sequence length other than dim 1 (an attention mask fed
+    ``[batch, 1, seq, seq]``): which of its dims to reorder is not known."""
+    for value in graph.values.values():
+        if value.kind == "feed" and value.users and length in value.shape[2:]:
+            raise AutoparError(
+                f"ContextParallel(balance='zigzag') over {dim!r}: feed {value.label!r} {list(value.shape)} has a dim of the "
+                f"sequence length {length} besides dim 1; the zig-zag order reorders dim 1 of the feeds only (an attention "
+                "mask or position table fed whole is not followed); use balance=None"
+            )
 
 
 def _refuse_random(graph: ProgramGraph, dim: str) -> None:

@@ -109,6 +109,21 @@ def table_program(seq=8):
     return main, startup
 
 
+def masked_attention_program(seq=8):
+    """Attention over a sequence feed with its mask fed ``[batch, 1, seq, seq]`` (Hugging Face's way)."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, seq, 16], "float32")
+        mask = paddle.static.data("mask", [4, 1, seq, seq], "float32")
+        q = paddle.nn.Linear(16, 16)(x).unsqueeze(1)
+        scores = paddle.matmul(q, q, transpose_y=True) + mask
+        paddle.optimizer.SGD(0.1).minimize(paddle.matmul(paddle.nn.functional.softmax(scores), q).mean())
+    return main, startup
+
+
 @pytest.mark.parametrize(
     ("case", "match"),
     [
@@ -116,12 +131,15 @@ def table_program(seq=8):
         ("table", r"balance='zigzag'\) over 'sep': %\d+\.0 \[1, 8, 1\], made by pd_op\.reshape#\d+ from constants and read by "
                   r"pd_op\.add#\d+, has a dim of the sequence length 8 that the zig-zag order cannot follow"),
         ("length", r"balance='zigzag'\) over 'sep' \(2 ranks\) cuts the sequence in 4 chunks: its length 6 is not divisible by 4"),
+        ("mask feed", r"balance='zigzag'\) over 'sep': feed 'mask' \[4, 1, 8, 8\] has a dim of the sequence length 8 besides dim 1"),
     ],
 )  # fmt: skip
 def test_what_zigzag_cannot_follow_is_refused_by_name(case, match):
     if case == "dropout":
         mesh, seed = SEP2, gpt2.build(gpt2.Config(dropout=0.1), batch=4, seq=8, mesh=SEP2)
         main, startup, strategy = seed.main, seed.startup, zigzag()
+    elif case == "mask feed":
+        mesh, (main, startup), strategy = SEP2, masked_attention_program(), zigzag()
     else:
         mesh, (main, startup), strategy = SEP2, table_program() if case == "table" else tagged_program(seq=6), zigzag()
     with pytest.raises(AutoparError, match=match):
