@@ -174,6 +174,12 @@ def head_splits(graph: ProgramGraph, first: PropagationResult, cores: Sequence[A
     found: dict[ValueKey, HeadSplit] = {}
     for core in cores:
         name = str(graph.ops[core.first])
+        if len(graph.values[core.q].shape) != 4:
+            raise AutoparError(
+                f"ContextParallel(method='all_to_all') over {dim!r}: attention core {name} reads q "
+                f"{graph.values[core.q].label!r} {list(graph.values[core.q].shape)}; Ulysses splits the heads of "
+                "[batch, heads, seq, head_dim] operands only; use method='all_gather'"
+            )
         roles = {"q": core.q, "k": core.k, "v": core.v, "probabilities": core.probabilities, "output": core.output}
         for role, key in roles.items():
             value, dist = graph.values[key], first.dist(key)

@@ -166,6 +166,21 @@ def test_ulysses_without_an_attention_core_is_refused_by_name():
         autopar.compile(main, SEP2, startup_program=startup, strategy=cp("all_to_all"))
 
 
+def test_ulysses_on_an_attention_without_a_heads_dim_is_refused_by_name():
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 8, 16], "float32")
+        q = paddle.nn.Linear(16, 16)(x)  # [batch, seq, hidden]: one head, no heads dim
+        probabilities = paddle.nn.functional.softmax(paddle.matmul(q, q, transpose_y=True))
+        paddle.optimizer.SGD(0.1).minimize(paddle.matmul(probabilities, q).mean())
+    with pytest.raises(AutoparError, match=r"attention core pd_op\.matmul#\d+ reads q '%\d+\.0' \[4, 8, 16\]; Ulysses splits the heads "
+                       r"of \[batch, heads, seq, head_dim\] operands only"):  # fmt: skip
+        autopar.compile(main, SEP2, startup_program=startup, strategy=cp("all_to_all"))
+
+
 def test_a_program_without_a_sequence_feed_is_refused_by_name():
     import paddle
 
