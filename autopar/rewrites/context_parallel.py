@@ -9,8 +9,9 @@ here: the split is stated as annotations and propagation and the reshard planner
 position feeds (``[batch, seq]``, ``[batch, seq, hidden]``). The sequence length is the
 longest dim 1 among the feeds of two dims or more; every such feed whose dim 1 is that length
 is split there over ``dim`` (after the mesh dims the feed's annotation already splits dim 1
-with); a feed whose dim 1 is shorter (a ``[batch, 1]`` label) is kept as annotated and named
-in the report. A feed the user annotated gets ``dim`` added when the annotation leaves ``dim``
+with); a feed whose dim 1 is shorter (a ``[batch, 1]`` label), or with another dim of that
+length too (a ``[seq, seq]`` bias: which dim is the queries' is not known), is kept as
+annotated and named in the report. A feed the user annotated gets ``dim`` added when the annotation leaves ``dim``
 unused (``[Shard(0), Replicate()]`` on ``[dp, sep]`` becomes dp on the batch, sep on the
 sequence); one that already uses ``dim`` is kept as the user wrote it. A sequence length the
 dim's size does not divide is refused by name (feed, length, mesh dim). Values built in the
@@ -142,6 +143,10 @@ def sequence_carriers(
         carrier = functools.partial(Carrier, value.key, value.label, value.shape, what)
         if value.shape[SEQ_DIM] != length:
             found.append(carrier(False, f"dim 1 is {value.shape[SEQ_DIM]}, not the sequence"))
+            continue
+        others = [d for d, size in enumerate(value.shape) if size == length and d != SEQ_DIM]
+        if others:  # a [seq, seq] mask or bias: which dim is the queries' is not known (propagation slices it)
+            found.append(carrier(False, f"dim {others[0]} is {length} long too: which dim is the sequence is not known"))
             continue
         base = user.get(value.key)
         if base is not None and _uses(base, dim) and value.key not in stand_ins:

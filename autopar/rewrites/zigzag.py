@@ -168,9 +168,9 @@ def _refuse_unfollowed(graph: ProgramGraph, length: int, targets: Mapping[ValueK
 
 def _refuse_other_sequence_dims(graph: ProgramGraph, length: int, dim: str) -> None:
     """A feed with a dim of the sequence length other than dim 1 (an attention mask fed
-    ``[batch, 1, seq, seq]``): which of its dims to reorder is not known."""
+    ``[batch, 1, seq, seq]`` or ``[seq, seq]``): which of its dims to reorder is not known."""
     for value in graph.values.values():
-        if value.kind == "feed" and value.users and length in value.shape[2:]:
+        if value.kind == "feed" and value.users and length in (value.shape[:1] + value.shape[2:]):
             raise AutoparError(
                 f"ContextParallel(balance='zigzag') over {dim!r}: feed {value.label!r} {list(value.shape)} has a dim of the "
                 f"sequence length {length} besides dim 1; the zig-zag order reorders dim 1 of the feeds only (an attention "

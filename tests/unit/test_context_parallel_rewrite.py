@@ -49,6 +49,16 @@ def test_the_feeds_carrying_the_sequence_are_split_and_named():
     assert f"context parallel: {report}" in explain_text(dist)
 
 
+def test_a_feed_with_two_dims_of_the_sequence_length_is_kept():
+    """A [seq, seq] bias: which of its dims is the queries' is not known; propagation places it
+    (its rows split, as the queries' scores it is added to)."""
+    main, startup = masked_attention_program(mask_shape=[8, 8])
+    dist = autopar.compile(main, SEP2, startup_program=startup, strategy=cp())
+    assert str(dist.decisions.placement("mask")) == "[S(0)]"
+    assert dist.decisions.value("mask").decided_by not in ("strategy", "user annotation")
+    assert "mask kept (dim 0 is 8 long too: which dim is the sequence is not known)" in dict(dist.decisions.rewrites())["context_parallel"]
+
+
 def test_a_feed_the_user_split_over_the_dim_is_kept_as_written():
     main, startup = tagged_program(annotate=lambda x: autopar.shard_tensor(x, SEP2, [autopar.Shard(2)]))
     dist = autopar.compile(main, SEP2, startup_program=startup, strategy=cp())
@@ -109,7 +119,7 @@ def table_program(seq=8):
     return main, startup
 
 
-def masked_attention_program(seq=8):
+def masked_attention_program(seq=8, mask_shape=None):
     """Attention over a sequence feed with its mask fed ``[batch, 1, seq, seq]`` (Hugging Face's way)."""
     import paddle
 
@@ -117,7 +127,7 @@ def masked_attention_program(seq=8):
     main, startup = paddle.static.Program(), paddle.static.Program()
     with paddle.static.program_guard(main, startup):
         x = paddle.static.data("x", [4, seq, 16], "float32")
-        mask = paddle.static.data("mask", [4, 1, seq, seq], "float32")
+        mask = paddle.static.data("mask", mask_shape or [4, 1, seq, seq], "float32")
         q = paddle.nn.Linear(16, 16)(x).unsqueeze(1)
         scores = paddle.matmul(q, q, transpose_y=True) + mask
         paddle.optimizer.SGD(0.1).minimize(paddle.matmul(paddle.nn.functional.softmax(scores), q).mean())
