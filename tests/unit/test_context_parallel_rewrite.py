@@ -1,7 +1,8 @@
-"""The context-parallel rewrite (autopar/rewrites/context_parallel.py): which feeds it splits
-and how it composes their placement with the user's, what it reports (``autopar explain``,
-``dist.decisions.rewrites()``), and what is refused by name — a dim the mesh lacks, a method
-or balance not built yet, a sequence the dim does not divide, heads Ulysses cannot split."""
+"""The context-parallel rewrites (autopar/rewrites/context_parallel.py, zigzag.py): which feeds
+the split takes and how it composes their placement with the user's, what it reports
+(``autopar explain``, ``dist.decisions.rewrites()``), the zig-zag order, and what is refused
+by name — a dim the mesh lacks, a sequence the dim does not divide, heads or cores Ulysses
+cannot split, what the zig-zag order cannot follow."""
 
 import re
 
