@@ -121,7 +121,6 @@ class ContextParallel:
 
 
 # fields whose passes have not landed yet: value that means "off" -> the issue that builds it
-# (what one field's value asks that has not landed is refused where the field is read: compile_plan.py)
 NOT_YET: dict[str, tuple[Any, str]] = {}
 
 
