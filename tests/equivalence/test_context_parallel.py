@@ -44,10 +44,11 @@ def sep_of(placement, tensor_dim):
     return placement.mesh.dim_names.index("sep") in placement.mapping[tensor_dim]
 
 
-def assert_split(model, dist, method):
-    """The token and label feeds split on the sequence over sep; each core's q split on the
-    sequence (all_gather; ring, which lowers the core over that split) or on heads (all_to_all)."""
-    for name in MODELS[model][3]:
+def assert_split(model, dist, method, feeds=True):
+    """The token and label feeds split on the sequence over sep (``feeds``: not their zig-zag
+    copies); each core's q split on the sequence (all_gather; ring, which lowers the core over
+    that split) or on heads (all_to_all)."""
+    for name in MODELS[model][3] if feeds else ():
         assert sep_of(dist.decisions.placement(name), 1), name
     cores = score_matmuls(dist)
     assert len(cores) == 2
@@ -108,6 +109,7 @@ def test_the_zigzag_split_equals_serial(name):
     strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method, "zigzag"), **fields)
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
     assert dict(dist.decisions.rewrites())["zigzag_order"].startswith("zig-zag order (rank i: chunks i and 2cp-1-i) on ")
+    assert_split(model, dist, method, feeds=False)
     feeds = feeds_of(config, BATCH, SEQ, 3) if feeds_of is not None else None
     assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
 
