@@ -27,10 +27,12 @@ from autopar.passes.partition import Partition
 from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
+from autopar.passes.ring_attention import RingAttention
 from autopar.passes.site_fusion import SiteFusion
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import (
+    ContextParallelSplit,
     DeadOpRemoval,
     LocalBatchNorm,
     LossScalingResults,
@@ -43,14 +45,18 @@ from autopar.rewrites import (
     ShapeReads,
     StageNorms,
     StageOverflowChecks,
+    ZigzagOrder,
 )  # fmt: skip
-from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
+from autopar.rewrites.ring_gradients import RingGradients
+from autopar.strategy import ContextParallel, EffectiveStrategy, PipelineConfig, Strategy
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-AnalysedField = int | bool | str | tuple[str, ...] | None  # the value of one of ANALYSED
-ANALYSED = ("micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm")
+AnalysedField = int | bool | str | tuple[str, ...] | ContextParallel | None  # the value of one of ANALYSED
+ANALYSED = (
+    "micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm", "context_parallel",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,12 +110,16 @@ def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
         "recompute": strategy.recompute,
         "cluster": strategy.cluster,
         "local_batch_norm": strategy.local_batch_norm,
+        "context_parallel": strategy.context_parallel,
     }
 
 
 def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
     """The serial rewrites ``strategy`` declares, in the order they run (autopar/rewrites)."""
     found: list[Rewrite] = [DeadOpRemoval(), ShapeReads(), LossScalingResults()]
+    context = strategy.context_parallel
+    if context is not None and context.balance == "zigzag":  # first: stages and micro-batches see the reordered program
+        found.append(ZigzagOrder(context.dim))
     pipeline = strategy.pipeline
     if pipeline is not None:
         found += [PipelineStages(pipeline.stages), StageNorms(), StageOverflowChecks()]
@@ -119,8 +129,13 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
         found += [MaskedMeans(), MicroBatch(pipeline.micro_batches)]
     if strategy.recompute:  # after micro-batching: strategies differing in recompute share it (its clones are copies)
         found.append(Recompute(strategy.recompute))
+    if context is not None:  # before sequence parallelism: its first propagation sees the sequence split
+        found.append(ContextParallelSplit(context.dim, context.method, context.balance))
     if strategy.sequence_parallel:
         found.append(SequenceParallel(strategy.sequence_parallel))
+    cp = strategy.context_parallel
+    if cp is not None and cp.method == "ring":  # (after the context-parallel split of the sequence)
+        found.append(RingGradients(cp.dim))
     return tuple(found)
 
 
@@ -135,6 +150,9 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:
             passes.append(ZeroBucketFusion(strategy.bucket_bytes))
+    cp = strategy.context_parallel
+    if cp is not None and cp.method == "ring":  # before op_lowering: the ring draws the core's dropout itself
+        passes.append(RingAttention(cp.dim))
     passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
@@ -148,6 +166,7 @@ def effective_strategy(program: Program | None, mesh: ProcessMesh, strategy: Str
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     checked = checked_strategy(strategy)
+    _check_context_parallel(checked.context_parallel, mesh)
     if checked.pipeline is None and program is not None and _has_stages(program, mesh):  # (stages placed by shard_op)
         staged = dataclasses.replace(checked, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
         why = "pipeline=PipelineConfig() (one micro-batch): the annotations place ops or values on sub-meshes of the mesh"
@@ -162,6 +181,18 @@ def checked_strategy(strategy: Any) -> Strategy:
     strategy = strategy or Strategy()
     strategy.check_implemented()
     return strategy
+
+
+def _check_context_parallel(context: ContextParallel | None, mesh: ProcessMesh) -> None:
+    """Refuse, by name, a context-parallel dim the mesh lacks (what a method or balance cannot
+    do is refused where it is done: autopar/rewrites/context_parallel.py, zigzag.py, the ring)."""
+    if context is None:
+        return
+    if context.dim not in mesh.dim_names:
+        raise AutoparError(
+            f"Strategy.context_parallel: ContextParallel(dim={context.dim!r}) names no dim of the mesh "
+            f"(its dims: {list(mesh.dim_names)}); add a mesh dim of that name for the sequence split"
+        )
 
 
 def _has_stages(program: Program, mesh: ProcessMesh) -> bool:

@@ -121,7 +121,7 @@ class ContextParallel:
 
 
 # fields whose passes have not landed yet: value that means "off" -> the issue that builds it
-NOT_YET: dict[str, tuple[Any, str]] = {"context_parallel": (None, "context parallelism (issue 39)")}
+NOT_YET: dict[str, tuple[Any, str]] = {}
 
 
 @_named_fields

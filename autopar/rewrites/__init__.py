@@ -23,18 +23,29 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from autopar.annotate import annotations_of
+from autopar.attention_cores import attention_cores
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.rewrites.context_parallel import (
+    ULYSSES,
+    ZIGZAG,
+    ContextSplit,
+    head_placements,
+    head_splits,
+    sequence_after,
+    sequence_carriers,
+    sequence_length,
+)
 from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.loss_scaling import loss_scaling_results
 from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
-from autopar.rewrites.recompute import Recomputation
+from autopar.rewrites.recompute import Recomputation, clone_outputs
 from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants
@@ -43,6 +54,7 @@ from autopar.rewrites.stage_norms import stage_norms
 from autopar.rewrites.stage_overflow import stage_overflow_checks
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
+from autopar.rewrites.zigzag import reordered_feeds, zigzag
 from autopar.shared_parameters import owner_meshes, reader_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
@@ -68,6 +80,7 @@ class Analysed:
     recompute: Recomputation | None = None
     micro: MicroBatching | None = None
     sequence: SequenceRegions | None = None
+    context: ContextSplit | None = None
     reports: tuple[tuple[str, str], ...] = ()  # (rewrite, what it did)
     propagated: PropagationResult | None = dataclasses.field(default=None, compare=False, repr=False)  # when known
 
@@ -356,6 +369,65 @@ class SequenceParallel(Rewrite):
         made = work.annotated(self, regions.annotations(work.graph, first))
         split = sum(1 for v in regions.values if v.seq_dim is not None)
         return work.reported(self, f"{split} activation(s) split along the sequence over {regions.axis!r}", made=made, sequence=regions)
+
+
+@dataclass(frozen=True)
+class ContextParallelSplit(Rewrite):
+    """Context parallelism (:mod:`.context_parallel`): the feeds carrying the sequence (and the
+    activations you resharded onto pipeline stages) split on it over ``dim`` (a placement you
+    annotated is kept, ``dim`` added); for ``method="all_to_all"`` (Ulysses), from a first
+    propagation, each attention core's q, k, v, probabilities and output split on heads
+    instead, at strategy priority. ``balance="zigzag"``: the feeds' reordered copies
+    (:class:`ZigzagOrder`) are split instead of the feeds."""
+
+    dim: str = "sep"
+    method: str = "all_gather"
+    balance: str | None = None
+    name: ClassVar[str] = "context_parallel"
+
+    def apply(self, work: Analysed) -> Analysed:
+        stand_ins = self._stand_ins(work)
+        copies = [(index, 0) for index in reshard_copies(work.graph, work.user, work.op_meshes)]  # onto pipeline stages
+        length, carriers, placed = sequence_carriers(work.graph, work.mesh, work.user, work.op_meshes, self.dim, copies, stand_ins)
+        user = {**work.user, **{key: attr for key, attr in placed.items() if key in work.user}}
+        made = work.annotated(self, {key: attr for key, attr in placed.items() if key not in work.user})
+        work = dataclasses.replace(work, user=user, made=made, propagated=None)
+        heads: tuple = ()
+        if self.method == ULYSSES:
+            first = work.propagate()
+            splits = head_splits(work.graph, first, attention_cores(work.graph), self.dim)
+            placements = head_placements(first, {k: s for k, s in splits.items() if k not in work.user}, self.dim)
+            placements.update({k: a for k, a in sequence_after(work.graph, first, splits, self.dim).items() if k not in work.user})
+            for key, clones in clone_outputs(work.graph).items():  # a recomputed value is placed as the forward's
+                if key in placements:
+                    placements.update(dict.fromkeys(clones, placements[key]))
+            made = work.annotated(self, placements)
+            heads = tuple(splits.values())
+        split = ContextSplit(self.dim, work.mesh.dim_size(self.dim), self.method, length, carriers, heads)
+        return work.reported(self, str(split), made=made, context=split)
+
+    def _stand_ins(self, work: Analysed) -> dict[ValueKey, ValueKey]:
+        """The feeds read through their zig-zag copies (:class:`ZigzagOrder` made them) -> those
+        copies, placed instead of the feeds; none without a balance."""
+        return reordered_feeds(work.graph, sequence_length(work.graph, self.dim)) if self.balance == ZIGZAG else {}
+
+
+@dataclass(frozen=True)
+class ZigzagOrder(Rewrite):
+    """``ContextParallel(balance="zigzag")``: the sequence reordered in the program
+    (:mod:`.zigzag`) — feeds, position aranges, causal masks — so that the context-parallel
+    split gives rank i chunks i and 2cp-1-i. Runs first (before pipeline stages and
+    micro-batching, which then see the reordered program as the user's)."""
+
+    dim: str = "sep"
+    name: ClassVar[str] = "zigzag_order"
+
+    def apply(self, work: Analysed) -> Analysed:
+        length = sequence_length(work.graph, self.dim)
+        feeds = [k for k, v in work.graph.values.items() if v.kind == "feed" and len(v.shape) >= 2 and v.users and v.shape[1] == length]
+        reordered = zigzag(work.program, work.graph, length, work.mesh.dim_size(self.dim), feeds, work.op_meshes, self.dim)
+        moved = work.moved(reordered.program, reordered.positions)
+        return work.reported(self, str(reordered), **{**moved, "op_meshes": {**moved["op_meshes"], **reordered.meshes}})
 
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:
