@@ -648,12 +648,49 @@ def _memory(state: CompileState, ranks: list[int], micro: int, precision: Precis
         dist, value = propagation.dist(key), graph.values[key]
         for rank in _held_by(dist.mesh, ranks):
             activations[rank] += tensor_bytes(value.shape, precision.dtype(value.dtype, value.kind), dist, rank)
+    recomputed = _recomputed(state, ranks, precision)
     peak, held_at_peak = 0, 0
     for position, rank in enumerate(ranks):
         in_flight = 1
         if pipeline is not None:
             in_flight = micro if pipeline.schedule == "FThenB" else min(micro, len(ranks) - position)
-        total = held[rank] + activations[rank] * in_flight
+        total = held[rank] + activations[rank] * in_flight + recomputed[rank]
         if total > peak:
             peak, held_at_peak = total, held[rank]
     return peak, held_at_peak
+
+
+def _recomputed(state: CompileState, ranks: list[int], precision: Precision = AS_BUILT) -> dict[int, int]:
+    """Each of ``ranks``' largest layer of recomputed activations: recompute re-makes a layer's
+    activations in the backward, where they live together while that layer's gradients are
+    made (one layer at a time), so the peak holds the largest layer's beside what is kept — at a
+    long sequence its attention scores, which recompute does not take away (0 without recompute)."""
+    from autopar.layer_paths import path_of
+
+    graph, propagation = state.graph, state.propagation
+    layers: dict[tuple[int, Any], int] = {}
+    for op in graph.ops:
+        if op.recomputes is None:
+            continue
+        layer = path_of(graph.ops[op.recomputes])
+        for key in op.outputs:
+            if key is None or not _read_in_backward(graph, key):
+                continue
+            value, dist = graph.values[key], propagation.dist(key)
+            for rank in _held_by(dist.mesh, ranks):
+                nbytes = tensor_bytes(value.shape, precision.dtype(value.dtype, value.kind), dist, rank)
+                layers[(rank, layer)] = layers.get((rank, layer), 0) + nbytes
+    out = dict.fromkeys(ranks, 0)
+    for (rank, _), nbytes in layers.items():
+        out[rank] = max(out[rank], nbytes)
+    return out
+
+
+def _read_in_backward(graph: Any, key: Any) -> bool:
+    """Whether a gradient op (not another recompute clone) reads ``key``'s data (not its shape only)."""
+    for user in graph.values[key].users:
+        op = graph.ops[user]
+        if op.role is Role.BACKWARD and op.recomputes is None:
+            if any(k == key and i not in op.shape_only for i, k in enumerate(op.inputs)):
+                return True
+    return False
