@@ -44,9 +44,17 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest import arguments
-from autopar.suggest.plans import TIE, Plan, Suggestions
 from autopar.suggest.annotations import long_sequence, sequence_length
-from autopar.suggest.search import CONTEXT_DIM, Shape, accumulates, largest, most_stages, strategies, trades_time_for_memory
+from autopar.suggest.plans import TIE, Plan, Suggestions
+from autopar.suggest.search import (
+    CONTEXT_DIM,
+    Shape,
+    accumulates,
+    largest,
+    most_stages,
+    strategies,
+    trades_time_for_memory,
+)
 from autopar.suggest.search import shapes as factorisations
 from autopar.suggest.tables import PlacementTable, Skipped, SkippedPlans
 from autopar.units import format_bytes, format_time
