@@ -31,6 +31,7 @@ from autopar.passes.site_fusion import SiteFusion
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import (
+    ContextParallelSplit,
     DeadOpRemoval,
     LocalBatchNorm,
     LossScalingResults,
@@ -44,13 +45,20 @@ from autopar.rewrites import (
     StageNorms,
     StageOverflowChecks,
 )  # fmt: skip
-from autopar.strategy import EffectiveStrategy, PipelineConfig, Strategy
+from autopar.strategy import ContextParallel, EffectiveStrategy, PipelineConfig, Strategy
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
-AnalysedField = int | bool | str | tuple[str, ...] | None  # the value of one of ANALYSED
-ANALYSED = ("micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm")
+AnalysedField = int | bool | str | tuple[str, ...] | ContextParallel | None  # the value of one of ANALYSED
+ANALYSED = (
+    "micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm", "context_parallel",
+)  # fmt: skip
+# ContextParallel choices whose lowering has not landed: (field, value) -> what is missing (one line each)
+CONTEXT_PARALLEL_NOT_LANDED = {
+    ("method", "ring"): "ring attention's lowering (passes/ring_attention.py) has not landed; use method='all_to_all' or 'all_gather'",
+    ("balance", "zigzag"): "the zig-zag split (feeds permuted, position tables and causal masks following it) is not built",
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
         "recompute": strategy.recompute,
         "cluster": strategy.cluster,
         "local_batch_norm": strategy.local_batch_norm,
+        "context_parallel": strategy.context_parallel,
     }
 
 
@@ -119,6 +128,9 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
         found += [MaskedMeans(), MicroBatch(pipeline.micro_batches)]
     if strategy.recompute:  # after micro-batching: strategies differing in recompute share it (its clones are copies)
         found.append(Recompute(strategy.recompute))
+    context = strategy.context_parallel
+    if context is not None:  # before sequence parallelism: its first propagation sees the sequence split
+        found.append(ContextParallelSplit(context.dim, context.method))
     if strategy.sequence_parallel:
         found.append(SequenceParallel(strategy.sequence_parallel))
     return tuple(found)
@@ -148,6 +160,7 @@ def effective_strategy(program: Program | None, mesh: ProcessMesh, strategy: Str
     if not isinstance(mesh, ProcessMesh):
         raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     checked = checked_strategy(strategy)
+    _check_context_parallel(checked.context_parallel, mesh)
     if checked.pipeline is None and program is not None and _has_stages(program, mesh):  # (stages placed by shard_op)
         staged = dataclasses.replace(checked, pipeline=PipelineConfig())  # stages by shard_op, one micro-batch
         why = "pipeline=PipelineConfig() (one micro-batch): the annotations place ops or values on sub-meshes of the mesh"
@@ -162,6 +175,20 @@ def checked_strategy(strategy: Any) -> Strategy:
     strategy = strategy or Strategy()
     strategy.check_implemented()
     return strategy
+
+
+def _check_context_parallel(context: ContextParallel | None, mesh: ProcessMesh) -> None:
+    """Refuse, by name, a context-parallel dim the mesh lacks and a choice not built yet."""
+    if context is None:
+        return
+    if context.dim not in mesh.dim_names:
+        raise AutoparError(
+            f"Strategy.context_parallel: ContextParallel(dim={context.dim!r}) names no dim of the mesh "
+            f"(its dims: {list(mesh.dim_names)}); add a mesh dim of that name for the sequence split"
+        )
+    for (name, value), missing in CONTEXT_PARALLEL_NOT_LANDED.items():
+        if getattr(context, name) == value:
+            raise AutoparError(f"Strategy.context_parallel: ContextParallel({name}={value!r}): {missing}; refused rather than ignored")
 
 
 def _has_stages(program: Program, mesh: ProcessMesh) -> bool:

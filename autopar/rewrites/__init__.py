@@ -28,6 +28,7 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.rewrites.context_parallel import ContextSplit, head_placements, head_splits, sequence_after, sequence_feeds
 from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.loss_scaling import loss_scaling_results
 from autopar.rewrites.masked_mean import deferred_means
@@ -68,6 +69,7 @@ class Analysed:
     recompute: Recomputation | None = None
     micro: MicroBatching | None = None
     sequence: SequenceRegions | None = None
+    context: ContextSplit | None = None
     reports: tuple[tuple[str, str], ...] = ()  # (rewrite, what it did)
     propagated: PropagationResult | None = dataclasses.field(default=None, compare=False, repr=False)  # when known
 
@@ -356,6 +358,40 @@ class SequenceParallel(Rewrite):
         made = work.annotated(self, regions.annotations(work.graph, first))
         split = sum(1 for v in regions.values if v.seq_dim is not None)
         return work.reported(self, f"{split} activation(s) split along the sequence over {regions.axis!r}", made=made, sequence=regions)
+
+
+@dataclass(frozen=True)
+class ContextParallelSplit(Rewrite):
+    """Context parallelism (:mod:`.context_parallel`): the feeds carrying the sequence split on
+    it over ``dim`` (a feed you annotated keeps your placement, ``dim`` added); for
+    ``method="all_to_all"`` (Ulysses), from a first propagation, each attention core's q, k, v,
+    probabilities and output split on heads instead, at strategy priority."""
+
+    dim: str = "sep"
+    method: str = "all_gather"
+    name: ClassVar[str] = "context_parallel"
+
+    def apply(self, work: Analysed) -> Analysed:
+        length, feeds, placed = sequence_feeds(work.graph, work.mesh, work.user, work.op_meshes, self.dim)
+        user = {**work.user, **{key: attr for key, attr in placed.items() if key in work.user}}
+        made = work.annotated(self, {key: attr for key, attr in placed.items() if key not in work.user})
+        work = dataclasses.replace(work, user=user, made=made, propagated=None)
+        heads: tuple = ()
+        if self.method == "all_to_all":
+            from autopar.attention_cores import core_values
+            from autopar.rewrites.recompute import clone_outputs
+
+            first = work.propagate()
+            splits = head_splits(work.graph, first, core_values(work.graph), self.dim)
+            placements = head_placements(first, {k: s for k, s in splits.items() if k not in work.user}, self.dim)
+            placements.update({k: a for k, a in sequence_after(work.graph, first, splits, self.dim).items() if k not in work.user})
+            for key, clones in clone_outputs(work.graph).items():  # a recomputed value is placed as the forward's
+                if key in placements:
+                    placements.update(dict.fromkeys(clones, placements[key]))
+            made = work.annotated(self, placements)
+            heads = tuple(splits.values())
+        split = ContextSplit(self.dim, work.mesh.dim_size(self.dim), self.method, length, feeds, heads)
+        return work.reported(self, str(split), made=made, context=split)
 
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:

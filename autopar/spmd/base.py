@@ -166,9 +166,11 @@ def merge_letters(
         candidates = [(i, p[letter]) for i, p in enumerate(proposals) if letter in p]
         distinct = list(dict.fromkeys(dims for _, dims in candidates))
         # a split into more pieces than the dim has elements would leave ranks empty pieces
+        # (a split over several mesh dims whose minor ones are taken keeps its free major ones:
+        # the sequence over (sep, mp) read by a column-parallel matmul stays split over sep)
         free = [
-            (i, dims) for i, dims in candidates
-            if not used & set(dims) and math.prod(ctx.mesh.shape[d] for d in dims) <= sizes.get(letter, 0)
+            (i, dims) for i, dims in ((i, _free_prefix(dims, used)) for i, dims in candidates)
+            if dims and math.prod(ctx.mesh.shape[d] for d in dims) <= sizes.get(letter, 0)
         ]  # fmt: skip
         options = list(dict.fromkeys(dims for _, dims in free))
         if not options:
@@ -190,6 +192,14 @@ def merge_letters(
         if reason:
             conflicts.append(_conflict(letter, candidates, options[pick], reason, ctx))
     return merged, conflicts
+
+
+def _free_prefix(dims: tuple[int, ...], used: set[int]) -> tuple[int, ...]:
+    """The major mesh dims of ``dims`` up to the first one already ``used``."""
+    for n, d in enumerate(dims):
+        if d in used:
+            return dims[:n]
+    return dims
 
 
 def _by_priority(letters: Iterable[str], proposals: list[dict[str, tuple[int, ...]]], specs: Sequence[TensorSpec]) -> list[str]:
