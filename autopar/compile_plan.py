@@ -27,6 +27,7 @@ from autopar.passes.partition import Partition
 from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
+from autopar.passes.ring_attention import RingAttention
 from autopar.passes.site_fusion import SiteFusion
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
@@ -147,6 +148,9 @@ def passes_for(strategy: Strategy) -> list[Pass]:
         passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:
             passes.append(ZeroBucketFusion(strategy.bucket_bytes))
+    cp = strategy.context_parallel
+    if cp is not None and cp.method == "ring":  # before op_lowering: the ring draws the core's dropout itself
+        passes.append(RingAttention(cp.dim, pipelined=pipelined))
     passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))

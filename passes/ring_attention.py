@@ -1,0 +1,436 @@
+"""Ring attention: each attention core of a context-parallel program becomes, in every rank's
+program, a ring over the context-parallel mesh dim (stage: comm-inserted -> ring-attention;
+``Strategy(context_parallel=ContextParallel(method="ring"))``, issue 39).
+
+Propagation keeps q split by sequence (rows) over the dim and reads K and V whole (the
+"all_gather" plan: an all_gather of K and of V before the core, a reduce_scatter of dK and dV
+after its backward). That is the same math as the ring with other communication, so planning
+and propagation stay as they are; here, after reshard emission, each rank's core (found by
+:mod:`autopar.attention_cores`) is replaced by the ring, forward and backward. On rank ``i`` of
+the group of size ``c`` (sequence blocks of ``n = S / c`` keys), step ``s = 0 .. c-1`` holds
+block ``j = (i - s) mod c`` of K and V::
+
+    S_j  = middle(q @ k_j^T)                  # the scale / mask ops, the mask's columns of block j
+    m'   = max(m, rowmax S_j);   p = exp(S_j - m')
+    l    = l * exp(m - m') + rowsum p
+    acc  = acc * exp(m - m') + (p * D_j) @ v_j   # D_j: block (rows i, cols j) of the serial dropout
+    out  = acc / l;              lse = m + log l  # (m starts finite: a fully masked block adds 0)
+
+and between steps ``[k_j | v_j]`` moves one rank on (a ``permute``, shift 1): c - 1 permutes a
+core. The backward recomputes each block's probabilities from ``lse``::
+
+    Drow = rowsum(dO * out);     P_j = exp(S_j - lse)
+    dS_j = a * P_j * ((dO @ v_j^T) * D_j - Drow)  # a: the middle's derivative (its scalar, its wheres)
+    dq  += dS_j @ k_j;   dk_j += dS_j^T @ q;   dv_j += (P_j * D_j)^T @ dO
+
+with ``[k_j | v_j | dk_j | dv_j]`` moving on after each step but the last, and ``[dk | dv]`` once
+more after it (c permutes): each rank ends with the whole gradient of its own K and V block.
+The all_gather plan's dK / dV were pending sums over the dim (each rank's contribution to every
+block); the ring's are complete for one block, handed on as that block among zeros (a valid
+pending sum), and a reduce_scatter the planner put after them whose pieces are exactly those
+blocks becomes the local slice it is (:func:`_sliced_sums`). The gathers of K and V the core
+read are erased with the ops no one reads any more.
+
+Dropout: each rank draws the serial mask over the global shape with the op's seed (as
+:mod:`.dropout_slicing` does) and keeps its rows. Refused by name: a core whose q is not split by
+sequence over the dim, whose K / V are, a sequence not divisible by the dim's size, a middle that
+is not affine in the scores (:func:`autopar.attention_cores.affine_middle`), pipelines,
+micro-batching and recompute (not built yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from autopar.attention_cores import AffineMiddle, AttentionCore, affine_middle, attention_cores
+from autopar.causes import in_layer, layer_of
+from autopar.collective import CollectiveKey
+from autopar.cost_model.planner import ReshardStep, group_at, plan_ring_shift
+from autopar.dist_attr import DistAttr, shard_bounds
+from autopar.errors import AutoparError
+from autopar.graph import ValueKey
+from autopar.passes.base import CompileState, Pass, RankProgram, declared
+from autopar.passes.reshard_emission import emit_step, replace_uses
+from autopar.propagation import SiteKind
+
+NEGATIVE = -1e30  # the running max's start: finite, so exp(m - m') of a fully masked first block is 0, not nan
+
+
+@dataclass(frozen=True, slots=True)
+class BlockValue:
+    """What a permute moves, as emit_step reads a serial value: a label, the global shape, the dtype."""
+
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RingCore:
+    """One core's ring, planned once: the core, its middle, the group size, the key length and
+    the three ring shifts (``[k|v]`` forward, ``[k|v|dk|dv]`` and ``[dk|dv]`` backward)."""
+
+    core: AttentionCore
+    middle: AffineMiddle
+    mesh_dim: int
+    parts: int
+    keys: int  # the global sequence length of K and V
+    shifts: tuple[ReshardStep, ReshardStep, ReshardStep]
+    values: tuple[BlockValue, BlockValue, BlockValue]
+    reason: str
+    k_read: int | None  # the planned reshard gathering K for the first matmul (None: K is read whole as it is)
+    v_read: int | None
+    first_grad: int | None  # the matmul_grad ops of the core's backward (None: no backward)
+    second_grad: int | None
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """RingAttention's result: each attention core's ring, program order."""
+
+    cores: tuple[RingCore, ...]
+
+
+@dataclass(frozen=True)
+class RingAttention(Pass):
+    """Every attention core of the program as a ring over ``mesh_dim`` (module docstring)."""
+
+    name: ClassVar[str] = "ring_attention"
+    plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
+    emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "comm-inserted")
+    emit_ensures: ClassVar[str] = "ring-attention"
+    mesh_dim: str = "sep"
+    pipelined: bool = declared()
+
+    def plan(self, state: CompileState) -> RingPlan:
+        if self.mesh_dim not in state.mesh.dim_names:
+            raise AutoparError(f"ring attention over {self.mesh_dim!r}: {state.mesh} has no such dim")
+        dim = state.mesh.dim_names.index(self.mesh_dim)
+        if state.mesh.shape[dim] == 1:
+            return RingPlan(())
+        cores = attention_cores(state.graph)
+        _refuse_unbuilt(state, cores, self.mesh_dim, self.pipelined)
+        return RingPlan(tuple(_plan_core(state, core, dim) for core in cores))
+
+    def emit(self, state: CompileState, rp: RankProgram) -> None:
+        import paddle
+
+        plan = state.result(RingPlan)
+        with paddle.static.program_guard(rp.program):
+            for ring in plan.cores if plan is not None else ():
+                if rp.rank in state.propagation.op_meshes.get(ring.core.first, state.mesh).ranks:
+                    RankRing(state, rp, ring).emit()
+            paddle.pir.reset_insertion_point_to_end()
+
+
+def _refuse_unbuilt(state: CompileState, cores: tuple[AttentionCore, ...], name: str, pipelined: bool) -> None:
+    if not cores:
+        return
+    if state.micro is not None or pipelined:
+        raise AutoparError(f"ring attention over {name}: {cores[0]} in a pipeline / micro-batched program is not built yet")
+    if state.recompute is not None:
+        raise AutoparError(f"ring attention over {name}: {cores[0]} under recompute is not built yet")
+
+
+def _plan_core(state: CompileState, core: AttentionCore, dim: int) -> RingCore:
+    graph, results = state.graph, state.propagation.op_results
+    name, parts = state.mesh.dim_names[dim], state.mesh.shape[dim]
+    q_attr, k_attr = results[core.first].inputs[0], results[core.first].inputs[1]
+    v_attr = results[core.second].inputs[1]
+    k_shape, v_shape = graph.values[core.k].shape, graph.values[core.v].shape
+    seq = len(k_shape) - 2
+    if q_attr.mapping[len(graph.values[core.q].shape) - 2] != (dim,):
+        raise AutoparError(
+            f"ring attention over {name}: {core} reads q {graph.values[core.q].label} as {q_attr}, not split by "
+            f"sequence (dim -2) over {name}: split the feeds' sequence dim over {name}"
+        )
+    for what, attr in (("k", k_attr), ("v", v_attr)):
+        if dim in attr.sharded_mesh_dims() or attr.partial:
+            raise AutoparError(f"ring attention over {name}: {core} reads {what} as {attr}; the ring needs it whole over {name}")
+    if k_attr.mapping[:-1] != v_attr.mapping[:-1] or k_shape[:-1] != v_shape[:-1]:
+        raise AutoparError(f"ring attention over {name}: {core} reads k as {k_attr} {list(k_shape)} and v as {v_attr} {list(v_shape)}")
+    keys = k_shape[seq]
+    if keys % parts or graph.values[core.q].shape[-2] % parts:
+        raise AutoparError(
+            f"ring attention over {name}: {core} has a sequence of {keys} keys and "
+            f"{graph.values[core.q].shape[-2]} queries, not divisible by {parts} ranks"
+        )
+    middle = affine_middle(graph, core)
+    block = DistAttr.of(state.mesh, tuple((dim,) if t == seq else dims for t, dims in enumerate(k_attr.mapping)))
+    widths = (k_shape[-1] + v_shape[-1], 2 * (k_shape[-1] + v_shape[-1]), k_shape[-1] + v_shape[-1])
+    dtype = graph.values[core.k].dtype
+    values = tuple(BlockValue(f"{graph.values[core.k].label}.{what}", (*k_shape[:-1], w), dtype)
+                   for what, w in zip(("kv", "kv_grads", "grads"), widths))  # fmt: skip
+    shifts = tuple(plan_ring_shift(block, dim, v.shape, dtype, state.cluster) for v in values)
+    grads = {state.graph.ops[i].forward_op: i for i in core.backward}
+    reason = in_layer("ring attention", layer_of(graph, core.first)) + (
+        f": {core} passes its key / value blocks one rank on over {name} instead of gathering them"
+    )
+    return RingCore(
+        core, middle, dim, parts, keys, shifts, values, reason,
+        _gather_read(state, core.first, 1, core.k, dim), _gather_read(state, core.second, 1, core.v, dim),
+        grads.get(core.first), grads.get(core.second),
+    )  # fmt: skip
+
+
+def _gather_read(state: CompileState, op: int, slot: int, key: ValueKey, dim: int) -> int | None:
+    """The planned reshard that makes ``key`` whole over ``dim`` for ``op``'s read and does only that
+    (one step: its sequence split over ``dim`` gathered), or None."""
+    for planned in state.reshards:
+        need = planned.need
+        if need.op == op and need.site.slot == slot and need.site.kind is SiteKind.BEFORE_READ and need.value == key:
+            steps = planned.plan.steps
+            if len(steps) == 1 and tuple(steps[0].mesh_dims) == (dim,) and dim in steps[0].src.sharded_mesh_dims():
+                return planned.index
+    return None
+
+
+class RankRing:
+    """One core's ring emitted into one rank's program (module docstring)."""
+
+    def __init__(self, state: CompileState, rp: RankProgram, ring: RingCore) -> None:
+        self.state, self.rp, self.ring, self.core = state, rp, ring, ring.core
+        group = group_at(state.mesh, rp.rank, (ring.mesh_dim,))
+        self.position, self.parts = group.index(rp.rank), ring.parts
+        self.block = ring.keys // ring.parts
+        self.count = 0
+
+    # ---- the whole core ------------------------------------------------------------------
+    def emit(self) -> None:
+        import paddle
+
+        rp, core = self.rp, self.core
+        second = rp.ops[core.second]
+        self.q = rp.ops[core.first].operand_source(0)
+        k, v = self._local(core.first, core.k, self.ring.k_read), self._local(core.second, core.v, self.ring.v_read)
+        self.widths = (k.shape[-1], v.shape[-1])
+        paddle.pir.set_insertion_point(second)
+        self.kv = paddle.concat([k, v], axis=-1)
+        self.drops = self._dropout_rows()
+        out, lse = self._forward()
+        grads = self._backward(out, lse) if self.ring.first_grad is not None else {}
+        old = second.result(0)
+        replace_uses(old, out)
+        rp.replaced[core.output] = out
+        for key, new in grads.items():
+            replace_uses(rp.ops[key[0]].result(key[1]), new)
+            rp.replaced[key] = new
+        self._erase()
+
+    def _local(self, op: int, key: ValueKey, gathered: int | None) -> Any:
+        """This rank's block of K (or V): the value the planned gather read, or a slice of the
+        whole one the op reads."""
+        import paddle
+
+        if gathered is not None:
+            return self.rp.current(key)
+        whole = self.rp.ops[op].operand_source(1)
+        lo, hi = shard_bounds(self.ring.keys, self.parts, self.position)
+        return paddle._C_ops.slice(whole, [len(whole.shape) - 2], [lo], [hi], [1], [])
+
+    def _columns(self, x: Any, j: int, what: str) -> Any:
+        """Block ``j`` of ``x``'s last (key) dim; ``x`` as it is when it broadcasts over it."""
+        import paddle
+
+        if len(x.shape) == 0 or x.shape[-1] == 1:
+            return x
+        if x.shape[-1] != self.ring.keys:
+            raise AutoparError(
+                f"ring attention: {what} of {self.core} has {x.shape[-1]} columns, not the {self.ring.keys} keys (or 1)"
+            )
+        lo, hi = j * self.block, (j + 1) * self.block
+        return paddle._C_ops.slice(x, [len(x.shape) - 1], [lo], [hi], [1], [])
+
+    # ---- pieces of a step ------------------------------------------------------------------
+    def _scores(self, k: Any, j: int) -> tuple[Any, dict[ValueKey, Any]]:
+        """``middle(q @ k^T)`` for key block ``j``: each middle op cloned on the block (its other
+        operands cut to the block's columns); also every value the clones made."""
+        import paddle
+
+        made: dict[ValueKey, Any] = {self.core.scores: paddle._C_ops.matmul(self.q, k, False, True)}
+        graph = self.state.graph
+        for index in self.core.middle:
+            node, op = graph.ops[index], self.rp.ops[index]
+            mapping = paddle.pir.IrMapping()
+            for slot, key in enumerate(node.inputs):
+                operand = op.operand_source(slot)
+                if key is None or mapping.has(operand):
+                    continue
+                what = f"operand {graph.values[key].label} of {node}"
+                mapping.add(operand, made[key] if key in made else self._columns(operand, j, what))
+            clone = op.clone(mapping, paddle.pir.CloneOptions(False, True, True))
+            for r, key in enumerate(node.outputs):
+                if key is None:
+                    continue
+                shape = list(op.result(r).shape)
+                if shape and shape[-1] == self.ring.keys:
+                    shape[-1] = self.block
+                result = clone.result(r)
+                result.set_type(paddle.pir.create_shaped_type(op.result(r).type(), shape))
+                made[key] = result
+        return made[graph.ops[self.core.softmax].inputs[0]], made
+
+    def _dropout_rows(self) -> Any:
+        """The rank's rows of the serial dropout multiplier (mask / (1 - p)), all key columns; None
+        without dropout."""
+        import paddle
+
+        index = self.core.dropout
+        if index is None:
+            return None
+        node, op = self.state.graph.ops[index], self.rp.ops[index]
+        shape = list(self.state.graph.values[node.inputs[0]].shape)
+        x, seed, p = (op.operand_source(i) for i in range(3))
+        ones = paddle._C_ops.full(shape, 1.0, x.dtype, paddle.CPUPlace())
+        attrs = node.attrs
+        whole = paddle._C_ops.dropout(
+            ones, seed if seed.initialized() else None, p, bool(attrs.get("is_test", False)), attrs["mode"], attrs["seed"], attrs["fix_seed"]
+        )
+        box = self.state.propagation.op_results[index].inputs[0].local_slices(shape, self.rp.rank)
+        axes = [t for t, s in enumerate(box) if (s.start, s.stop) != (0, shape[t])]
+        if len(shape) - 1 in axes:
+            raise AutoparError(f"ring attention: the dropout of {self.core} is split by key columns")
+        if not axes:
+            return whole
+        return paddle._C_ops.slice(whole, axes, [box[t].start for t in axes], [box[t].stop for t in axes], [1] * len(axes), [])
+
+    def _shift(self, x: Any, which: int) -> Any:
+        """``x`` one rank on around the ring (a recorded permute)."""
+        key = CollectiveKey("ring", self.core.first, self.count)
+        self.count += 1
+        step = self.ring.shifts[which]
+        return emit_step(self.state, self.rp, step, x, self.ring.values[which], self.ring.reason, key)
+
+    def _split(self, x: Any, widths: tuple[int, ...]) -> list[Any]:
+        import paddle
+
+        out, start = [], 0
+        for w in widths:
+            out.append(paddle._C_ops.slice(x, [len(x.shape) - 1], [start], [start + w], [1], []))
+            start += w
+        return out
+
+    # ---- forward -------------------------------------------------------------------------
+    def _forward(self) -> tuple[Any, Any]:
+        import paddle
+
+        C = paddle._C_ops
+        rows = [*self.q.shape[:-1], 1]
+        m = C.full(rows, NEGATIVE, self.q.dtype, paddle.CPUPlace())
+        total = C.full(rows, 0.0, self.q.dtype, paddle.CPUPlace())
+        acc = C.full([*self.q.shape[:-1], self.widths[1]], 0.0, self.q.dtype, paddle.CPUPlace())
+        kv = self.kv
+        for s in range(self.parts):
+            j = (self.position - s) % self.parts
+            k, v = self._split(kv, self.widths)
+            scores, _ = self._scores(k, j)
+            new_m = C.maximum(m, C.max(scores, [-1], True))
+            alpha = C.exp(C.subtract(m, new_m))
+            p = C.exp(C.subtract(scores, new_m))
+            total = C.add(C.multiply(total, alpha), C.sum(p, [-1], None, True))
+            if self.drops is not None:
+                p = C.multiply(p, self._columns(self.drops, j, "the dropout"))
+            acc = C.add(C.multiply(acc, alpha), C.matmul(p, v, False, False))
+            m = new_m
+            if s < self.parts - 1:
+                kv = self._shift(kv, 0)
+        return C.divide(acc, total), C.add(m, C.log(total))
+
+    # ---- backward ------------------------------------------------------------------------
+    def _backward(self, out: Any, lse: Any) -> dict[ValueKey, Any]:
+        import paddle
+
+        C, graph, rp = paddle._C_ops, self.state.graph, self.rp
+        first, second = graph.ops[self.ring.first_grad], graph.ops[self.ring.second_grad]
+        grad_out = rp.ops[second.index].operand_source(2)
+        paddle.pir.set_insertion_point(rp.ops[min(self.core.backward)])  # its outputs have readers among the chain's grads
+        drow = C.sum(C.multiply(grad_out, out), [-1], None, True)
+        dq = C.full(list(self.q.shape), 0.0, self.q.dtype, paddle.CPUPlace())
+        zeros = C.full([*self.kv.shape[:-1], sum(self.widths)], 0.0, self.q.dtype, paddle.CPUPlace())
+        bundle = C.concat([self.kv, zeros], -1)
+        widths = (*self.widths, *self.widths)
+        for s in range(self.parts):
+            j = (self.position - s) % self.parts
+            k, v, dk, dv = self._split(bundle, widths)
+            scores, made = self._scores(k, j)
+            p = C.exp(C.subtract(scores, lse))
+            dp = C.matmul(grad_out, v, False, True)
+            kept = p
+            if self.drops is not None:
+                drops = self._columns(self.drops, j, "the dropout")
+                kept, dp = C.multiply(p, drops), C.multiply(dp, drops)
+            ds = self._through_middle(C.multiply(p, C.subtract(dp, drow)), made, j)
+            dq = C.add(dq, C.matmul(ds, k, False, False))
+            dk = C.add(dk, C.matmul(ds, self.q, True, False))
+            dv = C.add(dv, C.matmul(kept, grad_out, True, False))
+            if s < self.parts - 1:
+                bundle = self._shift(C.concat([k, v, dk, dv], -1), 1)
+        dk, dv = self._split(self._shift(C.concat([dk, dv], -1), 2), self.widths)
+        grads = {}
+        for key, new in ((first.outputs[0], dq), (first.outputs[1], self._pending(dk)), (second.outputs[1], self._pending(dv))):
+            if key is not None:
+                grads[key] = new
+        return grads
+
+    def _through_middle(self, ds: Any, made: dict[ValueKey, Any], j: int) -> Any:
+        """The softmax input's gradient taken back through the middle to the scores: its scalar,
+        and 0 where a ``where`` selected something else."""
+        import paddle
+
+        C = paddle._C_ops
+        for index, scores_are_x in self.ring.middle.wheres:
+            cond_key = self.state.graph.ops[index].inputs[0]
+            cond = made.get(cond_key)
+            if cond is None:
+                cond = self._columns(self.rp.ops[index].operand_source(0), j, f"the condition of {self.state.graph.ops[index]}")
+            zero = C.full_like(ds, 0.0, ds.dtype, paddle.CPUPlace())
+            ds = C.where(cond, ds, zero) if scores_are_x else C.where(cond, zero, ds)
+        return C.scale(ds, self.ring.middle.coefficient, 0.0, True)
+
+    def _pending(self, block: Any) -> Any:
+        """This rank's block of a K / V gradient among zeros: the pending sum over the ring's dim
+        the all_gather plan's readers expect (each rank's piece is its own block)."""
+        import paddle
+
+        seq = len(block.shape) - 2
+        lo, hi = shard_bounds(self.ring.keys, self.parts, self.position)
+        pieces = []
+        for size in (lo, self.ring.keys - hi):
+            shape = list(block.shape)
+            shape[seq] = size
+            pieces.append(paddle._C_ops.full(shape, 0.0, block.dtype, paddle.CPUPlace()) if size else None)
+        return paddle._C_ops.concat([x for x in (pieces[0], block, pieces[1]) if x is not None], seq)
+
+    # ---- the serial core's ops, and the gathers no one reads any more ---------------------
+    def _erase(self) -> None:
+        rp = self.rp
+        serial = {op.id() for op in rp.ops if op is not None}
+        dropped: list[Any] = []
+        for index in sorted((*self.core.backward, *self.core.ops), reverse=True):
+            op = rp.ops[index]
+            if op is None:
+                continue
+            dropped.extend(op.operands_source())
+            op.erase()
+            rp.ops[index] = None
+        while dropped:
+            value = dropped.pop()
+            if not value.initialized() or not value.use_empty():
+                continue
+            producer = value.get_defining_op()
+            if producer is None or producer.id() in serial or any(not r.use_empty() for r in producer.results()):
+                continue
+            dropped.extend(producer.operands_source())
+            self._forget(producer)
+            producer.erase()
+
+    def _forget(self, op: Any) -> None:
+        """Drop the records of an inserted op about to be erased (its collective, its result)."""
+        rp, ident = self.rp, op.id()
+        rp.collectives[:] = [(c, i) for c, i in rp.collectives if i != ident]
+        for table in (rp.resharded, rp.final, rp.replaced):
+            for key in [k for k, v in table.items() if any(v.is_same(r) for r in op.results())]:
+                del table[key]
+
+
