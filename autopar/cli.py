@@ -232,13 +232,19 @@ def dead_op_lines(dist: Any) -> list[str]:
     return [] if text == "no dead op" else [text, ""]
 
 
+def context_parallel_lines(dist: Any) -> list[str]:
+    """What context parallelism split (the feeds, the heads around attention cores; empty if off)."""
+    text = dict(dist.decisions.rewrites()).get("context_parallel")
+    return [] if text is None else [f"context parallel: {text}", ""]
+
+
 def explain_text(dist: Any, target: str = "") -> str:
     lines = [
         f"autopar explain {target}".rstrip(),
         f"mesh {dist.mesh}, {dist.world_size} ranks, {len(dist.decisions.ops())} serial ops",
         "",
     ]
-    lines += dead_op_lines(dist)
+    lines += dead_op_lines(dist) + context_parallel_lines(dist)
     lines += placement_lines(dist) + [""]
     unavailable = dist.unavailable
     if unavailable:

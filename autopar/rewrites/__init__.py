@@ -23,19 +23,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from autopar.annotate import annotations_of
+from autopar.attention_cores import attention_cores
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
-from autopar.rewrites.context_parallel import ContextSplit, head_placements, head_splits, sequence_after, sequence_feeds
+from autopar.rewrites.context_parallel import (
+    ContextSplit,
+    head_placements,
+    head_splits,
+    sequence_after,
+    sequence_carriers,
+)
 from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.loss_scaling import loss_scaling_results
 from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
-from autopar.rewrites.recompute import Recomputation
+from autopar.rewrites.recompute import Recomputation, clone_outputs
 from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants
@@ -362,8 +369,9 @@ class SequenceParallel(Rewrite):
 
 @dataclass(frozen=True)
 class ContextParallelSplit(Rewrite):
-    """Context parallelism (:mod:`.context_parallel`): the feeds carrying the sequence split on
-    it over ``dim`` (a feed you annotated keeps your placement, ``dim`` added); for
+    """Context parallelism (:mod:`.context_parallel`): the feeds carrying the sequence (and the
+    activations you resharded onto pipeline stages) split on it over ``dim`` (a placement you
+    annotated is kept, ``dim`` added); for
     ``method="all_to_all"`` (Ulysses), from a first propagation, each attention core's q, k, v,
     probabilities and output split on heads instead, at strategy priority."""
 
@@ -372,17 +380,15 @@ class ContextParallelSplit(Rewrite):
     name: ClassVar[str] = "context_parallel"
 
     def apply(self, work: Analysed) -> Analysed:
-        length, feeds, placed = sequence_feeds(work.graph, work.mesh, work.user, work.op_meshes, self.dim)
+        copies = [(index, 0) for index in reshard_copies(work.graph, work.user, work.op_meshes)]  # onto pipeline stages
+        length, carriers, placed = sequence_carriers(work.graph, work.mesh, work.user, work.op_meshes, self.dim, copies)
         user = {**work.user, **{key: attr for key, attr in placed.items() if key in work.user}}
         made = work.annotated(self, {key: attr for key, attr in placed.items() if key not in work.user})
         work = dataclasses.replace(work, user=user, made=made, propagated=None)
         heads: tuple = ()
         if self.method == "all_to_all":
-            from autopar.attention_cores import core_values
-            from autopar.rewrites.recompute import clone_outputs
-
             first = work.propagate()
-            splits = head_splits(work.graph, first, core_values(work.graph), self.dim)
+            splits = head_splits(work.graph, first, attention_cores(work.graph), self.dim)
             placements = head_placements(first, {k: s for k, s in splits.items() if k not in work.user}, self.dim)
             placements.update({k: a for k, a in sequence_after(work.graph, first, splits, self.dim).items() if k not in work.user})
             for key, clones in clone_outputs(work.graph).items():  # a recomputed value is placed as the forward's
@@ -390,7 +396,7 @@ class ContextParallelSplit(Rewrite):
                     placements.update(dict.fromkeys(clones, placements[key]))
             made = work.annotated(self, placements)
             heads = tuple(splits.values())
-        split = ContextSplit(self.dim, work.mesh.dim_size(self.dim), self.method, length, feeds, heads)
+        split = ContextSplit(self.dim, work.mesh.dim_size(self.dim), self.method, length, carriers, heads)
         return work.reported(self, str(split), made=made, context=split)
 
 

@@ -15,6 +15,9 @@ unused (``[Shard(0), Replicate()]`` on ``[dp, sep]`` becomes dp on the batch, se
 sequence); one that already uses ``dim`` is kept as the user wrote it. A sequence length the
 dim's size does not divide is refused by name (feed, length, mesh dim). Values built in the
 graph — causal masks, rotary tables from ``arange``, position ids — follow by propagation.
+In a pipeline, the hidden state the user reshards onto the next stage (``autopar.reshard``,
+placed on the stage's sub-mesh, typically ``[Shard(0), Replicate()]``) carries the sequence
+too: the same rule adds ``dim`` to it, else every stage after the first would run whole.
 
 **method="all_gather"**: the split alone. Propagation keeps q split by sequence through the
 projections and gathers K and V whole for the score matmul each layer (memory O(seq) per
@@ -35,10 +38,12 @@ over the same split.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from autopar.attention_cores import AttentionCore
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, ValueKey
@@ -50,17 +55,20 @@ HEAD_DIM = 1  # attention cores' operands: [batch, heads, seq, head_dim]
 
 
 @dataclass(frozen=True, slots=True)
-class FeedSplit:
-    """One feed the split reads: split on ``SEQ_DIM`` over the dim (``split``) or kept, and why."""
+class Carrier:
+    """One value the split reads (``what``: a feed, or a stage copy — an activation the user
+    resharded onto a pipeline stage): split on ``SEQ_DIM`` over the dim (``split``) or kept, and why."""
 
     key: ValueKey
     label: str
     shape: tuple[int, ...]
+    what: str
     split: bool
     why: str
 
     def __str__(self) -> str:
-        return f"{self.label} {list(self.shape)}" if self.split else f"{self.label} kept ({self.why})"
+        named = self.label if self.what == "feed" else f"{self.what} {self.label}"
+        return f"{named} {list(self.shape)}" if self.split else f"{named} kept ({self.why})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,20 +86,20 @@ class HeadSplit:
 @dataclass(frozen=True, slots=True)
 class ContextSplit:
     """What context parallelism decided: the mesh dim and its size, the method, the sequence
-    length, the feeds split (and kept), and Ulysses' head-split values."""
+    length, the values carrying it split (and kept), and Ulysses' head-split values."""
 
     dim: str
     size: int
     method: str
     length: int
-    feeds: tuple[FeedSplit, ...]
+    carriers: tuple[Carrier, ...]
     heads: tuple[HeadSplit, ...] = ()
 
     def __str__(self) -> str:
-        split = [f for f in self.feeds if f.split]
+        split = [c for c in self.carriers if c.split]
         text = f"sequence ({self.length}) split over {self.dim!r} ({self.size} ranks, {self.method}): dim 1 of "
         text += ", ".join(map(str, split))
-        kept = [f for f in self.feeds if not f.split]
+        kept = [c for c in self.carriers if not c.split]
         if kept:
             text += "; " + ", ".join(map(str, kept))
         if self.heads:
@@ -100,10 +108,13 @@ class ContextSplit:
         return text
 
 
-def sequence_feeds(
-    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh], dim: str
-) -> tuple[int, tuple[FeedSplit, ...], dict[ValueKey, DistAttr]]:  # fmt: skip
-    """The sequence length, the feeds it splits (or keeps) and their placements (module docstring)."""
+def sequence_carriers(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh], dim: str,
+    stage_copies: Iterable[ValueKey] = (),
+) -> tuple[int, tuple[Carrier, ...], dict[ValueKey, DistAttr]]:  # fmt: skip
+    """The sequence length, the values carrying it that the split places (the feeds, and
+    ``stage_copies``: the activations the user resharded onto a pipeline stage) or keeps, and
+    their placements (module docstring)."""
     feeds = [v for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
     if not feeds:
         raise AutoparError(
@@ -111,36 +122,38 @@ def sequence_feeds(
             "whose sequence could be split"
         )
     length = max(v.shape[SEQ_DIM] for v in feeds)
+    copies = [graph.values[key] for key in sorted(stage_copies) if len(graph.values[key].shape) >= 2]
     found, placed = [], {}
-    for value in sorted(feeds, key=lambda v: v.key):
+    for value, what in [*((v, "feed") for v in sorted(feeds, key=lambda v: v.key)), *((v, "stage copy") for v in copies)]:
+        carrier = functools.partial(Carrier, value.key, value.label, value.shape, what)
         if value.shape[SEQ_DIM] != length:
-            found.append(FeedSplit(value.key, value.label, value.shape, False, f"dim 1 is {value.shape[SEQ_DIM]}, not the sequence"))
+            found.append(carrier(False, f"dim 1 is {value.shape[SEQ_DIM]}, not the sequence"))
             continue
         base = user.get(value.key)
         if base is not None and _uses(base, dim):
-            found.append(FeedSplit(value.key, value.label, value.shape, False, f"annotated over {dim!r} by you: {base}"))
+            found.append(carrier(False, f"annotated over {dim!r} by you: {base}"))
             continue
         on = base.mesh if base is not None else _reader_mesh(graph, value.key, op_meshes, mesh)
         size = on.dim_size(dim)
         if length % size:
             raise AutoparError(
-                f"context parallelism over {dim!r} ({size} ranks) cannot split feed {value.label!r} {list(value.shape)}: "
+                f"context parallelism over {dim!r} ({size} ranks) cannot split {what} {value.label!r} {list(value.shape)}: "
                 f"its sequence length {length} (dim 1) is not divisible by {size}"
             )
         placed[value.key] = _with_dim(base or DistAttr.replicated(on, len(value.shape)), SEQ_DIM, dim)
-        found.append(FeedSplit(value.key, value.label, value.shape, True, "carries the sequence"))
+        found.append(carrier(True, "carries the sequence"))
     return length, tuple(found), placed
 
 
-def head_splits(
-    graph: ProgramGraph, first: PropagationResult, cores: Sequence[tuple[str, Mapping[str, ValueKey]]], dim: str
-) -> dict[ValueKey, HeadSplit]:  # fmt: skip
-    """Ulysses: each core's values (``cores``: the core's name and its values by role, each
-    ``[B, H, S, *]``) split on heads over ``dim`` and whole along the sequence; refused by name
-    where the heads per rank of the other dims splitting them do not divide by the dim's size."""
+def head_splits(graph: ProgramGraph, first: PropagationResult, cores: Sequence[AttentionCore], dim: str) -> dict[ValueKey, HeadSplit]:
+    """Ulysses: each core's q, k, v, probabilities and output (``[B, H, S, *]``) split on heads
+    over ``dim`` and whole along the sequence; refused by name where the heads per rank of the
+    other dims splitting them do not divide by the dim's size."""
     found: dict[ValueKey, HeadSplit] = {}
-    for name, values in cores:
-        for role, key in values.items():
+    for core in cores:
+        name = str(graph.ops[core.first])
+        roles = {"q": core.q, "k": core.k, "v": core.v, "probabilities": core.probabilities, "output": core.output}
+        for role, key in roles.items():
             value, dist = graph.values[key], first.dist(key)
             heads = value.shape[HEAD_DIM]
             others = [d for d in dist.mapping[HEAD_DIM] if dist.mesh.dim_names[d] != dim]

@@ -1,0 +1,78 @@
+"""Ring attention (``ContextParallel(method="ring")``, passes/ring_attention.py) on the zoo's
+Llama (``/ sqrt(d) + triu(-inf)`` mask, GQA) and GPT-2 (``* 1/sqrt(d)``, ``where`` mask, dropout
+0.1 on the probabilities), the token feeds split by sequence over ``sep``: equal to serial
+(losses every step, parameters after 3 SGD steps) on sep2, sep4 and dp2 x sep2; each rank
+passes K / V on with cp - 1 permutes per layer forward (cp backward) and gathers them never."""
+
+import re
+
+import paddle
+import pytest
+
+import autopar
+from autopar.testing.serial import assert_simulation_equals_serial
+from autopar.testing.zoo import gpt2, llama
+from autopar.testing.zoo.placements import annotate
+
+M = autopar.ProcessMesh
+RING = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="sep", method="ring"))
+MESHES = {"sep2": M([0, 1], ["sep"]), "sep4": M([0, 1, 2, 3], ["sep"]), "dp2 x sep2": M([[0, 1], [2, 3]], ["dp", "sep"])}
+LAYERS = 2
+
+
+def _build(model: str, mesh: M):
+    """The zoo model, its feeds split by batch over dp and by sequence over sep (until the
+    context-parallel rewrite does it), and the feeds of 3 steps."""
+    if model == "llama":
+        config = llama.Config(n_layers=LAYERS)
+        seed, feeds = llama.build(config, batch=4, seq=8, mesh=None), None
+    else:
+        config = gpt2.Config(n_layer=LAYERS, dropout=0.1)
+        seed, feeds = gpt2.build(config, batch=4, seq=8, mesh=None), gpt2.feeds(config, 4, 8, 3)
+    with paddle.static.program_guard(seed.main, seed.startup):
+        for value in seed.feeds.values():
+            annotate(value, mesh, dp=0, sep=1)
+    return seed, feeds
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_ring_attention_equals_serial(model, mesh):
+    seed, feeds = _build(model, MESHES[mesh])
+    dist = autopar.compile(seed.main, MESHES[mesh], startup_program=seed.startup, strategy=RING)
+    cp = MESHES[mesh].dim_size("sep")
+    comms = dist.comm_ops(0)
+    forward = [c for c in comms if c.kind == "permute" and c.value.endswith(".kv")]
+    backward = [c for c in comms if c.kind == "permute" and not c.value.endswith(".kv")]
+    assert (len(forward), len(backward)) == ((cp - 1) * LAYERS, cp * LAYERS)
+    assert not [c for c in comms if c.kind == "all_gather" and "for matmul" in c.reason]
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
+
+
+def test_without_the_ring_k_and_v_are_gathered_whole():
+    """What the ring replaces: the same feeds without the strategy gather K and V every layer."""
+    seed, _ = _build("llama", MESHES["sep2"])
+    dist = autopar.compile(seed.main, MESHES["sep2"], startup_program=seed.startup)
+    gathers = [c for c in dist.comm_ops(0) if c.kind == "all_gather" and "for matmul" in c.reason]
+    assert len(gathers) == 2 * LAYERS
+    assert not [c for c in dist.comm_ops(0) if c.kind == "permute"]
+
+
+def test_the_ring_is_a_declared_pass_and_its_permutes_are_explained():
+    seed, _ = _build("gpt2", MESHES["sep2"])
+    dist = autopar.compile(seed.main, MESHES["sep2"], startup_program=seed.startup, strategy=RING)
+    assert "ring_attention(mesh_dim='sep')" in str(dist.passes)
+    permute = next(c for c in dist.comm_ops(1) if c.kind == "permute")
+    assert permute.group == (0, 1) and permute.shift == 1
+    assert re.match(r"ring attention in GPT(_\d+)?/Block/CausalSelfAttention: attention\(matmul#\d+ ", permute.reason)
+    assert "passes its key / value blocks one rank on over sep" in permute.reason
+
+
+def test_a_sequence_not_divisible_by_the_ring_is_refused_by_name():
+    mesh = M([0, 1, 2], ["sep"])
+    seed = llama.build(llama.Config(n_layers=1), batch=2, seq=8, mesh=None)
+    with paddle.static.program_guard(seed.main, seed.startup):
+        for value in seed.feeds.values():
+            annotate(value, mesh, sep=1)
+    with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) has a sequence of 8 keys"):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)

@@ -1,0 +1,110 @@
+"""The context-parallel rewrite (autopar/rewrites/context_parallel.py): which feeds it splits
+and how it composes their placement with the user's, what it reports (``autopar explain``,
+``dist.decisions.rewrites()``), and what is refused by name — a dim the mesh lacks, a method
+or balance not built yet, a sequence the dim does not divide, heads Ulysses cannot split."""
+
+import pytest
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.testing.zoo import gpt2, llama
+
+M = autopar.ProcessMesh
+SEP2, SEP4 = M([0, 1], ["sep"]), M([0, 1, 2, 3], ["sep"])
+
+
+def cp(method="all_gather", **fields):
+    return autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method), **fields)
+
+
+def tagged_program(seq=8, annotate=None):
+    """A sequence feed ``x`` [4, seq, 16] and a per-example weight ``w`` [4, 1] in the loss."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, seq, 16], "float32")
+        w = paddle.static.data("w", [4, 1], "float32")
+        if annotate is not None:
+            annotate(x)
+        h = paddle.nn.Linear(16, 16)(x)
+        loss = (h.mean(-1) * w).mean()
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    return main, startup
+
+
+def test_the_feeds_carrying_the_sequence_are_split_and_named():
+    main, startup = tagged_program()
+    dist = autopar.compile(main, SEP2, startup_program=startup, strategy=cp())
+    assert str(dist.decisions.placement("x")) == "[S(1)]"
+    assert dist.decisions.value("x").decided_by == "strategy"
+    assert str(dist.decisions.placement("w")) == "[R]"  # dim 1 is 1: not the sequence
+    report = dict(dist.decisions.rewrites())["context_parallel"]
+    assert report == "sequence (8) split over 'sep' (2 ranks, all_gather): dim 1 of x [4, 8, 16]; w kept (dim 1 is 1, not the sequence)"
+    from autopar.cli import explain_text
+
+    assert f"context parallel: {report}" in explain_text(dist)
+
+
+def test_a_feed_the_user_split_over_the_dim_is_kept_as_written():
+    main, startup = tagged_program(annotate=lambda x: autopar.shard_tensor(x, SEP2, [autopar.Shard(2)]))
+    dist = autopar.compile(main, SEP2, startup_program=startup, strategy=cp())
+    assert str(dist.decisions.placement("x")) == "[S(2)]"
+    assert "x kept (annotated over 'sep' by you: [S(2)])" in dict(dist.decisions.rewrites())["context_parallel"]
+
+
+def test_the_users_batch_split_is_kept_and_the_sequence_added():
+    mesh = M([[0, 1], [2, 3]], ["dp", "sep"])
+    main, startup = tagged_program(annotate=lambda x: autopar.shard_tensor(x, mesh, [autopar.Shard(0), autopar.Replicate()]))
+    dist = autopar.compile(main, mesh, startup_program=startup, strategy=cp())
+    assert str(dist.decisions.placement("x")) == "[S(0),S(1)]"
+    assert dist.decisions.value("x").decided_by == "user annotation"
+
+
+def test_a_dim_the_mesh_lacks_is_refused_by_name():
+    main, startup = tagged_program()
+    with pytest.raises(AutoparError, match=r"ContextParallel\(dim='cp'\) names no dim of the mesh \(its dims: \['sep'\]\)"):
+        autopar.compile(main, SEP2, startup_program=startup, strategy=autopar.Strategy(context_parallel=autopar.ContextParallel("cp", "all_gather")))
+
+
+@pytest.mark.parametrize(
+    ("context", "match"),
+    [
+        (autopar.ContextParallel("sep", "ring"), r"ContextParallel\(method='ring'\): ring attention's lowering"),
+        (autopar.ContextParallel("sep", "all_gather", "zigzag"), r"ContextParallel\(balance='zigzag'\): the zig-zag split"),
+    ],
+)
+def test_what_has_not_landed_is_refused_by_name(context, match):
+    main, startup = tagged_program()
+    with pytest.raises(AutoparError, match=match):
+        autopar.compile(main, SEP2, startup_program=startup, strategy=autopar.Strategy(context_parallel=context))
+
+
+def test_a_sequence_the_dim_does_not_divide_is_refused_by_name():
+    main, startup = tagged_program(seq=6)
+    with pytest.raises(AutoparError, match=r"over 'sep' \(4 ranks\) cannot split feed 'x' \[4, 6, 16\]: its sequence length 6 \(dim 1\) is not divisible by 4"):
+        autopar.compile(main, SEP4, startup_program=startup, strategy=cp())
+
+
+def test_heads_ulysses_cannot_split_are_refused_by_name():
+    config = gpt2.Config(n_head=2, n_embd=16)
+    seed = gpt2.build(config, batch=4, seq=8, mesh=SEP4)
+    with pytest.raises(AutoparError, match=r"all_to_all over 'sep' \(4 ranks\) splits the heads of attention core pd_op\.matmul#\d+: "
+                       r"q '%\d+\.0' \[4, 2, 8, 8\] has 2 heads, not divisible by 4"):  # fmt: skip
+        autopar.compile(seed.main, SEP4, startup_program=seed.startup, strategy=cp("all_to_all"))
+
+
+def test_ulysses_reports_the_cores_it_splits_on_heads():
+    seed = llama.build(llama.Config(), batch=4, seq=8, mesh=SEP2)
+    dist = autopar.compile(seed.main, SEP2, startup_program=seed.startup, strategy=cp("all_to_all"))
+    report = dict(dist.decisions.rewrites())["context_parallel"]
+    assert report.startswith("sequence (8) split over 'sep' (2 ranks, all_to_all): dim 1 of tokens [4, 8], labels [4, 8]; ")
+    assert report.endswith("q, k, v, probabilities and output of 2 attention core(s) split on heads (10 values)")
+
+
+def test_an_analysis_depends_on_context_parallelism():
+    main, startup = tagged_program()
+    analysis = autopar.analyze(main, SEP2, startup, cp())
+    with pytest.raises(AutoparError, match="the strategy's context_parallel=None but the analysis was made with context_parallel="):
+        autopar.compile(main, SEP2, startup_program=startup, strategy=autopar.Strategy(), analysis=analysis)
