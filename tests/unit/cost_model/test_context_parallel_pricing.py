@@ -132,3 +132,60 @@ def test_ulysses_needs_heads_divisible_by_cp_and_the_sequence_must_split():
     with pytest.raises(CostModelError, match="does not split into 16 equal chunks"):
         price_attention(AttentionShape(1, 4104, 12, 64), 8, "ring", H100, "zigzag")
     assert set(compare(AttentionShape(1, 4096, 12, 64), 8, H100)) == {"serial", "ring", "all_gather"}
+
+
+# ---- a compiled ring: dist.decisions.price() (autopar/ring_pricing.py) ---------------------------
+@pytest.fixture(scope="module")
+def compiled():
+    """The Llama zoo model (2 layers, 2 heads, 64 tokens) on sep=4, h100-node: the all-gather-KV
+    plan and ring attention (compile's gate on the ring, if still there, lifted: the lowering is
+    what is priced)."""
+    import warnings
+
+    import autopar
+    from autopar import compile_plan
+    from autopar.testing.zoo import llama
+
+    config = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1)
+    mesh = autopar.ProcessMesh([0, 1, 2, 3], ["sep"])
+    out = {}
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.setattr(compile_plan, "CONTEXT_PARALLEL_NOT_LANDED", {}, raising=False)
+        for method in ("all_gather", "ring"):
+            seed = llama.build(config, batch=1, seq=64, optimizer="sgd")
+            strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method), cluster="h100-node")
+            out[method] = autopar.compile(seed.main, mesh, seed.startup, strategy)
+    return out
+
+
+@pytest.mark.parametrize("method", ["all_gather", "ring"])
+def test_a_compiled_steps_price_counts_the_collectives_its_rank_programs_run(compiled, method):
+    """Priced without a rank program, the step moves the bytes and spends the collective seconds
+    rank 0's program carries: the ring's permutes instead of the K / V gathers they replace."""
+    dist = compiled[method]
+    price, comms = dist.decisions.price(), dist.comm_ops(0)
+    assert price.sent == sum(c.bytes for c in comms)
+    assert price.communication + price.hidden == pytest.approx(sum(c.time for c in comms))
+    permutes = [c for c in comms if str(c.kind) == "permute"]
+    assert len(permutes) == (2 * (4 - 1) + 1) * 2 if method == "ring" else not permutes
+
+
+def test_a_compiled_rings_shifts_hide_behind_its_blocks(compiled):
+    """Each of a core's 3 forward and 3 backward shifts hides at most its own seconds; the one
+    dk / dv shift home never hides: the ring's exposed communication is less than the gathers'."""
+    ring, gathered = compiled["ring"].decisions.price(), compiled["all_gather"].decisions.price()
+    shifts = [c for c in compiled["ring"].comm_ops(0) if str(c.kind) == "permute"]
+    home = min(c.time for c in shifts)  # ([dk|dv], one a layer: as small as a forward [k|v] shift)
+    assert 0 < ring.hidden <= sum(c.time for c in shifts) - 2 * home + 1e-12
+    assert ring.communication < gathered.communication
+    assert ring.compute > gathered.compute  # the backward recomputes each block's probabilities
+
+
+def test_a_compiled_ring_keeps_no_scores_only_the_log_sum_exp(compiled):
+    """Per rank the all-gather plan keeps each core's [B, H, S/cp, S] scores and probabilities; the
+    ring keeps the fp32 log-sum-exp [B, H, S/cp] instead: memory falls by at least the probabilities."""
+    ring, gathered = compiled["ring"].decisions.price(), compiled["all_gather"].decisions.price()
+    probabilities = 2 * (1 * 2 * (64 // 4) * 64 * 4)  # two layers' [1, 2, 16, 64] float32
+    lse = 2 * (1 * 2 * (64 // 4) * 4)
+    assert gathered.memory - ring.memory >= probabilities - lse

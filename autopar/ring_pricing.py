@@ -1,0 +1,110 @@
+"""Ring attention's share of a compiled step's price (stage: strategy search and cost report;
+:mod:`autopar.pricing` asks it; issue 39).
+
+Compile plans a context-parallel program's collectives as the all-gather-KV plan (K and V
+gathered for each attention core) and the ring lowering (:mod:`autopar.passes.ring_attention`)
+replaces those gathers, in every rank's program, by the ring's shifts: ``cp - 1`` permutes of
+the ``[k|v]`` block forward, ``cp - 1`` of ``[k|v|dk|dv]`` and one of ``[dk|dv]`` backward
+(its :class:`RingPlan` holds each shift's planned step). Priced here, without a rank program:
+
+- the gathers the ring takes the place of (each core's planned K and V reads, and the reads
+  sharing them) are left out of the step (:func:`replaced`);
+- each shift runs behind one block's attention (the shift carries the block the next step
+  computes with): of the ``cp - 1`` forward shifts, each hides ``min(shift, block)``, a block
+  being ``1/cp`` of the core's forward compute on the rank; likewise backward against ``1/cp``
+  of the core's backward; the last ``[dk|dv]`` shift home hides nothing (:func:`ring_costs`,
+  the bound of ``cost_model/context_parallel.py`` on the compiled program);
+- the backward recomputes each block's probabilities from the log-sum-exp: the core's scores
+  product, middle and softmax once more;
+- memory: the core keeps q, its own K/V block, the output and the fp32 log-sum-exp, not its
+  scores or probabilities (:func:`unkept` and :func:`lse_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.passes.base import CompileState
+
+
+@dataclass(frozen=True, slots=True)
+class RingCost:
+    """One rank's ring shifts per micro-batch: seconds, seconds run behind the blocks, bytes
+    sent, permutes; and the backward's recomputed probabilities (seconds)."""
+
+    seconds: float = 0.0
+    hidden: float = 0.0
+    sent: int = 0
+    count: int = 0
+    recompute: float = 0.0
+
+
+def rings(state: CompileState) -> tuple[Any, ...]:
+    """The planned rings (:class:`autopar.passes.ring_attention.RingCore`), none without ring attention."""
+    from autopar.passes.ring_attention import RingPlan
+
+    plan = state.result(RingPlan)
+    return plan.cores if plan is not None else ()
+
+
+def replaced(state: CompileState) -> set[int]:
+    """The planned reshards the rings take the place of: each core's K and V gathers and the
+    reads that share them."""
+    reads = {index for ring in rings(state) for index in (ring.k_read, ring.v_read) if index is not None}
+    return reads | {p.index for p in state.reshards if p.shared_with in reads}
+
+
+def ring_costs(state: CompileState, ranks: list[int], seconds: Callable[[Any, int], float]) -> dict[int, RingCost]:
+    """Each of ``ranks``' ring shifts (module docstring); ``seconds(op, rank)``: an op's priced
+    seconds on a rank (the core's blocks are read off its ops)."""
+    graph, meshes = state.graph, state.propagation.op_meshes
+    out = {rank: RingCost() for rank in ranks}
+    for ring in rings(state):
+        core, parts = ring.core, ring.parts
+        forward_shift, backward_shift, home = (step.time for step in ring.shifts)
+        for rank in ranks:
+            if rank not in meshes.get(core.first, state.mesh).ranks:
+                continue
+            forward = sum(seconds(graph.ops[i], rank) for i in core.ops)
+            backward = sum(seconds(graph.ops[i], rank) for i in core.backward)
+            again = sum(seconds(graph.ops[i], rank) for i in (core.first, *core.middle, core.softmax))
+            shifts = parts - 1
+            cost = RingCost(
+                shifts * (forward_shift + backward_shift) + home,
+                shifts * (min(forward_shift, forward / parts) + min(backward_shift, (backward + again) / parts)),
+                sum(step.bytes * n for step, n in zip(ring.shifts, (shifts, shifts, 1))),
+                2 * shifts + 1,
+                again,
+            )
+            was = out[rank]
+            out[rank] = RingCost(*(a + b for a, b in zip(_fields(was), _fields(cost))))
+    return out
+
+
+def _fields(cost: RingCost) -> tuple:
+    return cost.seconds, cost.hidden, cost.sent, cost.count, cost.recompute
+
+
+def unkept(state: CompileState) -> set[Any]:
+    """Values the all-gather plan keeps for the backward that a ring does not: each core's
+    scores, middle values, probabilities and dropout (what its ops make but the output)."""
+    graph = state.graph
+    out = set()
+    for ring in rings(state):
+        for index in ring.core.ops:
+            out.update(key for key in graph.ops[index].outputs if key is not None and key != ring.core.output)
+    return out
+
+
+def lse_bytes(state: CompileState, rank: int, local: Callable[[Any, Any, int], tuple[int, ...]]) -> int:
+    """The fp32 log-sum-exp each ring keeps on ``rank``: one value per query row of its q."""
+    total = 0
+    for ring in rings(state):
+        q = ring.core.q
+        dist = state.propagation.dist(q)
+        if rank in dist.mesh.ranks:
+            total += math.prod(local(state.graph.values[q].shape, dist, rank)[:-1]) * 4
+    return total
