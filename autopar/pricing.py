@@ -231,7 +231,7 @@ def rank_times(
     computed, ready = _compute(state, computing, {op for sync in syncs for op in sync.producers}, precision)
     added = _added_ops(state, ranks) if launch else {}
     communicated = _communication(state, ranks, precision)
-    ring = ring_pricing.ring_costs(state, ranks, lambda op, rank: shared * _priced_seconds(state, op, rank, precision))
+    ring = ring_pricing.ring_costs(state, ranks, lambda op, rank: shared * _priced_seconds(state, op, rank, precision), precision)
     by_stage = {}
     for rank in computing:
         by_stage.setdefault(stage_of.get(rank, 0), rank)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.cost_model.planner import group_at
+from autopar.cost_model.precision import AS_BUILT, Precision, rescaled_time
 from autopar.passes.base import CompileState
 
 
@@ -57,17 +59,22 @@ def replaced(state: CompileState) -> set[int]:
     return reads | {p.index for p in state.reshards if p.shared_with in reads}
 
 
-def ring_costs(state: CompileState, ranks: list[int], seconds: Callable[[Any, int], float]) -> dict[int, RingCost]:
+def ring_costs(
+    state: CompileState, ranks: list[int], seconds: Callable[[Any, int], float], precision: Precision = AS_BUILT
+) -> dict[int, RingCost]:  # fmt: skip
     """Each of ``ranks``' ring shifts (module docstring); ``seconds(op, rank)``: an op's priced
-    seconds on a rank (the core's blocks are read off its ops)."""
+    seconds on a rank (the core's blocks are read off its ops); ``precision``: the shifts move
+    K / V in it (a float32 program priced as bfloat16: half the bytes, by the alpha-beta formula)."""
     graph, meshes = state.graph, state.propagation.op_meshes
     out = {rank: RingCost() for rank in ranks}
     for ring in rings(state):
         core, parts = ring.core, ring.parts
-        forward_shift, backward_shift, home = (step.time for step in ring.shifts)
+        ratio = precision.ratio(graph.values[core.k].dtype, graph.values[core.k].kind)
         for rank in ranks:
             if rank not in meshes.get(core.first, state.mesh).ranks:
                 continue
+            moved = [_moved(step, rank, ratio, state.cluster) for step in ring.shifts]
+            (forward_shift, backward_shift, home), sizes = zip(*moved)
             forward = sum(seconds(graph.ops[i], rank) for i in core.ops)
             backward = sum(seconds(graph.ops[i], rank) for i in core.backward)
             again = sum(seconds(graph.ops[i], rank) for i in (core.first, *core.middle, core.softmax))
@@ -75,13 +82,21 @@ def ring_costs(state: CompileState, ranks: list[int], seconds: Callable[[Any, in
             cost = RingCost(
                 shifts * (forward_shift + backward_shift) + home,
                 shifts * (min(forward_shift, forward / parts) + min(backward_shift, (backward + again) / parts)),
-                sum(step.bytes * n for step, n in zip(ring.shifts, (shifts, shifts, 1))),
+                sum(size * n for size, n in zip(sizes, (shifts, shifts, 1))),
                 2 * shifts + 1,
                 again,
             )
             was = out[rank]
             out[rank] = RingCost(*(a + b for a, b in zip(_fields(was), _fields(cost))))
     return out
+
+
+def _moved(step: Any, rank: int, ratio: float, cluster: Any) -> tuple[float, int]:
+    """A shift's seconds and bytes on ``rank`` moving ``ratio`` times its planned bytes."""
+    if ratio == 1.0:
+        return step.time, step.bytes
+    group = tuple(group_at(step.src.mesh, rank, step.mesh_dims))
+    return rescaled_time("permute", group, step.bytes, step.time, ratio, cluster), int(step.bytes * ratio)
 
 
 def _fields(cost: RingCost) -> tuple:

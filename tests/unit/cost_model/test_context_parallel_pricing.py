@@ -180,6 +180,8 @@ def test_a_compiled_rings_shifts_hide_behind_its_blocks(compiled):
     assert 0 < ring.hidden <= sum(c.time for c in shifts) - 2 * home + 1e-12
     assert ring.communication < gathered.communication
     assert ring.compute > gathered.compute  # the backward recomputes each block's probabilities
+    report = compiled["ring"].cost.ranks[0]  # dist.cost: the same pricing, every rank
+    assert report.hidden == pytest.approx(ring.hidden) and report.step_time == pytest.approx(ring.compute + ring.communication)
 
 
 def test_a_compiled_ring_keeps_no_scores_only_the_log_sum_exp(compiled):
@@ -189,3 +191,13 @@ def test_a_compiled_ring_keeps_no_scores_only_the_log_sum_exp(compiled):
     probabilities = 2 * (1 * 2 * (64 // 4) * 64 * 4)  # two layers' [1, 2, 16, 64] float32
     lse = 2 * (1 * 2 * (64 // 4) * 4)
     assert gathered.memory - ring.memory >= probabilities - lse
+
+
+def test_a_compiled_rings_shifts_move_the_precision_priced(compiled):
+    """A float32 program priced as bfloat16 (``Precision("bfloat16")``): every shift moves half its bytes."""
+    from autopar.cost_model.precision import Precision
+
+    dist = compiled["ring"]
+    as_built, bf16 = dist.decisions.price(), dist.decisions.price(Precision("bfloat16"))
+    permuted = sum(c.bytes for c in dist.comm_ops(0) if str(c.kind) == "permute")
+    assert permuted > 0 and bf16.sent == pytest.approx(as_built.sent / 2, rel=1e-6)  # (every collective carries float32)
