@@ -57,7 +57,6 @@ ANALYSED = (
 )  # fmt: skip
 # ContextParallel choices whose lowering has not landed: (field, value) -> what is missing (one line each)
 CONTEXT_PARALLEL_NOT_LANDED = {
-    ("method", "ring"): "ring attention's lowering (passes/ring_attention.py) has not landed; use method='all_to_all' or 'all_gather'",
     ("balance", "zigzag"): "the zig-zag split (feeds permuted, position tables and causal masks following it) is not built",
 }
 

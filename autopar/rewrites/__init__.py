@@ -30,6 +30,7 @@ from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
 from autopar.rewrites.context_parallel import (
+    ULYSSES,
     ContextSplit,
     head_placements,
     head_splits,
@@ -386,7 +387,7 @@ class ContextParallelSplit(Rewrite):
         made = work.annotated(self, {key: attr for key, attr in placed.items() if key not in work.user})
         work = dataclasses.replace(work, user=user, made=made, propagated=None)
         heads: tuple = ()
-        if self.method == "all_to_all":
+        if self.method == ULYSSES:
             first = work.propagate()
             splits = head_splits(work.graph, first, attention_cores(work.graph), self.dim)
             placements = head_placements(first, {k: s for k, s in splits.items() if k not in work.user}, self.dim)

@@ -50,6 +50,7 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult
 
+ULYSSES = "all_to_all"  # the ContextParallel method (a method's name, not the collective kind it happens to be named after)
 SEQ_DIM = 1  # batch-first feeds: [batch, seq, ...]
 HEAD_DIM = 1  # attention cores' operands: [batch, heads, seq, head_dim]
 

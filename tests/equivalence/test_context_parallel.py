@@ -3,8 +3,9 @@ in the simulator: the zoo's Llama and GPT-2 (with attention dropout) equal seria
 every step and parameters after 3 SGD steps — with the sequence split over ``sep`` (cp = 2
 and 4) for the "all_gather" plan (q split, K / V gathered whole) and Ulysses' "all_to_all"
 (q, k, v and the core's output split on heads around each attention core), alone and with
-dp, tensor parallelism + sequence parallelism, a 2-stage pipeline and recompute. On the GPU
-profile Ulysses is exactly its four all_to_alls a layer forward and four backward."""
+dp, tensor parallelism + sequence parallelism, a 2-stage pipeline and recompute; the split
+feeds ring attention (passes/ring_attention.py) too. On the GPU profile Ulysses is exactly its
+four all_to_alls a layer forward and four backward."""
 
 import pytest
 
@@ -45,7 +46,7 @@ def sep_of(placement, tensor_dim):
 
 def assert_split(model, dist, method):
     """The token and label feeds split on the sequence over sep; each core's q split on the
-    sequence (all_gather) or on heads (all_to_all)."""
+    sequence (all_gather; ring, which lowers the core over that split) or on heads (all_to_all)."""
     for name in MODELS[model][3]:
         assert sep_of(dist.decisions.placement(name), 1), name
     cores = score_matmuls(dist)
@@ -73,6 +74,8 @@ COMPOSED = {  # name -> (mesh, method, other Strategy fields, the model)
     "pp2 x sep2 1F1B m=2, gpt2 dropout, all_gather": (
         PP_SEP, "all_gather", {"pipeline": autopar.PipelineConfig(micro_batches=2)}, "gpt2 dropout",
     ),  # fmt: skip
+    "sep2, gpt2 dropout, ring": (SEP[2], "ring", {}, "gpt2 dropout"),
+    "sep2 x mp2 + SP, llama, ring": (SEP_MP, "ring", {"sequence_parallel": "mp"}, "llama"),
     "recompute, llama, all_to_all": (SEP[2], "all_to_all", {"recompute": True}, "llama"),
     "recompute dp2 x sep2, gpt2 dropout, all_to_all": (DP_SEP, "all_to_all", {"recompute": True}, "gpt2 dropout"),
 }
