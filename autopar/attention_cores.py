@@ -24,13 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
+from autopar.propagation_result import PropagationResult
+from autopar.spmd import ops_where
 
 # ops that may sit between the scores and the softmax (anything else: no core is found there)
 MIDDLE_OPS = frozenset(
-    f"pd_op.{name}" for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like")
+    f"pd_op.{name}"
+    for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like", "tril", "triu")
 )
+# ops walked through from the softmax back to the scores (a sequence-local op that is no middle op,
+# soft-capping's tanh, is found and then refused by affine_middle, not mistaken for a mask)
+WALKED = MIDDLE_OPS | ops_where("sequence_local")
+TRIANGLES = frozenset({"pd_op.tril", "pd_op.triu"})  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
 SHAPE_ONLY = {"pd_op.full_like": frozenset({0})}  # operands read for their shape only (Paddle marks none)
 
 
@@ -137,7 +145,7 @@ def _scores_matmul(graph: ProgramGraph, softmax: OpNode) -> tuple[OpNode | None,
         if op.name == "pd_op.matmul":
             matmuls.add(op.index)
             continue
-        if op.name not in MIDDLE_OPS:
+        if op.name not in WALKED:
             continue  # a mask or a constant built elsewhere: an operand of the middle, not part of it
         seen.add(op.index)
         stack.extend(k for k in op.inputs if k is not None)
@@ -220,6 +228,10 @@ def affine_middle(graph: ProgramGraph, core: AttentionCore) -> AffineMiddle:
         if len(reads) > 1:
             raise AutoparError(f"ring attention: {where} reads the scores twice (not affine in them)")
         slot = reads[0]
+        inside = {k for i in core.middle for k in graph.ops[i].outputs if k is not None}
+        for other, key in enumerate(op.inputs):
+            if other != slot and key is not None and key not in inside and _reads(graph, key, {core.q, core.k}):
+                raise AutoparError(f"ring attention: {where} adds to the scores {graph.values[key].label}, made from q or k")
         factor = _factor(graph, op, slot, where)
         if op.name == "pd_op.where":
             wheres.append((index, slot == 1))
@@ -229,6 +241,21 @@ def affine_middle(graph: ProgramGraph, core: AttentionCore) -> AffineMiddle:
     if graph.ops[core.softmax].inputs[0] not in on_path:
         raise AutoparError(f"ring attention: the softmax of {core} does not read the scores through its middle")
     return AffineMiddle(coefficient, tuple(path), tuple(wheres))
+
+
+def _reads(graph: ProgramGraph, key: ValueKey, sources: set[ValueKey]) -> bool:
+    """Whether ``key`` is made from one of ``sources`` (through any forward ops)."""
+    seen: set[int] = set()
+    stack = [key]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        if current[0] in seen:
+            continue
+        seen.add(current[0])
+        stack.extend(k for k in graph.ops[current[0]].inputs if k is not None)
+    return False
 
 
 def _factor(graph: ProgramGraph, op: OpNode, slot: int, where: str) -> float:
@@ -265,3 +292,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def ring_gradient_placements(graph: ProgramGraph, first: PropagationResult, dim: int) -> dict[ValueKey, DistAttr]:
+    """Where ring attention wants each core's K and V gradients (strategy annotations): split by
+    sequence over mesh dim ``dim``. After a first propagation (q split by sequence over ``dim``,
+    K and V read whole: the all_gather plan) they are pending sums over ``dim``, reduced only
+    where a later op needs them whole or split, after the layout ops of the backward; the ring
+    makes each rank's block of them complete, so placed split they are reduce_scattered right
+    after the grad op — which the ring then replaces — and the backward's layout ops run on the
+    blocks. A gradient first propagation does not leave pending over ``dim`` is left as it is."""
+    made = {}
+    for core in attention_cores(graph):
+        grads = {graph.ops[i].forward_op: i for i in core.backward}
+        for forward in (core.first, core.second):
+            grad_op = grads.get(forward)
+            key = graph.ops[grad_op].outputs[1] if grad_op is not None else None
+            if key is None or key not in first.states:
+                continue
+            dist = first.dist(key)
+            seq = dist.ndim - 2
+            if dim not in dist.partial_dims or dist.mapping[seq]:
+                continue
+            mapping = tuple((dim,) if t == seq else dims for t, dims in enumerate(dist.mapping))
+            made[key] = DistAttr.of(dist.mesh, mapping, tuple((d, kind) for d, kind in dist.partial if d != dim))
+    return made

@@ -46,6 +46,7 @@ from autopar.rewrites import (
     StageNorms,
     StageOverflowChecks,
 )  # fmt: skip
+from autopar.rewrites.ring_gradients import RingGradients
 from autopar.strategy import ContextParallel, EffectiveStrategy, PipelineConfig, Strategy
 
 if TYPE_CHECKING:
@@ -133,6 +134,9 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
         found.append(ContextParallelSplit(context.dim, context.method))
     if strategy.sequence_parallel:
         found.append(SequenceParallel(strategy.sequence_parallel))
+    cp = strategy.context_parallel
+    if cp is not None and cp.method == "ring":  # (after the context-parallel split of the sequence)
+        found.append(RingGradients(cp.dim))
     return tuple(found)
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.attention_cores import AffineMiddle, AttentionCore, affine_middle, attention_cores
+from autopar.attention_cores import TRIANGLES, AffineMiddle, AttentionCore, affine_middle, attention_cores
 from autopar.causes import in_layer, layer_of
 from autopar.collective import CollectiveKey
 from autopar.cost_model.planner import ReshardStep, group_at, plan_ring_shift
@@ -83,6 +83,7 @@ class RingCore:
     v_read: int | None
     first_grad: int | None  # the matmul_grad ops of the core's backward (None: no backward)
     second_grad: int | None
+    split_grads: frozenset[ValueKey] = frozenset()  # dK / dV reduce_scattered by sequence right after their grad op
 
 
 @dataclass(frozen=True)
@@ -167,11 +168,29 @@ def _plan_core(state: CompileState, core: AttentionCore, dim: int) -> RingCore:
     reason = in_layer("ring attention", layer_of(graph, core.first)) + (
         f": {core} passes its key / value blocks one rank on over {name} instead of gathering them"
     )
+    first_grad, second_grad = grads.get(core.first), grads.get(core.second)
+    grad_keys = [graph.ops[i].outputs[1] for i in (first_grad, second_grad) if i is not None]
     return RingCore(
         core, middle, dim, parts, keys, shifts, values, reason,
         _gather_read(state, core.first, 1, core.k, dim), _gather_read(state, core.second, 1, core.v, dim),
-        grads.get(core.first), grads.get(core.second),
+        first_grad, second_grad, frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)),
     )  # fmt: skip
+
+
+def _scattered(state: CompileState, key: ValueKey, dim: int) -> bool:
+    """Whether ``key`` (a K / V gradient, a pending sum over ``dim``) is reduce_scattered by
+    sequence over ``dim`` right after its producer, and by that one step only (the ring's
+    block is then exactly what the step makes)."""
+    seq = len(state.graph.values[key].shape) - 2
+    for planned in state.reshards:
+        need = planned.need
+        if need.value == key and need.site.kind is SiteKind.AFTER_PRODUCER:
+            steps = planned.plan.steps
+            return (
+                len(steps) == 1 and tuple(steps[0].mesh_dims) == (dim,) and dim in steps[0].src.partial_dims
+                and steps[0].dst.mapping[seq] == (dim,) and not steps[0].dst.partial
+            )  # fmt: skip
+    return False
 
 
 def _gather_read(state: CompileState, op: int, slot: int, key: ValueKey, dim: int) -> int | None:
@@ -194,7 +213,10 @@ class RankRing:
         group = group_at(state.mesh, rp.rank, (ring.mesh_dim,))
         self.position, self.parts = group.index(rp.rank), ring.parts
         self.block = ring.keys // ring.parts
+        queries = state.graph.values[ring.core.q].shape[-2]
+        self.first_row = shard_bounds(queries, ring.parts, self.position)[0]
         self.count = 0
+        self.handed: set[ValueKey] = set()  # K / V gradients handed on in place of their reduce_scatter
 
     # ---- the whole core ------------------------------------------------------------------
     def emit(self) -> None:
@@ -214,8 +236,9 @@ class RankRing:
         replace_uses(old, out)
         rp.replaced[core.output] = out
         for key, new in grads.items():
-            replace_uses(rp.ops[key[0]].result(key[1]), new)
             rp.replaced[key] = new
+            if key not in self.handed:  # (a block handed on in place of its reduce_scatter: that one is erased)
+                replace_uses(rp.ops[key[0]].result(key[1]), new)
         self._erase()
 
     def _local(self, op: int, key: ValueKey, gathered: int | None) -> Any:
@@ -260,6 +283,9 @@ class RankRing:
                 what = f"operand {graph.values[key].label} of {node}"
                 mapping.add(operand, made[key] if key in made else self._columns(operand, j, what))
             clone = op.clone(mapping, paddle.pir.CloneOptions(False, True, True))
+            if node.name in TRIANGLES:  # the block's diagonal: counted from its corner at (first row, column j * n)
+                diagonal = int(node.attrs.get("diagonal", 0)) + self.first_row - j * self.block
+                clone.set_int_attr("diagonal", diagonal)
             for r, key in enumerate(node.outputs):
                 if key is None:
                     continue
@@ -368,10 +394,21 @@ class RankRing:
                 bundle = self._shift(C.concat([k, v, dk, dv], -1), 1)
         dk, dv = self._split(self._shift(C.concat([dk, dv], -1), 2), self.widths)
         grads = {}
-        for key, new in ((first.outputs[0], dq), (first.outputs[1], self._pending(dk)), (second.outputs[1], self._pending(dv))):
+        for key, new in ((first.outputs[0], dq), (first.outputs[1], dk), (second.outputs[1], dv)):
             if key is not None:
-                grads[key] = new
+                grads[key] = new if key == first.outputs[0] else self._gradient(key, new)
         return grads
+
+    def _gradient(self, key: ValueKey, block: Any) -> Any:
+        """The ring's block of a K / V gradient as the program's readers take it: in place of the
+        reduce_scatter after the grad op (which made exactly this block), or else as the pending
+        sum the grad op made (:meth:`_pending`)."""
+        if key in self.ring.split_grads and key in self.rp.final:
+            replace_uses(self.rp.final[key], block)
+            self.rp.final[key] = block
+            self.handed.add(key)
+            return block
+        return self._pending(block)
 
     def _through_middle(self, ds: Any, made: dict[ValueKey, Any], j: int) -> Any:
         """The softmax input's gradient taken back through the middle to the scores: its scalar,
@@ -411,6 +448,11 @@ class RankRing:
             op = rp.ops[index]
             if op is None:
                 continue
+            for result in op.results():
+                self._erase_readers(result, serial)
+                if not result.use_empty():
+                    users = ", ".join(user.name() for user in result.all_used_ops())
+                    raise AutoparError(f"ring attention: {self.state.graph.ops[index]} of {self.core} is still read by {users}")
             dropped.extend(op.operands_source())
             op.erase()
             rp.ops[index] = None
@@ -424,6 +466,18 @@ class RankRing:
             dropped.extend(producer.operands_source())
             self._forget(producer)
             producer.erase()
+
+    def _erase_readers(self, value: Any, serial: set[int]) -> None:
+        """Erase the inserted ops (reshards of the core's values) that read ``value`` and whose
+        results no one reads any more, readers of readers first."""
+        for user in list(value.all_used_ops()):
+            if user.id() in serial:
+                continue
+            for result in user.results():
+                self._erase_readers(result, serial)
+            if all(result.use_empty() for result in user.results()):
+                self._forget(user)
+                user.erase()
 
     def _forget(self, op: Any) -> None:
         """Drop the records of an inserted op about to be erased (its collective, its result)."""

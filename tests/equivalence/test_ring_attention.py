@@ -45,7 +45,21 @@ def test_ring_attention_equals_serial(model, mesh):
     forward = [c for c in comms if c.kind == "permute" and c.value.endswith(".kv")]
     backward = [c for c in comms if c.kind == "permute" and not c.value.endswith(".kv")]
     assert (len(forward), len(backward)) == ((cp - 1) * LAYERS, cp * LAYERS)
-    assert not [c for c in comms if c.kind == "all_gather" and "for matmul" in c.reason]
+    assert not [c for c in comms if c.kind == "all_gather" and ("for matmul" in c.reason or "reshape_grad" in c.reason)]
+    assert not [c for c in comms if c.kind == "reduce_scatter"]  # dK / dV: the ring's blocks, not reduced sums
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
+
+
+def test_gradients_left_pending_by_propagation_are_handed_on_as_pending_sums(monkeypatch):
+    """Without the ring's gradient placements (autopar/rewrites/ring_gradients.py) dK and dV stay
+    pending sums reduced after the backward's layout ops: the ring hands each rank's block on
+    among zeros, and the planner's reduce_scatter makes it whole again — equal all the same."""
+    from autopar.rewrites.ring_gradients import RingGradients
+
+    monkeypatch.setattr(RingGradients, "apply", lambda self, work: work.reported(self, "off"))
+    seed, feeds = _build("gpt2", MESHES["sep2"])
+    dist = autopar.compile(seed.main, MESHES["sep2"], startup_program=seed.startup, strategy=RING)
+    assert len([c for c in dist.comm_ops(0) if c.kind == "reduce_scatter"]) == 2 * LAYERS
     assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
 
 
@@ -76,3 +90,35 @@ def test_a_sequence_not_divisible_by_the_ring_is_refused_by_name():
             annotate(value, mesh, sep=1)
     with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) has a sequence of 8 keys"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
+
+
+@pytest.mark.parametrize(
+    "extra, refusal",
+    [
+        ({"recompute": True}, "under recompute is not built yet"),
+        ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "in a pipeline / micro-batched program is not built yet"),
+    ],
+)
+def test_what_the_ring_does_not_build_yet_is_refused_by_name(extra, refusal):
+    mesh = M([[0, 1], [2, 3]], ["pp", "sep"]) if "pipeline" in extra else MESHES["sep2"]
+    seed, _ = _build("llama", mesh)
+    strategy = autopar.Strategy(context_parallel=RING.context_parallel, **extra)
+    with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) " + re.escape(refusal)):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+def test_a_middle_not_affine_in_the_scores_is_refused_by_name():
+    """Soft-capping (Gemma 2: ``tanh(scores / c) * c``) cannot be recomputed block by block with one
+    coefficient: refused naming the op."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    mesh = MESHES["sep2"]
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [2, 4, 8], "float32")
+        q, k, v = (paddle.static.nn.fc(x, 8, num_flatten_dims=2).reshape([2, 4, 2, 4]).transpose([0, 2, 1, 3]) for _ in range(3))
+        att = paddle.tanh(paddle.matmul(q, k, transpose_y=True) / 50.0) * 50.0
+        out = paddle.matmul(paddle.nn.functional.softmax(att, axis=-1), v)
+        paddle.optimizer.SGD(0.1).minimize(paddle.mean(out))
+        autopar.shard_tensor(x, mesh, [autopar.Shard(1)])
+    with pytest.raises(autopar.AutoparError, match=r"ring attention: pd_op.tanh#\d+ in attention\(matmul#\d+ .*\) is a tanh of the scores"):
+        autopar.compile(main, mesh, startup_program=startup, strategy=RING)
