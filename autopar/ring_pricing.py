@@ -7,8 +7,9 @@ replaces those gathers, in every rank's program, by the ring's shifts: ``cp - 1`
 the ``[k|v]`` block forward, ``cp - 1`` of ``[k|v|dk|dv]`` and one of ``[dk|dv]`` backward
 (its :class:`RingPlan` holds each shift's planned step). Priced here, without a rank program:
 
-- the gathers the ring takes the place of (each core's planned K and V reads, and the reads
-  sharing them) are left out of the step (:func:`replaced`);
+- the collectives the ring takes the place of (each core's planned K and V reads and the reads
+  sharing them; the reductions of dK / dV right after its backward's matmul gradients) are left
+  out of the step (:func:`replaced`);
 - each shift runs behind one block's attention (the shift carries the block the next step
   computes with): of the ``cp - 1`` forward shifts, each hides ``min(shift, block)``, a block
   being ``1/cp`` of the core's forward compute on the rank; likewise backward against ``1/cp``
@@ -54,9 +55,20 @@ def rings(state: CompileState) -> tuple[Any, ...]:
 
 def replaced(state: CompileState) -> set[int]:
     """The planned reshards the rings take the place of: each core's K and V gathers and the
-    reads that share them."""
-    reads = {index for ring in rings(state) for index in (ring.k_read, ring.v_read) if index is not None}
-    return reads | {p.index for p in state.reshards if p.shared_with in reads}
+    reads that share them, and the reductions over the ring's dim of the dK / dV its backward's
+    matmul gradients make (each rank's block of them is complete: the ring hands it on as it is,
+    :mod:`autopar.rewrites.ring_gradients`)."""
+    from autopar.collective_kinds import kind_of
+
+    found = rings(state)
+    reads = {index for ring in found for index in (ring.k_read, ring.v_read) if index is not None}
+    grads = {(grad, ring.mesh_dim) for ring in found for grad in (ring.first_grad, ring.second_grad) if grad is not None}
+    out = reads | {p.index for p in state.reshards if p.shared_with in reads}
+    for planned in state.reshards:
+        made_by = planned.need.value[0]
+        if any((made_by, dim) in grads for step in planned.plan.steps if kind_of(step.kind).reduces for dim in step.mesh_dims):
+            out.add(planned.index)
+    return out
 
 
 def ring_costs(
