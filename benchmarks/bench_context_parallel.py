@@ -17,8 +17,9 @@ compiled with ``Strategy(context_parallel=ContextParallel("sep", method))`` on s
 for each method that compiles on this tree (the others print compile's refusal): the bytes one
 rank sends per layer in its collectives other than the gradient syncs (each one's ring volume,
 the alpha-beta formula's bytes), the activation bytes its program keeps for the backward
-(read off rank 0's program) beside the serial program's, and the simulator's step (all ranks,
-one process: the sum of their work, not a parallel step).
+(read off rank 0's host-backend program, its collectives carriers in place) beside the serial
+program's, and the simulator's step (all ranks, one process: the sum of their work, not a
+parallel step).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def measured(cps: tuple[int, ...], steps: int = 3) -> list[str]:
                 continue
             comms = [c for c in dist.comm_ops(0) if not any(word in c.reason for word in SYNC)]
             sent = sum(coefficients(str(c.kind), len(c.group), c.bytes)[1] for c in comms) / config.n_layers
-            kept = program_saved_bytes(dist.rank_plan(0, backend="native").program)
+            kept = program_saved_bytes(dist.rank_plan(0, backend="host").program)  # (carriers in place: permute has no native op)
             feeds = random_feeds(seed.feeds, steps + 1, classes=config.vocab_size)
             simulate(dist, feeds[:1], [seed.loss])
             times = []
