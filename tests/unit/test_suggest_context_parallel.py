@@ -81,3 +81,14 @@ def test_a_context_parallel_shape_is_a_mesh_with_a_sep_dim_and_can_be_priced_as_
     seed = _llama(512)
     plan = price_plan(seed.main, (1, 1, 1, 2), startup_program=seed.startup, cluster="h100-node")
     assert plan.shape == Shape(1, 1, 1, 2) and "2 context-parallel ranks" in plan.why
+
+
+def test_each_method_is_tried_and_the_ring_holds_least(long):
+    """On cp=4 the search prices all_gather and the ring (Ulysses' 2 heads do not split over 4:
+    skipped, compile's reason kept); the ring, keeping no scores, holds the least."""
+    _, plans = long
+    cp4 = {plan.strategy.context_parallel.method: plan for plan in plans
+           if plan.shape == Shape(1, 1, 1, 4) and not plan.strategy.recompute}  # fmt: skip
+    assert set(cp4) == {"ring", "all_gather"}
+    assert cp4["ring"].price.memory < cp4["all_gather"].price.memory
+    assert any("not divisible by 4" in skip.why for skip in plans.skipped if skip.shape == Shape(1, 1, 1, 4))
