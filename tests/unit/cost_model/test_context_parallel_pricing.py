@@ -138,20 +138,17 @@ def test_ulysses_needs_heads_divisible_by_cp_and_the_sequence_must_split():
 @pytest.fixture(scope="module")
 def compiled():
     """The Llama zoo model (2 layers, 2 heads, 64 tokens) on sep=4, h100-node: the all-gather-KV
-    plan and ring attention (compile's gate on the ring, if still there, lifted: the lowering is
-    what is priced)."""
+    plan and ring attention."""
     import warnings
 
     import autopar
-    from autopar import compile_plan
     from autopar.testing.zoo import llama
 
     config = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1)
     mesh = autopar.ProcessMesh([0, 1, 2, 3], ["sep"])
     out = {}
-    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        patch.setattr(compile_plan, "CONTEXT_PARALLEL_NOT_LANDED", {}, raising=False)
         for method in ("all_gather", "ring"):
             seed = llama.build(config, batch=1, seq=64, optimizer="sgd")
             strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method), cluster="h100-node")
