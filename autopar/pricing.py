@@ -41,7 +41,9 @@ The step, on the busiest rank of each pipeline rank:
   fill the drain).
 Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states, and the kept
 activations times the micro-batches in flight (1F1B and ZB-H1: ``p - s`` on stage ``s``; FThenB:
-all ``m``).
+all ``m``); with recompute, the largest layer's recomputed activations beside them (they live
+again while its backward runs: :func:`_recomputed`); a ring attention keeps its log-sum-exp, not
+its scores (:mod:`autopar.ring_pricing`).
 
 Precision (:class:`~autopar.cost_model.precision.Precision`): as built, every op computes in its
 operands' dtype (a bfloat16 matmul at the device's bfloat16 rate), moves and holds each value in
