@@ -5,8 +5,9 @@ h100-node profile, measured at small sizes on this machine's CPU.
 
 **Priced** (``cost_model/context_parallel.py``, no GPU): one Llama-3-8B-shaped decoder layer
 (batch 1, 32 query heads and 8 key / value heads of 128, hidden 4096, SwiGLU 14336, bfloat16)
-over ``cp`` ranks of one node, at 4k / 32k / 128k tokens, ring with zig-zag and a causal mask;
-per method: the bytes one rank sends per layer (forward + backward), the attention activation
+over ``cp`` ranks of one node, at 4k / 32k / 128k tokens, a causal mask; the ring as autopar
+lowers it (every block computed, a masked one adding 0) and a ring skipping the masked blocks,
+zig-zag balanced (Megatron-Core's); per method: the bytes one rank sends per layer (forward + backward), the attention activation
 memory per rank (what the core keeps for the backward and the scores it makes beside them), and
 a step of 32 layers: the attention cores (their collectives, the ring's behind its blocks)
 plus the layer's linears on ``S / cp`` tokens (the same for every method).
@@ -70,7 +71,7 @@ def priced(cp: int) -> list[str]:
     layers = LLAMA3_8B["layers"]
     lines = [
         f"priced (h100-node profile, no GPU): Llama-3-8B-shaped layer (32 heads, 8 kv heads, head dim 128), batch 1, "
-        f"bfloat16, causal, cp={cp} in one node (ring: zig-zag); step = {layers} layers of attention core + linears",
+        f"bfloat16, causal, cp={cp} in one node; step = {layers} layers of attention core + linears",
         "| seq | method | sent / layer / rank | attention memory / rank (saved + scores) | vs serial | step | exposed comm / step |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -32,10 +32,13 @@ scale, mask add, softmax and their grads, on the device's batched-matmul rate, i
 the program's precision, ``bfloat16`` for a mixed-precision model), each op with the device's
 fixed cost. The ring's backward recomputes each block's probabilities from the saved
 log-sum-exp (the scores matmul and the exponent again: flash attention's backward); the chain
-methods keep the probabilities. A causal mask: the ring skips the blocks wholly above the
-diagonal and halves the diagonal ones — without balance the last rank computes ``cp - 1/2``
-blocks, zig-zag (rank ``i`` holds chunks ``i`` and ``2cp-1-i``) gives every rank half a block
-each step; the chain methods compute the masked scores in full (the mask is added).
+methods keep the probabilities. A causal mask: autopar's ring lowering
+(``passes/ring_attention.py``) computes every block (a fully masked one adds 0), as the chain
+methods compute the masked scores in full (the mask is added); ``skip_masked=True`` prices a
+ring that skips the blocks wholly above the diagonal and halves the diagonal ones (the ring
+implementations of Megatron-Core and ring-flash-attention) — without balance the last rank then
+computes ``cp - 1/2`` blocks, zig-zag (rank ``i`` holds chunks ``i`` and ``2cp-1-i``) gives every
+rank half a block each step.
 
 **Memory** is the attention core's: what it keeps for the backward (``saved``) and the largest
 buffer it makes beside them at once (``working``: the scores before softmax; the ring's one
@@ -140,10 +143,13 @@ class AttentionPrice:
 
 
 def price_attention(
-    shape: AttentionShape, cp: int, method: str, cluster: Cluster, balance: str | None = None, group: Sequence[int] | None = None
+    shape: AttentionShape, cp: int, method: str, cluster: Cluster, balance: str | None = None, group: Sequence[int] | None = None,
+    skip_masked: bool = False,
 ) -> AttentionPrice:  # fmt: skip
     """One attention layer's core under context parallelism ``method`` over ``cp`` ranks
-    (``group``: their ranks, default ``0 .. cp-1``, for the link they cross) on ``cluster``."""
+    (``group``: their ranks, default ``0 .. cp-1``, for the link they cross) on ``cluster``;
+    ``skip_masked``: a ring that skips the blocks a causal mask hides (module docstring;
+    default: every block computed, as autopar's lowering does)."""
     if method not in METHODS:
         raise CostModelError(f"context parallelism: method must be one of {METHODS}, got {method!r}")
     if balance not in BALANCES:
@@ -159,6 +165,8 @@ def price_attention(
     group = tuple(range(cp)) if group is None else tuple(group)
     if len(group) != cp:
         raise CostModelError(f"context parallelism: group {list(group)} has {len(group)} ranks, cp is {cp}")
+    if method == "ring":
+        return _ring(shape, cp, balance, cluster, group, skip_masked)
     return dict(_PRICERS)[method](shape, cp, balance, cluster, group)
 
 
@@ -172,15 +180,21 @@ def serial_attention(shape: AttentionShape, cluster: Cluster) -> AttentionPrice:
 
 def compare(shape: AttentionShape, cp: int, cluster: Cluster, balance: str | None = None) -> dict[str, AttentionPrice]:
     """Every method's price for ``shape`` over ``cp`` ranks (Ulysses left out where ``cp`` does
-    not divide the heads), and the serial core's (key ``"serial"``)."""
+    not divide the heads), the serial core's (key ``"serial"``) and, under a causal mask, a ring
+    skipping the masked blocks with ``balance`` (key ``"ring, masked blocks skipped"``)."""
     out = {"serial": serial_attention(shape, cluster)}
     for method in METHODS:
         try:
-            out[method] = price_attention(shape, cp, method, cluster, balance if method == METHODS[0] else None)
+            out[method] = price_attention(shape, cp, method, cluster)
         except CostModelError:
             if shape.heads % cp == 0:
                 raise
+    if shape.causal:
+        out[SKIPPING] = price_attention(shape, cp, "ring", cluster, balance, skip_masked=True)
     return out
+
+
+SKIPPING = "ring, masked blocks skipped"
 
 
 # ---- the ring -------------------------------------------------------------------------------
@@ -204,12 +218,14 @@ def ring_steps(cp: int, causal: bool, balance: str | None) -> list[float]:
     return [max(block_work(r, (r - s) % cp, cp, causal, balance) for r in range(cp)) for s in range(cp)]
 
 
-def _ring(shape: AttentionShape, cp: int, balance: str | None, cluster: Cluster, group: tuple[int, ...]) -> AttentionPrice:
+def _ring(
+    shape: AttentionShape, cp: int, balance: str | None, cluster: Cluster, group: tuple[int, ...], skip_masked: bool = False
+) -> AttentionPrice:  # fmt: skip
     tokens = shape.seq // cp
     size = dtype_bytes(shape.dtype)
     kv_block = 2 * shape.elements(tokens, shape.kv) * size  # k and v of one rank
     block_fwd, block_bwd = _block_seconds(shape, tokens, cluster)
-    steps = ring_steps(cp, shape.causal, balance)
+    steps = ring_steps(cp, shape.causal and skip_masked, balance)
     shift = collective_time("permute", group, kv_block, cluster)  # k and v: one message
     shift_back = collective_time("permute", group, 2 * kv_block, cluster)  # k, v with dk, dv beside them
     home = collective_time("permute", group, kv_block, cluster)  # the last dk, dv shift home
@@ -309,4 +325,4 @@ def _ops(cluster: Cluster, dtype: str, *ops: tuple) -> float:
     return total
 
 
-_PRICERS = (("ring", _ring), ("all_to_all", _ulysses), ("all_gather", _gathered))
+_PRICERS = (("all_to_all", _ulysses), ("all_gather", _gathered))  # (the ring: _ring, with its skip_masked)

@@ -109,8 +109,19 @@ def test_zigzag_gives_every_rank_half_a_block_each_step_under_a_causal_mask():
     for balance in (None, "zigzag"):  # the causal half of the cp x cp blocks, however split
         assert sum(block_work(r, k, 4, True, balance) for r in range(4) for k in range(4)) == 8.0
     causal = dataclasses.replace(GQA, causal=True)
-    plain, zigzag = (price_attention(causal, 4, "ring", H100, balance) for balance in (None, "zigzag"))
+    plain, zigzag = (price_attention(causal, 4, "ring", H100, balance, skip_masked=True) for balance in (None, "zigzag"))
     assert zigzag.forward_compute < 0.6 * plain.forward_compute
+
+
+def test_autopars_ring_computes_every_block_so_balance_changes_nothing_there():
+    """passes/ring_attention.py computes each block, a fully masked one adding 0 (the default):
+    causal or not, every step is a whole block; skipping the masked ones halves the work."""
+    causal = dataclasses.replace(GQA, causal=True)
+    plain, zigzag = (price_attention(causal, 4, "ring", H100, balance) for balance in (None, "zigzag"))
+    assert plain.forward_compute == zigzag.forward_compute
+    skipped = price_attention(causal, 4, "ring", H100, "zigzag", skip_masked=True)
+    assert skipped.forward_compute == pytest.approx(plain.forward_compute / 2)
+    assert set(compare(causal, 4, H100, "zigzag")) == {"serial", "ring", "all_to_all", "all_gather", "ring, masked blocks skipped"}
 
 
 def test_compute_is_priced_in_the_programs_precision_at_the_batched_matmul_rate():
@@ -131,7 +142,7 @@ def test_ulysses_needs_heads_divisible_by_cp_and_the_sequence_must_split():
         price_attention(AttentionShape(1, 4096, 12, 64), 8, "all_to_all", H100)
     with pytest.raises(CostModelError, match="does not split into 16 equal chunks"):
         price_attention(AttentionShape(1, 4104, 12, 64), 8, "ring", H100, "zigzag")
-    assert set(compare(AttentionShape(1, 4096, 12, 64), 8, H100)) == {"serial", "ring", "all_gather"}
+    assert set(compare(AttentionShape(1, 4096, 12, 64, causal=False), 8, H100)) == {"serial", "ring", "all_gather"}
 
 
 # ---- a compiled ring: dist.decisions.price() (autopar/ring_pricing.py) ---------------------------
