@@ -57,9 +57,7 @@ ANALYSED = (
     "micro_batches", "stages", "pipelined", "sequence_parallel", "recompute", "cluster", "local_batch_norm", "context_parallel",
 )  # fmt: skip
 # ContextParallel choices whose lowering has not landed: (field, value) -> what is missing (one line each)
-CONTEXT_PARALLEL_NOT_LANDED = {
-    ("balance", "zigzag"): "the zig-zag split (feeds permuted, position tables and causal masks following it) is not built",
-}
+CONTEXT_PARALLEL_NOT_LANDED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -131,7 +129,7 @@ def rewrites_for(strategy: Strategy) -> tuple[Rewrite, ...]:
         found.append(Recompute(strategy.recompute))
     context = strategy.context_parallel
     if context is not None:  # before sequence parallelism: its first propagation sees the sequence split
-        found.append(ContextParallelSplit(context.dim, context.method))
+        found.append(ContextParallelSplit(context.dim, context.method, context.balance))
     if strategy.sequence_parallel:
         found.append(SequenceParallel(strategy.sequence_parallel))
     cp = strategy.context_parallel

@@ -31,11 +31,13 @@ from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
 from autopar.rewrites.context_parallel import (
     ULYSSES,
+    ZIGZAG,
     ContextSplit,
     head_placements,
     head_splits,
     sequence_after,
     sequence_carriers,
+    sequence_length,
 )
 from autopar.rewrites.dead_ops import dead_ops
 from autopar.rewrites.loss_scaling import loss_scaling_results
@@ -52,6 +54,7 @@ from autopar.rewrites.stage_norms import stage_norms
 from autopar.rewrites.stage_overflow import stage_overflow_checks
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
+from autopar.rewrites.zigzag import zigzag
 from autopar.shared_parameters import owner_meshes, reader_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
@@ -372,17 +375,20 @@ class SequenceParallel(Rewrite):
 class ContextParallelSplit(Rewrite):
     """Context parallelism (:mod:`.context_parallel`): the feeds carrying the sequence (and the
     activations you resharded onto pipeline stages) split on it over ``dim`` (a placement you
-    annotated is kept, ``dim`` added); for
-    ``method="all_to_all"`` (Ulysses), from a first propagation, each attention core's q, k, v,
-    probabilities and output split on heads instead, at strategy priority."""
+    annotated is kept, ``dim`` added); for ``method="all_to_all"`` (Ulysses), from a first
+    propagation, each attention core's q, k, v, probabilities and output split on heads
+    instead, at strategy priority. ``balance="zigzag"``: the sequence reordered first, in the
+    program (:mod:`.zigzag`), so that the split gives rank i chunks i and 2cp-1-i."""
 
     dim: str = "sep"
     method: str = "all_gather"
+    balance: str | None = None
     name: ClassVar[str] = "context_parallel"
 
     def apply(self, work: Analysed) -> Analysed:
+        work, stand_ins, reordered = self._balanced(work)
         copies = [(index, 0) for index in reshard_copies(work.graph, work.user, work.op_meshes)]  # onto pipeline stages
-        length, carriers, placed = sequence_carriers(work.graph, work.mesh, work.user, work.op_meshes, self.dim, copies)
+        length, carriers, placed = sequence_carriers(work.graph, work.mesh, work.user, work.op_meshes, self.dim, copies, stand_ins)
         user = {**work.user, **{key: attr for key, attr in placed.items() if key in work.user}}
         made = work.annotated(self, {key: attr for key, attr in placed.items() if key not in work.user})
         work = dataclasses.replace(work, user=user, made=made, propagated=None)
@@ -397,8 +403,26 @@ class ContextParallelSplit(Rewrite):
                     placements.update(dict.fromkeys(clones, placements[key]))
             made = work.annotated(self, placements)
             heads = tuple(splits.values())
-        split = ContextSplit(self.dim, work.mesh.dim_size(self.dim), self.method, length, carriers, heads)
+        split = ContextSplit(self.dim, work.mesh.dim_size(self.dim), self.method, length, carriers, heads, reordered)
         return work.reported(self, str(split), made=made, context=split)
+
+    def _balanced(self, work: Analysed) -> tuple[Analysed, dict[ValueKey, ValueKey], str]:
+        """``work`` with the sequence reordered for ``balance`` (its feeds' reordered copies by
+        new key, and what was reordered); as it is without a balance."""
+        if self.balance != ZIGZAG:
+            return work, {}, ""
+        if work.micro is not None or work.op_meshes:
+            raise AutoparError(
+                f"ContextParallel(balance='zigzag') over {self.dim!r} with a pipeline or micro-batches is not built "
+                "(the reordered feeds would have to be cut into micro-batches and stages); use balance=None"
+            )
+        length = sequence_length(work.graph, self.dim)
+        feeds = [k for k, v in work.graph.values.items() if v.kind == "feed" and len(v.shape) >= 2 and v.users and v.shape[1] == length]
+        reordered = zigzag(work.program, work.graph, length, work.mesh.dim_size(self.dim), feeds, work.op_meshes, self.dim)
+        moved = work.moved(reordered.program, reordered.positions)
+        stand_ins = {(reordered.positions[k[0]], k[1]): new for k, new in reordered.stand_ins.items() if k in feeds}
+        work = dataclasses.replace(work, propagated=None, **{**moved, "op_meshes": {**moved["op_meshes"], **reordered.meshes}})
+        return work, stand_ins, str(reordered)
 
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:

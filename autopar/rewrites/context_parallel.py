@@ -50,6 +50,7 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult
 
+ZIGZAG = "zigzag"
 ULYSSES = "all_to_all"  # the ContextParallel method (a method's name, not the collective kind it happens to be named after)
 SEQ_DIM = 1  # batch-first feeds: [batch, seq, ...]
 HEAD_DIM = 1  # attention cores' operands: [batch, heads, seq, head_dim]
@@ -95,6 +96,7 @@ class ContextSplit:
     length: int
     carriers: tuple[Carrier, ...]
     heads: tuple[HeadSplit, ...] = ()
+    reordered: str = ""  # balance="zigzag": what was reordered (autopar.rewrites.zigzag)
 
     def __str__(self) -> str:
         split = [c for c in self.carriers if c.split]
@@ -106,24 +108,34 @@ class ContextSplit:
         if self.heads:
             cores = len({h.core for h in self.heads})
             text += f"; q, k, v, probabilities and output of {cores} attention core(s) split on heads ({len(self.heads)} values)"
+        if self.reordered:
+            text += f"; {self.reordered}"
         return text
 
 
-def sequence_carriers(
-    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh], dim: str,
-    stage_copies: Iterable[ValueKey] = (),
-) -> tuple[int, tuple[Carrier, ...], dict[ValueKey, DistAttr]]:  # fmt: skip
-    """The sequence length, the values carrying it that the split places (the feeds, and
-    ``stage_copies``: the activations the user resharded onto a pipeline stage) or keeps, and
-    their placements (module docstring)."""
-    feeds = [v for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
-    if not feeds:
+def sequence_length(graph: ProgramGraph, dim: str) -> int:
+    """The longest dim 1 among the feeds of two dims or more (module docstring)."""
+    lengths = [v.shape[SEQ_DIM] for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
+    if not lengths:
         raise AutoparError(
             f"Strategy.context_parallel over {dim!r}: the program has no feed of two dims or more ([batch, seq, ...]) "
             "whose sequence could be split"
         )
-    length = max(v.shape[SEQ_DIM] for v in feeds)
+    return max(lengths)
+
+
+def sequence_carriers(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh], dim: str,
+    stage_copies: Iterable[ValueKey] = (), stand_ins: Mapping[ValueKey, ValueKey] | None = None,
+) -> tuple[int, tuple[Carrier, ...], dict[ValueKey, DistAttr]]:  # fmt: skip
+    """The sequence length, the values carrying it that the split places (the feeds, and
+    ``stage_copies``: the activations the user resharded onto a pipeline stage) or keeps, and
+    their placements (module docstring). ``stand_ins``: a feed read through a reordered copy
+    of it (:mod:`.zigzag`) -> that copy, which is placed instead of the feed."""
+    length = sequence_length(graph, dim)
+    feeds = [v for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
     copies = [graph.values[key] for key in sorted(stage_copies) if len(graph.values[key].shape) >= 2]
+    stand_ins = stand_ins or {}
     found, placed = [], {}
     for value, what in [*((v, "feed") for v in sorted(feeds, key=lambda v: v.key)), *((v, "stage copy") for v in copies)]:
         carrier = functools.partial(Carrier, value.key, value.label, value.shape, what)
@@ -131,9 +143,11 @@ def sequence_carriers(
             found.append(carrier(False, f"dim 1 is {value.shape[SEQ_DIM]}, not the sequence"))
             continue
         base = user.get(value.key)
-        if base is not None and _uses(base, dim):
+        if base is not None and _uses(base, dim) and value.key not in stand_ins:
             found.append(carrier(False, f"annotated over {dim!r} by you: {base}"))
             continue
+        if base is not None and _uses(base, dim):  # (read through its reordered copy: placed like the feed, dim moved)
+            base = DistAttr(base.mesh, mapping=[tuple(d for d in dims if base.mesh.dim_names[d] != dim) for dims in base.mapping])
         on = base.mesh if base is not None else _reader_mesh(graph, value.key, op_meshes, mesh)
         size = on.dim_size(dim)
         if length % size:
@@ -141,7 +155,7 @@ def sequence_carriers(
                 f"context parallelism over {dim!r} ({size} ranks) cannot split {what} {value.label!r} {list(value.shape)}: "
                 f"its sequence length {length} (dim 1) is not divisible by {size}"
             )
-        placed[value.key] = _with_dim(base or DistAttr.replicated(on, len(value.shape)), SEQ_DIM, dim)
+        placed[stand_ins.get(value.key, value.key)] = _with_dim(base or DistAttr.replicated(on, len(value.shape)), SEQ_DIM, dim)
         found.append(carrier(True, "carries the sequence"))
     return length, tuple(found), placed
 

@@ -4,8 +4,8 @@ every step and parameters after 3 SGD steps — with the sequence split over ``s
 and 4) for the "all_gather" plan (q split, K / V gathered whole) and Ulysses' "all_to_all"
 (q, k, v and the core's output split on heads around each attention core), alone and with
 dp, tensor parallelism + sequence parallelism, a 2-stage pipeline and recompute; the split
-feeds ring attention (passes/ring_attention.py) too. On the GPU profile Ulysses is exactly its
-four all_to_alls a layer forward and four backward."""
+feeds ring attention (passes/ring_attention.py) too, and the zig-zag balance reorders it first.
+On the GPU profile Ulysses is exactly its four all_to_alls a layer forward and four backward."""
 
 import pytest
 
@@ -89,6 +89,28 @@ def test_context_parallelism_composes_and_equals_serial(name):
     if "dp" in mesh.dim_names:  # the user's batch split kept, the sequence added
         tokens = dist.decisions.placement(MODELS[model][3][0])
         assert tokens.mapping[0] == (mesh.dim_names.index("dp"),)
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
+
+
+ZIGZAG = {  # name -> (mesh, method, other Strategy fields, the model)
+    "sep2, llama, all_gather": (SEP[2], "all_gather", {}, "llama"),
+    "sep4, llama, all_to_all": (SEP[4], "all_to_all", {}, "llama"),
+    "sep2, gpt2, ring": (SEP[2], "ring", {}, "gpt2"),
+    "sep2 x mp2 + SP, gpt2, all_to_all, recompute": (SEP_MP, "all_to_all", {"sequence_parallel": "mp", "recompute": True}, "gpt2"),
+}
+
+
+@pytest.mark.parametrize("name", list(ZIGZAG))
+def test_the_zigzag_split_equals_serial(name):
+    """balance="zigzag": the feeds, position aranges and causal masks reordered in the program
+    (rank i holds chunks i and 2cp-1-i); the step is the serial one."""
+    mesh, method, fields, model = ZIGZAG[name]
+    module, config, feeds_of, _ = MODELS[model]
+    seed = module.build(config, batch=BATCH, seq=SEQ, mesh=mesh)
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method, "zigzag"), **fields)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    assert "zig-zag order" in dict(dist.decisions.rewrites())["context_parallel"]
+    feeds = feeds_of(config, BATCH, SEQ, 3) if feeds_of is not None else None
     assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
 
 

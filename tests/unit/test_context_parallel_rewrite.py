@@ -3,6 +3,8 @@ and how it composes their placement with the user's, what it reports (``autopar 
 ``dist.decisions.rewrites()``), and what is refused by name — a dim the mesh lacks, a method
 or balance not built yet, a sequence the dim does not divide, heads Ulysses cannot split."""
 
+import re
+
 import pytest
 
 import autopar
@@ -68,11 +70,67 @@ def test_a_dim_the_mesh_lacks_is_refused_by_name():
         autopar.compile(main, SEP2, startup_program=startup, strategy=autopar.Strategy(context_parallel=autopar.ContextParallel("cp", "all_gather")))
 
 
-def test_what_has_not_landed_is_refused_by_name():
-    main, startup = tagged_program()
-    zigzag = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", "all_gather", "zigzag"))
-    with pytest.raises(AutoparError, match=r"ContextParallel\(balance='zigzag'\): the zig-zag split"):
-        autopar.compile(main, SEP2, startup_program=startup, strategy=zigzag)
+def test_the_zigzag_order_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
+    from autopar.rewrites.zigzag import zigzag_order
+
+    assert zigzag_order(8, 2) == (0, 1, 6, 7, 2, 3, 4, 5)
+    assert zigzag_order(8, 4) == (0, 7, 1, 6, 2, 5, 3, 4)
+    assert sorted(zigzag_order(24, 3)) == list(range(24))
+
+
+def test_zigzag_reorders_the_feeds_positions_and_causal_mask_and_says_so():
+    seed = llama.build(llama.Config(), batch=4, seq=8, mesh=SEP2)
+    dist = autopar.compile(seed.main, SEP2, startup_program=seed.startup, strategy=zigzag())
+    report = dict(dist.decisions.rewrites())["context_parallel"]
+    assert re.search(r"; zig-zag order \(rank i: chunks i and 2cp-1-i\) on tokens \(dims \[1\]\), labels \(dims \[1\]\), "
+                     r"pd_op\.arange#\d+ \(dims \[0\]\), pd_op\.triu#\d+ \(dims \[0, 1\]\)$", report)  # fmt: skip
+    selects = [op for op in dist.graph.ops if op.short_name == "index_select"]
+    assert len(selects) == 5  # tokens, labels, the rotary angles' positions, the mask's rows and columns
+    reordered_tokens = next(op.outputs[0] for op in selects if dist.graph.values[op.inputs[0]].label == "tokens")
+    assert str(dist.decisions.placement(reordered_tokens)) == "[S(1)]"
+    assert str(dist.decisions.placement("tokens")) == "[R]"  # fed whole (integers), each rank keeps its chunks
+
+
+def zigzag(method="all_gather"):
+    return autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method, "zigzag"))
+
+
+def table_program(seq=8):
+    """A sequence feed plus a position table from linspace: a table zig-zag cannot reorder."""
+    import paddle
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, seq, 16], "float32")
+        h = paddle.nn.Linear(16, 16)(x) + paddle.linspace(0.0, 1.0, seq).reshape([1, seq, 1])
+        paddle.optimizer.SGD(0.1).minimize(h.mean())
+    return main, startup
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("dropout", r"balance='zigzag'\) over 'sep': pd_op\.dropout#\d+ draws random numbers"),
+        ("pipeline", r"balance='zigzag'\) over 'sep' with a pipeline or micro-batches is not built"),
+        ("table", r"balance='zigzag'\) over 'sep': %\d+\.0 \[1, 8, 1\], made by pd_op\.reshape#\d+ from constants and read by "
+                  r"pd_op\.add#\d+, has a dim of the sequence length 8 that the zig-zag order cannot follow"),
+        ("length", r"balance='zigzag'\) over 'sep' \(2 ranks\) cuts the sequence in 4 chunks: its length 6 is not divisible by 4"),
+    ],
+)  # fmt: skip
+def test_what_zigzag_cannot_follow_is_refused_by_name(case, match):
+    if case == "dropout":
+        mesh, seed = SEP2, gpt2.build(gpt2.Config(dropout=0.1), batch=4, seq=8, mesh=SEP2)
+        main, startup, strategy = seed.main, seed.startup, zigzag()
+    elif case == "pipeline":
+        mesh = M([[0, 1], [2, 3]], ["pp", "sep"])
+        seed = llama.build(llama.Config(), batch=4, seq=8, mesh=mesh)
+        main, startup = seed.main, seed.startup
+        strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2), context_parallel=zigzag().context_parallel)
+    else:
+        mesh, (main, startup), strategy = SEP2, table_program() if case == "table" else tagged_program(seq=6), zigzag()
+    with pytest.raises(AutoparError, match=match):
+        autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
 
 
 def test_a_sequence_the_dim_does_not_divide_is_refused_by_name():
