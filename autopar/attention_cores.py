@@ -48,7 +48,8 @@ class AttentionCore:
     serial graph. ``ops``: every forward op of the chain in program order (the first matmul,
     the middle, the softmax, the dropout, the second matmul); ``backward``: the ops of the
     backward that differentiate it (from the second matmul's grad to the first's), in program
-    order (empty without a backward)."""
+    order (empty without a backward); ``recomputed``: the backward's clones of the chain's ops
+    under recompute (:mod:`autopar.rewrites.recompute`), which the backward ops read instead."""
 
     ops: tuple[int, ...]
     first: int  # matmul(q, k, transpose_y=True)
@@ -63,6 +64,7 @@ class AttentionCore:
     middle: tuple[int, ...] = ()  # ops between the scores and the softmax (scale, mask), program order
     dropout: int | None = None
     backward: tuple[int, ...] = ()
+    recomputed: tuple[int, ...] = ()  # the backward's clones of the chain's ops (Strategy(recompute=...))
 
     def __post_init__(self) -> None:
         if not (self.first < self.softmax < self.second) or self.first not in self.ops or self.second not in self.ops:
@@ -118,6 +120,7 @@ def _core_at(graph: ProgramGraph, softmax: OpNode) -> AttentionCore | None:
         q=first.inputs[0], k=first.inputs[1], v=second.inputs[1], scores=first.outputs[0],
         probabilities=probabilities, output=second.outputs[0], middle=tuple(sorted(middle)), dropout=dropout,
         backward=_backward_chain(graph, backward, first.index, second.index),
+        recomputed=tuple(op.index for op in graph.ops if op.recomputes in forward),
     )  # fmt: skip
 
 
@@ -171,7 +174,7 @@ def _reachable_from(graph: ProgramGraph, key: ValueKey, within: set[int]) -> set
 
 
 def _differentiates(graph: ProgramGraph, op: OpNode, forward: set[int]) -> bool:
-    return op.forward_op in forward
+    return op.forward_op in forward and op.recomputes is None  # (a recompute clone re-runs its op)
 
 
 def _backward_chain(graph: ProgramGraph, grads: tuple[int, ...], first: int, second: int) -> tuple[int, ...]:
@@ -294,9 +297,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def ring_gradient_placements(graph: ProgramGraph, first: PropagationResult, dim: int) -> dict[ValueKey, DistAttr]:
+def ring_gradient_placements(graph: ProgramGraph, first: PropagationResult, name: str) -> dict[ValueKey, DistAttr]:
     """Where ring attention wants each core's K and V gradients (strategy annotations): split by
-    sequence over mesh dim ``dim``. After a first propagation (q split by sequence over ``dim``,
+    sequence over the mesh dim named ``name`` (``dim`` below; a pipeline stage's sub-mesh keeps the names). After a first propagation (q split by sequence over ``dim``,
     K and V read whole: the all_gather plan) they are pending sums over ``dim``, reduced only
     where a later op needs them whole or split, after the layout ops of the backward; the ring
     makes each rank's block of them complete, so placed split they are reduce_scattered right
@@ -312,7 +315,8 @@ def ring_gradient_placements(graph: ProgramGraph, first: PropagationResult, dim:
                 continue
             dist = first.dist(key)
             seq = dist.ndim - 2
-            if dim not in dist.partial_dims or dist.mapping[seq]:
+            dim = dist.mesh.dim_names.index(name) if name in dist.mesh.dim_names else None
+            if dim is None or dim not in dist.partial_dims or dist.mapping[seq]:
                 continue
             mapping = tuple((dim,) if t == seq else dims for t, dims in enumerate(dist.mapping))
             made[key] = DistAttr.of(dist.mesh, mapping, tuple((d, kind) for d, kind in dist.partial if d != dim))

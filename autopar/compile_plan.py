@@ -151,7 +151,7 @@ def passes_for(strategy: Strategy) -> list[Pass]:
             passes.append(ZeroBucketFusion(strategy.bucket_bytes))
     cp = strategy.context_parallel
     if cp is not None and cp.method == "ring":  # before op_lowering: the ring draws the core's dropout itself
-        passes.append(RingAttention(cp.dim, pipelined=pipelined))
+        passes.append(RingAttention(cp.dim))
     passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))

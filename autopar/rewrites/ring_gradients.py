@@ -29,6 +29,6 @@ class RingGradients(Rewrite):
     def apply(self, work: Analysed) -> Analysed:
         if self.dim not in work.mesh.dim_names:
             return work.reported(self, f"the mesh has no dim {self.dim!r}")  # (ring_attention refuses it by name)
-        placements = ring_gradient_placements(work.graph, work.propagate(), work.mesh.dim_names.index(self.dim))
+        placements = ring_gradient_placements(work.graph, work.propagate(), self.dim)
         made = work.annotated(self, placements)
         return work.reported(self, f"{len(placements)} key / value gradient(s) split by sequence over {self.dim!r}", made=made)

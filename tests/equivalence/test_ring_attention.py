@@ -12,7 +12,7 @@ import pytest
 import autopar
 from autopar.testing.serial import assert_simulation_equals_serial
 from autopar.testing.zoo import gpt2, llama
-from autopar.testing.zoo.placements import annotate
+from autopar.testing.zoo.placements import annotate, column, row
 
 M = autopar.ProcessMesh
 RING = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="sep", method="ring"))
@@ -92,19 +92,57 @@ def test_a_sequence_not_divisible_by_the_ring_is_refused_by_name():
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
 
 
-@pytest.mark.parametrize(
-    "extra, refusal",
-    [
-        ({"recompute": True}, "under recompute is not built yet"),
-        ({"pipeline": autopar.PipelineConfig(micro_batches=2)}, "in a pipeline / micro-batched program is not built yet"),
-    ],
-)
-def test_what_the_ring_does_not_build_yet_is_refused_by_name(extra, refusal):
-    mesh = M([[0, 1], [2, 3]], ["pp", "sep"]) if "pipeline" in extra else MESHES["sep2"]
-    seed, _ = _build("llama", mesh)
-    strategy = autopar.Strategy(context_parallel=RING.context_parallel, **extra)
-    with pytest.raises(autopar.AutoparError, match=r"ring attention over sep: attention\(matmul#\d+ .*\) " + re.escape(refusal)):
-        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_ring_attention_with_tensor_parallel_heads_equals_serial(model):
+    """mp2 x sep2, Megatron's column / row split of the projections: the forward reads whole or
+    split heads as the model's q/k/v layout allows (GPT-2's fused c_attn: whole), the backward may
+    split them further; each ring moves blocks as its matmuls read them."""
+    mesh = M([[0, 1], [2, 3]], ["mp", "sep"])
+    seed, feeds = _build(model, mesh)
+    model_layers = seed.layers["model"]
+    with paddle.static.program_guard(seed.main, seed.startup):
+        if model == "llama":
+            for layer in model_layers.layers:
+                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
+                    column(linear, mesh)
+                row(layer.attention.wo, mesh)
+                row(layer.feed_forward.w2, mesh)
+        else:
+            for block in model_layers.h:
+                column(block.attn.c_attn, mesh)
+                row(block.attn.c_proj, mesh)
+                column(block.mlp.c_fc, mesh)
+                row(block.mlp.c_proj, mesh)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
+    assert [c.kind for c in dist.comm_ops(0)].count("permute") == 3 * LAYERS
+    assert not [c for c in dist.comm_ops(0) if c.kind == "all_gather" and "for matmul" in c.reason]
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_a_recomputed_ring_rings_again(model):
+    """Recompute re-runs the core in the backward: so does the ring (its K / V blocks shifted
+    again), and the backward ring reads the recomputed output and log-sum-exp."""
+    seed, feeds = _build(model, MESHES["sep2"])
+    strategy = autopar.Strategy(context_parallel=RING.context_parallel, recompute=True)
+    dist = autopar.compile(seed.main, MESHES["sep2"], startup_program=seed.startup, strategy=strategy)
+    forward = [c for c in dist.comm_ops(0) if c.kind == "permute" and c.value.endswith(".kv")]
+    assert len(forward) == 2 * LAYERS  # each layer's forward, then its recomputation
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_ring_attention_in_a_pipeline_of_micro_batches_equals_serial(model):
+    """pp2 x sep2, the automatic cut, 1F1B over 2 micro-batches: each stage rings its layers'
+    cores per micro-batch (GPT-2's dropout: the micro-batch's block of the serial mask)."""
+    mesh = M([[0, 1], [2, 3]], ["pp", "sep"])
+    seed, feeds = _build(model, mesh)
+    pipeline = autopar.PipelineConfig(micro_batches=2, stages=2)
+    strategy = autopar.Strategy(context_parallel=RING.context_parallel, pipeline=pipeline)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    for rank in (0, 2):  # one layer per stage: 1 forward, 2 backward permutes
+        assert [c.kind for c in dist.comm_ops(rank)].count("permute") == 3
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
 
 
 def test_a_middle_not_affine_in_the_scores_is_refused_by_name():
