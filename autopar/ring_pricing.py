@@ -4,12 +4,13 @@
 Compile plans a context-parallel program's collectives as the all-gather-KV plan (K and V
 gathered for each attention core) and the ring lowering (:mod:`autopar.passes.ring_attention`)
 replaces those gathers, in every rank's program, by the ring's shifts: ``cp - 1`` permutes of
-the ``[k|v]`` block forward, ``cp - 1`` of ``[k|v|dk|dv]`` and one of ``[dk|dv]`` backward
-(its :class:`RingPlan` holds each shift's planned step). Priced here, without a rank program:
+the ``[k|v]`` block forward, ``cp - 1`` of ``[k|v|dk|dv]`` and one of ``[dk|dv]`` backward, and
+under recompute ``cp - 1`` of ``[k|v]`` again where the backward re-runs the core (its
+:class:`RingPlan` holds each shift's planned step). Priced here, without a rank program:
 
-- the collectives the ring takes the place of (each core's planned K and V reads and the reads
-  sharing them; the reductions of dK / dV right after its backward's matmul gradients) are left
-  out of the step (:func:`replaced`);
+- the collectives the ring takes the place of (the reshards only the core's own ops read: its K
+  and V gathers; the reduce_scatters of dK / dV right after their grad ops) are left out of the
+  step (:func:`replaced`);
 - each shift runs behind one block's attention (the shift carries the block the next step
   computes with): of the ``cp - 1`` forward shifts, each hides ``min(shift, block)``, a block
   being ``1/cp`` of the core's forward compute on the rank; likewise backward against ``1/cp``
@@ -54,19 +55,24 @@ def rings(state: CompileState) -> tuple[Any, ...]:
 
 
 def replaced(state: CompileState) -> set[int]:
-    """The planned reshards the rings take the place of: each core's K and V gathers and the
-    reads that share them, and the reductions over the ring's dim of the dK / dV its backward's
-    matmul gradients make (each rank's block of them is complete: the ring hands it on as it is,
-    :mod:`autopar.rewrites.ring_gradients`)."""
-    from autopar.collective_kinds import kind_of
+    """The planned reshards the rings take the place of: those read only by a core's own ops
+    (its K / V gathers and every other read the ring cuts from the value as produced; the
+    lowering erases them with the core) and the reduce_scatters of dK / dV right after their
+    grad op, whose blocks the ring hands on as they are (``RingCore.split_grads``)."""
+    from autopar.propagation import SiteKind
 
     found = rings(state)
-    reads = {index for ring in found for index in (ring.k_read, ring.v_read) if index is not None}
-    grads = {(grad, ring.mesh_dim) for ring in found for grad in (ring.first_grad, ring.second_grad) if grad is not None}
-    out = reads | {p.index for p in state.reshards if p.shared_with in reads}
+    cores = {i for ring in found for i in (*ring.core.ops, *ring.core.backward, *ring.core.recomputed)}
+    grads = {key for ring in found for key in ring.split_grads}
+    readers: dict[int, list[int]] = {}  # each emitted reshard (the first of those sharing it) -> the ops reading it
     for planned in state.reshards:
-        made_by = planned.need.value[0]
-        if any((made_by, dim) in grads for step in planned.plan.steps if kind_of(step.kind).reduces for dim in step.mesh_dims):
+        readers.setdefault(planned.index if planned.shared_with is None else planned.shared_with, []).append(planned.need.op)
+    out = set()
+    for planned in state.reshards:
+        root = planned.index if planned.shared_with is None else planned.shared_with
+        if all(op in cores for op in readers[root]):
+            out.add(planned.index)
+        elif planned.need.value in grads and planned.need.site.kind is SiteKind.AFTER_PRODUCER:
             out.add(planned.index)
     return out
 
@@ -86,16 +92,17 @@ def ring_costs(
             if rank not in meshes.get(core.first, state.mesh).ranks:
                 continue
             moved = [_moved(step, rank, ratio, state.cluster) for step in ring.shifts]
-            (forward_shift, backward_shift, home), sizes = zip(*moved)
+            (forward_shift, backward_shift, home, rerun), sizes = zip(*moved)
             forward = sum(seconds(graph.ops[i], rank) for i in core.ops)
             backward = sum(seconds(graph.ops[i], rank) for i in core.backward)
             again = sum(seconds(graph.ops[i], rank) for i in (core.first, *core.middle, core.softmax))
-            shifts = parts - 1
+            shifts, reruns = parts - 1, (parts - 1 if ring.recomputed is not None else 0)  # (recompute: the forward ring again)
             cost = RingCost(
-                shifts * (forward_shift + backward_shift) + home,
-                shifts * (min(forward_shift, forward / parts) + min(backward_shift, (backward + again) / parts)),
-                sum(size * n for size, n in zip(sizes, (shifts, shifts, 1))),
-                2 * shifts + 1,
+                shifts * (forward_shift + backward_shift) + home + reruns * rerun,
+                shifts * (min(forward_shift, forward / parts) + min(backward_shift, (backward + again) / parts))
+                + reruns * min(rerun, forward / parts),
+                sum(size * n for size, n in zip(sizes, (shifts, shifts, 1, reruns))),
+                2 * shifts + 1 + reruns,
                 again,
             )
             was = out[rank]

@@ -160,23 +160,33 @@ def compiled():
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for method in ("all_gather", "ring"):
+        for name, method, balance, recompute in CONFIGURATIONS:
             seed = llama.build(config, batch=1, seq=64, optimizer="sgd")
-            strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method), cluster="h100-node")
-            out[method] = autopar.compile(seed.main, mesh, seed.startup, strategy)
+            context = autopar.ContextParallel("sep", method, balance)
+            strategy = autopar.Strategy(context_parallel=context, recompute=recompute, cluster="h100-node")
+            out[name] = autopar.compile(seed.main, mesh, seed.startup, strategy)
     return out
 
 
-@pytest.mark.parametrize("method", ["all_gather", "ring"])
-def test_a_compiled_steps_price_counts_the_collectives_its_rank_programs_run(compiled, method):
+CONFIGURATIONS = [  # name, method, balance, recompute
+    ("all_gather", "all_gather", None, False), ("ring", "ring", None, False),
+    ("ring zigzag", "ring", "zigzag", False), ("ring recompute", "ring", None, True),
+]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CONFIGURATIONS])
+def test_a_compiled_steps_price_counts_the_collectives_its_rank_programs_run(compiled, name):
     """Priced without a rank program, the step moves the bytes and spends the collective seconds
-    rank 0's program carries: the ring's permutes instead of the K / V gathers they replace."""
-    dist = compiled[method]
+    rank 0's program carries: the ring's permutes instead of the K / V gathers and dK / dV
+    reduce_scatters they replace (2 (cp-1) + 1 a layer; under recompute cp-1 more, the forward
+    ring run again)."""
+    dist = compiled[name]
     price, comms = dist.decisions.price(), dist.comm_ops(0)
     assert price.sent == sum(c.bytes for c in comms)
     assert price.communication + price.hidden == pytest.approx(sum(c.time for c in comms))
     permutes = [c for c in comms if str(c.kind) == "permute"]
-    assert len(permutes) == (2 * (4 - 1) + 1) * 2 if method == "ring" else not permutes
+    per_layer = {"all_gather": 0, "ring": 7, "ring zigzag": 7, "ring recompute": 10}[name]
+    assert len(permutes) == 2 * per_layer
 
 
 def test_a_compiled_rings_shifts_hide_behind_its_blocks(compiled):
