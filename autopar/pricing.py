@@ -25,7 +25,9 @@ The step, on the busiest rank of each pipeline rank:
   times, a gradient sync once; on a host backend each also ends a program segment, which the
   cost model's collective times include; where the job's processes outnumber the node's cores,
   each one's fixed costs stretch by their ratio, :func:`~autopar.cost_model.comm.shared_cores_time`;
-  the vocabulary-parallel rewrite's collectives of a few values per row included). Exposed, but for the data-parallel gradient buckets
+  the vocabulary-parallel rewrite's collectives of a few values per row included; ring attention's
+  shifts in place of the K / V gathers they replace, each behind one block's attention:
+  :mod:`autopar.ring_pricing`). Exposed, but for the data-parallel gradient buckets
   where collectives run inside the program beside the compute (no host segment: NCCL on its own
   stream): a bucket's all_reduce starts once the backward has made its last gradient and the
   bucket before it is done, so it runs behind the rest of the last micro-batch's backward;
@@ -39,7 +41,9 @@ The step, on the busiest rank of each pipeline rank:
   fill the drain).
 Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states, and the kept
 activations times the micro-batches in flight (1F1B and ZB-H1: ``p - s`` on stage ``s``; FThenB:
-all ``m``).
+all ``m``); with recompute, the largest layer's recomputed activations beside them (they live
+again while its backward runs: :func:`_recomputed`); a ring attention keeps its log-sum-exp, not
+its scores (:mod:`autopar.ring_pricing`).
 
 Precision (:class:`~autopar.cost_model.precision.Precision`): as built, every op computes in its
 operands' dtype (a bfloat16 matmul at the device's bfloat16 rate), moves and holds each value in
@@ -59,6 +63,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from autopar import ring_pricing
 from autopar.collective import CollectiveKind
 from autopar.collective_kinds import kind_of, point_to_point
 from autopar.cost_model import op_cost_or_traffic, tensor_bytes
@@ -112,7 +117,7 @@ class RankTimes:
     once_sent: int
     per_micro_collectives: int
     once_collectives: int
-    hidden: float = 0.0  # of once_comm
+    hidden: float = 0.0  # of its collectives' seconds, run behind compute (gradient syncs; ring attention's shifts)
 
     @property
     def compute(self) -> float:
@@ -228,6 +233,7 @@ def rank_times(
     computed, ready = _compute(state, computing, {op for sync in syncs for op in sync.producers}, precision)
     added = _added_ops(state, ranks) if launch else {}
     communicated = _communication(state, ranks, precision)
+    ring = ring_pricing.ring_costs(state, ranks, lambda op, rank: shared * _priced_seconds(state, op, rank, precision), precision)
     by_stage = {}
     for rank in computing:
         by_stage.setdefault(stage_of.get(rank, 0), rank)
@@ -242,7 +248,11 @@ def rank_times(
         if syncs:
             made = {op: shared * seconds for op, seconds in ready[source].items()}
             hidden = _hidden(state, syncs, rank, made, backward, precision)
-        out[rank] = RankTimes(rank, stage_of[rank], micro, forward, backward, update, runs, *communicated[rank], hidden)
+        per_micro, once, per_micro_sent, once_sent, per_micro_count, once_count = communicated[rank]
+        shifts = ring[rank]  # (ring attention: its shifts per micro-batch, the part behind its blocks, its recomputed blocks)
+        out[rank] = RankTimes(rank, stage_of[rank], micro, forward, backward + shared * shifts.recompute, update, runs,
+                              per_micro + shifts.seconds, once, per_micro_sent + shifts.sent, once_sent,
+                              per_micro_count + shifts.count, once_count, hidden + micro * shifts.hidden)  # fmt: skip
     return out
 
 
@@ -364,8 +374,9 @@ def _communication(
     cluster, fused = state.cluster, _fused(state)
     processes = min(len(state.mesh.ranks), cluster.devices_per_node)
     shared = cluster.device.shared_by(processes) > 1.0
+    ringed = ring_pricing.replaced(state)  # (K / V gathers a ring attention's shifts take the place of)
     for planned in state.reshards:
-        if planned.shared_with is not None or planned.index in fused:
+        if planned.shared_with is not None or planned.index in fused or planned.index in ringed:
             continue
         once = int(state.graph.ops[planned.need.op].role is Role.OPTIMIZER)
         ratio = _ratio(state, planned, precision)
@@ -526,10 +537,10 @@ def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, in
     from autopar.passes import allreduce_fusion, site_fusion, zero_fusion
 
     by_index = {planned.index: planned for planned in state.reshards}
-    fused = _fused(state)
+    fused, ringed = _fused(state), ring_pricing.replaced(state)
     ops = {rank: [0, 0] for rank in ranks}  # per micro-batch, once
     for planned in state.reshards:
-        if planned.shared_with is not None or planned.index in fused:
+        if planned.shared_with is not None or planned.index in fused or planned.index in ringed:
             continue
         once = int(state.graph.ops[planned.need.op].role is Role.OPTIMIZER)
         involved = set()
@@ -544,6 +555,9 @@ def _added_ops(state: CompileState, ranks: list[int]) -> dict[int, tuple[int, in
         if planned.plan.dtype != state.graph.values[planned.need.value].dtype:  # cast there and back (reduce_dtype)
             for rank in involved:
                 ops[rank][once] += 2
+    for ring in ring_pricing.rings(state):  # its permutes, per micro-batch
+        for rank in _held_by(state.propagation.op_meshes.get(ring.core.first, state.mesh), ranks):
+            ops[rank][0] += 2 * (ring.parts - 1) + 1
     for bucket in state.buckets:
         for rank in _held_by(bucket.src.mesh, ranks):
             ops[rank][1] += allreduce_fusion.emitted_ops(state, bucket, [by_index[i] for i in bucket.members], rank)
@@ -589,6 +603,13 @@ def _bucket_ranks(bucket: Any, by_index: dict[int, Any]) -> Iterable[int]:
     if src is not None:
         return src.mesh.ranks
     return {rank for member in bucket.members for rank in by_index[member].plan.src.mesh.ranks}
+
+
+def _priced_seconds(state: CompileState, op: Any, rank: int, precision: Precision = AS_BUILT) -> float:
+    """``op``'s seconds on ``rank`` as :func:`_compute` prices it (0: a free op, or one without a placement)."""
+    if op.name in FREE_OPS or op.index not in state.propagation.op_results:
+        return 0.0
+    return _op_seconds(state, op, rank, state.cluster, precision)
 
 
 def _op_seconds(state: CompileState, op: Any, rank: int, cluster: Any, precision: Precision = AS_BUILT) -> float:
@@ -644,16 +665,58 @@ def _memory(state: CompileState, ranks: list[int], micro: int, precision: Precis
                 held[rank] += tensor_bytes(value.shape, dtype, grads.get(key, dist), rank)
             if master is not None:
                 held[rank] += tensor_bytes(value.shape, master, states.get(key, dist), rank)
+    unkept = ring_pricing.unkept(state)  # (a ring attention keeps no scores or probabilities: its log-sum-exp instead)
+    for rank in ranks:
+        activations[rank] += ring_pricing.lse_bytes(state, rank, _local)
     for key in saved_activations(graph):
+        if key in unkept:
+            continue
         dist, value = propagation.dist(key), graph.values[key]
         for rank in _held_by(dist.mesh, ranks):
             activations[rank] += tensor_bytes(value.shape, precision.dtype(value.dtype, value.kind), dist, rank)
+    recomputed = _recomputed(state, ranks, precision)
     peak, held_at_peak = 0, 0
     for position, rank in enumerate(ranks):
         in_flight = 1
         if pipeline is not None:
             in_flight = micro if pipeline.schedule == "FThenB" else min(micro, len(ranks) - position)
-        total = held[rank] + activations[rank] * in_flight
+        total = held[rank] + activations[rank] * in_flight + recomputed[rank]
         if total > peak:
             peak, held_at_peak = total, held[rank]
     return peak, held_at_peak
+
+
+def _recomputed(state: CompileState, ranks: list[int], precision: Precision = AS_BUILT) -> dict[int, int]:
+    """Each of ``ranks``' largest layer of recomputed activations: recompute re-makes a layer's
+    activations in the backward, where they live together while that layer's gradients are
+    made (one layer at a time), so the peak holds the largest layer's beside what is kept — at a
+    long sequence its attention scores, which recompute does not take away (0 without recompute)."""
+    from autopar.layer_paths import path_of
+
+    graph, propagation = state.graph, state.propagation
+    layers: dict[tuple[int, Any], int] = {}
+    for op in graph.ops:
+        if op.recomputes is None:
+            continue
+        layer = path_of(graph.ops[op.recomputes])
+        for key in op.outputs:
+            if key is None or not _read_in_backward(graph, key):
+                continue
+            value, dist = graph.values[key], propagation.dist(key)
+            for rank in _held_by(dist.mesh, ranks):
+                nbytes = tensor_bytes(value.shape, precision.dtype(value.dtype, value.kind), dist, rank)
+                layers[(rank, layer)] = layers.get((rank, layer), 0) + nbytes
+    out = dict.fromkeys(ranks, 0)
+    for (rank, _), nbytes in layers.items():
+        out[rank] = max(out[rank], nbytes)
+    return out
+
+
+def _read_in_backward(graph: Any, key: Any) -> bool:
+    """Whether a gradient op (not another recompute clone) reads ``key``'s data (not its shape only)."""
+    for user in graph.values[key].users:
+        op = graph.ops[user]
+        if op.role is Role.BACKWARD and op.recomputes is None:
+            if any(k == key and i not in op.shape_only for i, k in enumerate(op.inputs)):
+                return True
+    return False

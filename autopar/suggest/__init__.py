@@ -1,7 +1,8 @@
 """``autopar.suggest``: the best plans for a program on ``world`` devices, ranked and explained
 (stage: strategy search, before compile).
 
-For each mesh shape (:mod:`.search`: the factorisations of the world, and the shapes on fewer
+For each mesh shape (:mod:`.search`: the factorisations of the world — with a context-parallel
+dim splitting the sequence when it is long, :func:`.annotations.long_sequence` — and the shapes on fewer
 devices that cannot grow — when the world does not divide the program well, leaving devices
 idle is the better plan, and the result says so: "uses 4 of 7 devices") the annotations are
 found from the program (:mod:`.annotations`: the feeds' batch dim, Megatron's column / row
@@ -43,8 +44,17 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest import arguments
+from autopar.suggest.annotations import long_sequence, sequence_length
 from autopar.suggest.plans import TIE, Plan, Suggestions
-from autopar.suggest.search import Shape, accumulates, largest, most_stages, strategies, trades_time_for_memory
+from autopar.suggest.search import (
+    CONTEXT_DIM,
+    Shape,
+    accumulates,
+    largest,
+    most_stages,
+    strategies,
+    trades_time_for_memory,
+)
 from autopar.suggest.search import shapes as factorisations
 from autopar.suggest.tables import PlacementTable, Skipped, SkippedPlans
 from autopar.units import format_bytes, format_time
@@ -60,7 +70,7 @@ def suggest(
     """The ``top`` plans for ``program`` on ``world`` devices (see the module docstring).
     ``memory_per_rank``: bytes, or a size such as ``"80GB"`` (default: the profile's device
     memory); ``cluster``: a cost profile name, a JSON path or a ``Cluster`` (default: the
-    hardware in use); ``shapes``: only these mesh shapes (``Shape`` or ``(dp, mp, pp)``, on at
+    hardware in use); ``shapes``: only these mesh shapes (``Shape`` or ``(dp, mp, pp[, cp])``, on at
     most ``world`` devices; default: every factorisation of ``world`` and the shapes on fewer
     devices that cannot grow); ``all_devices``: only plans that use every device;
     ``precision``: None prices the program as built (each value's own dtype: a user's AMP
@@ -90,7 +100,7 @@ def price_plan(
     memory_per_rank: int | str | None = None, cluster: str | Any = None, precision: str | None = None,
 ) -> Plan:  # fmt: skip
     """One given plan priced as :func:`suggest` prices its candidates: ``shape`` (``Shape`` or
-    ``(dp, mp, pp)``) with the annotations the search would find for it, and ``strategy``
+    ``(dp, mp, pp[, cp])``) with the annotations the search would find for it, and ``strategy``
     (default: none of the features; its ``cluster`` is used when ``cluster`` is not given) —
     a published recipe beside the search's choice, say. Arguments as :func:`suggest`'s."""
     arguments.programs("price_plan", program, startup_program)
@@ -122,6 +132,8 @@ class _Search:
         self.precision, self.precision_words = chosen(who, precision, self.graph)
         self.weights = _parameter_bytes(self.graph, self.precision)
         self.stages = most_stages(self.graph)
+        self.seq = sequence_length(self.graph)
+        self.context = long_sequence(self.graph)  # attention's [S, S] activations decide: try splitting the sequence
         self.entries: dict[Shape, _Shape] = {}
         self.plans: list[Plan] = []
         self.skipped: list[Skipped] = []
@@ -132,7 +144,8 @@ class _Search:
     def shapes(self, all_devices: bool) -> list[Shape]:
         """The world's factorisations, then (unless ``all_devices``) the shapes on fewer devices
         that cannot grow (:func:`.search.largest`)."""
-        out = list(factorisations(self.world))
+        context = [cp for cp in range(1, self.world + 1) if cp == 1 or (self.context and self.seq % cp == 0)]
+        out = list(factorisations(self.world, context))
         if not all_devices:
             data = [d for d in range(1, self.world + 1) if self.batch % d == 0]
             fewer = largest(self.world, data, range(1, self.world + 1), lambda s: self.unfit(s) is None)
@@ -155,6 +168,10 @@ class _Search:
             return f"{rows} rows per data rank cannot make the {shape.pp} micro-batches {shape.pp} stages need"
         if shape.mp > 1 and not self.split(shape.mp):
             return f"nothing found to split over {shape.mp} tensor ranks"
+        if shape.cp > 1 and self.seq < 2:
+            return "no feed carries a sequence (dim 1 of the batch feeds) to split over context-parallel ranks"
+        if shape.cp > 1 and self.seq % shape.cp:
+            return f"the sequence of {self.seq} tokens does not split over {shape.cp} context-parallel ranks"
         return None
 
     def split(self, mp: int) -> Any:
@@ -171,7 +188,8 @@ class _Search:
         if shape not in self.entries:
             tp = self.split(shape.mp) if shape.mp > 1 else None
             mesh = shape.mesh()
-            annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None)
+            sep = CONTEXT_DIM if shape.cp > 1 else None
+            annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None, sep)
             annotated = PlacementTable(annotated, self.graph)
             chosen = list(strategies(shape, self.batch, self.cluster))
             self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world, self.precision,

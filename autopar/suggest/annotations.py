@@ -24,7 +24,9 @@ way (a fused qkv laid out ``[3, heads, head_dim]`` or cut three ways by columns,
 divisible by mp) or a row-parallel input that does not arrive split leaves the pair whole, and
 ``TensorParallel.notes`` says where and why in the user's terms (layer path, shapes).
 
-Data parallelism splits the feeds that carry the batch (:func:`batch_feeds`).
+Data parallelism splits the feeds that carry the batch (:func:`batch_feeds`); context
+parallelism splits those of them that carry the sequence too, on dim 1 (:func:`sequence_feeds`),
+and is searched only where the sequence is long (:func:`long_sequence`).
 """
 
 from __future__ import annotations
@@ -144,15 +146,63 @@ def batch_feeds(graph: ProgramGraph) -> tuple[ValueKey, ...]:
     return tuple(sorted(key for key in feeds if graph.values[key].program_shape[0] == batch))
 
 
+def sequence_feeds(graph: ProgramGraph) -> tuple[ValueKey, ...]:
+    """The batch feeds that carry the sequence on dim 1 (token ids, labels, masks per token):
+    those of :func:`batch_feeds` with a dim 1, of the size most of them share (ties: the larger)."""
+    feeds = [key for key in batch_feeds(graph) if len(graph.values[key].program_shape) >= 2]
+    sizes = Counter(graph.values[key].program_shape[1] for key in feeds)
+    if not sizes:
+        return ()
+    seq = max(sizes, key=lambda size: (sizes[size], size))
+    return tuple(key for key in feeds if graph.values[key].program_shape[1] == seq)
+
+
+def sequence_length(graph: ProgramGraph) -> int:
+    """The tokens of a sequence (dim 1 of :func:`sequence_feeds`; 0: no feed carries one)."""
+    feeds = sequence_feeds(graph)
+    return int(graph.values[feeds[0]].program_shape[1]) if feeds else 0
+
+
+LONG = 0.5  # the share of the saved activations attention's [.., S, S] values must reach for the sequence to count as long
+
+
+def attention_share(graph: ProgramGraph) -> float:
+    """The share of the activations the backward keeps (bytes, whole: one device) that are
+    attention's ``[.., S, S]`` values — scores and probabilities over the sequence, the memory
+    that grows with its square (0 without a sequence)."""
+    from autopar.inspect.cost_report import saved_activations
+
+    seq = sequence_length(graph)
+    if seq < 2:
+        return 0.0
+    from autopar.cost_model import tensor_bytes
+
+    values = [graph.values[key] for key in saved_activations(graph)]
+    sizes = {value.key: tensor_bytes(value.shape, value.dtype, None, 0) for value in values}
+    square = sum(n for key, n in sizes.items() if tuple(graph.values[key].shape[-2:]) == (seq, seq))
+    return square / sum(sizes.values()) if sizes else 0.0
+
+
+def long_sequence(graph: ProgramGraph) -> bool:
+    """Whether the memory of attention's activations decides (their share is at least
+    :data:`LONG`): the search then adds context parallelism, which splits them by the sequence."""
+    return attention_share(graph) >= LONG
+
+
 def placements(
-    graph: ProgramGraph, mesh: ProcessMesh, tp: TensorParallel | None, dp: str | None, mp: str | None
+    graph: ProgramGraph, mesh: ProcessMesh, tp: TensorParallel | None, dp: str | None, mp: str | None, sep: str | None = None
 ) -> dict[ValueKey, DistAttr]:
     """The DistAttr of every value the plan annotates: ``tp``'s parameters split over mesh dim
-    ``mp``, the batch feeds over ``dp`` (None: that kind of parallelism is not used)."""
+    ``mp``, the batch feeds over ``dp``, the sequence feeds' dim 1 over ``sep`` (None: that kind
+    of parallelism is not used)."""
     specs: dict[ValueKey, list[Any]] = {}
     if dp is not None:
         for key in batch_feeds(graph):
             specs[key] = [dp] + [None] * (len(graph.values[key].shape) - 1)
+    if sep is not None:
+        for key in sequence_feeds(graph):
+            spec = specs.get(key, [None] * len(graph.values[key].shape))
+            specs[key] = [spec[0], sep, *spec[2:]]
     if tp is not None and mp is not None:
         specs.update(tp.specs(mp))
     return {

@@ -78,6 +78,11 @@ class Plan:
             parts.append(f"{self.split} over {s.mp} tensor-parallel ranks of one node")
         if s.pp > 1:
             parts.append(f"the layers are cut into {s.pp} pipeline stages balanced by predicted time")
+        if s.cp > 1:
+            context = self.strategy.context_parallel
+            how = (f"attention by {context.method}" if context is not None
+                   else "attention reads k and v gathered whole each layer")  # fmt: skip
+            parts.append(f"the sequence is split over {s.cp} context-parallel ranks ({how})")
         if self.strategy.zero_stage:
             what = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}
             parts.append(f"ZeRO-{self.strategy.zero_stage} shards the {what[self.strategy.zero_stage]} over the data ranks")

@@ -1,8 +1,12 @@
 """The candidates a search tries for a program on ``world`` devices (stage: strategy search).
 
 A candidate is a mesh shape — data x tensor x pipeline parallelism, any factorisation of the
-world, tensor parallelism innermost so that it stays inside a node — and a Strategy: the ZeRO
-stage (with data parallelism), sequence parallelism (with tensor parallelism), recompute, and
+world, tensor parallelism innermost so that it stays inside a node; and, when the sequence is
+long (the memory of attention's activations decides: :func:`autopar.suggest.annotations.long_sequence`),
+context parallelism, the sequence split over a ``sep`` mesh dim between data and tensor — and
+a Strategy: the ZeRO stage (with data parallelism), sequence parallelism (with tensor
+parallelism), the context-parallel method (with context parallelism: those compile builds,
+:func:`context_methods`), recompute, and
 for a pipeline the micro-batch count and schedule (the stage cut is automatic: balanced by
 predicted time), without one the micro-batches gradients are accumulated over. A shape is skipped, with the reason kept, where the program cannot take it:
 the batch does not divide over the data ranks, nothing is found to split over tensor ranks
@@ -24,41 +28,49 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.mesh import ProcessMesh
-from autopar.strategy import PipelineConfig, Strategy
+from autopar.strategy import ContextParallel, PipelineConfig, Strategy
 
 SCHEDULES = ("1F1B", "ZBH1")
 
 
+CONTEXT_DIM = "sep"  # the mesh dim context parallelism splits the sequence over (Paddle's name)
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """Sizes of the data, tensor and pipeline dims of a mesh."""
+    """Sizes of the data, tensor, pipeline and context (sequence) dims of a mesh."""
 
     dp: int
     mp: int
     pp: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.mp * self.pp
+        return self.dp * self.mp * self.pp * self.cp
 
     def mesh(self) -> ProcessMesh:
-        """The mesh: pipeline outermost, tensor innermost (neighbouring ranks: one node's); dims
-        of size 1 left out (one dim at least)."""
-        sizes = [(name, size) for name, size in (("pp", self.pp), ("dp", self.dp), ("mp", self.mp)) if size > 1] or [("dp", 1)]
+        """The mesh: pipeline outermost, then data, context (``sep``), tensor innermost
+        (neighbouring ranks: one node's); dims of size 1 left out (one dim at least)."""
+        dims = (("pp", self.pp), ("dp", self.dp), (CONTEXT_DIM, self.cp), ("mp", self.mp))
+        sizes = [(name, size) for name, size in dims if size > 1] or [("dp", 1)]
         ranks: list = list(range(self.world))
         for _, size in reversed(sizes[1:]):
             ranks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
         return ProcessMesh(ranks, [name for name, _ in sizes])
 
     def __str__(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in (("dp", self.dp), ("mp", self.mp), ("pp", self.pp)) if size > 1) or "one device"
+        sizes = (("dp", self.dp), ("mp", self.mp), ("pp", self.pp), ("cp", self.cp))
+        return " x ".join(f"{name}={size}" for name, size in sizes if size > 1) or "one device"
 
 
-def shapes(world: int) -> Iterator[Shape]:
-    """Every factorisation of ``world`` into dp x mp x pp."""
-    for mp in _divisors(world):
-        for pp in _divisors(world // mp):
-            yield Shape(world // (mp * pp), mp, pp)
+def shapes(world: int, context: Iterable[int] = (1,)) -> Iterator[Shape]:
+    """Every factorisation of ``world`` into dp x mp x pp x cp, for each ``cp`` of ``context``
+    that divides it (default: none with context parallelism)."""
+    for cp in (c for c in context if world % c == 0):
+        for mp in _divisors(world // cp):
+            for pp in _divisors(world // (cp * mp)):
+                yield Shape(world // (cp * mp * pp), mp, pp, cp)
 
 
 def largest(world: int, data: Iterable[int], tensor: Iterable[int], takes: Callable[[Shape], bool]) -> list[Shape]:
@@ -88,10 +100,22 @@ def most_stages(graph: Any) -> int:
     return max(len({path_of(op) for op in forward if path_of(op)}), 1)
 
 
+def context_methods() -> tuple[str | None, ...]:
+    """The context-parallel methods tried on a shape with context parallelism: every
+    ``ContextParallel.method`` once compile builds the field (a method it refuses is kept among
+    the skipped plans, with compile's reason); until then None — no Strategy field, the
+    sequence split by the annotations alone, which propagation carries through attention by
+    gathering k and v whole each layer (the all-gather-KV plan)."""
+    from autopar.strategy import CONTEXT_PARALLEL_METHODS, NOT_YET
+
+    return (None,) if "context_parallel" in NOT_YET else tuple(CONTEXT_PARALLEL_METHODS)
+
+
 def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strategy]:
     """The strategies tried on ``shape`` for a global ``batch`` (see the module docstring)."""
     zero_stages = (0, 1, 2, 3) if shape.dp > 1 else (0,)
     sequence = (False, True) if shape.mp > 1 else (False,)
+    context = [None if m is None else ContextParallel(CONTEXT_DIM, m) for m in context_methods()] if shape.cp > 1 else [None]
     pipelines: list[PipelineConfig | None] = [None]
     rows = batch // shape.dp
     if shape.pp > 1:  # p, 2p, 4p micro-batches, or one row each (Megatron's m = B / d: the least bubble)
@@ -103,8 +127,10 @@ def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strate
     for pipeline in pipelines:
         for recompute in (False, True):
             for sp in sequence:
-                for zero in zero_stages:
-                    yield Strategy(zero_stage=zero, sequence_parallel=sp, recompute=recompute, pipeline=pipeline, cluster=cluster)
+                for cp in context:
+                    for zero in zero_stages:
+                        yield Strategy(zero_stage=zero, sequence_parallel=sp, recompute=recompute, pipeline=pipeline,
+                                       cluster=cluster, context_parallel=cp)  # fmt: skip
 
 
 def trades_time_for_memory(strategy: Strategy) -> bool:

@@ -26,6 +26,9 @@ def strategy_words(strategy: Strategy) -> str:
         out.append(f"ZeRO-{strategy.zero_stage}")
     if strategy.sequence_parallel:
         out.append("SP")
+    if strategy.context_parallel is not None:
+        context = strategy.context_parallel
+        out.append(f"CP {context.method}{' zigzag' if context.balance else ''}")
     if strategy.recompute:
         out.append("recompute")
     pipeline = strategy.pipeline

@@ -84,9 +84,11 @@ def test_near_ties_are_ranked_as_ties(on_seven):
 def test_recompute_is_tried_wherever_the_plain_plan_does_not_fit():
     """Issue 36 item 15, 500 KiB per rank on a 4-block model: dp=4 with recompute fits (495 KiB)
     at 11.7 ms, but recompute was priced only for the three fastest shapes or where nothing fits
-    (dp=4 had a plain ZeRO plan that fits): the search picked dp=2 x pp=2 + recompute, 16.7 ms."""
+    (dp=4 had a plain ZeRO plan that fits): the search picked dp=2 x pp=2 + recompute, 16.7 ms.
+    (Since the peak holds one layer's recomputed activations beside what is kept, issue 39, dp=4
+    with recompute needs 555 KiB: the budget is 560 KiB, where ZeRO-3 is dp=4's plain plan that fits.)"""
     seed = gpt_block_program(batch=8, seq=16, hidden=32, heads=4, vocab=128, layers=4, optimizer="sgd", seed=1, layer_calls=True)
-    plans = autopar.suggest(seed.main, 4, seed.startup, memory_per_rank="500KiB", cluster="cpu-shm", all_devices=True)
+    plans = autopar.suggest(seed.main, 4, seed.startup, memory_per_rank="560KiB", cluster="cpu-shm", all_devices=True)
     best = plans[0]
     assert best.fits and best.shape == Shape(4, 1, 1) and best.strategy.recompute and not best.strategy.zero_stage
     pipelined = [plan.price.step for plan in plans if plan.shape == Shape(2, 1, 2)]
