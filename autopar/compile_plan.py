@@ -28,6 +28,7 @@ from autopar.passes.pipeline_split import PipelineSplit
 from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.site_fusion import SiteFusion
+from autopar.passes.sub_meshes import SubMeshes
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import (
@@ -138,6 +139,8 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
+    else:  # each rank keeps its sub-meshes' ops (autopar/sub_meshes.py)
+        passes.append(SubMeshes())
     passes += [FetchReplication(), BackendLowering()]
     return passes
 
