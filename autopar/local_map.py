@@ -82,7 +82,8 @@ def sub_mesh_tensors(value: Any, mesh: ProcessMesh, placements: Any, dims: str |
     size = value.shape[axis]
     if size % len(subs):
         raise AnnotationError(f"sub_mesh_tensors of {label!r}: dim {axis} ({size}) does not divide into {len(subs)} shards")
-    shard_tensor(value, mesh, attr)
+    # (``value`` itself keeps what its op makes: the split reads it lined up with the pieces,
+    # resharded right before the split where it is not)
     pieces = paddle.split(value, len(subs), axis=axis)
     for sub, part in zip(subs, pieces):
         shard_tensor(part, sub, piece(attr, order, sub))
