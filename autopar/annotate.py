@@ -40,6 +40,12 @@ def annotations_of(program: Any) -> ProgramAnnotations:
         return ProgramAnnotations()
 
 
+def local_op_ids() -> set[int]:
+    """The ids of the ops ``autopar.local_map`` placed, in any live program (op ids are unique
+    in a process: a rewritten clone's graph finds the user's ops by them, ``graph.op_aliases``)."""
+    return {op_id for notes in list(_TABLE.values()) for op_id in notes.local_ops}
+
+
 def record(program: Any) -> ProgramAnnotations:
     if program not in _TABLE:
         _TABLE[program] = ProgramAnnotations()

@@ -146,7 +146,7 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[Any], out_placemen
             raise AnnotationError(f"local_map({getattr(fn, '__name__', 'fn')}): {len(inputs)} inputs, {len(in_placements)} in_placements")
         program_of(inputs[0])
         attrs = [_attr(x, mesh, p) for x, p in zip(inputs, in_placements)]
-        order = tuple(sorted({d for a in attrs for split in a.mapping for d in split}))
+        order = tuple(sorted({d for a in attrs for split in a.mapping for d in split} | {d for a in attrs for d, _ in a.partial}))
         if not order:
             raise AnnotationError(f"local_map({getattr(fn, '__name__', 'fn')}): no input is split over a mesh dim: there is one shard")
         names = [mesh.dim_names[d] for d in order]

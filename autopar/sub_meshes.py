@@ -222,7 +222,7 @@ def find_views(graph: ProgramGraph, mesh: ProcessMesh, where: Mapping[ValueKey, 
     """The views of the program (module docstring) by op index: ops on ``mesh`` of the split /
     join kinds whose pieces live on sub-meshes of ``mesh`` (``where``: each value's mesh). A
     join of values of several sub-meshes that is no view is refused."""
-    if not any(is_sub_mesh(mesh, m) for m in op_meshes.values()):
+    if not any(is_sub_mesh(mesh, m) for m in {*op_meshes.values(), *where.values()}):
         return {}
     views: dict[int, View] = {}
     for op in graph.ops:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autopar.annotate import local_op_ids
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
@@ -24,8 +25,27 @@ from autopar.sub_meshes import View, find_views
 @dataclass(frozen=True)
 class SubMeshes(Pass):
     name: ClassVar[str] = "sub_meshes"
+    plan_requires: ClassVar[tuple[str, ...]] = ("reshard-planned",)
     emit_requires: ClassVar[tuple[str, ...]] = ("comm-inserted",)
     emit_ensures: ClassVar[str] = "sub-mesh-split"
+
+    def plan(self, state: CompileState) -> None:
+        """Refuse a collective inside an ``autopar.local_map`` copy (its ops and their grad ops)."""
+        graph = state.graph
+        by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases
+        local = {by_id[i] for i in local_op_ids() if i in by_id}
+        if not local:
+            return
+        local |= {op.index for op in graph.ops if op.forward_op in local}
+        for planned in state.reshards:
+            moving = [step for step in planned.plan.steps if not step.kind.is_local]
+            if planned.need.op in local and moving:
+                need = planned.need
+                raise AutoparError(
+                    f"autopar.local_map: {graph.ops[need.op]} inside fn reads {graph.values[need.value].label} as {need.need} "
+                    f"but it is {need.have}: that needs a {moving[0].kind} inside the local region; fn runs on each "
+                    "rank's shards with no collective (give its inputs the placements fn reads, in in_placements)"
+                )
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         op_meshes = state.propagation.op_meshes
