@@ -41,7 +41,7 @@ from autopar.propagation import PropagationResult, transplant
 from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived
 from autopar.rewrites.recompute import regathered
 from autopar.strategy import Strategy
-from autopar.sub_meshes import is_sub_mesh, place_ops
+from autopar.sub_meshes import find_views, is_sub_mesh, place_ops, value_meshes
 
 if TYPE_CHECKING:
     from paddle.pir import Program
@@ -156,6 +156,7 @@ def analysis_start(
         user, op_meshes = _user_placements(program, graph, mesh, staged=plan.pipelined), _op_meshes(program, graph, mesh)
         if not plan.pipelined:  # values and ops on sub-meshes that are no pipeline stage (autopar/sub_meshes.py)
             op_meshes = place_ops(graph, mesh, user, op_meshes)
+            _refuse_sub_meshes_never_joined(graph, mesh, user, op_meshes)
     _refuse_meaningless_partials(graph, user)
     return Analysed(program, graph, mesh, _cluster(plan.cluster).fitted(mesh.ranks), user, op_meshes)
 
@@ -265,6 +266,23 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh} but compile was given {mesh}; {why}")
         placements[key] = attr
     return placements
+
+
+def _refuse_sub_meshes_never_joined(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]
+) -> None:  # fmt: skip
+    """Without a pipeline, values placed on sub-meshes must come back to the mesh through a view
+    (a split / concat / sum of one piece per shard: autopar/sub_meshes.py); a program with none
+    would leave the other ranks idle and its results on a few."""
+    if find_views(graph, mesh, value_meshes(graph, user, op_meshes), op_meshes):
+        return
+    for key, attr in user.items():
+        if attr.mesh != mesh:
+            raise AnnotationError(
+                f"tensor {graph.values[key].label!r} is annotated on {attr.mesh} but compile was given {mesh}; sub-mesh placements "
+                "land with the pipeline (place a stage's ops with shard_op), or, without one, are joined back to the mesh "
+                "(autopar.global_mesh_tensor, the out_placements of autopar.local_map)"
+            )
 
 
 def _refuse_annotations_off_their_stage(

@@ -91,7 +91,10 @@ def plan_compile(program: Program | None, mesh: ProcessMesh, strategy: Strategy 
     (``program``: None when there is no program whose annotations could imply stages)."""
     effective = effective_strategy(program, mesh, strategy)
     chosen = effective.strategy
-    return CompilePlan(effective, rewrites_for(chosen), tuple(passes_for(chosen)), tuple(analysed_fields(chosen).items()))
+    passes = passes_for(chosen)
+    if chosen.pipeline is None and program is not None and _has_sub_meshes(program, mesh):  # each rank keeps its own ops
+        passes.insert(len(passes) - 2, SubMeshes())  # (after op_lowering, before fetch_replication: autopar/sub_meshes.py)
+    return CompilePlan(effective, rewrites_for(chosen), tuple(passes), tuple(analysed_fields(chosen).items()))
 
 
 def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
@@ -139,8 +142,6 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes.append(OpLowering())  # the per-op lowerings the rules declare (vocab rows, BN statistics, dropout)
     if strategy.pipeline is not None:
         passes.append(PipelineSplit(strategy.pipeline.micro_batches, strategy.pipeline.schedule))
-    else:  # each rank keeps its sub-meshes' ops (autopar/sub_meshes.py)
-        passes.append(SubMeshes())
     passes += [FetchReplication(), BackendLowering()]
     return passes
 
@@ -165,6 +166,12 @@ def checked_strategy(strategy: Any) -> Strategy:
     strategy = strategy or Strategy()
     strategy.check_implemented()
     return strategy
+
+
+def _has_sub_meshes(program: Program, mesh: ProcessMesh) -> bool:
+    """Whether autopar.local_map placed ops, or annotations placed values, on sub-meshes."""
+    notes = annotations_of(program)
+    return bool(notes.local_ops) or any(attr.mesh != mesh and not attr.mesh.same_grid(mesh) for attr, _ in notes.tensors.values())
 
 
 def _has_stages(program: Program, mesh: ProcessMesh) -> bool:
