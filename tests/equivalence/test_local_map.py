@@ -155,3 +155,11 @@ def test_a_sub_mesh_value_read_on_the_mesh_unassembled_is_refused_by_name():
     assert [s.ranks for s in subs] == [(0,), (1,)]
     with pytest.raises(AutoparError, match=r"pd_op.multiply#\d+ runs on mesh\(ep=2\)\[0,1\] but reads values held by its sub-meshes"):
         autopar.compile(main, mesh, startup_program=startup)
+
+
+def test_local_map_under_a_pipeline_is_refused_by_name():
+    mesh = MESHES["ep2"]
+    seed, _, _ = centred(mesh)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
+    with pytest.raises(AnnotationError, match=r"autopar.local_map under a pipeline: .* not combined with a pipeline yet"):
+        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)

@@ -7,6 +7,8 @@ stage). Losses every step and every parameter after 3 SGD steps. (Issue 40 also 
 dispatch and combine as all_to_alls only: today the expert buffer is resharded by gathers.)"""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import autopar
 from autopar.local_map import split_mesh
@@ -70,3 +72,25 @@ def test_an_experts_gradients_are_reduced_over_its_holders_only(local_moe):
 def test_local_experts_need_an_expert_dim():
     with pytest.raises(ValueError, match="experts='local' places the experts on the sub-meshes of the mesh's 'ep' dim"):
         moe.build(moe.Config(), mesh=MESHES["dp"], experts="local")
+
+
+def test_zero_1_shards_an_experts_states_over_its_holders():
+    """ZeRO-1 with momentum on dp x ep: an expert's gradient is reduce-scattered over the two
+    ranks holding it and its updated shards gathered back there; equal to serial."""
+    config, mesh = moe.Config(n_layers=1), MESHES["dp x ep"]
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local", optimizer="momentum")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(zero_stage=1))
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
+    expert = {(c.kind.value, c.group) for c in dist.comm_ops(0) if "Expert" in c.reason}
+    assert expert == {("reduce_scatter", (0, 2)), ("all_gather", (0, 2))}
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["ep2", "ep4", "dp x ep"]), st.integers(1, 2), st.sampled_from([0.5, 1.0, 2.0]))
+def test_random_expert_counts_and_capacities_equal_serial(name, per_rank, capacity_factor):
+    """Experts per rank and the capacity factor (tokens dropped or not) drawn: equal to serial."""
+    mesh = MESHES[name]
+    config = moe.Config(n_layers=1, n_experts=mesh.dim_size("ep") * per_rank, capacity_factor=capacity_factor)
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 2))
