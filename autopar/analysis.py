@@ -279,7 +279,7 @@ def _refuse_sub_meshes_never_joined(
     """Without a pipeline, values placed on sub-meshes must come back to the mesh through a view
     (a split / concat / sum of one piece per shard: autopar/sub_meshes.py); a program with none
     would leave the other ranks idle and its results on a few."""
-    if find_views(graph, mesh, value_meshes(graph, user, op_meshes), op_meshes):
+    if find_views(graph, mesh, value_meshes(graph, mesh, user, op_meshes), op_meshes):
         return
     for key, attr in user.items():
         if attr.mesh != mesh:

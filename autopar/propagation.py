@@ -118,7 +118,7 @@ class Propagator:
         self.states: dict[ValueKey, ValueState] = {k: ValueState(d, Priority.STRATEGY, "strategy") for k, d in (strategy or {}).items()}
         self.states.update({k: ValueState(d, Priority.USER, "user") for k, d in user.items()})
         self.ops = [op for op in graph.ops if op.name not in VECTOR_OPS and op.name not in SOURCE_OPS]
-        self.views = find_views(graph, mesh, value_meshes(graph, user, op_meshes), op_meshes)  # splits / joins between the mesh and its sub-meshes
+        self.views = find_views(graph, mesh, value_meshes(graph, mesh, user, op_meshes), op_meshes)  # splits / joins between the mesh and its sub-meshes
         self.choice_reasons: dict[ValueKey, str] = {}
         self._memo: dict[tuple, RuleResult] = {}
         self._attrs_keys: dict[int, tuple] = {}

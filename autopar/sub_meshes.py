@@ -205,16 +205,33 @@ def place_ops(graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, Di
                     where.setdefault(key, where[pieces[j]])
                     continue
             where.setdefault(key, found)
+    for op in graph.ops:  # a plain split whose pieces are each read on the sub-mesh of its shard
+        if op.name in SPLITS and op.forward_op is None and op.index not in out:
+            meshes = [readers_mesh(graph, k, out) for k in op.outputs if k is not None]
+            if all(m is not None and m != mesh for m in meshes) and _order(mesh, meshes) is not None:  # type: ignore[arg-type]
+                out[op.index] = mesh
     return out
 
 
-def value_meshes(graph: ProgramGraph, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]) -> dict[ValueKey, ProcessMesh]:
-    """Where each value lives before propagation: its annotation's mesh, else its op's."""
+def readers_mesh(graph: ProgramGraph, key: ValueKey, op_meshes: Mapping[int, ProcessMesh]) -> ProcessMesh | None:
+    """The one mesh every reader of ``key`` runs on (None: readers on several, or unplaced)."""
+    found = {op_meshes.get(user) for user in graph.values[key].users}
+    return found.pop() if len(found) == 1 else None
+
+
+def value_meshes(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]
+) -> dict[ValueKey, ProcessMesh]:  # fmt: skip
+    """Where each value lives before propagation: its annotation's mesh, else its op's — the
+    pieces of a split on ``mesh`` where their readers run, when that is one sub-mesh."""
     where = {k: a.mesh for k, a in user.items()}
     for index, op_mesh in op_meshes.items():
-        for key in graph.ops[index].outputs:
-            if key is not None:
-                where.setdefault(key, op_mesh)
+        op = graph.ops[index]
+        for key in op.outputs:
+            if key is None or key in where:
+                continue
+            readers = readers_mesh(graph, key, op_meshes) if op_mesh == mesh and op.name in SPLITS else None
+            where[key] = readers if readers is not None and is_sub_mesh(mesh, readers) else op_mesh
     return where
 
 

@@ -163,3 +163,29 @@ def test_local_map_under_a_pipeline_is_refused_by_name():
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
     with pytest.raises(AnnotationError, match=r"autopar.local_map under a pipeline: .* not combined with a pipeline yet"):
         autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp x ep"])
+def test_a_plain_split_and_concat_around_experts_on_sub_meshes_are_views(name):
+    """Paddle's way without the helpers: only the experts' parameters are placed on
+    ``split_mesh(mesh, "ep")[i]``; the buffer is taken apart by ``paddle.split`` and put back by
+    ``paddle.concat``. Each piece is read on the sub-mesh of its shard, so both are views: no
+    collective moves the buffer (before, the split gathered it whole)."""
+    mesh = MESHES[name]
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = 5
+    subs = split_mesh(mesh, "ep")
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [2, 8, 4], "float32")
+        autopar.shard_tensor(x, mesh, [S(0) if n == "ep" else S(1) for n in mesh.dim_names])
+        experts = [paddle.nn.Linear(4, 4) for _ in subs]
+        for sub, expert in zip(subs, experts):
+            for p in expert.parameters():
+                autopar.shard_tensor(p, sub, [None] * len(p.shape))
+        out = paddle.concat([expert(rows) for expert, rows in zip(experts, paddle.split(x, 2, axis=0))], axis=0)
+        loss = out.pow(2).mean()
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    seed = SeedProgram(main, startup, {"x": x}, loss, {})
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    assert_simulation_equals_serial(seed, dist)
+    assert {c.kind.value for c in dist.comm_ops(0)} <= {"all_reduce"}  # at most the experts' gradients over dp
