@@ -94,3 +94,17 @@ def test_random_expert_counts_and_capacities_equal_serial(name, per_rank, capaci
     seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
     assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 2))
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp x ep"])
+def test_dispatch_and_combine_are_two_all_to_alls_each_way_on_the_gpu_profile(name):
+    """Per MoE layer and step on h100-node, rank 0 moves exactly 2 all_to_alls forward (dispatch
+    to the experts' ranks, combine back to each group's) and 2 backward; everything else it
+    moves is a gradient sync (the experts': over their holders)."""
+    config, mesh = moe.Config(), MESHES[name]
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(cluster="h100-node"))
+    moved = dist.comm_ops(0)
+    all_to_alls = [c for c in moved if c.kind.value == "all_to_all"]
+    assert len(all_to_alls) == 4 * config.n_layers and {c.group for c in all_to_alls} == {(0, 1)}
+    assert all("gradient sync" in c.reason for c in moved if c.kind.value != "all_to_all")

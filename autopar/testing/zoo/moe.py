@@ -211,6 +211,8 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
                 done = [self.experts[i * per_rank + j](chunk) for j, chunk in enumerate(chunks)]
                 outs.append(paddle.concat(done, axis=0) if per_rank > 1 else done[0])
             out = global_mesh_tensor(outs, mesh, by_expert, "ep")
+            by_group = [autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
+            out = autopar.reshard(out, mesh, by_group)  # back to each group's ranks (Paddle's dist.reshard)
             routed = paddle.einsum("gsec,egcm->gsm", combine, out).reshape([B * T, C])
             shared = self.shared_out(F.gelu(self.shared_in(flat)))
             return (routed + shared).reshape([B, T, C]), aux / G
