@@ -3,8 +3,9 @@ static capacity, an auxiliary loss, a shared expert) equal to serial in the simu
 both ways its users write it: stacked experts (the batch over ``dp``, the stacked experts and
 the batch over ``ep``) and Paddle's way (``experts="local"``: the router per group of tokens in
 ``autopar.local_map``, each expert its own layer on a sub-mesh of ``ep``, which is no pipeline
-stage). Losses every step and every parameter after 3 SGD steps. (Issue 40 also asks for the
-dispatch and combine as all_to_alls only: today the expert buffer is resharded by gathers.)"""
+stage). Losses every step and every parameter after 3 SGD steps. Written Paddle's way, the
+dispatch and the combine are one all_to_all each way per layer on the GPU profile; the stacked
+experts still gather the router's whole-batch statistics."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
