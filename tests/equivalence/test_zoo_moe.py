@@ -22,6 +22,7 @@ MESHES = {
     "ep2": M([0, 1], ["ep"]),
     "ep4": M([0, 1, 2, 3], ["ep"]),
     "dp x ep": M([[0, 1], [2, 3]], ["dp", "ep"]),
+    "ep x mp": M([[0, 1], [2, 3]], ["ep", "mp"]),  # tensor-parallel attention beside the experts
 }
 
 
@@ -47,7 +48,7 @@ def local_moe():
     return config, compiled
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "dp x ep"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "dp x ep", "ep x mp"])
 def test_the_zoo_moe_with_experts_on_sub_meshes_equals_serial(local_moe, name):
     """Experts on ``split_mesh(mesh, "ep")[i]`` compile without a pipeline (they were read as
     stages: "... runs on mesh(dp=2), which is no pipeline stage of it") and equal the serial

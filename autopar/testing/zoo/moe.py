@@ -14,7 +14,8 @@ Two ways of writing the experts (``build(..., experts=...)``):
 
 - ``"stacked"`` (GSPMD's formulation): annotated by the mesh's dim names, ``dp`` splits the
   tokens' batch; ``ep`` splits the stacked experts' weights by expert (dim 0) and, like ``dp``,
-  the batch. The router sees the whole batch (its statistics are gathered).
+  the batch; ``mp`` splits the attention as Megatron does (q, k, v by columns, the projection
+  by rows). The router sees the whole batch (its statistics are gathered).
 - ``"local"`` (Paddle's way: an auto-parallel MoE with the gate in a ``LocalLayer`` and the experts
   on ``split_mesh(mesh, "ep")``): the router runs per rank in :func:`autopar.local_map.local_map`
   — each of the ``G`` groups of tokens (one per rank of the token-splitting dims ``dp`` x ``ep``)
@@ -34,7 +35,7 @@ from typing import Any
 
 import autopar
 from autopar.testing.models import SeedProgram, _static, make_optimizer
-from autopar.testing.zoo.placements import annotate, whole
+from autopar.testing.zoo.placements import annotate, column, row, whole
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,12 @@ def _annotate(model: Any, tokens: Any, labels: Any, mesh: autopar.ProcessMesh) -
     annotate(labels, mesh, **splits)
     whole(model.embed, mesh)
     for layer in model.layers:
-        for part in (layer.attn, layer.ln_1, layer.ln_2, layer.moe.router, layer.moe.shared_in, layer.moe.shared_out):
+        if "mp" in mesh.dim_names:  # tensor-parallel attention (Megatron's): q, k, v by columns, the projection by rows
+            column(layer.attn.qkv, mesh)
+            row(layer.attn.proj, mesh)
+        else:
+            whole(layer.attn, mesh)
+        for part in (layer.ln_1, layer.ln_2, layer.moe.router, layer.moe.shared_in, layer.moe.shared_out):
             whole(part, mesh)
         if hasattr(layer.moe, "experts"):  # expert e on the sub-mesh of the ep rank holding it, whole there
             subs = split_mesh(mesh, "ep")
