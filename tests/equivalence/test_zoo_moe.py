@@ -110,3 +110,35 @@ def test_dispatch_and_combine_are_two_all_to_alls_each_way_on_the_gpu_profile(na
     all_to_alls = [c for c in moved if c.kind.value == "all_to_all"]
     assert len(all_to_alls) == 4 * config.n_layers and {c.group for c in all_to_alls} == {(0, 1)}
     assert all("gradient sync" in c.reason for c in moved if c.kind.value != "all_to_all")
+
+
+@pytest.mark.parametrize(
+    ("experts", "first", "second"),
+    [("stacked", "ep2", "ep4"), ("local", "dp x ep", "ep4")],  # (local: the same 4 groups of tokens on both)
+)
+def test_experts_saved_on_one_expert_parallel_degree_resume_on_another(tmp_path, experts, first, second):
+    """2 Momentum steps on one mesh, save; load on another, 2 steps: equal to 4 serial steps. Written
+    Paddle's way, each expert is its own parameters on a sub-mesh: 2 experts a rank on dp x ep, 1 on ep4."""
+    import numpy as np
+    import paddle
+
+    from autopar.testing.serial import run_serial
+
+    config = moe.Config(n_layers=1)
+    seeds, dists = [], []
+    for name in (first, second):
+        with paddle.utils.unique_name.guard():  # (the same parameter names in both builds)
+            seed = moe.build(config, batch=4, seq=8, mesh=MESHES[name], experts=experts, optimizer="momentum")
+        seeds.append(seed)
+        dists.append(autopar.compile(seed.main, MESHES[name], startup_program=seed.startup))
+    feeds, path = moe.feeds(config, 4, 8, 4), tmp_path / "ckpt"
+    start = paddle.get_rng_state()
+    before = autopar.simulate(dists[0], feeds[:2], [seeds[0].loss], save_to=path)
+    after = autopar.simulate(dists[1], feeds[2:], [seeds[1].loss], load_from=path)
+    paddle.set_rng_state(start)
+    serial = run_serial(seeds[0].main, seeds[0].startup, feeds, [seeds[0].loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, before.fetches + after.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
+    assert serial.parameters.keys() == after.parameters.keys()
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(after.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
