@@ -103,7 +103,7 @@ def test_dispatch_and_combine_are_two_all_to_alls_each_way_on_the_gpu_profile(na
     """Per MoE layer and step on h100-node, rank 0 moves exactly 2 all_to_alls forward (dispatch
     to the experts' ranks, combine back to each group's) and 2 backward; everything else it
     moves is a gradient sync (the experts': over their holders)."""
-    config, mesh = moe.Config(), MESHES[name]
+    config, mesh = moe.Config(n_layers=1), MESHES[name]
     seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(cluster="h100-node"))
     moved = dist.comm_ops(0)
