@@ -248,9 +248,17 @@ class Propagator:
             if key is not None and self.propose(key, dist, Priority.DERIVED, op):
                 changed.add(key)
         for key, dist in zip(op.inputs, result.inputs):
-            if key is not None and self.propose(key, _complete(dist), Priority.REQUIRED, op):
+            if key is not None and self.propose(key, self._lifted(key, _complete(dist)), Priority.REQUIRED, op):
                 changed.add(key)
         return changed
+
+    def _lifted(self, key: ValueKey, dist: DistAttr | None) -> DistAttr | None:
+        """A source read on several sub-meshes (a parameter every copy of a local_map reads) is
+        held by the mesh: a requirement of one reader is re-expressed there."""
+        if dist is None or not self.views or dist.mesh == self.mesh or self.graph.values[key].kind not in ("parameter", "feed", "state"):
+            return dist
+        readers = {self.op_mesh(self.graph.ops[u]) for u in self.graph.values[key].users}
+        return transplant(dist, self.mesh) if len(readers) > 1 else dist
 
     def backward_step(self, op: OpNode) -> set[ValueKey]:
         outs = [self.states.get(k) if k is not None else None for k in op.outputs]
@@ -279,7 +287,7 @@ class Propagator:
         changed = set()
         for key, dist in zip(op.inputs, result.inputs):
             if key is not None and self.graph.values[key].kind != "constant":
-                if self.propose(key, _complete(dist), level, op, " (from its outputs)"):
+                if self.propose(key, self._lifted(key, _complete(dist)), level, op, " (from its outputs)"):
                     changed.add(key)
         return changed
 
@@ -292,6 +300,8 @@ class Propagator:
                 continue
             users = value.users
             mesh = self.op_mesh(self.graph.ops[users[0]]) if users else self.user_op_meshes.get(op.index, self.mesh)
+            if self.views and len({self.op_mesh(self.graph.ops[u]) for u in users}) > 1:
+                mesh = self.mesh  # read on several sub-meshes (each copy of a local_map): held by the mesh
             self.states[key] = ValueState(DistAttr.replicated(mesh, len(value.shape)), Priority.DEFAULT, "default")
             seeded = True
         return seeded
@@ -444,6 +454,8 @@ class Propagator:
             op = self.graph.ops[op_index]
             for key, need in zip(op.inputs, inferred.inputs):
                 if key is not None and need is not None and self.graph.values[key].kind in ("parameter", "feed", "state"):
+                    if self.views and need.mesh != self.mesh:  # a read on a sub-mesh: of the mesh's value, as it is there
+                        need = transplant(need, self.mesh)
                     wants.setdefault(key, []).append((str(op), need))
         return {k: w for k, w in wants.items() if len({d for _, d in w}) > 1}
 

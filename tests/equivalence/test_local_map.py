@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar.errors import AnnotationError, AutoparError
 from autopar.local_map import global_mesh_tensor, local_map, split_mesh, sub_mesh_tensors
-from autopar.testing.models import SeedProgram, _static
+from autopar.testing.models import SeedProgram, _static, make_optimizer
 from autopar.testing.serial import assert_simulation_equals_serial, run_serial
 
 M = autopar.ProcessMesh
@@ -21,7 +21,7 @@ MESHES = {"ep2": M([0, 1], ["ep"]), "ep4": M([0, 1, 2, 3], ["ep"]), "dp x ep": M
 S, R, P = autopar.Shard, autopar.Replicate, autopar.Partial
 
 
-def centred(mesh, rows=8, width=6, train=True):
+def centred(mesh, rows=8, width=6, train=True, annotated=True, optimizer="sgd"):
     """A Linear whose output is centred per shard of rows (a per-group statistic: the mean of
     the group's rows) and, beside it, each group's column sums of squares summed over groups."""
     paddle, main, startup = _static()
@@ -29,7 +29,7 @@ def centred(mesh, rows=8, width=6, train=True):
     with paddle.static.program_guard(main, startup):
         x = paddle.static.data("x", [rows, width], "float32")
         lin = paddle.nn.Linear(width, width)
-        for p in lin.parameters():
+        for p in lin.parameters() if annotated else ():
             autopar.shard_tensor(p, mesh, [None] * len(p.shape))
 
         def fn(t):
@@ -40,7 +40,7 @@ def centred(mesh, rows=8, width=6, train=True):
         out, squares = local_map(fn, [split], [split, [P()] * mesh.ndim], mesh)(x)
         loss = out.pow(2).mean() + squares.mean()
         if train:
-            paddle.optimizer.SGD(0.1).minimize(loss)
+            make_optimizer(optimizer).minimize(loss)
     return SeedProgram(main, startup, {"x": x}, loss, {"lin": lin}), out, squares
 
 
@@ -66,6 +66,16 @@ def test_local_map_equals_serial_and_moves_nothing_for_its_region(name):
     ops = [op.name() for op in dist.rank_plan(0).program.global_block().ops]
     serial = [op.name() for op in seed.main.global_block().ops]
     assert serial.count("pd_op.matmul") == mesh.size and ops.count("pd_op.matmul") == 1  # one copy per rank
+
+
+def test_a_parameter_every_copy_reads_is_held_by_the_mesh():
+    """Unannotated, the Linear every copy reads is placed on the mesh (before: on the sub-mesh of
+    one copy, whose update then read the gradient summed over all copies across meshes)."""
+    mesh = MESHES["dp x ep"]
+    seed, _, _ = centred(mesh, annotated=False, optimizer="momentum")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    assert {dist.dist_attr(p).mesh for p in seed.layers["lin"].parameters()} == {mesh}
+    assert_simulation_equals_serial(seed, dist)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
