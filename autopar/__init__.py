@@ -14,6 +14,7 @@ from autopar.dist_attr import DistAttr
 from autopar.distributed_program import CompileReport, DistributedProgram
 from autopar.errors import AutoparError
 from autopar.inspect.check import CheckReport, check
+from autopar.local_map import global_mesh_tensor, local_map, split_mesh, sub_mesh_tensors
 from autopar.mesh import ProcessMesh
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.runtime.executor import Executor
@@ -23,5 +24,5 @@ from autopar.suggest import Plan, price_plan, suggest
 
 __all__ = [
     "Analysis", "AutoparError", "CheckReport", "CompileReport", "ContextParallel", "Executor", "DistAttr", "DistributedProgram", "Partial", "PipelineConfig", "Placement", "Plan",
-    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "keep", "price_plan", "reshard", "shard_op", "shard_tensor", "simulate", "suggest",
+    "ProcessMesh", "Replicate", "Shard", "SimulationResult", "Strategy", "analyze", "check", "compile", "errors", "global_mesh_tensor", "keep", "local_map", "price_plan", "reshard", "shard_op", "shard_tensor", "simulate", "split_mesh", "sub_mesh_tensors", "suggest",
 ]  # fmt: skip

@@ -41,6 +41,7 @@ from autopar.propagation import PropagationResult, transplant
 from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived
 from autopar.rewrites.recompute import regathered
 from autopar.strategy import Strategy
+from autopar.sub_meshes import find_views, is_sub_mesh, place_ops, value_meshes
 
 if TYPE_CHECKING:
     from paddle.pir import Program
@@ -153,6 +154,14 @@ def analysis_start(
     else:
         warn_foreign_annotations(program, graph)
         user, op_meshes = _user_placements(program, graph, mesh, staged=plan.pipelined), _op_meshes(program, graph, mesh)
+        if plan.pipelined and annotations_of(program).local_ops:
+            raise AnnotationError(
+                "autopar.local_map under a pipeline: its copies' sub-meshes would be read as pipeline stages; local "
+                "regions are not combined with a pipeline yet (compile without Strategy.pipeline and stages)"
+            )
+        if not plan.pipelined:  # values and ops on sub-meshes that are no pipeline stage (autopar/sub_meshes.py)
+            op_meshes = place_ops(graph, mesh, user, op_meshes)
+            _refuse_sub_meshes_never_joined(graph, mesh, user, op_meshes)
     _refuse_meaningless_partials(graph, user)
     return Analysed(program, graph, mesh, _cluster(plan.cluster).fitted(mesh.ranks), user, op_meshes)
 
@@ -254,7 +263,7 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh}, which is not a sub-mesh of {mesh}")
         if attr.mesh != mesh and attr.mesh.same_grid(mesh):  # a slice of size-1 dims away: the same placement
             attr = transplant(attr, mesh)
-        if attr.mesh != mesh and not (staged and attr.mesh.size < mesh.size):
+        if attr.mesh != mesh and not (staged and attr.mesh.size < mesh.size) and not (not staged and is_sub_mesh(mesh, attr.mesh)):
             why = (
                 "annotate with the mesh given to compile" if attr.mesh.size == mesh.size
                 else "sub-mesh placements land with the pipeline (place a stage's ops with shard_op)"
@@ -262,6 +271,23 @@ def _user_placements(program: Any, graph: ProgramGraph, mesh: ProcessMesh, stage
             raise AnnotationError(f"tensor {label!r} is annotated on {attr.mesh} but compile was given {mesh}; {why}")
         placements[key] = attr
     return placements
+
+
+def _refuse_sub_meshes_never_joined(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh]
+) -> None:  # fmt: skip
+    """Without a pipeline, values placed on sub-meshes must come back to the mesh through a view
+    (a split / concat / sum of one piece per shard: autopar/sub_meshes.py); a program with none
+    would leave the other ranks idle and its results on a few."""
+    if find_views(graph, mesh, value_meshes(graph, mesh, user, op_meshes), op_meshes):
+        return
+    for key, attr in user.items():
+        if attr.mesh != mesh:
+            raise AnnotationError(
+                f"tensor {graph.values[key].label!r} is annotated on {attr.mesh} but compile was given {mesh}; sub-mesh placements "
+                "land with the pipeline (place a stage's ops with shard_op), or, without one, are joined back to the mesh "
+                "(autopar.global_mesh_tensor, the out_placements of autopar.local_map)"
+            )
 
 
 def _refuse_annotations_off_their_stage(
@@ -311,7 +337,8 @@ def _check_pipeline_dim(mesh: ProcessMesh) -> None:
 def _op_meshes(program: Any, graph: ProgramGraph, mesh: ProcessMesh) -> dict[int, ProcessMesh]:
     by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases  # (the user's op ids after a serial rewrite)
     meshes = {}
-    for op_id, op_mesh in annotations_of(program).ops.items():
+    notes = annotations_of(program)
+    for op_id, op_mesh in (*notes.ops.items(), *notes.local_ops.items()):
         if op_id not in by_id:
             continue  # an op erased from the program after shard_op recorded it
         op = graph.ops[by_id[op_id]]

@@ -26,6 +26,7 @@ class ProgramAnnotations:
     tensors: dict[str, tuple[DistAttr, str]] = field(default_factory=dict)  # value impl id -> (attr, label)
     ops: dict[int, ProcessMesh] = field(default_factory=dict)  # op id -> mesh
     keep: set[str] = field(default_factory=set)  # value impl ids computed even if nothing reads them (autopar.keep)
+    local_ops: dict[int, ProcessMesh] = field(default_factory=dict)  # op id -> sub-mesh, no pipeline stage (autopar.local_map)
 
 
 _TABLE: weakref.WeakKeyDictionary[Any, ProgramAnnotations] = weakref.WeakKeyDictionary()
@@ -39,7 +40,13 @@ def annotations_of(program: Any) -> ProgramAnnotations:
         return ProgramAnnotations()
 
 
-def _record(program: Any) -> ProgramAnnotations:
+def local_op_ids() -> set[int]:
+    """The ids of the ops ``autopar.local_map`` placed, in any live program (op ids are unique
+    in a process: a rewritten clone's graph finds the user's ops by them, ``graph.op_aliases``)."""
+    return {op_id for notes in list(_TABLE.values()) for op_id in notes.local_ops}
+
+
+def record(program: Any) -> ProgramAnnotations:
     if program not in _TABLE:
         _TABLE[program] = ProgramAnnotations()
     return _TABLE[program]
@@ -121,7 +128,7 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
     _check_current_program(program, label)
     attr = to_dist_attr(dims_mapping, mesh, len(value.shape), label)
     _check_static_dims(attr, list(value.shape), label)
-    tensors = _record(program).tensors
+    tensors = record(program).tensors
     earlier = tensors.get(value.id)
     if earlier is not None and earlier[0] != attr:  # which one was meant cannot be told
         before, now = earlier[0], attr
@@ -255,7 +262,7 @@ def shard_op(layer_or_fn: Callable[..., Any], mesh: ProcessMesh) -> Callable[...
         program = paddle.static.default_main_program()
         before = {op.id() for op in program.global_block().ops}
         out = layer_or_fn(*args, **kwargs)
-        table = _record(program).ops
+        table = record(program).ops
         for op in program.global_block().ops:
             if op.id() not in before:
                 table[op.id()] = mesh
@@ -275,7 +282,7 @@ def keep(*values: Any) -> None:
         program = program_of(value)
         _check_not_startup(program, value, value_label(value), "keep")
         _check_current_program(program, value_label(value))
-        _record(program).keep.add(value.id)
+        record(program).keep.add(value.id)
 
 
 def reshard(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:

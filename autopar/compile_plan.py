@@ -29,6 +29,7 @@ from autopar.passes.reshard_emission import ReshardEmission
 from autopar.passes.reshard_planning import ReshardPlanning
 from autopar.passes.ring_attention import RingAttention
 from autopar.passes.site_fusion import SiteFusion
+from autopar.passes.sub_meshes import SubMeshes
 from autopar.passes.zero_fusion import ZeroBucketFusion
 from autopar.passes.zero_sharding import ZeroSharding
 from autopar.rewrites import (
@@ -96,7 +97,10 @@ def plan_compile(program: Program | None, mesh: ProcessMesh, strategy: Strategy 
     (``program``: None when there is no program whose annotations could imply stages)."""
     effective = effective_strategy(program, mesh, strategy)
     chosen = effective.strategy
-    return CompilePlan(effective, rewrites_for(chosen), tuple(passes_for(chosen)), tuple(analysed_fields(chosen).items()))
+    passes = passes_for(chosen)
+    if chosen.pipeline is None and program is not None and _has_sub_meshes(program, mesh):  # each rank keeps its own ops
+        passes.insert(len(passes) - 2, SubMeshes())  # (after op_lowering, before fetch_replication: autopar/sub_meshes.py)
+    return CompilePlan(effective, rewrites_for(chosen), tuple(passes), tuple(analysed_fields(chosen).items()))
 
 
 def analysed_fields(strategy: Strategy) -> dict[str, AnalysedField]:
@@ -193,6 +197,12 @@ def _check_context_parallel(context: ContextParallel | None, mesh: ProcessMesh) 
             f"Strategy.context_parallel: ContextParallel(dim={context.dim!r}) names no dim of the mesh "
             f"(its dims: {list(mesh.dim_names)}); add a mesh dim of that name for the sequence split"
         )
+
+
+def _has_sub_meshes(program: Program, mesh: ProcessMesh) -> bool:
+    """Whether autopar.local_map placed ops, or annotations placed values, on sub-meshes."""
+    notes = annotations_of(program)
+    return bool(notes.local_ops) or any(attr.mesh != mesh and not attr.mesh.same_grid(mesh) for attr, _ in notes.tensors.values())
 
 
 def _has_stages(program: Program, mesh: ProcessMesh) -> bool:

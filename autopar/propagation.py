@@ -44,6 +44,7 @@ from autopar.propagation_result import (
     frozen_result,
 )
 from autopar.spmd import Conflict, RuleContext, RuleResult, TensorSpec, get_rule
+from autopar.sub_meshes import find_views, restricted, value_meshes, view_result
 
 __all__ = [
     "ConflictRecord", "PlacementOverride", "Priority", "PropagationResult", "Propagator", "ReshardNeed", "ReshardSite",
@@ -117,6 +118,7 @@ class Propagator:
         self.states: dict[ValueKey, ValueState] = {k: ValueState(d, Priority.STRATEGY, "strategy") for k, d in (strategy or {}).items()}
         self.states.update({k: ValueState(d, Priority.USER, "user") for k, d in user.items()})
         self.ops = [op for op in graph.ops if op.name not in VECTOR_OPS and op.name not in SOURCE_OPS]
+        self.views = find_views(graph, mesh, value_meshes(graph, mesh, user, op_meshes), op_meshes)  # splits / joins between the mesh and its sub-meshes
         self.choice_reasons: dict[ValueKey, str] = {}
         self._memo: dict[tuple, RuleResult] = {}
         self._attrs_keys: dict[int, tuple] = {}
@@ -149,6 +151,9 @@ class Propagator:
     def infer(self, op: OpNode, mesh: ProcessMesh, specs: list[TensorSpec | None]) -> RuleResult | None:
         """The op's rule on ``specs``. Rules are pure functions of (specs, attrs, mesh, which
         outputs are read), so results are memoized: the layers of a deep model repeat."""
+        view = self.views.get(op.index)
+        if view is not None:
+            return self._view(op)
         rule = get_rule(op.name)
         if rule is None:
             return None
@@ -158,6 +163,13 @@ class Propagator:
             with _rule_errors(op, rule, specs):
                 found = self._memo[key] = rule.infer_forward(specs, op.attrs, self.context(op, mesh))
         return found
+
+    def _view(self, op: OpNode) -> RuleResult:
+        """A view's placements (autopar/sub_meshes.py): replicated on the mesh while nothing
+        around it is known."""
+        keys = [k for k in (*op.inputs, *op.outputs) if k is not None and k in self.states]
+        found = view_result(self.views[op.index], op, self.mesh, {k: self.states[k].dist for k in keys})
+        return found if found is not None else self.replicated(op, self.mesh)
 
     def _attrs_key(self, op: OpNode) -> tuple:
         found = self._attrs_keys.get(op.index)
@@ -236,14 +248,22 @@ class Propagator:
             if key is not None and self.propose(key, dist, Priority.DERIVED, op):
                 changed.add(key)
         for key, dist in zip(op.inputs, result.inputs):
-            if key is not None and self.propose(key, _complete(dist), Priority.REQUIRED, op):
+            if key is not None and self.propose(key, self._lifted(key, _complete(dist)), Priority.REQUIRED, op):
                 changed.add(key)
         return changed
+
+    def _lifted(self, key: ValueKey, dist: DistAttr | None) -> DistAttr | None:
+        """A source read on several sub-meshes (a parameter every copy of a local_map reads) is
+        held by the mesh: a requirement of one reader is re-expressed there."""
+        if dist is None or not self.views or dist.mesh == self.mesh or self.graph.values[key].kind not in ("parameter", "feed", "state"):
+            return dist
+        readers = {self.op_mesh(self.graph.ops[u]) for u in self.graph.values[key].users}
+        return transplant(dist, self.mesh) if len(readers) > 1 else dist
 
     def backward_step(self, op: OpNode) -> set[ValueKey]:
         outs = [self.states.get(k) if k is not None else None for k in op.outputs]
         known = [s for s in outs if s is not None]
-        if not known or get_rule(op.name) is None:
+        if not known or (get_rule(op.name) is None and op.index not in self.views):
             return set()
         if all(k in self.states and self.states[k].priority >= Priority.DERIVED for k in self._informative(op)):
             return set()
@@ -255,6 +275,9 @@ class Propagator:
             else (TensorSpec(self.graph.values[k].shape) if k is not None else None)
             for k, s in zip(op.outputs, outs)
         ]
+        if op.index in self.views:
+            result = self._view(op)
+            return {k for k, d in zip(op.inputs, result.inputs) if k is not None and self.propose(k, _complete(d), level, op, " (a view)")}
         rule, specs = get_rule(op.name), self.specs(op, mesh)
         key = ("backward", op.name, tuple(specs), tuple(out_specs), self._attrs_key(op), self._live(op), mesh)
         result = self._memo.get(key)
@@ -264,7 +287,7 @@ class Propagator:
         changed = set()
         for key, dist in zip(op.inputs, result.inputs):
             if key is not None and self.graph.values[key].kind != "constant":
-                if self.propose(key, _complete(dist), level, op, " (from its outputs)"):
+                if self.propose(key, self._lifted(key, _complete(dist)), level, op, " (from its outputs)"):
                     changed.add(key)
         return changed
 
@@ -277,6 +300,8 @@ class Propagator:
                 continue
             users = value.users
             mesh = self.op_mesh(self.graph.ops[users[0]]) if users else self.user_op_meshes.get(op.index, self.mesh)
+            if self.views and len({self.op_mesh(self.graph.ops[u]) for u in users}) > 1:
+                mesh = self.mesh  # read on several sub-meshes (each copy of a local_map): held by the mesh
             self.states[key] = ValueState(DistAttr.replicated(mesh, len(value.shape)), Priority.DEFAULT, "default")
             seeded = True
         return seeded
@@ -293,7 +318,7 @@ class Propagator:
             if inferred is None:
                 result.unsupported.append(str(op))
                 inferred = self.replicated(op, mesh)
-            else:
+            elif op.index not in self.views:
                 inferred = self._read_reduced(op, mesh, specs, inferred, reduced)
                 inferred = self._toward_fixed_outputs(op, mesh, specs, inferred)
             result.op_results[op.index] = inferred
@@ -303,6 +328,8 @@ class Propagator:
                 if key is None or need is None:
                     continue
                 have = self.states[key].dist
+                if have.mesh != need.mesh and self.views:  # a value of the mesh read on a sub-mesh holding it as it is
+                    have = restricted(have, need.mesh) or have
                 if have != need:
                     result.reshards.append(ReshardNeed(ReshardSite(SiteKind.BEFORE_READ, op.index, pos), key, have, need))
                     if _only_reduces(have, need):
@@ -427,6 +454,8 @@ class Propagator:
             op = self.graph.ops[op_index]
             for key, need in zip(op.inputs, inferred.inputs):
                 if key is not None and need is not None and self.graph.values[key].kind in ("parameter", "feed", "state"):
+                    if self.views and need.mesh != self.mesh:  # a read on a sub-mesh: of the mesh's value, as it is there
+                        need = transplant(need, self.mesh)
                     wants.setdefault(key, []).append((str(op), need))
         return {k: w for k, w in wants.items() if len({d for _, d in w}) > 1}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode
 from autopar.passes.base import CompileState, Pass, RankProgram, declared
 from autopar.spmd import TensorSpec, get_rule
@@ -84,13 +83,8 @@ class Partition(Pass):
         for key in state.graph.tensor_keys():
             value = state.graph.values[key]
             dist = state.propagation.dist(key)
-            if rp.rank not in dist.mesh.ranks and self.pipelined:
-                continue  # another stage's value: erased by pipeline_split
             if rp.rank not in dist.mesh.ranks:
-                raise AutoparError(
-                    f"{value.label} lies on {dist.mesh}, which does not hold rank {rp.rank}; "
-                    "ops on sub-meshes (pipeline stages) are partitioned by the pipeline pass"
-                )
+                continue  # another stage's or sub-mesh's value: erased by pipeline_split / sub_meshes
             local = dist.local_shape(value.shape, rp.rank)
             # a value annotated unlike what its producer makes is resharded right after the
             # producer: the producer's own result has the produced placement's shape

@@ -101,6 +101,9 @@ register_rule(EquationGradRule(_slice_grad_letters, grad=1, tensors=2, shape_onl
 
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("concat", keeps_split=True, norm_plumbing=True)
+declare("split", "split_with_num", "concat_grad", splits_pieces=True)
+declare("concat", joins_pieces="concat")
+declare("add_n", "add", joins_pieces="sum")
 declare("slice", keeps_split=True, passes_ids=True, to_loss=True)
 declare("split", "split_with_num", "unbind", keeps_split=True)
 declare("split", "split_with_num", takes_apart=True)

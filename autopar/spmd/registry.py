@@ -104,6 +104,8 @@ TRAIT_MEANINGS: dict[str, str] = {
     "checks_overflow": "makes dynamic loss scaling's overflow flag (found_inf) from the gradients it reads: every rank holding a piece of them must agree on it (causes, pipeline split)",
     "cpu_float16": "reads and makes float16 as it is on Paddle's CPU build (a cast, a parameter or state read from the scope, a parameter refreshed from its master): the float16 O2 twin keeps it float16 (autopar.testing.amp)",
     "cpu_twinned": "its bfloat16 / float16 kernel cannot run (or is wrong) on Paddle's CPU build: the numerics twin runs its fp32 kernel on rounded inputs, given these attributes in order, or (\"on_master\") the update on the fp32 master (autopar.testing.amp)",
+    "splits_pieces": "takes a tensor apart into equal pieces along one dim (split, concat_grad): pieces placed on the sub-meshes of a mesh dim's shards make it a view, no collective (autopar/sub_meshes.py)",
+    "joins_pieces": "puts pieces together, \"concat\" along its axis or \"sum\": pieces from the sub-meshes of a mesh dim's shards make it a view (autopar/sub_meshes.py)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }
 TRAITS: dict[str, dict[str, object]] = {}  # op name without "pd_op." (other dialects kept: "builtin.split") -> trait -> value

@@ -1,13 +1,18 @@
 """The zoo's mixture-of-experts decoder (``autopar.testing.zoo.moe``: GShard top-2 gating with a
-static capacity, an auxiliary loss, a shared expert, stacked experts) equal to serial in the
-simulator as its users annotate it: the batch over ``dp``, the stacked experts (and the batch)
-over ``ep``. Losses every step and every parameter after 3 SGD steps. (Issue 40 builds the
-all_to_all dispatch and experts on sub-meshes on this model; today the router's statistics over
-the whole batch are gathered.)"""
+static capacity, an auxiliary loss, a shared expert) equal to serial in the simulator, written
+both ways its users write it: stacked experts (the batch over ``dp``, the stacked experts and
+the batch over ``ep``) and Paddle's way (``experts="local"``: the router per group of tokens in
+``autopar.local_map``, each expert its own layer on a sub-mesh of ``ep``, which is no pipeline
+stage). Losses every step and every parameter after 3 SGD steps. Written Paddle's way, the
+dispatch and the combine are one all_to_all each way per layer on the GPU profile; the stacked
+experts still gather the router's whole-batch statistics."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import autopar
+from autopar.local_map import split_mesh
 from autopar.testing.serial import assert_simulation_equals_serial
 from autopar.testing.zoo import moe
 
@@ -17,6 +22,7 @@ MESHES = {
     "ep2": M([0, 1], ["ep"]),
     "ep4": M([0, 1, 2, 3], ["ep"]),
     "dp x ep": M([[0, 1], [2, 3]], ["dp", "ep"]),
+    "ep x mp": M([[0, 1], [2, 3]], ["ep", "mp"]),  # tensor-parallel attention beside the experts
 }
 
 
@@ -26,3 +32,113 @@ def test_the_zoo_moe_equals_serial(name):
     seed = moe.build(config, batch=4, seq=8, mesh=mesh)
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
     assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
+
+
+@pytest.fixture(scope="module")
+def local_moe():
+    """The Paddle-way MoE compiled on each expert-parallel mesh (built once per module)."""
+    config, built = moe.Config(), {}
+
+    def compiled(name):
+        if name not in built:
+            seed = moe.build(config, batch=4, seq=8, mesh=MESHES[name], experts="local")
+            built[name] = seed, autopar.compile(seed.main, MESHES[name], startup_program=seed.startup)
+        return built[name]
+
+    return config, compiled
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep4", "dp x ep", "ep x mp"])
+def test_the_zoo_moe_with_experts_on_sub_meshes_equals_serial(local_moe, name):
+    """Experts on ``split_mesh(mesh, "ep")[i]`` compile without a pipeline (they were read as
+    stages: "... runs on mesh(dp=2), which is no pipeline stage of it") and equal the serial
+    program, which routes per group as each rank does."""
+    config, compiled = local_moe
+    seed, dist = compiled(name)
+    assert dist.strategy.pipeline is None
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
+
+
+def test_an_experts_gradients_are_reduced_over_its_holders_only(local_moe):
+    """On dp x ep, expert e's weights live on the two ranks of its ep sub-mesh: their gradients
+    are summed over those two (dp), never over the ranks holding other experts."""
+    _, compiled = local_moe
+    seed, dist = compiled("dp x ep")
+    mesh, holders = MESHES["dp x ep"], split_mesh(MESHES["dp x ep"], "ep")
+    for rank in mesh.ranks:
+        mine = holders[mesh.coordinate(rank)[1]].ranks
+        expert_syncs = [c for c in dist.comm_ops(rank) if "gradient" in c.reason and "Expert" in c.reason]
+        assert expert_syncs and {c.group for c in expert_syncs} == {mine}, (rank, [(c.group, c.reason[:80]) for c in expert_syncs])
+
+
+def test_local_experts_need_an_expert_dim():
+    with pytest.raises(ValueError, match="experts='local' places the experts on the sub-meshes of the mesh's 'ep' dim"):
+        moe.build(moe.Config(), mesh=MESHES["dp"], experts="local")
+
+
+def test_zero_1_shards_an_experts_states_over_its_holders():
+    """ZeRO-1 with momentum on dp x ep: an expert's gradient is reduce-scattered over the two
+    ranks holding it and its updated shards gathered back there; equal to serial."""
+    config, mesh = moe.Config(n_layers=1), MESHES["dp x ep"]
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local", optimizer="momentum")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(zero_stage=1))
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
+    expert = {(c.kind.value, c.group) for c in dist.comm_ops(0) if "Expert" in c.reason}
+    assert expert == {("reduce_scatter", (0, 2)), ("all_gather", (0, 2))}
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["ep2", "ep4", "dp x ep"]), st.integers(1, 2), st.sampled_from([0.5, 1.0, 2.0]))
+def test_random_expert_counts_and_capacities_equal_serial(name, per_rank, capacity_factor):
+    """Experts per rank and the capacity factor (tokens dropped or not) drawn: equal to serial."""
+    mesh = MESHES[name]
+    config = moe.Config(n_layers=1, n_experts=mesh.dim_size("ep") * per_rank, capacity_factor=capacity_factor)
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 2))
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp x ep"])
+def test_dispatch_and_combine_are_two_all_to_alls_each_way_on_the_gpu_profile(name):
+    """Per MoE layer and step on h100-node, rank 0 moves exactly 2 all_to_alls forward (dispatch
+    to the experts' ranks, combine back to each group's) and 2 backward; everything else it
+    moves is a gradient sync (the experts': over their holders)."""
+    config, mesh = moe.Config(n_layers=1), MESHES[name]
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(cluster="h100-node"))
+    moved = dist.comm_ops(0)
+    all_to_alls = [c for c in moved if c.kind.value == "all_to_all"]
+    assert len(all_to_alls) == 4 * config.n_layers and {c.group for c in all_to_alls} == {(0, 1)}
+    assert all("gradient sync" in c.reason for c in moved if c.kind.value != "all_to_all")
+
+
+@pytest.mark.parametrize(
+    ("experts", "first", "second"),
+    [("stacked", "ep2", "ep4"), ("local", "dp x ep", "ep4")],  # (local: the same 4 groups of tokens on both)
+)
+def test_experts_saved_on_one_expert_parallel_degree_resume_on_another(tmp_path, experts, first, second):
+    """2 Momentum steps on one mesh, save; load on another, 2 steps: equal to 4 serial steps. Written
+    Paddle's way, each expert is its own parameters on a sub-mesh: 2 experts a rank on dp x ep, 1 on ep4."""
+    import numpy as np
+    import paddle
+
+    from autopar.testing.serial import run_serial
+
+    config = moe.Config(n_layers=1)
+    seeds, dists = [], []
+    for name in (first, second):
+        with paddle.utils.unique_name.guard():  # (the same parameter names in both builds)
+            seed = moe.build(config, batch=4, seq=8, mesh=MESHES[name], experts=experts, optimizer="momentum")
+        seeds.append(seed)
+        dists.append(autopar.compile(seed.main, MESHES[name], startup_program=seed.startup))
+    feeds, path = moe.feeds(config, 4, 8, 4), tmp_path / "ckpt"
+    start = paddle.get_rng_state()
+    before = autopar.simulate(dists[0], feeds[:2], [seeds[0].loss], save_to=path)
+    after = autopar.simulate(dists[1], feeds[2:], [seeds[1].loss], load_from=path)
+    paddle.set_rng_state(start)
+    serial = run_serial(seeds[0].main, seeds[0].startup, feeds, [seeds[0].loss])
+    for step, (want, got) in enumerate(zip(serial.fetches, before.fetches + after.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
+    assert serial.parameters.keys() == after.parameters.keys()
+    for name, want in serial.parameters.items():
+        np.testing.assert_allclose(after.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)

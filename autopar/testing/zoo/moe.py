@@ -10,9 +10,21 @@ the ``[experts, capacity, hidden]`` buffer with stacked weights. No gating noise
 deterministic router: serial and distributed runs route the same tokens). Static Paddle, layers
 nested as the reference nests them (``Transformer/Block_k/MoE/Router``).
 
-Annotated as a Paddle semi-auto user annotates stacked experts (GSPMD's formulation), by the
-mesh's dim names: ``dp`` splits the tokens' batch; ``ep`` splits the stacked experts' weights
-by expert (dim 0) and, like ``dp``, the batch — each expert-parallel rank routes its own tokens.
+Two ways of writing the experts (``build(..., experts=...)``):
+
+- ``"stacked"`` (GSPMD's formulation): annotated by the mesh's dim names, ``dp`` splits the
+  tokens' batch; ``ep`` splits the stacked experts' weights by expert (dim 0) and, like ``dp``,
+  the batch; ``mp`` splits the attention as Megatron does (q, k, v by columns, the projection
+  by rows). The router sees the whole batch (its statistics are gathered).
+- ``"local"`` (Paddle's way: an auto-parallel MoE with the gate in a ``LocalLayer`` and the experts
+  on ``split_mesh(mesh, "ep")``): the router runs per rank in :func:`autopar.local_map.local_map`
+  — each of the ``G`` groups of tokens (one per rank of the token-splitting dims ``dp`` x ``ep``)
+  routed on its own, with its own capacity, so the serial reference routes per group too
+  (GShard's groups); dispatch and combine are einsums over ``[G, S, E, C]``; expert ``e`` is its
+  own two weights placed on the sub-mesh ``split_mesh(mesh, "ep")[e // (E / ep)]``, reading its
+  rows of the dispatched buffer through :func:`~autopar.local_map.sub_mesh_tensors` and giving
+  them back through :func:`~autopar.local_map.global_mesh_tensor` (Paddle's
+  ``moe_sub_mesh_tensors`` / ``moe_global_mesh_tensor``). The auxiliary loss is the groups' mean.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from typing import Any
 
 import autopar
 from autopar.testing.models import SeedProgram, _static, make_optimizer
-from autopar.testing.zoo.placements import annotate, whole
+from autopar.testing.zoo.placements import annotate, column, row, whole
 
 
 @dataclass(frozen=True)
@@ -46,19 +58,27 @@ def capacity(config: Config, tokens: int) -> int:
     return math.ceil(2 * tokens / config.n_experts * config.capacity_factor)
 
 
+TOKEN_DIMS = ("dp", "ep")  # the mesh dims that split the tokens (the local router's groups)
+
+
 def build(
     config: Config = Config(), batch: int = 4, seq: int = 8, mesh: autopar.ProcessMesh | None = None,
-    optimizer: str = "sgd", seed: int | None = 17,
+    optimizer: str = "sgd", seed: int | None = 17, experts: str = "stacked",
 ) -> SeedProgram:  # fmt: skip
     """The training program: next-token cross-entropy plus the routers' auxiliary losses,
-    annotated for ``mesh`` (None: serial)."""
+    annotated for ``mesh`` (None: serial; ``experts="local"`` needs a mesh with an ``ep`` dim:
+    its groups and sub-meshes are the mesh's)."""
+    if experts not in ("stacked", "local"):
+        raise ValueError(f"experts is 'stacked' or 'local', got {experts!r}")
+    if experts == "local" and (mesh is None or "ep" not in mesh.dim_names):
+        raise ValueError("experts='local' places the experts on the sub-meshes of the mesh's 'ep' dim: give a mesh with one")
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
     with paddle.static.program_guard(main, startup):
         tokens = paddle.static.data("tokens", [batch, seq], "int64")
         labels = paddle.static.data("labels", [batch, seq], "int64")
-        model = network(config)
+        model = network(config, mesh if experts == "local" else None)
         if mesh is not None:
             _annotate(model, tokens, labels, mesh)
         logits, aux = model(tokens)
@@ -67,10 +87,13 @@ def build(
     return SeedProgram(main, startup, {"tokens": tokens, "labels": labels}, loss, {"model": model})
 
 
-def network(config: Config = Config()) -> Any:
+def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = None) -> Any:
     """The model (a ``paddle.nn.Layer``); its forward returns the logits and the summed
-    auxiliary loss of its routers."""
+    auxiliary loss of its routers. ``local_mesh``: the experts written Paddle's way on its
+    ``ep`` sub-meshes, the router per group of tokens (module docstring)."""
     import paddle
+
+    from autopar.local_map import global_mesh_tensor, local_map, sub_mesh_tensors
 
     nn, F = paddle.nn, paddle.nn.functional
     head_dim = config.dim // config.n_heads
@@ -146,11 +169,60 @@ def network(config: Config = Config()) -> Any:
             shared = self.shared_out(F.gelu(self.shared_in(flat)))
             return (routed + shared).reshape([B, T, C]), aux
 
+    class Expert(nn.Layer):
+        """One routed expert: ``gelu(x w_in) w_out`` over its ``[..., dim]`` rows."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            init = nn.initializer.Normal(std=0.02)
+            self.w_in = self.create_parameter([config.dim, config.expert_hidden], default_initializer=init)
+            self.w_out = self.create_parameter([config.expert_hidden, config.dim], default_initializer=init)
+
+        def forward(self, x: Any) -> Any:
+            return paddle.matmul(F.gelu(paddle.matmul(x, self.w_in)), self.w_out)
+
+    class LocalMoE(nn.Layer):
+        """The MoE written Paddle's way on ``local_mesh`` (module docstring)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = Router()
+            self.experts = nn.LayerList([Expert() for _ in range(E)])
+            self.shared_in = nn.Linear(config.dim, config.expert_hidden)
+            self.shared_out = nn.Linear(config.expert_hidden, config.dim)
+
+        def forward(self, x: Any) -> tuple[Any, Any]:
+            mesh = local_mesh
+            B, T, C = x.shape
+            flat = x.reshape([B * T, C])
+            names = [n for n in TOKEN_DIMS if n in mesh.dim_names]
+            G = math.prod(mesh.dim_size(n) for n in names)
+            tokens = [autopar.Shard(0) if n in names else autopar.Replicate() for n in mesh.dim_names]
+            summed = [autopar.Partial() if n in names else autopar.Replicate() for n in mesh.dim_names]
+            combine, dispatch, aux = local_map(self.router, [tokens], [tokens, tokens, summed], mesh)(flat)
+            S = B * T // G
+            combine, dispatch = (t.reshape([G, S, E, t.shape[-1]]) for t in (combine, dispatch))
+            grouped = flat.reshape([G, S, C])
+            buffer = paddle.einsum("gsec,gsm->egcm", dispatch, grouped)  # [experts, groups, capacity, dim]
+            by_expert = [autopar.Shard(0) if n == "ep" else autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
+            per_rank = E // mesh.dim_size("ep")
+            outs = []
+            for i, rows in enumerate(sub_mesh_tensors(buffer, mesh, by_expert, "ep")):
+                chunks = paddle.split(rows, per_rank, axis=0) if per_rank > 1 else [rows]
+                done = [self.experts[i * per_rank + j](chunk) for j, chunk in enumerate(chunks)]
+                outs.append(paddle.concat(done, axis=0) if per_rank > 1 else done[0])
+            out = global_mesh_tensor(outs, mesh, by_expert, "ep")
+            by_group = [autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
+            out = autopar.reshard(out, mesh, by_group)  # back to each group's ranks (Paddle's dist.reshard)
+            routed = paddle.einsum("gsec,egcm->gsm", combine, out).reshape([B * T, C])
+            shared = self.shared_out(F.gelu(self.shared_in(flat)))
+            return (routed + shared).reshape([B, T, C]), aux / G
+
     class Block(nn.Layer):
         def __init__(self) -> None:
             super().__init__()
             self.ln_1, self.attn = nn.LayerNorm(config.dim), Attention()
-            self.ln_2, self.moe = nn.LayerNorm(config.dim), MoE()
+            self.ln_2, self.moe = nn.LayerNorm(config.dim), (MoE() if local_mesh is None else LocalMoE())
 
         def forward(self, x: Any, mask: Any) -> tuple[Any, Any]:
             x = x + self.attn(self.ln_1(x), mask)
@@ -186,13 +258,26 @@ def compute_loss(config: Config, logits: Any, aux: Any, labels: Any) -> Any:
 
 
 def _annotate(model: Any, tokens: Any, labels: Any, mesh: autopar.ProcessMesh) -> None:
-    splits = {name: 0 for name in ("dp", "ep") if name in mesh.dim_names}
+    from autopar.local_map import split_mesh
+
+    splits = {name: 0 for name in TOKEN_DIMS if name in mesh.dim_names}
     annotate(tokens, mesh, **splits)
     annotate(labels, mesh, **splits)
     whole(model.embed, mesh)
     for layer in model.layers:
-        for part in (layer.attn, layer.ln_1, layer.ln_2, layer.moe.router, layer.moe.shared_in, layer.moe.shared_out):
+        if "mp" in mesh.dim_names:  # tensor-parallel attention (Megatron's): q, k, v by columns, the projection by rows
+            column(layer.attn.qkv, mesh)
+            row(layer.attn.proj, mesh)
+        else:
+            whole(layer.attn, mesh)
+        for part in (layer.ln_1, layer.ln_2, layer.moe.router, layer.moe.shared_in, layer.moe.shared_out):
             whole(part, mesh)
+        if hasattr(layer.moe, "experts"):  # expert e on the sub-mesh of the ep rank holding it, whole there
+            subs = split_mesh(mesh, "ep")
+            per_rank = len(layer.moe.experts) // len(subs)
+            for e, expert in enumerate(layer.moe.experts):
+                whole(expert, subs[e // per_rank])
+            continue
         annotate(layer.moe.w_in, mesh, ep=0)  # stacked experts split by expert
         annotate(layer.moe.w_out, mesh, ep=0)
     whole(model.norm, mesh)
