@@ -30,15 +30,11 @@ from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.propagation_result import PropagationResult
 from autopar.spmd import ops_where
 
-# ops that may sit between the scores and the softmax (anything else: no core is found there)
-MIDDLE_OPS = frozenset(
-    f"pd_op.{name}"
-    for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like", "tril", "triu")
-)
+MIDDLE_OPS = ops_where("attention_middle")  # may sit between the scores and the softmax (autopar/spmd/attention.py)
 # ops walked through from the softmax back to the scores (a sequence-local op that is no middle op,
 # soft-capping's tanh, is found and then refused by affine_middle, not mistaken for a mask)
 WALKED = MIDDLE_OPS | ops_where("sequence_local")
-TRIANGLES = frozenset({"pd_op.tril", "pd_op.triu"})  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
+TRIANGLES = ops_where("triangle")  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
 SHAPE_ONLY = {"pd_op.full_like": frozenset({0})}  # operands read for their shape only (Paddle marks none)
 
 

@@ -103,6 +103,8 @@ TRAIT_MEANINGS: dict[str, str] = {
     "moves_loss_scale": "moves dynamic loss scaling's scale and step counts from the agreed overflow flag, its operand 1 (pipeline split: the stages agree on it first)",
     "checks_overflow": "makes dynamic loss scaling's overflow flag (found_inf) from the gradients it reads: every rank holding a piece of them must agree on it (causes, pipeline split)",
     "cpu_twinned": "its bfloat16 / float16 kernel cannot run (or is wrong) on Paddle's CPU build: the numerics twin runs its fp32 kernel on rounded inputs, given these attributes in order, or (\"on_master\") the update on the fp32 master (autopar.testing.amp)",
+    "attention_middle": "may stand between an attention core's scores and its softmax: a scale, a mask (autopar.attention_cores)",
+    "triangle": "keeps a matrix's triangle by a diagonal counted from its corner: a block of it shifts the diagonal (ring attention)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }
 TRAITS: dict[str, dict[str, object]] = {}  # op name without "pd_op." (other dialects kept: "builtin.split") -> trait -> value
