@@ -171,16 +171,17 @@ def _check_backward_placements(state: CompileState, core: AttentionCore, first: 
 
 
 def _scattered(state: CompileState, key: ValueKey, dim: int) -> bool:
-    """Whether ``key`` (a K / V gradient, a pending sum over ``dim``) is reduce_scattered by
-    sequence over ``dim`` right after its producer, and by that one step only (the ring's
-    block is then exactly what the step makes)."""
+    """Whether ``key`` (a K / V gradient, a pending sum over ``dim``) is reduced to its sequence
+    blocks over ``dim`` right after its producer, and only that (a reduce_scatter, or on small
+    tensors an all_reduce and a slice): the ring's block is then exactly what the reshard makes."""
     seq = len(state.graph.values[key].shape) - 2
     for planned in state.reshards:
         need = planned.need
-        if need.value == key and need.site.kind is SiteKind.AFTER_PRODUCER:
-            steps = planned.plan.steps
+        if need.value == key and need.site.kind is SiteKind.AFTER_PRODUCER and planned.plan.steps:
+            src, dst = planned.plan.steps[0].src, planned.plan.steps[-1].dst
+            others = [t for t in range(len(src.mapping)) if t != seq]
             return (
-                len(steps) == 1 and tuple(steps[0].mesh_dims) == (dim,) and dim in steps[0].src.partial_dims
-                and steps[0].dst.mapping[seq] == (dim,) and not steps[0].dst.partial
+                set(src.partial_dims) == {dim} and not dst.partial and not src.mapping[seq] and dst.mapping[seq] == (dim,)
+                and all(src.mapping[t] == dst.mapping[t] for t in others)
             )  # fmt: skip
     return False

@@ -20,7 +20,7 @@ from autopar.testing.models import SeedProgram
 from autopar.testing.serial import random_feeds, run_serial
 
 RING = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="sep", method="ring"))
-MASKS = ("none", "causal_add", "causal_where", "fed_add", "finite_where", "sdpa", "sdpa_causal")  # sdpa: Paddle's own
+MASKS = ("none", "causal_add", "causal_where", "fed_add", "finite_where", "sdpa", "sdpa_causal", "flash_causal")  # sdpa, flash: Paddle's own
 SCALES = ("multiply", "divide", "tensor")
 EXAMPLES = None if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else 12  # (each example compiles and runs: ~1 s)
 
@@ -40,10 +40,15 @@ def attention_program(batch, heads, head_dim, seq, mask, scale, dropout, mesh):
             paddle.static.nn.fc(x, width, num_flatten_dims=2, bias_attr=False).reshape([batch, seq, heads, head_dim])
             for _ in range(3)
         )
-        if mask.startswith("sdpa"):  # (this CPU build spells it as the matmul chain: scale(q), full_like + triu mask)
+        if mask.startswith("sdpa"):  # Paddle's own (this CPU build spells it as the matmul chain: scale(q), full_like + triu mask)
             out = paddle.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=mask == "sdpa_causal", dropout_p=0.2 if dropout else 0.0, training=True
             )
+            return _trained(main, startup, feeds, out, x, mesh)
+        if mask == "flash_causal":  # (the same chain on this build)
+            from paddle.nn.functional.flash_attention import flash_attention
+
+            out, _ = flash_attention(q, k, v, dropout=0.2 if dropout else 0.0, causal=True, training=True)
             return _trained(main, startup, feeds, out, x, mesh)
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
         att = paddle.matmul(q, k, transpose_y=True)
