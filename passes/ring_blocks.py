@@ -55,9 +55,10 @@ class RankRing:
             out, lse = self._recomputed()
         grads = self._backward(out, lse) if self.ring.first_grad is not None else {}
         for key, new in grads.items():
-            rp.replaced[key] = new
-            if key not in self.handed:  # (a block handed on in place of its reduce_scatter: that one is erased)
-                replace_uses(rp.ops[key[0]].result(key[1]), new)
+            if key in self.handed:  # a block in place of the reshard after the grad op (rp.final): that one is erased
+                continue
+            rp.replaced[key] = new  # as the grad op made it (autopar.check reads it in that placement)
+            replace_uses(rp.ops[key[0]].result(key[1]), new)
         self._erase()
 
     def _recomputed(self) -> tuple[Any, Any]:
@@ -206,6 +207,8 @@ class RankRing:
         acc = C.full([*q.shape[:-1], self.widths[1]], 0.0, q.dtype, paddle.CPUPlace())
         for s in range(self.parts):
             j = (self.position - s) % self.parts
+            # the next block is sent on before this one is used (a runtime may overlap the two)
+            following = self._shift(kv, shift) if s < self.parts - 1 else None
             k, v = self._split(kv, self.widths)
             scores, _ = self._scores(q, k, j)
             new_m = C.maximum(m, C.max(scores, [-1], True))
@@ -215,9 +218,7 @@ class RankRing:
             if self.drops is not None:
                 p = C.multiply(p, self._columns(self.drops, j, "the dropout"))
             acc = C.add(C.multiply(acc, alpha), C.matmul(p, v, False, False))
-            m = new_m
-            if s < self.parts - 1:
-                kv = self._shift(kv, shift)
+            m, kv = new_m, following
         return C.divide(acc, total), C.add(m, C.log(total))
 
     # ---- backward ------------------------------------------------------------------------

@@ -75,3 +75,13 @@ def test_a_ring_over_a_dim_the_mesh_lacks_is_refused_by_name():
     strategy = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="cp", method="ring"))
     with pytest.raises(autopar.AutoparError, match=r"ring attention over 'cp': mesh\(sep=2\).* has no such dim"):
         _compile(2, strategy=strategy)
+
+
+def test_check_compares_what_the_ring_keeps_with_serial():
+    """``autopar.check`` reads each value in the placement its producer makes: the ring's output
+    and dq as the serial ops made them; the core's scores and probabilities are gone, not compared."""
+    from autopar.inspect.check import random_feeds
+
+    dist = _compile(2)
+    report = autopar.check(dist, random_feeds(dist, 1))
+    assert "every value equals serial" in str(report)
