@@ -51,7 +51,7 @@ from typing import ClassVar
 
 from autopar.attention_cores import AttentionCore, affine_middle, attention_cores
 from autopar.causes import in_layer, layer_of
-from autopar.cost_model.planner import plan_ring_shift
+from autopar.cost_model.planner import ReshardStep, plan_ring_shift
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ValueKey
@@ -92,16 +92,36 @@ class RingAttention(Pass):
 
 def _plan_core(state: CompileState, core: AttentionCore, name: str) -> RingCore:
     graph, results = state.graph, state.propagation.op_results
-    q_attr, k_attr = results[core.first].inputs[0], results[core.first].inputs[1]
-    mesh = q_attr.mesh  # (a pipeline stage's sub-mesh keeps the dim names)
+    mesh = results[core.first].inputs[0].mesh  # (a pipeline stage's sub-mesh keeps the dim names)
     if name not in mesh.dim_names:
         raise AutoparError(f"ring attention over {name}: {core} runs on {mesh}, which has no dim {name!r}")
     dim = mesh.dim_names.index(name)
-    parts = mesh.shape[dim]
-    v_attr = results[core.second].inputs[1]
-    k_shape, v_shape = graph.values[core.k].shape, graph.values[core.v].shape
-    seq = len(k_shape) - 2
-    if q_attr.mapping[len(graph.values[core.q].shape) - 2] != (dim,):
+    parts, keys = mesh.shape[dim], graph.values[core.k].shape[-2]
+    _check_reads(state, core, dim, name)
+    middle = affine_middle(graph, core)
+    grads = {graph.ops[i].forward_op: i for i in core.backward}
+    first_grad, second_grad = grads.get(core.first), grads.get(core.second)
+    _check_backward_placements(state, core, first_grad, second_grad, name)
+    shifts, values = _ring_shifts(state, core, dim, first_grad)
+    reason = in_layer("ring attention", layer_of(graph, core.first)) + (
+        f": {core} passes its key / value blocks one rank on over {name} instead of gathering them"
+    )
+    grad_keys = [graph.ops[i].outputs[1] for i in (first_grad, second_grad) if i is not None]
+    return RingCore(
+        core, middle, dim, parts, keys, shifts, values, reason,
+        first_grad, second_grad,
+        frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)), _recomputed(state, core),
+    )  # fmt: skip
+
+
+def _check_reads(state: CompileState, core: AttentionCore, dim: int, name: str) -> None:
+    """q split by sequence over ``dim``, K and V whole over it and split alike elsewhere, a
+    sequence the ring's ranks divide: else refused by name."""
+    graph, results = state.graph, state.propagation.op_results
+    q_attr, k_attr, v_attr = results[core.first].inputs[0], results[core.first].inputs[1], results[core.second].inputs[1]
+    q_shape, k_shape, v_shape = (graph.values[key].shape for key in (core.q, core.k, core.v))
+    parts = q_attr.mesh.shape[dim]
+    if q_attr.mapping[len(q_shape) - 2] != (dim,):
         raise AutoparError(
             f"ring attention over {name}: {core} reads q {graph.values[core.q].label} as {q_attr}, not split by "
             f"sequence (dim -2) over {name}: split the feeds' sequence dim over {name}"
@@ -111,37 +131,31 @@ def _plan_core(state: CompileState, core: AttentionCore, name: str) -> RingCore:
             raise AutoparError(f"ring attention over {name}: {core} reads {what} as {attr}; the ring needs it whole over {name}")
     if k_attr.mapping[:-1] != v_attr.mapping[:-1] or k_shape[:-1] != v_shape[:-1]:
         raise AutoparError(f"ring attention over {name}: {core} reads k as {k_attr} {list(k_shape)} and v as {v_attr} {list(v_shape)}")
-    keys = k_shape[seq]
-    if keys % parts or graph.values[core.q].shape[-2] % parts:
+    if k_shape[-2] % parts or q_shape[-2] % parts:
         raise AutoparError(
-            f"ring attention over {name}: {core} has a sequence of {keys} keys and "
-            f"{graph.values[core.q].shape[-2]} queries, not divisible by {parts} ranks"
+            f"ring attention over {name}: {core} has a sequence of {k_shape[-2]} keys and "
+            f"{q_shape[-2]} queries, not divisible by {parts} ranks"
         )
-    middle = affine_middle(graph, core)
-    widths = (k_shape[-1] + v_shape[-1], 2 * (k_shape[-1] + v_shape[-1]), k_shape[-1] + v_shape[-1])
-    dtype = graph.values[core.k].dtype
+
+
+def _ring_shifts(
+    state: CompileState, core: AttentionCore, dim: int, first_grad: int | None
+) -> tuple[tuple[ReshardStep, ...], tuple[BlockValue, ...]]:  # fmt: skip
+    """The planned shifts of the core's rings and the values they move: ``[k|v]`` forward,
+    ``[k|v|dk|dv]`` and ``[dk|dv]`` backward, ``[k|v]`` of a recomputation; each split on the
+    other dims as its matmuls read K (the backward may split heads further than the forward)."""
+    graph, results = state.graph, state.propagation.op_results
+    k_shape, v_shape = graph.values[core.k].shape, graph.values[core.v].shape
+    width, dtype, seq = k_shape[-1] + v_shape[-1], graph.values[core.k].dtype, len(k_shape) - 2
     values = tuple(BlockValue(f"{graph.values[core.k].label}.{what}", (*k_shape[:-1], w), dtype)
-                   for what, w in zip(("kv", "kv_grads", "grads"), widths))  # fmt: skip
-    grads = {state.graph.ops[i].forward_op: i for i in core.backward}
-    clones = {state.graph.ops[i].recomputes: i for i in core.recomputed}
-    # each ring moves K / V blocks split on the other dims as its matmuls read K: the forward, the
-    # backward (which may split heads further), a recomputation
-    reads = [k_attr, *(results[op].inputs[1] for op in (grads.get(core.first), clones.get(core.first)) if op is not None)]
-    blocks = [DistAttr.of(mesh, tuple((dim,) if t == seq else dims for t, dims in enumerate(attr.mapping))) for attr in reads]
-    backward = blocks[1] if core.first in grads else blocks[0]
-    pairs = ((blocks[0], values[0]), (backward, values[1]), (backward, values[2]), (blocks[-1], values[0]))
-    shifts = tuple(plan_ring_shift(block, dim, value.shape, dtype, state.cluster) for block, value in pairs)
-    reason = in_layer("ring attention", layer_of(graph, core.first)) + (
-        f": {core} passes its key / value blocks one rank on over {name} instead of gathering them"
-    )
-    first_grad, second_grad = grads.get(core.first), grads.get(core.second)
-    _check_backward_placements(state, core, first_grad, second_grad, name)
-    grad_keys = [graph.ops[i].outputs[1] for i in (first_grad, second_grad) if i is not None]
-    return RingCore(
-        core, middle, dim, parts, keys, shifts, values, reason,
-        first_grad, second_grad,
-        frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)), _recomputed(state, core),
-    )  # fmt: skip
+                   for what, w in (("kv", width), ("kv_grads", 2 * width), ("grads", width)))  # fmt: skip
+    clone = next((i for i in core.recomputed if graph.ops[i].recomputes == core.first), None)
+    reads = [results[op].inputs[1] if op is not None else None for op in (core.first, first_grad, clone)]
+    mesh = reads[0].mesh
+    blocks = [DistAttr.of(mesh, tuple((dim,) if t == seq else d for t, d in enumerate(attr.mapping))) if attr else None for attr in reads]
+    forward, backward, recomputed = blocks[0], blocks[1] or blocks[0], blocks[2] or blocks[0]
+    pairs = ((forward, values[0]), (backward, values[1]), (backward, values[2]), (recomputed, values[0]))
+    return tuple(plan_ring_shift(block, dim, value.shape, dtype, state.cluster) for block, value in pairs), values
 
 
 def _recomputed(state: CompileState, core: AttentionCore) -> tuple[int, int] | None:
