@@ -53,6 +53,10 @@ class RankRing:
         rp.replaced[core.output] = out
         if self.ring.recomputed is not None:  # recompute: the ring runs again where the backward re-runs the core
             out, lse = self._recomputed()
+        else:  # a part re-run (its output among it): the same value as the forward's
+            for index in core.recomputed:
+                if self.state.graph.ops[index].recomputes == core.second:
+                    replace_uses(rp.ops[index].result(0), out)
         grads = self._backward(out, lse) if self.ring.first_grad is not None else {}
         for key, new in grads.items():
             if key in self.handed:  # a block in place of the reshard after the grad op (rp.final): that one is erased

@@ -1,6 +1,6 @@
 """A property over small attention-only programs (random batch, heads, head size, sequence
-length, ring size, scale spelling, mask and dropout; the tokens split by sequence over ``sep``,
-with or without a ``dp`` dim): ring attention (passes/ring_attention.py) trains equal to serial —
+length, ring size, scale spelling, mask and dropout, recompute or not; the tokens split by
+sequence over ``sep``, with or without a ``dp`` dim): ring attention (passes/ring_attention.py) trains equal to serial —
 the loss and every projection weight after two SGD steps at learning rate 1, so a weight's
 change is its gradient and the gradients of q, k and v through the ring must be the serial ones
 (to 1e-4: the ring sums the softmax block by block, in another order) — or compile refuses by
@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
+from autopar.passes.results import RingPlan
 from autopar.runtime.simulator import simulate
 from autopar.testing.models import SeedProgram
 from autopar.testing.serial import random_feeds, run_serial
@@ -94,22 +95,24 @@ def cores(draw):
     return dict(
         batch=dp * draw(st.integers(1, 2)), heads=draw(st.integers(1, 3)), head_dim=draw(st.sampled_from([2, 4])),
         seq=seq, mask=draw(st.sampled_from(MASKS)), scale=draw(st.sampled_from(SCALES)), dropout=draw(st.booleans()),
-    ), cp, dp  # fmt: skip
+    ), cp, dp, draw(st.booleans())  # fmt: skip
 
 
 @settings(max_examples=EXAMPLES) if EXAMPLES else settings()
 @given(cores())
 def test_ring_attention_equals_serial_or_is_refused_by_name(drawn):
-    shape, cp, dp = drawn
+    shape, cp, dp, recompute = drawn
+    strategy = autopar.Strategy(context_parallel=RING.context_parallel, recompute=("matmul", "softmax") if recompute else False)
     ranks = np.arange(cp * dp).reshape(dp, cp).tolist()
     mesh = autopar.ProcessMesh(ranks, ["dp", "sep"]) if dp > 1 else autopar.ProcessMesh(ranks[0], ["sep"])
     seed = attention_program(**shape, mesh=mesh)
     if shape["seq"] % cp:
         with pytest.raises(autopar.AutoparError, match=rf"ring attention over sep: .* a sequence of {shape['seq']} keys .* not divisible by {cp} ranks"):
-            autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
+            autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
         return
-    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=RING)
-    assert [c.kind for c in dist.comm_ops(0)].count("permute") == (cp - 1) + cp
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    (ring,) = dist.state.result(RingPlan).cores  # a recomputed core rings again (a part re-run reads kept values)
+    assert [c.kind for c in dist.comm_ops(0)].count("permute") == (cp - 1) * (1 if ring.recomputed is None else 2) + cp
     _assert_equal_to_serial(seed, dist)
 
 
