@@ -35,7 +35,8 @@ the gathers of K and V the plan had die and are erased with every op no one read
 Each ring moves blocks split on the other dims as its matmuls read them: the backward may split
 heads further than the forward (then the forward's output, log-sum-exp and dropout rows are cut
 to match). Recompute re-runs the core in the backward: the ring runs again there, and the
-backward ring reads the recomputed output and log-sum-exp. Pipelines: each stage rings its own
+backward ring reads the recomputed output and log-sum-exp (a recompute that re-runs only part of
+the core, selected by op type, reads kept forward values: the forward ring's output stands in). Pipelines: each stage rings its own
 cores, per micro-batch. Dropout: each rank draws the serial mask over the global shape with the
 op's seed (under micro-batching the whole step's, then the micro-batch's block), as
 :mod:`.dropout_slicing` does, and keeps its rows. Refused by name: a core whose q is not split by
