@@ -26,7 +26,7 @@ the split ops are moved onto the per-stage results (the in-place aliasing, :mod:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -162,7 +162,7 @@ def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, Proce
     with paddle.static.program_guard(work):
         paddle.pir.set_insertion_point(check)
         for mesh, slots in groups:
-            outs, flags[mesh] = paddle._C_ops.check_finite_and_unscale_([check_in[s] for s in slots], scale)
+            outs, flags[mesh] = scaling_op("check_finite_and_unscale_", [check_in[s] for s in slots], scale)
             placed += [(op, mesh) for op in _made_ops(flags[mesh], outs)]
             for slot, out in zip(slots, outs):
                 _rewire(check_out[slot], out)
@@ -174,8 +174,8 @@ def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, Proce
             if number:  # (serially only the first moves the shared states; each rank's own moves its copy)
                 stop = paddle._C_ops.full([1], True, paddle.bool, paddle.CPUPlace())
                 placed.append((stop.get_defining_op(), mesh))
-            results = paddle._C_ops.update_loss_scaling_(
-                [update_in[s] for s in slots], flags[mesh], states[0], states[1], states[2],
+            results = scaling_op(
+                "update_loss_scaling_", [update_in[s] for s in slots], flags[mesh], states[0], states[1], states[2],
                 *(attrs[name] for name in UPDATE_ATTRS), stop,
             )  # fmt: skip
             placed += [(op, mesh) for op in _made_ops(results[1], results[0])]
@@ -189,6 +189,34 @@ def _split(work: Any, raw: list[Any], pair: _Pair, placed: list[tuple[Any, Proce
             _copy_per_stage(raw[index], flags, stage_of, placed)
     paddle.pir.reset_insertion_point_to_end()
     return {_index(raw, op) for op in (*_packing(check), *_packing(update), *(raw[i] for i in pair.copies))}
+
+
+def scaling_op(name: str, grads: Sequence[Any], *rest: Any) -> Any:
+    """``paddle._C_ops.<name>(grads, *rest)`` for an in-place scaling op (``check_finite_and_unscale_``,
+    ``update_loss_scaling_``) on gradients of any dtype. Paddle builds them on float16 gradients
+    (GradScaler at float16 O2) but this CPU build registers their kernels for fp32 / fp64 only
+    and refuses to *construct* them on float16 ones: so they are built on fp32 stand-ins of the
+    low-precision gradients, then made to read the gradients themselves, their vector operand
+    and in-place results retyped (the op Paddle builds on a GPU). Its results, as the builder's."""
+    import paddle
+
+    low = [str(g.dtype) in ("paddle.float16", "paddle.bfloat16") for g in grads]
+    if not any(low):
+        return getattr(paddle._C_ops, name)(grads, *rest)
+    stand_ins = [paddle._C_ops.cast(g, paddle.float32) if is_low else g for g, is_low in zip(grads, low)]
+    made = getattr(paddle._C_ops, name)(stand_ins, *rest)
+    op = made[1].get_defining_op()  # (found_inf; the new loss scale)
+    for stand_in, grad, is_low in zip(stand_ins, grads, low):
+        if is_low:
+            stand_in.replace_all_uses_with(grad)
+            stand_in.get_defining_op().erase()
+    vector = paddle.base.libpaddle.pir.create_vec_type([g.type() for g in grads])
+    op.operand_source(0).set_type(vector)
+    op.result(0).set_type(vector)
+    for split in op.result(0).all_used_ops():  # builtin.split: the gradients updated in place
+        for result, grad in zip(split.results(), grads):
+            result.set_type(grad.type())
+    return made
 
 
 def _copy_per_stage(copy: Any, flags: Mapping[ProcessMesh, Any], stage_of: Mapping[int, ProcessMesh], placed: list) -> None:

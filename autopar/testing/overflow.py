@@ -15,7 +15,8 @@ non-finite in exactly the piece of the rank that holds that element of ``h``: th
 (the last data-parallel rank's), the last column (the last tensor-parallel rank's), stage 0 of
 a pipeline. The scaler is Paddle's float16 path forced on a program whose gradients are fp32
 (docs/paddle_amp.md, Q3), the only form that emits the scaling ops on this CPU build;
-``low_precision`` runs the forward under bf16 O1 autocast (run it through the numerics twin).
+``low_precision`` runs the forward under bf16 O1 autocast, ``float16_o2`` builds Paddle's float16
+O2 program, whose scaling ops check the float16 gradients (run both through the numerics twin).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.testing.amp import Amp, minimize, retype_to_float16
 from autopar.testing.models import SeedProgram
 
 INIT_LOSS_SCALING = 1024.0
@@ -32,14 +34,19 @@ INCR_EVERY_N_STEPS = 2  # the scale doubles after two good steps: a run sees it 
 
 
 def probed_mlp(
-    optimizer: str = "adamw", low_precision: bool = False, stages: Any = None, batch: int = 4, widths: Sequence[int] = (8, 16, 4)
+    optimizer: str = "adamw", low_precision: bool = False, stages: Any = None, batch: int = 4, widths: Sequence[int] = (8, 16, 4),
+    float16_o2: bool = False,
 ) -> SeedProgram:  # fmt: skip
     """Linear -> GELU -> Linear, cross-entropy on fp32 logits, the probe term (module
     docstring), trained with dynamic loss scaling as a user writes it (``paddle.amp.decorate``,
     ``GradScaler.scale`` / ``minimize``). ``stages``: a pipeline mesh: linear1 and the probe's
     sum on ``stages[0]``, the rest on ``stages[1]``. ``values["scaled"]``: the scaled loss
-    (over the loss: the scale the step ran with)."""
+    (over the loss: the scale the step ran with). ``float16_o2``: Paddle's float16 O2 program
+    instead (float16 parameters and gradients, fp32 masters, the scaling ops on the float16
+    gradients: built as autopar.testing.amp builds it; run it through the numerics twin)."""
     import paddle
+
+    level = "O2" if float16_o2 else "O1"
 
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
@@ -54,15 +61,15 @@ def probed_mlp(
             opt = paddle.optimizer.SGD(0.05, parameters=model.parameters(), multi_precision=True)
         else:
             opt = paddle.optimizer.AdamW(0.05, parameters=model.parameters(), weight_decay=0.01, multi_precision=True)
-        model, opt = paddle.amp.decorate(models=model, optimizers=opt, level="O1", dtype="bfloat16")
+        model, opt = paddle.amp.decorate(models=model, optimizers=opt, level=level, dtype="bfloat16")  # float16: retyped below
 
         def first(x: Any, probe: Any) -> tuple[Any, Any]:
-            with paddle.amp.auto_cast(enable=low_precision, level="O1", dtype="bfloat16"):
+            with paddle.amp.auto_cast(enable=low_precision or float16_o2, level=level, dtype="bfloat16"):
                 h = layers["linear1"](x)
             return h, paddle.sum(paddle.sqrt(probe + 0.0 * h))
 
         def second(h: Any, poke: Any) -> Any:
-            with paddle.amp.auto_cast(enable=low_precision, level="O1", dtype="bfloat16"):
+            with paddle.amp.auto_cast(enable=low_precision or float16_o2, level=level, dtype="bfloat16"):
                 logits = layers["linear2"](paddle.nn.functional.gelu(h))
             return paddle.mean(paddle.nn.functional.cross_entropy(logits.astype("float32"), label)) + 0.0 * poke
 
@@ -72,7 +79,13 @@ def probed_mlp(
             import autopar
 
             loss = autopar.shard_op(second, stages[1])(*autopar.shard_op(first, stages[0])(x, probe))
-        scaled = minimize_scaled(opt, loss)
+        if float16_o2:
+            scaled = minimize(Amp("O2", "float16", optimizer, loss_scaling=True, init_loss_scaling=INIT_LOSS_SCALING), opt, loss)["scaled"]
+        else:
+            scaled = minimize_scaled(opt, loss)
+    if float16_o2:
+        retype_to_float16(main)
+        retype_to_float16(startup)
     return SeedProgram(main, startup, {"x": x, "label": label, "probe": probe}, loss, layers, {"scaled": scaled})
 
 

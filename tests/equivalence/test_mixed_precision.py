@@ -1,7 +1,8 @@
 """Mixed-precision programs written with Paddle's AMP (``paddle.amp.decorate`` + ``auto_cast``)
 compiled and run through the numerics twin equal the serial twin, within twice the program's
 measured precision floor (autopar.testing.amp.assert_twin_equals_serial): O1 (bf16 and fp16)
-and O2 (SGD and AdamW) on dp, mp, dp x mp, a 2-stage pipeline and ZeRO-1/2/3. (O2's bf16 collectives on
+and O2 (SGD and AdamW; bf16, and float16 with dynamic loss scaling on its float16 gradients,
+run by the twin on float32 carriers) on dp, mp, dp x mp, a 2-stage pipeline and ZeRO-1/2/3. (O2's bf16 collectives on
 dp x mp and ZeRO 1-3: tests/equivalence/test_amp_collectives.py.) Under a pipeline the
 low-precision gradients are summed over the micro-batches in float32 and rounded once
 (tests/unit/test_pipeline_accumulation_dtype.py): float16 ones could not be summed at all
@@ -14,6 +15,11 @@ import pytest
 import autopar
 from autopar.testing.amp import Amp, amp_mlp, assert_twin_equals_serial, run_serial_twin, twinned
 from autopar.testing.serial import random_feeds
+
+# float16 O2 (the bf16 build retyped, run on float32 carriers by the twin) with GradScaler's
+# dynamic loss scaling on its float16 gradients
+FLOAT16_O2_SGD = Amp("O2", dtype="float16", optimizer="sgd", loss_scaling=True)
+FLOAT16_O2_ADAMW = Amp("O2", dtype="float16", optimizer="adamw", loss_scaling=True)
 
 
 def _compiled(amp: Amp, layout: str, micro_batches: int = 2):
@@ -56,6 +62,8 @@ def _compiled(amp: Amp, layout: str, micro_batches: int = 2):
         (Amp("O2", optimizer="adamw"), "zero2"),
         (Amp("O2", optimizer="adamw"), "zero3"),
         (Amp("O2", optimizer="adamw"), "dpxmp"),
+        *[(FLOAT16_O2_SGD, layout) for layout in ("dp", "mp", "pp", "zero2")],
+        *[(FLOAT16_O2_ADAMW, layout) for layout in ("dp", "mp", "pp", "dpxmp", "zero1", "zero2", "zero3")],
     ],
     ids=str,
 )
@@ -128,15 +136,15 @@ def test_a_fetched_bf16_gradient_of_a_pipeline_is_its_micro_batches_summed_as_nu
     np.testing.assert_allclose(as_float32(got), as_float32(want), rtol=0, atol=4 * 2.0**-8 * np.max(np.abs(as_float32(want))))
 
 
-def test_a_float16_overflow_in_one_micro_batch_of_a_pipeline_is_skipped_on_every_stage():
-    """Paddle's float16 O1 program with dynamic loss scaling on 2 stages, 2 micro-batches (its
-    fp16 gradients could not be summed before): an input of 1e5 in micro-batch 0's rows
+@pytest.mark.parametrize("amp", [Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True), FLOAT16_O2_ADAMW], ids=str)
+def test_a_float16_overflow_in_one_micro_batch_of_a_pipeline_is_skipped_on_every_stage(amp):
+    """Paddle's float16 O1 and O2 programs with dynamic loss scaling on 2 stages, 2 micro-batches
+    (their fp16 gradients could not be summed before): an input of 1e5 in micro-batch 0's rows
     (beyond float16's 65504) overflows that micro-batch's gradients; the float32 sum keeps the
     inf, every stage skips the step, and the losses after it follow the serial twin's (whose
     scale was halved)."""
     import numpy as np
 
-    amp = Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True)
     _, seed, dist = _compiled(amp, "pp")
     feeds = random_feeds(seed.feeds, 4, classes=4)
     feeds[1]["x"][0, 0] = 1e5  # row 0: micro-batch 0's
@@ -162,3 +170,38 @@ def test_a_pipeline_fetch_no_rank_makes_is_refused_by_name():
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
     with pytest.raises(AutoparError, match="no rank made its piece of the fetched loss_scaling_0"):
         autopar.simulate(twinned(dist), random_feeds(seed.feeds, 1, classes=4), [seed.loss, "loss_scaling_0"])
+
+
+def test_a_float16_o2_twin_moves_float16_through_its_collectives():
+    """The twin carries float16 O2's values in float32 but hands every collective the float16
+    value its Collective says it moves (dp's gradient syncs, ZeRO-3's parameter all_gathers and
+    gradient reduce_scatters, mp's row-parallel all_reduce), so the runtime sums float16 by the
+    low-precision rule as on a GPU; a float32 carrier there would be refused by that rule."""
+    for layout in ("dp", "mp", "zero3"):
+        _, seed, dist = _compiled(FLOAT16_O2_ADAMW, layout)
+        plan = twinned(dist).rank_plan(0)
+        ops = list(plan.program.global_block().ops)
+        moved = {c.dtype for c, _ in plan.collectives}
+        assert "float16" in moved, (layout, moved)
+        for collective, position in plan.collectives:
+            op = ops[position]
+            values = [v for v in (*op.operands_source(), *op.results()) if v.initialized()]
+            assert {str(v.dtype).removeprefix("paddle.") for v in values} == {collective.dtype}, (layout, str(collective), op.name())
+
+
+def test_a_float16_o2_pipeline_sums_its_float16_gradients_in_float32():
+    """Under a pipeline the values the update reads cross from the backward as float16 (the twin
+    carries them up after the crossing), so the runner sums each micro-batch's float16 gradient in
+    float32 and rounds once (tests/unit/test_pipeline_accumulation_dtype.py), as for a real
+    float16 program; a float32 carrier crossing would be summed unrounded."""
+    from autopar.runtime.host_plan import build_host_plan
+    from autopar.schedule import F
+
+    _, seed, dist = _compiled(FLOAT16_O2_SGD, "pp")
+    for rank in dist.mesh.ranks:
+        plan = twinned(dist).rank_plan(rank)
+        host = build_host_plan(plan)
+        ops = list(plan.program.global_block().ops)
+        key_of = {name: key for key, name in host.names.items()}
+        gradients = [ops[key_of[n][0]].result(key_of[n][1]) for n, phase in zip(host.accumulated, host.accumulated_phases) if phase.kind is not F]
+        assert gradients and {str(v.dtype) for v in gradients} == {"paddle.float16"}, (rank, [str(v.dtype) for v in gradients])

@@ -2,24 +2,28 @@
 Paddle, as tests/unit/test_device.py checks the APIs the GPU path calls.
 
 Programs: Paddle's AMP as users write it (``autopar.testing.amp.amp_mlp``: ``paddle.amp.decorate``
-+ ``auto_cast``), bf16 O1 with SGD and with AdamW, bf16 O2 with SGD(multi_precision) (O2 AdamW
-cannot be built on this CPU build: docs/paddle_amp.md), compiled on dp = 2, mp = 2, ZeRO-2 on
-dp = 2 and a 2-stage pipeline; every rank's program in its **native** form
-(``dist.rank_plan(rank, backend="native")``: the collectives as Paddle ops).
++ ``auto_cast``), bf16 O1 with SGD and with AdamW, bf16 O2 with SGD(multi_precision) and AdamW
+(which this CPU build cannot construct on a bf16 parameter: built on fp32 stand-ins, then the
+real operands), float16 O1, and float16 O2 with SGD and AdamW and GradScaler's dynamic loss
+scaling on its float16 gradients (the bf16 build retyped; the scaling ops built as AdamW is),
+compiled on dp = 2, mp = 2, ZeRO-2 on dp = 2 and a 2-stage pipeline; every rank's program in
+its **native** form (``dist.rank_plan(rank, backend="native")``: the collectives as Paddle ops),
+and its startup (at O2: the parameters cast to the low precision, the masters cast back).
 
 Where the native form cannot be built here, the refusal must name why — a collective of a dtype
 this CPU build has no kernel for (Paddle's CPU build has no bf16 all_reduce / reduce_scatter:
-O2 on dp, mp and ZeRO-2), or a pipeline's send / recv (static gloo programs have none) — and the
-host form (the same program with the collectives the host backend runs) is checked instead.
+bf16 O2 on dp, mp and ZeRO-2; float16 ones it has), or a pipeline's send / recv (static gloo
+programs have none) — and the host form (the same program with the collectives the host
+backend runs) is checked instead.
 
 Checked on every op: its name is an op of the installed Paddle — declared in the installed PIR
 headers (``pd_op.h``, ``manual_op.h``, ``builtin_op.h``: the op classes Paddle registers) and,
 for a forward ``pd_op``, a ``paddle._C_ops`` builder; its operands are those of the header's operand accessors
 (count, and names in order) and of the live registry (``Operation.get_input_names``: the
 registered OpYamlInfo). Then where AMP put the casts and the masters: O1 parameters stay fp32 and reach
-each matmul through a cast to bf16; the optimizer updates fp32 parameters with fp32 gradients
-and no master. O2 parameters are bf16 and reach matmuls as they are; each optimizer op updates a
-bf16 parameter from its fp32 master (``<param>_fp32_master_0``, the operand Paddle names
+each matmul through a cast to the low precision; the optimizer updates fp32 parameters with fp32
+gradients and no master. O2 parameters are low precision and reach matmuls as they are; each
+optimizer op updates a low-precision parameter from its fp32 master (``<param>_fp32_master_0``, the operand Paddle names
 ``master_param``), the master's piece shaped as the parameter's piece it
 updates and as the compiled placement of the master gives it on that rank; every parameter a
 rank holds is updated by exactly one optimizer op.
@@ -52,11 +56,11 @@ AMPS = (
     Amp("O2", optimizer="adamw"),  # built on fp32 stand-ins, then the real operands (autopar.testing.amp)
     Amp("O1", dtype="float16", optimizer="sgd"),
     Amp("O1", dtype="float16", optimizer="adamw", loss_scaling=True),
+    Amp("O2", dtype="float16", optimizer="sgd", loss_scaling=True),  # (the bf16 build retyped; its scaling ops built
+    Amp("O2", dtype="float16", optimizer="adamw", loss_scaling=True),  # on fp32 stand-ins, then the real operands)
 )
 LAYOUTS = ("dp", "mp", "zero2", "pp")
-# Not in the matrix: dynamic loss scaling on the pipeline (micro-batching refuses the loss
-# scaling's multiply_grad at compile)
-CASES = [(amp, layout) for amp in AMPS for layout in LAYOUTS if not (amp.loss_scaling and layout == "pp")]
+CASES = [(amp, layout) for amp in AMPS for layout in LAYOUTS]
 BF16_COLLECTIVE = r"native backend: {} of .*\(bfloat16, .*\) cannot be built: this Paddle build has no bfloat16 kernel"
 SEND_RECV = r"native backend: a pipeline's send / recv .*static gloo programs have no send / recv kernel"
 
@@ -65,7 +69,7 @@ def native_refusal(amp, layout):
     """Why the native form cannot be built here (a regex of the refusal), or None: it builds."""
     if layout == "pp":
         return SEND_RECV
-    if amp.level == "O2":  # bf16 gradients (dp, ZeRO) and bf16 row-parallel outputs (mp)
+    if amp.level == "O2" and amp.dtype == "bfloat16":  # bf16 gradients (dp, ZeRO) and bf16 row-parallel outputs (mp)
         return BF16_COLLECTIVE.format("reduce_scatter" if layout == "zero2" else "all_reduce")
     return None
 
@@ -136,7 +140,11 @@ def parameter_of(value):
 
 
 def check_signatures(program, signatures):
-    for op in program.global_block().ops:
+    check_signatures_of(program.global_block().ops, signatures)
+
+
+def check_signatures_of(ops, signatures):
+    for op in ops:
         name = op.name()
         assert name in signatures, f"{name} is not an op the installed Paddle declares"
         if name.startswith("pd_op."):
@@ -200,20 +208,51 @@ def check_updates(plan, ops, amp, parameters):
 
 
 def check_loss_scaling(ops, amp):
-    """With dynamic loss scaling: one check_finite_and_unscale_ over fp32 gradients and one
-    update_loss_scaling_; AdamW skips its update on the found_inf flag (its skip_update operand)."""
+    """With dynamic loss scaling: one check_finite_and_unscale_ and one update_loss_scaling_ over
+    the gradients as the optimizer gets them (fp32 at O1; float16 at float16 O2, as Paddle's
+    GradScaler checks them on a GPU), each updating them in place (its vector result typed as
+    its vector operand); AdamW skips its update on the found_inf flag (its skip_update operand)."""
     checks = [op for op in ops if op.name() == "pd_op.check_finite_and_unscale_"]
     updates = [op for op in ops if op.name() == "pd_op.update_loss_scaling_"]
     assert (len(checks), len(updates)) == ((1, 1) if amp.loss_scaling else (0, 0))
     if not amp.loss_scaling:
         return
-    grads = defining(checks[0].operand_source(0))
-    assert grads.name() == "builtin.combine" and {
-        dtype(grads.operand_source(i)) for i in range(grads.num_operands())
-    } == {"float32"}
+    want = "float32" if amp.level == "O1" else amp.dtype
+    for op in (checks[0], updates[0]):
+        grads = defining(op.operand_source(0))
+        assert grads.name() == "builtin.combine" and {
+            dtype(grads.operand_source(i)) for i in range(grads.num_operands())
+        } == {want}, op.name()
+        assert str(op.result(0).type()) == str(op.operand_source(0).type()), op.name()
     for op in (op for op in ops if op.name() == "pd_op.adamw_"):
         skip = op.operand_source(op.get_input_names().index("skip_update"))
         assert skip.initialized() and dtype(skip) == "bool", "adamw_ would not skip an overflowing step"
+
+
+def check_startup(plan, amp, signatures):
+    """The rank's startup: ops of the installed Paddle; at O2 each parameter it sets is the fp32
+    initializer cast to the low precision (as ``paddle.amp.decorate`` builds it), and each fp32
+    master is a parameter's low-precision value cast back (the rank's piece: through a slice)."""
+    ops = list(plan.startup.global_block().ops)
+    assert {op.name() for op in ops} <= set(signatures), "an op the installed Paddle does not declare"
+    check_signatures_of((op for op in ops if op.name().startswith("pd_op.")), signatures)  # (the header declares no operand of set_parameter)
+    if amp.level != "O2":
+        return
+    sets = [op for op in ops if op.name() == "builtin.set_parameter"]
+    masters = [op for op in ops if op.name() == "builtin.shadow_output" and str(op.attrs()["output_name"]).endswith(MASTER)]
+    assert sets and len(masters) == len(sets), (len(sets), len(masters))
+    for op in sets:
+        source = through_slices(defining(op.operand_source(0)))
+        assert (source.name(), dtype(source.operand_source(0)), dtype(source.result(0))) == ("pd_op.cast", "float32", amp.dtype)
+    for op in masters:
+        source = through_slices(defining(op.operand_source(0)))
+        assert (source.name(), dtype(source.operand_source(0)), dtype(source.result(0))) == ("pd_op.cast", amp.dtype, "float32")
+
+
+def through_slices(op):
+    while op.name() in PASS_THROUGH:
+        op = defining(op.operand_source(0))
+    return op
 
 
 def casts(ops):
@@ -232,6 +271,7 @@ def test_mixed_precision_rank_programs_match_paddles_op_signatures(signatures, a
         ops = list(plan.program.global_block().ops)
         check_updates(plan, ops, amp, check_matmul_inputs(ops, amp))
         check_loss_scaling(ops, amp)
+        check_startup(plan, amp, signatures)
         if layout == "pp":
             found += casts(ops)
         else:  # every rank casts what the serial program casts, where AMP put it
