@@ -3,7 +3,7 @@ length, ring size, scale spelling, mask and dropout, recompute or not; the token
 sequence over ``sep``, with or without a ``dp`` dim): ring attention (passes/ring_attention.py) trains equal to serial —
 the loss and every projection weight after two SGD steps at learning rate 1, so a weight's
 change is its gradient and the gradients of q, k and v through the ring must be the serial ones
-(to 1e-4: the ring sums the softmax block by block, in another order) — or compile refuses by
+(to 1e-4, 5e-5 absolute: the ring sums the softmax block by block, in another order; a wrong block or mask is off by 1e-2 and more) — or compile refuses by
 name (a sequence the ring does not divide)."""
 
 import math
@@ -127,4 +127,4 @@ def _assert_equal_to_serial(seed, dist, steps=2):
     for step, (want, got) in enumerate(zip(serial.fetches, ring.fetches)):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-4, err_msg=f"loss at step {step}")
     for name, want in serial.parameters.items():
-        np.testing.assert_allclose(ring.parameters[name], want, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ring.parameters[name], want, rtol=1e-4, atol=5e-5, err_msg=name)
