@@ -86,8 +86,10 @@ class RankRing:
         read = self.state.propagation.op_results[op].inputs[slot]
         seq = read.ndim - 2
         want = DistAttr.of(read.mesh, tuple((self.ring.mesh_dim,) if t == seq else d for t, d in enumerate(read.mapping)))
-        shape = self.state.graph.values[key].shape
-        return self._rebox(self.rp.current(key), self.state.propagation.dist(key), want, shape, f"input {slot} of {self.state.graph.ops[op]}", len(shape))
+        shape, what = self.state.graph.values[key].shape, f"input {slot} of {self.state.graph.ops[op]}"
+        if self.rp.ops[key[0]] is None and key not in self.rp.replaced:
+            raise AutoparError(f"ring attention: {what} in {self.core} is made on another pipeline stage")
+        return self._rebox(self.rp.current(key), self.state.propagation.dist(key), want, shape, what, len(shape))
 
     def _columns(self, x: Any, j: int, what: str) -> Any:
         """Block ``j`` of ``x``'s last (key) dim; ``x`` as it is when it broadcasts over it."""
