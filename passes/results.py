@@ -146,12 +146,14 @@ class RingCore:
     parts: int
     keys: int  # the global sequence length of K and V
     shifts: tuple[ReshardStep, ReshardStep, ReshardStep, ReshardStep]  # [k|v], [k|v|dk|dv], [dk|dv], recomputed [k|v]
-    values: tuple[BlockValue, BlockValue, BlockValue]
+    values: tuple[BlockValue, BlockValue, BlockValue, BlockValue]  # what each of them moves
     reason: str
     first_grad: int | None  # the matmul_grad ops of the core's backward (None: no backward)
     second_grad: int | None
     split_grads: frozenset[ValueKey] = frozenset()  # dK / dV reduce_scattered by sequence right after their grad op
     recomputed: tuple[int, int] | None = None  # recompute: the backward's clones of the two matmuls
+    # grouped-query attention: the forward ring moves K, V before repeat_kv (and the repeat count)
+    unrepeated: tuple[ValueKey, ValueKey, int] | None = None
 
 
 @dataclass(frozen=True)

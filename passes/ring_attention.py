@@ -47,10 +47,11 @@ a backward splitting batch / heads differently from one of its values to the nex
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from autopar.attention_cores import AttentionCore, affine_middle, attention_cores
+from autopar.attention_cores import AttentionCore, affine_middle, attention_cores, repeated_from
 from autopar.causes import in_layer, layer_of
 from autopar.cost_model.planner import ReshardStep, plan_ring_shift
 from autopar.dist_attr import DistAttr
@@ -103,7 +104,8 @@ def _plan_core(state: CompileState, core: AttentionCore, name: str) -> RingCore:
     grads = {graph.ops[i].forward_op: i for i in core.backward}
     first_grad, second_grad = grads.get(core.first), grads.get(core.second)
     _check_backward_placements(state, core, first_grad, second_grad, name)
-    shifts, values = _ring_shifts(state, core, dim, first_grad)
+    unrepeated = _unrepeated(state, core, dim)
+    shifts, values = _ring_shifts(state, core, dim, first_grad, unrepeated)
     reason = in_layer("ring attention", layer_of(graph, core.first)) + (
         f": {core} passes its key / value blocks one rank on over {name} instead of gathering them"
     )
@@ -112,6 +114,7 @@ def _plan_core(state: CompileState, core: AttentionCore, name: str) -> RingCore:
         core, middle, dim, parts, keys, shifts, values, reason,
         first_grad, second_grad,
         frozenset(k for k in grad_keys if k is not None and _scattered(state, k, dim)), _recomputed(state, core),
+        unrepeated,
     )  # fmt: skip
 
 
@@ -140,23 +143,53 @@ def _check_reads(state: CompileState, core: AttentionCore, dim: int, name: str) 
 
 
 def _ring_shifts(
-    state: CompileState, core: AttentionCore, dim: int, first_grad: int | None
+    state: CompileState, core: AttentionCore, dim: int, first_grad: int | None, unrepeated: tuple | None
 ) -> tuple[tuple[ReshardStep, ...], tuple[BlockValue, ...]]:  # fmt: skip
-    """The planned shifts of the core's rings and the values they move: ``[k|v]`` forward,
-    ``[k|v|dk|dv]`` and ``[dk|dv]`` backward, ``[k|v]`` of a recomputation; each split on the
-    other dims as its matmuls read K (the backward may split heads further than the forward)."""
+    """The planned shifts of the core's rings and the values they move: ``[k|v]`` forward (before
+    ``repeat_kv`` when ``unrepeated``), ``[k|v|dk|dv]`` and ``[dk|dv]`` backward, ``[k|v]`` of a
+    recomputation; each split on the other dims as its matmuls read K (the backward may split
+    heads further than the forward)."""
     graph, results = state.graph, state.propagation.op_results
     k_shape, v_shape = graph.values[core.k].shape, graph.values[core.v].shape
-    width, dtype, seq = k_shape[-1] + v_shape[-1], graph.values[core.k].dtype, len(k_shape) - 2
-    values = tuple(BlockValue(f"{graph.values[core.k].label}.{what}", (*k_shape[:-1], w), dtype)
-                   for what, w in (("kv", width), ("kv_grads", 2 * width), ("grads", width)))  # fmt: skip
+    width, dtype, seq, label = k_shape[-1] + v_shape[-1], graph.values[core.k].dtype, len(k_shape) - 2, graph.values[core.k].label
     clone = next((i for i in core.recomputed if graph.ops[i].recomputes == core.first), None)
     reads = [results[op].inputs[1] if op is not None else None for op in (core.first, first_grad, clone)]
-    mesh = reads[0].mesh
-    blocks = [DistAttr.of(mesh, tuple((dim,) if t == seq else d for t, d in enumerate(attr.mapping))) if attr else None for attr in reads]
+    blocks = [_split_over(attr, seq, dim) if attr else None for attr in reads]
     forward, backward, recomputed = blocks[0], blocks[1] or blocks[0], blocks[2] or blocks[0]
-    pairs = ((forward, values[0]), (backward, values[1]), (backward, values[2]), (recomputed, values[0]))
+    kv = BlockValue(f"{label}.kv", (*k_shape[:-1], width), dtype)
+    if unrepeated is not None:  # [B, S, Hkv, Dk + Dv], split as the un-repeated K is, its sequence (dim 1) over the ring
+        k0 = graph.values[unrepeated[0]]
+        kv = BlockValue(f"{k0.label}.kv", (*k0.shape[:-1], width), dtype)
+        forward = _split_over(state.propagation.dist(unrepeated[0]), 1, dim)
+    values = (kv, BlockValue(f"{label}.kv_grads", (*k_shape[:-1], 2 * width), dtype),
+              BlockValue(f"{label}.grads", (*k_shape[:-1], width), dtype), BlockValue(f"{label}.kv", (*k_shape[:-1], width), dtype))  # fmt: skip
+    pairs = zip((forward, backward, backward, recomputed), values)
     return tuple(plan_ring_shift(block, dim, value.shape, dtype, state.cluster) for block, value in pairs), values
+
+
+def _split_over(attr: DistAttr, seq: int, dim: int) -> DistAttr:
+    """``attr`` with its tensor dim ``seq`` split over mesh dim ``dim`` (a ring's block)."""
+    return DistAttr.of(attr.mesh, tuple((dim,) if t == seq else d for t, d in enumerate(attr.mapping)))
+
+
+def _unrepeated(state: CompileState, core: AttentionCore, dim: int) -> tuple[ValueKey, ValueKey, int] | None:
+    """Grouped-query attention: K and V before their ``repeat_kv`` and the repeat count, when both
+    are repeated alike and placed so each rank repeats its own block into the heads its matmul
+    reads (batch and heads split as the read K, the sequence whole or over the ring); else None."""
+    graph, prop = state.graph, state.propagation
+    found = [repeated_from(graph, key) for key in (core.k, core.v)]
+    if None in found or found[0][1] != found[1][1]:
+        return None
+    (k0, rep), (v0, _) = found
+    read = prop.op_results[core.first].inputs[1]  # [B, H, S, D]
+    heads = math.prod(read.mesh.shape[d] for d in read.mapping[1])
+    for key in (k0, v0):
+        attr = prop.dist(key)  # [B, S, Hkv, D]
+        if attr.partial or attr.mapping[1] not in ((), (dim,)) or graph.values[key].shape[2] % heads:
+            return None
+        if (attr.mapping[0], attr.mapping[2], attr.mapping[3]) != (read.mapping[0], read.mapping[1], ()):
+            return None
+    return k0, v0, rep
 
 
 def _recomputed(state: CompileState, core: AttentionCore) -> tuple[int, int] | None:

@@ -44,11 +44,16 @@ class RankRing:
         rp, core = self.rp, self.core
         second = rp.ops[core.second]
         self.q = rp.ops[core.first].operand_source(0)
-        k, v = self._block(core.first, 1), self._block(core.second, 1)
+        unrepeated, rep = self.ring.unrepeated, 1
+        if unrepeated is not None:  # grouped-query attention: K, V blocks before repeat_kv, repeated where they arrive
+            k, v = (self._piece(key, self.state.propagation.dist(key), 1, f"the un-repeated {key}") for key in unrepeated[:2])
+            rep = unrepeated[2]
+        else:
+            k, v = self._block(core.first, 1), self._block(core.second, 1)
         self.widths = (k.shape[-1], v.shape[-1])
         paddle.pir.set_insertion_point(second)
         self.drops = self._dropout_rows()
-        out, lse = self._forward(self.q, paddle.concat([k, v], axis=-1))
+        out, lse = self._forward(self.q, paddle.concat([k, v], axis=-1), 0, rep)
         replace_uses(second.result(0), out)
         rp.replaced[core.output] = out
         if self.ring.recomputed is not None:  # recompute: the ring runs again where the backward re-runs the core
@@ -84,9 +89,13 @@ class RankRing:
         placed it (K and V are then never gathered; the reshards ``op``'s read planned die)."""
         key = self.state.graph.ops[op].inputs[slot]
         read = self.state.propagation.op_results[op].inputs[slot]
-        seq = read.ndim - 2
-        want = DistAttr.of(read.mesh, tuple((self.ring.mesh_dim,) if t == seq else d for t, d in enumerate(read.mapping)))
-        shape, what = self.state.graph.values[key].shape, f"input {slot} of {self.state.graph.ops[op]}"
+        return self._piece(key, read, read.ndim - 2, f"input {slot} of {self.state.graph.ops[op]}")
+
+    def _piece(self, key: ValueKey, placed: DistAttr, seq: int, what: str) -> Any:
+        """This rank's piece of ``key`` placed as ``placed`` with its dim ``seq`` split over the ring's
+        dim, cut from the value as its producer placed it."""
+        want = DistAttr.of(placed.mesh, tuple((self.ring.mesh_dim,) if t == seq else d for t, d in enumerate(placed.mapping)))
+        shape = self.state.graph.values[key].shape
         if self.rp.ops[key[0]] is None and key not in self.rp.replaced:
             raise AutoparError(f"ring attention: {what} in {self.core} is made on another pipeline stage")
         return self._rebox(self.rp.current(key), self.state.propagation.dist(key), want, shape, what, len(shape))
@@ -189,7 +198,17 @@ class RankRing:
         key = CollectiveKey("ring", self.core.first, self.count)
         self.count += 1
         step = self.ring.shifts[which]
-        return emit_step(self.state, self.rp, step, x, self.ring.values[which % 3], self.ring.reason, key)
+        return emit_step(self.state, self.rp, step, x, self.ring.values[which], self.ring.reason, key)
+
+    def _repeated(self, x: Any, rep: int) -> Any:
+        """``repeat_kv`` of a block ``[b, n, hkv, d]`` as the model writes it, then heads before the
+        sequence: ``[b, hkv * rep, n, d]``."""
+        import paddle
+
+        C = paddle._C_ops
+        b, n, heads, d = x.shape
+        y = C.expand(C.unsqueeze(x, [3]), [b, n, heads, rep, d])
+        return C.transpose(C.reshape(y, [b, n, heads * rep, d]), [0, 2, 1, 3])
 
     def _split(self, x: Any, widths: tuple[int, ...]) -> list[Any]:
         import paddle
@@ -201,9 +220,10 @@ class RankRing:
         return out
 
     # ---- forward -------------------------------------------------------------------------
-    def _forward(self, q: Any, kv: Any, shift: int = 0) -> tuple[Any, Any]:
+    def _forward(self, q: Any, kv: Any, shift: int = 0, rep: int = 1) -> tuple[Any, Any]:
         """The ring's forward from this rank's q and ``[k | v]`` blocks: the output and log-sum-exp
-        (``shift``: which planned ring shift moves the blocks)."""
+        (``shift``: which planned ring shift moves the blocks; ``rep`` > 1: they are grouped-query
+        attention's K, V before repeat_kv, ``[B, n, Hkv, D]``, repeated here)."""
         import paddle
 
         C = paddle._C_ops
@@ -216,6 +236,8 @@ class RankRing:
             # the next block is sent on before this one is used (a runtime may overlap the two)
             following = self._shift(kv, shift) if s < self.parts - 1 else None
             k, v = self._split(kv, self.widths)
+            if rep > 1:
+                k, v = self._repeated(k, rep), self._repeated(v, rep)
             scores, _ = self._scores(q, k, j)
             new_m = C.maximum(m, C.max(scores, [-1], True))
             alpha = C.exp(C.subtract(m, new_m))

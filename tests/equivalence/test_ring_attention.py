@@ -45,6 +45,8 @@ def test_ring_attention_equals_serial(model, mesh):
     forward = [c for c in comms if c.kind == "permute" and c.value.endswith(".kv")]
     backward = [c for c in comms if c.kind == "permute" and not c.value.endswith(".kv")]
     assert (len(forward), len(backward)) == ((cp - 1) * LAYERS, cp * LAYERS)
+    if model == "llama":  # grouped-query attention: K, V move before repeat_kv ([B, S, 2 kv heads, 2 x 8]), half the bytes
+        assert {c.shape for c in forward} == {(4, 8, 2, 16)}
     assert not [c for c in comms if c.kind == "all_gather" and ("for matmul" in c.reason or "reshape_grad" in c.reason)]
     assert not [c for c in comms if c.kind == "reduce_scatter"]  # dK / dV: the ring's blocks, not reduced sums
     assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)

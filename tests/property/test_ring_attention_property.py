@@ -1,5 +1,5 @@
 """A property over small attention-only programs (random batch, heads, head size, sequence
-length, ring size, scale spelling, mask and dropout, recompute or not; the tokens split by
+length, ring size, grouped-query attention, scale spelling, mask and dropout, recompute or not; the tokens split by
 sequence over ``sep``, with or without a ``dp`` dim): ring attention (passes/ring_attention.py) trains equal to serial —
 the loss and every projection weight after two SGD steps at learning rate 1, so a weight's
 change is its gradient and the gradients of q, k and v through the ring must be the serial ones
@@ -26,14 +26,14 @@ SCALES = ("multiply", "divide", "tensor")
 EXAMPLES = None if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else 12  # (each example compiles and runs: ~1 s)
 
 
-def attention_program(batch, heads, head_dim, seq, mask, scale, dropout, mesh):
+def attention_program(batch, heads, head_dim, seq, mask, scale, dropout, mesh, kv_heads=None):
     """x [batch, seq, E] -> q, k, v projections -> one attention core -> loss = mean(out ** 2)."""
     import paddle
 
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
     main.random_seed = startup.random_seed = 5
-    width = heads * head_dim
+    width, kv_heads = heads * head_dim, kv_heads or heads
     with paddle.static.program_guard(main, startup):
         x = paddle.static.data("x", [batch, seq, 8], "float32")
         feeds = {"x": x}
@@ -51,6 +51,13 @@ def attention_program(batch, heads, head_dim, seq, mask, scale, dropout, mesh):
 
             out, _ = flash_attention(q, k, v, dropout=0.2 if dropout else 0.0, causal=True, training=True)
             return _trained(main, startup, feeds, out, x, mesh)
+        if kv_heads < heads:  # grouped-query attention: k, v of fewer heads, repeated as Llama's repeat_kv
+            k, v = (
+                paddle.static.nn.fc(x, kv_heads * head_dim, num_flatten_dims=2, bias_attr=False)
+                .reshape([batch, seq, kv_heads, head_dim]).unsqueeze(3)
+                .expand([batch, seq, kv_heads, heads // kv_heads, head_dim]).reshape([batch, seq, heads, head_dim])
+                for _ in range(2)
+            )  # fmt: skip
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
         att = paddle.matmul(q, k, transpose_y=True)
         if scale == "multiply":
@@ -93,7 +100,8 @@ def cores(draw):
     blocks = draw(st.integers(1, 3))
     seq = cp * blocks if draw(st.integers(0, 5)) else cp * blocks + 1  # now and then not divisible
     return dict(
-        batch=dp * draw(st.integers(1, 2)), heads=draw(st.integers(1, 3)), head_dim=draw(st.sampled_from([2, 4])),
+        batch=dp * draw(st.integers(1, 2)), heads=(heads := draw(st.sampled_from([1, 2, 3, 4]))),
+        kv_heads=draw(st.sampled_from([h for h in (1, 2, heads) if heads % h == 0])), head_dim=draw(st.sampled_from([2, 4])),
         seq=seq, mask=draw(st.sampled_from(MASKS)), scale=draw(st.sampled_from(SCALES)), dropout=draw(st.booleans()),
     ), cp, dp, draw(st.booleans())  # fmt: skip
 

@@ -40,7 +40,8 @@ def test_the_plan_has_one_ring_a_core_and_its_shifts(cp):
     (ring,) = dist.state.result(RingPlan).cores
     assert (ring.parts, ring.keys, ring.middle.coefficient) == (cp, 8, pytest.approx(0.5))
     assert [str(step.kind) for step in ring.shifts] == ["permute"] * 4 and {step.shift for step in ring.shifts} == {1}
-    assert [v.shape for v in ring.values] == [(2, 2, 8, 8), (2, 2, 8, 16), (2, 2, 8, 8)]  # [k|v], [k|v|dk|dv], [dk|dv]
+    assert [v.shape for v in ring.values] == [(2, 2, 8, 8), (2, 2, 8, 16), (2, 2, 8, 8), (2, 2, 8, 8)]  # [k|v], [k|v|dk|dv], [dk|dv], again
+    assert ring.unrepeated is None  # (no grouped-query attention here)
     assert ring.split_grads and ring.recomputed is None
 
 
