@@ -32,7 +32,9 @@ reduces them elsewhere, each block is handed on among zeros (a valid pending sum
 q / K / V block is cut from the value as its producer placed it (:meth:`~autopar.passes.ring_blocks.RankRing._block`), so
 the gathers of K and V the plan had die and are erased with every op no one reads any more.
 
-Each ring moves blocks split on the other dims as its matmuls read them: the backward may split
+Grouped-query attention: the forward ring moves K and V before ``repeat_kv`` and repeats each
+block where it arrives (n_heads / n_kv_heads times fewer bytes). Each ring moves blocks split on
+the other dims as its matmuls read them: the backward may split
 heads further than the forward (then the forward's output, log-sum-exp and dropout rows are cut
 to match). Recompute re-runs the core in the backward: the ring runs again there, and the
 backward ring reads the recomputed output and log-sum-exp (a recompute that re-runs only part of
