@@ -83,6 +83,8 @@ def build(
         raise ValueError(f"experts is 'stacked' or 'local', got {experts!r}")
     if experts == "local" and (mesh is None or "ep" not in mesh.dim_names):
         raise ValueError("experts='local' places the experts on the sub-meshes of the mesh's 'ep' dim: give a mesh with one")
+    if experts == "local" and config.n_experts % mesh.dim_size("ep"):
+        raise ValueError(f"experts='local' places n_experts / ep experts on each ep rank: {config.n_experts} experts do not divide over ep={mesh.dim_size('ep')}")
     if experts == "local" and config.router_groups != 1:
         raise ValueError("experts='local' routes per group of the mesh's token dims (dp x ep); router_groups is the stacked experts'")
     if (batch * seq) % config.router_groups:
