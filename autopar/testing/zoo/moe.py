@@ -1,21 +1,25 @@
 """A mixture-of-experts decoder in the DeepSeek-MoE shape: pre-norm blocks of causal attention
 and an MoE feed-forward with one shared expert beside ``n_experts`` routed ones, each token sent
-to its top-2 routed experts. The router is GShard's top-2 gating with a static capacity as
-fairscale's ``top2gate.py`` writes it (and DeepSpeed's ``sharded_moe.py`` after it): softmax
-gates; the first expert from ``topk``, the second from the gates with the first masked out;
-each token's slot in its expert from a ``cumsum`` over the tokens of its one-hot choice; tokens
-past the capacity dropped; the auxiliary load-balancing loss ``mean(me * ce) * E * E``; dispatch
-and combine as ``einsum`` over a ``[tokens, experts, capacity]`` tensor, the experts applied to
-the ``[experts, capacity, hidden]`` buffer with stacked weights. No gating noise (a
-deterministic router: serial and distributed runs route the same tokens). Static Paddle, layers
-nested as the reference nests them (``Transformer/Block_k/MoE/Router``).
+to its top-k routed experts (``Config.top_k``, 2 by default). The router is GShard's top-2 gating
+with a static capacity as fairscale's ``top2gate.py`` writes it (and DeepSpeed's
+``sharded_moe.py`` after it), the k-th choice made as the second is: softmax gates; the first
+expert from ``topk``, each next one from the gates with the earlier choices masked out; each
+token's slot in its expert from a ``cumsum`` over the tokens of its one-hot choice, after the
+slots of the earlier choices; tokens past the capacity dropped; the auxiliary load-balancing loss
+``mean(me * ce) * E * E``; dispatch and combine as ``einsum`` over a ``[groups, tokens, experts,
+capacity]`` tensor (GShard's groups: each routed on its own), the experts applied to the
+``[experts, groups, capacity, hidden]`` buffer. No gating noise (a deterministic router: serial
+and distributed runs route the same tokens). Static Paddle, layers nested as the reference nests
+them (``Transformer/Block_k/MoE/Router``).
 
 Two ways of writing the experts (``build(..., experts=...)``):
 
 - ``"stacked"`` (GSPMD's formulation): annotated by the mesh's dim names, ``dp`` splits the
   tokens' batch; ``ep`` splits the stacked experts' weights by expert (dim 0) and, like ``dp``,
   the batch; ``mp`` splits the attention as Megatron does (q, k, v by columns, the projection
-  by rows). The router sees the whole batch (its statistics are gathered).
+  by rows). The router sees ``Config.router_groups`` groups of the batch's tokens (1: the whole
+  batch; its statistics are gathered). Under a pipeline, a multiple of the micro-batches routes
+  per micro-batch (docs/moe.md, "Pipelines: routing per micro-batch").
 - ``"local"`` (Paddle's way: an auto-parallel MoE with the gate in a ``LocalLayer`` and the experts
   on ``split_mesh(mesh, "ep")``): the router runs per rank in :func:`autopar.local_map.local_map`
   — each of the ``G`` groups of tokens (one per rank of the token-splitting dims ``dp`` x ``ep``)
