@@ -5,7 +5,8 @@ holds whole groups of routed tokens. The opt-in is in the program, so the serial
 routes the same way: ``Config(router_groups=g)`` routes each of ``g`` groups on its own, and
 with ``g`` a multiple of the micro-batches, each micro-batch routes its own groups. Without it,
 one micro-batch (gradient accumulation over the whole batch) is exact, and more are refused by
-name, naming the router's op and the opt-in. Losses every step and every parameter equal serial."""
+name, naming the router's op and the opt-in. Losses every step and every parameter after 3 steps
+equal serial."""
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_the_zoo_moe_under_ep_x_pp_equals_serial(router_groups, micro_batches):
     seed = moe.build(config, batch=4, seq=8, mesh=PP_EP)
     dist = autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=pipelined(micro_batches))
     assert dist.strategy.pipeline.micro_batches == micro_batches
-    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 2))
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
 
 
 def test_routing_over_the_whole_batch_is_refused_by_name_under_micro_batches():
@@ -39,3 +40,16 @@ def test_routing_over_the_whole_batch_is_refused_by_name_under_micro_batches():
     seed = moe.build(moe.Config(), batch=4, seq=8, mesh=PP_EP)
     with pytest.raises(AutoparError, match=r"micro-batching: pd_op\.\w+#\d+ \(in [\w/]*Router\).*router_groups"):
         autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=pipelined(2))
+
+
+def test_zero_1_under_pp_x_dp_x_ep_shards_the_experts_over_dp_in_their_stage():
+    """8 ranks, 2 stages of dp x ep, routing per micro-batch (8 groups, 2 micro-batches), ZeRO-1
+    with momentum: each stage's experts are sharded over its dp ranks; equal to serial."""
+    mesh = autopar.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["pp", "dp", "ep"])
+    config = moe.Config(router_groups=8)
+    seed = moe.build(config, batch=8, seq=8, mesh=mesh, optimizer="momentum")
+    strategy = autopar.Strategy(zero_stage=1, pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    experts = [z for z in dist.state.zero if z.label.startswith("mo_e")]  # (the stacked w_in, w_out of each layer)
+    assert len(experts) == 2 * config.n_layers and all(z.sharded is not None for z in experts)
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 8, 8, 3))

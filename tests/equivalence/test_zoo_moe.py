@@ -193,6 +193,8 @@ def test_zero_and_adamw_on_the_local_experts_equal_serial_within_the_floor(adamw
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(zero_stage=stage))
     experts = [z for z in dist.state.zero if "expert" in z.label]
     assert experts and all(z.sharded is not None and z.reason == f"stage {stage}" for z in experts)
+    whole = [z for z in dist.state.zero if z.reason.startswith("stage 3, stored whole")]
+    assert len(whole) == (config.n_layers if stage == 3 else 0)  # each layer's router weight, read by every copy
     start = paddle.get_rng_state()
     result = autopar.simulate(dist, feeds, [seed.loss])
     paddle.set_rng_state(start)
