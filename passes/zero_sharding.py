@@ -107,7 +107,8 @@ class ZeroSharding(Pass):
             if key is not None and dist is not None:
                 edits.states[key] = dataclasses.replace(prop.state(key), dist=dist)
         self._gradient(state, op, grad, sharded, edits)
-        on_sub_meshes = self.stage == 3 and _read_on_sub_meshes(edits, graph, param, op.index, whole.mesh)
+        # (a pipeline's stage sub-meshes are no local copies: a stage-3 shard is gathered for them)
+        on_sub_meshes = self.stage == 3 and not self.pipelined and _read_on_sub_meshes(edits, graph, param, op.index, whole.mesh)
         if self.stage == 3 and not on_sub_meshes:  # the parameter is stored as its shard; its other readers gather it
             self._move(state, param, sharded, op.index, edits)
             edits.regather.add(param)
