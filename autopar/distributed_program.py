@@ -113,12 +113,26 @@ class DistributedProgram:
     def values(self) -> ValueTable:
         """Serial values as the runtime sees them (names, placements, shapes)."""
         graph, prop = self.graph, self.propagation
+        orders = self._sequence_orders()
         infos = {
-            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), prop.made(key))
+            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), prop.made(key), orders.get(key))
             for key, v in graph.values.items()
             if key in prop.states
         }
         return ValueTable(graph.by_name, graph.key_of, infos, graph.removed, index_uses(graph))
+
+    def _sequence_orders(self) -> dict[ValueKey, Any]:
+        """``balance="zigzag"``: the values carrying the sequence in zig-zag order
+        (:mod:`autopar.rewrites.zigzag_values`), which fetches put back in serial order."""
+        context = self.strategy.context_parallel if self.strategy is not None else None
+        if context is None or context.balance != "zigzag":
+            return {}
+        from autopar.rewrites.context_parallel import sequence_length
+        from autopar.rewrites.zigzag import zigzag_order
+        from autopar.rewrites.zigzag_values import zigzag_values
+
+        order = zigzag_order(sequence_length(self.graph, context.dim), self.mesh.dim_size(context.dim))
+        return zigzag_values(self.graph, order)
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).

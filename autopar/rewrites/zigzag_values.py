@@ -1,0 +1,199 @@
+"""Which values carry the sequence in zig-zag order, and along which dims (stage: after
+compile, for the rank plans' value table: what a fetch un-permutes).
+
+:mod:`.zigzag` reorders the feeds, position aranges and causal masks in the program through
+``index_select`` with the zig-zag index; every value made from them carries the sequence in
+that order along some of its dims. Returning such a value as it is would hand the user
+logits whose tokens are permuted, so each value gets an :class:`~autopar.rank_plan.SequenceOrder`:
+the dims to put back in serial order, or why that is not known (then a fetch of it is
+refused by name). Found by walking the final graph in program order:
+
+* the reordering selects (the index an ``assign_value_`` of the zig-zag order): their input's
+  dims and their axis;
+* ``transpose`` moves dims by its perm, ``matmul`` maps batch dims by broadcasting and the
+  rows / columns of its operands (the contracted dim is summed over: reordered in both
+  operands alike, as attention's keys, the same sum), ``embedding`` keeps its ids' dims;
+* other ops: an input's dim maps to the output dim it aligns with — right-aligned (same size)
+  where the input broadcasts into the output, else the output dim of the same size and the
+  same number of elements before it (squeeze, a reduction over trailing dims); a reshape
+  merging it with its neighbours (logits flattened to ``[batch * seq, vocab]``) keeps it as a
+  block of the merged dim (:class:`SequenceOrder`'s ``(dim, extent, inner)``); a
+  ``slice`` keeping the first positions of a reordered dim keeps it reordered;
+* a dim that maps nowhere: dropped where the op reduces it (a ``sum``/``mean``/``max``/``min``
+  over it, a scalar result: the loss), else the order is unknown;
+* a gradient op's results are the gradients of its forward op's operands, in their order; a
+  recompute clone's results are its op's.
+
+Values no reordered value reaches are in serial order (parameters, their gradients: sums over
+the tokens, which a reordering leaves alone).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
+from autopar.rank_plan import SequenceOrder
+
+CONTRACTED = -1  # a matmul operand's dim summed over
+RESHAPES = ("reshape", "flatten", "squeeze", "unsqueeze")
+REDUCTIONS = ("sum", "mean", "max", "min", "logsumexp", "prod", "amax", "amin")
+
+
+Dim = tuple[int, int, int]  # (dim, extent, inner): SequenceOrder.dims
+
+
+def zigzag_values(graph: ProgramGraph, order: Sequence[int]) -> dict[ValueKey, SequenceOrder]:
+    """Each value carrying the sequence (``order``: the zig-zag positions) in zig-zag order ->
+    its :class:`SequenceOrder` (module docstring); values in serial order are absent."""
+    length = len(order)
+    found: dict[ValueKey, SequenceOrder] = {}
+    for op in graph.ops:
+        if not any(k is not None for k in op.outputs):
+            continue
+        if op.recomputes is not None:  # a recompute clone re-makes its op's results
+            for mine, theirs in zip(op.outputs, graph.ops[op.recomputes].outputs):
+                if mine is not None and theirs in found:
+                    found[mine] = found[theirs]
+            continue
+        inputs = [k for k in op.inputs if k is not None]
+        reordering = _reordering_axis(graph, op, order)
+        if reordering is None and not any(k in found for k in inputs):
+            continue
+        unknown = next((found[k] for k in inputs if k in found and found[k].unknown), None)
+        for position, key in enumerate(op.outputs):
+            if key is None:
+                continue
+            if unknown is not None:
+                found[key] = unknown
+                continue
+            dims = _dims(graph, op, position, key, found, reordering, length)
+            if isinstance(dims, str):
+                found[key] = SequenceOrder(tuple(order), (), f"{dims} (made by {op})")
+            elif dims:
+                found[key] = SequenceOrder(tuple(order), tuple(sorted(dims)))
+    return found
+
+
+def _reordering_axis(graph: ProgramGraph, op: OpNode, order: Sequence[int]) -> int | None:
+    """The axis a reordering ``index_select`` of :mod:`.zigzag` reorders (None: not one)."""
+    if op.short_name != "index_select" or len(op.inputs) < 2 or op.inputs[1] is None:
+        return None
+    index = graph.ops[op.inputs[1][0]]
+    values = index.attrs.get("values") if index.short_name == "assign_value_" else None
+    if values is None or [int(v) for v in list(values)[: len(order)]] != list(order):
+        return None
+    return int(op.attrs.get("axis", 0)) % len(graph.values[op.inputs[0]].shape)
+
+
+def _dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: Mapping[ValueKey, SequenceOrder], reordering: int | None, length: int) -> set[Dim] | str:  # fmt: skip
+    """The reordered dims of ``op``'s result ``key`` (at ``position``), or why they are not known."""
+    out = graph.values[key].shape
+    if reordering is not None:
+        source = op.inputs[0]
+        return set(found[source].dims if source in found else ()) | {(reordering, out[reordering], 1)}
+    if op.role is not Role.FORWARD and op.name.endswith("_grad"):
+        return _gradient_dims(graph, op, position, key, found)
+    dims: set[Dim] = set()
+    for index, source in enumerate(op.inputs):
+        if source is None or source not in found:
+            continue
+        shape = graph.values[source].shape
+        for dim in found[source].dims:
+            mapped = _mapped(graph, op, index, shape, dim, out)
+            if mapped == CONTRACTED:
+                continue
+            if mapped is None:
+                if _reduces(graph, op, shape, dim[0], out):
+                    continue
+                return f"dim {dim[0]} of {graph.values[source].label} {list(shape)}, in zig-zag order, has no place in {list(out)}"
+            if mapped[1] < length:
+                return f"dim {mapped[0]} of {list(out)} keeps {mapped[1]} of the {length} reordered positions"
+            dims.add(mapped)
+    return dims
+
+
+def _gradient_dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: Mapping[ValueKey, SequenceOrder]) -> set[Dim] | str:  # fmt: skip
+    """A grad op's result ``position``: the gradient of its forward op's operand there."""
+    forward = graph.ops[op.forward_op] if op.forward_op is not None else None
+    operand = forward.inputs[position] if forward is not None and position < len(forward.inputs) else None
+    if operand is None or graph.values[operand].shape != graph.values[key].shape:
+        return "a gradient whose forward operand is not known"
+    return set(found[operand].dims) if operand in found else set()
+
+
+def _mapped(graph: ProgramGraph, op: OpNode, index: int, shape: tuple[int, ...], dim: Dim, out: tuple[int, ...]) -> Dim | None:
+    """What input ``index``'s reordered ``dim`` becomes in the output (None: nothing known)."""
+    d, extent, inner = dim
+    name = op.short_name
+    if name == "transpose":
+        perm = [p % len(shape) for p in op.attrs.get("perm", ())]
+        return (perm.index(d), extent, inner) if d in perm else None
+    if name == "matmul":
+        return _matmul_dim(op, index, shape, dim, out)
+    if name == "embedding":
+        return dim if index == 0 else None
+    if len(shape) == len(out) and name not in RESHAPES:
+        if out[d] == shape[d]:
+            return dim
+        if inner == 1 and shape[d] == extent and _keeps_first(graph, op, d):
+            return (d, out[d], 1)
+        return None
+    if len(shape) < len(out) and name not in RESHAPES:  # broadcast into the output, right-aligned
+        offset = len(out) - len(shape)
+        if all(s in (1, out[i + offset]) for i, s in enumerate(shape)):
+            return (d + offset, extent, inner)
+    before = math.prod(shape[:d])  # a reduction over trailing dims, squeeze, unsqueeze
+    for e, size in enumerate(out):
+        if size == shape[d] and math.prod(out[:e]) == before:
+            return (e, extent, inner)
+    if name in RESHAPES:  # the dim merged with its neighbours (or split off): where its block of elements lands
+        stride = inner * math.prod(shape[d + 1 :])
+        for e, size in enumerate(out):
+            tail = math.prod(out[e + 1 :])
+            if stride % tail == 0 and (tail * size) % (stride * extent) == 0:
+                return (e, extent, stride // tail)
+    return None
+
+
+def _matmul_dim(op: OpNode, index: int, shape: tuple[int, ...], dim: Dim, out: tuple[int, ...]) -> Dim | int | None:
+    """A matmul operand's dim in the output: batch dims right-aligned, x's rows, y's columns."""
+    d, extent, inner = dim
+    rank = len(shape)
+    if rank < 2 or len(out) < 2:
+        return None
+    transposed = bool(op.attrs.get("transpose_x" if index == 0 else "transpose_y"))
+    kept = (rank - 1 if transposed else rank - 2) if index == 0 else (rank - 2 if transposed else rank - 1)
+    if d == kept:
+        return (len(out) - 2 if index == 0 else len(out) - 1, extent, inner)
+    if d >= rank - 2:
+        return CONTRACTED  # summed over (both operands reordered alike: the same sum)
+    return (d + len(out) - rank, extent, inner)
+
+
+def _keeps_first(graph: ProgramGraph, op: OpNode, d: int) -> bool:
+    """A ``slice`` of dim ``d`` from position 0 (GPT-2 cuts its mask buffer to the sequence)."""
+    if op.short_name != "slice" or len(op.inputs) < 2 or op.inputs[1] is None:
+        return False
+    axes = [int(a) for a in op.attrs.get("axes", ())]
+    starts = graph.values[op.inputs[1]].const
+    if d not in axes or starts is None:
+        return False
+    starts = list(starts) if isinstance(starts, (list, tuple)) else [starts]
+    return len(starts) == len(axes) and int(starts[axes.index(d)]) == 0
+
+
+def _reduces(graph: ProgramGraph, op: OpNode, shape: tuple[int, ...], d: int, out: tuple[int, ...]) -> bool:
+    """Whether ``op`` sums / averages its input's dim ``d`` away (a scalar result: the loss)."""
+    if math.prod(out) == 1:
+        return True
+    if op.short_name not in REDUCTIONS:
+        return False
+    axis = op.attrs.get("axis")
+    if axis is None and len(op.inputs) > 1 and op.inputs[1] is not None:
+        axis = graph.values[op.inputs[1]].const
+    if axis is None or axis == [] or axis == ():
+        return True
+    axes = [int(a) % len(shape) for a in (axis if isinstance(axis, (list, tuple)) else [axis])]
+    return d in axes
