@@ -21,7 +21,9 @@ refused by name). Found by walking the final graph in program order:
   ``slice`` keeping the first positions of a reordered dim keeps it reordered;
 * a dim that maps nowhere: dropped where the op reduces it (a ``sum``/``mean``/``max``/``min``
   over it, a scalar result: the loss), else the order is unknown;
-* a gradient op's results are the gradients of its forward op's operands, in their order; a
+* a gradient op's results are the gradients of its forward op's operands, in their order
+  (or the one operand of the result's shape: ``embedding_grad`` makes the weight's only)
+  (``transpose_grad``, linked to no forward op, moves its input's dims back by its perm); a
   recompute clone's results are its op's.
 
 Values no reordered value reaches are in serial order (parameters, their gradients: sums over
@@ -116,9 +118,16 @@ def _dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: 
 
 def _gradient_dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: Mapping[ValueKey, SequenceOrder]) -> set[Dim] | str:  # fmt: skip
     """A grad op's result ``position``: the gradient of its forward op's operand there."""
+    if op.short_name == "transpose_grad" and op.inputs and op.inputs[0] in found:  # (read alone: no forward op linked)
+        perm = [p % len(graph.values[key].shape) for p in op.attrs.get("perm", ())]
+        return {(perm[d], extent, inner) for d, extent, inner in found[op.inputs[0]].dims}
     forward = graph.ops[op.forward_op] if op.forward_op is not None else None
+    shape = graph.values[key].shape
     operand = forward.inputs[position] if forward is not None and position < len(forward.inputs) else None
-    if operand is None or graph.values[operand].shape != graph.values[key].shape:
+    if forward is not None and (operand is None or graph.values[operand].shape != shape):  # (embedding_grad: the weight's only)
+        alike = {k for k in forward.inputs if k is not None and graph.values[k].shape == shape}
+        operand = alike.pop() if len(alike) == 1 else None
+    if operand is None:
         return "a gradient whose forward operand is not known"
     return set(found[operand].dims) if operand in found else set()
 

@@ -1,0 +1,65 @@
+"""``ContextParallel(balance="zigzag")``: a fetched per-token value comes back in the serial
+order. The program carries the sequence in zig-zag order (rank i: chunks i and 2cp-1-i); the
+fetch puts it back from the rank plan's ``ValueInfo.order`` (autopar/rewrites/zigzag_values.py),
+or refuses by name a value whose order is not known."""
+
+import numpy as np
+import paddle
+import pytest
+
+import autopar
+from autopar.rank_plan import SequenceOrder
+from autopar.rewrites.zigzag import zigzag_order
+from autopar.runtime.simulator import simulate
+from autopar.testing.serial import random_feeds, run_serial
+from autopar.testing.zoo import gpt2, llama
+
+BATCH, SEQ = 4, 8
+CASES = {  # name -> (model module, cp, method)
+    "sep2, llama, all_gather": (llama, 2, "all_gather"),
+    "sep4, llama, all_to_all": (llama, 4, "all_to_all"),
+    "sep2, gpt2, ring": (gpt2, 2, "ring"),
+    "sep4, llama, ring": (llama, 4, "ring"),
+}
+
+
+def logits_of(main):
+    """The logits ``[batch, seq, vocab]`` and their flattening ``[batch * seq, vocab]`` the loss reads."""
+    for op in main.global_block().ops:
+        if op.name() == "pd_op.cross_entropy_with_softmax":
+            flat = op.operand_source(0)
+            return flat.get_defining_op().operand_source(0), flat
+    raise AssertionError("no cross_entropy_with_softmax")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fetched_logits_under_zigzag_equal_serials(name):
+    module, cp, method = CASES[name]
+    mesh = autopar.ProcessMesh(list(range(cp)), ["sep"])
+    seed = module.build(module.Config(), batch=BATCH, seq=SEQ, mesh=mesh)
+    logits, flat = logits_of(seed.main)
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method, "zigzag"))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    order = dist.values.info(dist.key(logits)).order
+    assert order is not None and order.dims == ((1, SEQ, 1),) and order.order == zigzag_order(SEQ, cp)  # held permuted
+    assert dist.values.info(dist.key(flat)).order.dims == ((0, SEQ, 1),)  # a block of [batch * seq]
+    feeds = gpt2.feeds(module.Config(), BATCH, SEQ, 2) if module is gpt2 else random_feeds(seed.feeds, 2, classes=64)
+    start = paddle.get_rng_state()
+    got = simulate(dist, feeds, [seed.loss, logits, flat])
+    paddle.set_rng_state(start)
+    want = run_serial(seed.main, seed.startup, feeds, [seed.loss, logits, flat])
+    for step, (g, w) in enumerate(zip(got.fetches, want.fetches)):
+        for what, a, b in zip(("loss", "logits", "flat logits"), g, w):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{what}, step {step}")
+
+
+def test_a_sequence_order_puts_blocks_back_and_refuses_an_unknown_one_by_name():
+    order = zigzag_order(4, 2)  # (0, 3, 1, 2)
+    serial = np.arange(2 * 4 * 3).reshape(2 * 4, 3)  # [batch * seq, hidden]: the sequence a block of dim 0
+    held = serial.reshape(2, 4, 3)[:, list(order)].reshape(8, 3)
+    np.testing.assert_array_equal(SequenceOrder(order, ((0, 4, 1),)).serial(held, "x"), serial)
+    mask = np.arange(36).reshape(6, 6)  # a mask buffer longer than the sequence: the tail in place
+    index = [*order, 4, 5]
+    np.testing.assert_array_equal(SequenceOrder(order, ((0, 6, 1), (1, 6, 1))).serial(mask[index][:, index], "m"), mask)
+    with pytest.raises(autopar.AutoparError, match=r"%7\.0 carries the sequence in the zig-zag order.*dim 1 of"):
+        SequenceOrder(order, (), "dim 1 of %3.0 [4, 8], in zig-zag order, has no place").serial(held, "%7.0")
