@@ -63,3 +63,56 @@ def test_a_sequence_order_puts_blocks_back_and_refuses_an_unknown_one_by_name():
     np.testing.assert_array_equal(SequenceOrder(order, ((0, 6, 1), (1, 6, 1))).serial(mask[index][:, index], "m"), mask)
     with pytest.raises(autopar.AutoparError, match=r"%7\.0 carries the sequence in the zig-zag order.*dim 1 of"):
         SequenceOrder(order, (), "dim 1 of %3.0 [4, 8], in zig-zag order, has no place").serial(held, "%7.0")
+
+
+@pytest.fixture(scope="module")
+def llama_zigzag():
+    """The Llama zoo model, all_gather plan on sep2, zig-zag; one step of random feeds."""
+    mesh = autopar.ProcessMesh([0, 1], ["sep"])
+    seed = llama.build(llama.Config(), batch=BATCH, seq=SEQ, mesh=mesh)
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", "all_gather", "zigzag"))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    return seed, dist, random_feeds(seed.feeds, 1, classes=64)
+
+
+def test_check_is_clean_under_zigzag_comparing_in_serial_order(llama_zigzag):
+    from autopar.inspect.check import _in_serial_order, _keys
+
+    seed, dist, feeds = llama_zigzag
+    report = autopar.check(dist, feeds)
+    assert report.clean, str(report)
+    keys = _keys(dist)
+    in_order = _in_serial_order(dist, keys)
+    permuted = [k for k in in_order if dist.values.info(k).order is not None]
+    assert len(in_order) > 0.9 * len(keys) and len(permuted) > 100  # compared with your program's, put back
+
+
+def test_check_names_a_planted_difference_under_zigzag(llama_zigzag):
+    from autopar.testing import faults
+
+    seed, dist, feeds = llama_zigzag
+    report = autopar.check(faults.FaultyProgram(dist, faults.wrong_piece(lambda c: c.kind.value == "all_gather")), feeds)
+    assert not report.clean
+    assert report.first.op.startswith("pd_op.matmul#") and any(line.startswith("all_gather") for line in report.first.collectives), str(report)
+
+
+def test_check_names_a_reordering_that_does_not_follow_the_sequence(monkeypatch):
+    """A zig-zag rewrite that forgot the rotary positions (the arange) runs a program that is
+    not yours: the distributed run equals that program, and check, comparing with your
+    program in serial order, names where it departs (the rotary angles)."""
+    import importlib
+
+    module = importlib.import_module("autopar.rewrites.zigzag")
+
+    targets = module._targets
+    monkeypatch.setattr(module, "_targets", lambda graph, length, feeds: {
+        k: d for k, d in targets(graph, length, feeds).items() if graph.ops[k[0]].short_name != "arange"
+    })  # fmt: skip
+    monkeypatch.setattr(module, "_refuse_unfollowed", lambda *args: None)
+    mesh = autopar.ProcessMesh([0, 1], ["sep"])
+    seed = llama.build(llama.Config(), batch=BATCH, seq=SEQ, mesh=mesh)
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", "all_gather", "zigzag"))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    report = autopar.check(dist, random_feeds(seed.feeds, 1, classes=64))
+    assert not report.clean
+    assert report.first.op.startswith("pd_op.multiply#") and report.first.layer.endswith("Attention"), str(report)  # q * cos
