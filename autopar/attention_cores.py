@@ -30,15 +30,11 @@ from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.propagation_result import PropagationResult
 from autopar.spmd import ops_where
 
-# ops that may sit between the scores and the softmax (anything else: no core is found there)
-MIDDLE_OPS = frozenset(
-    f"pd_op.{name}"
-    for name in ("scale", "add", "subtract", "multiply", "divide", "where", "cast", "full_like", "tril", "triu")
-)
+MIDDLE_OPS = ops_where("attention_middle")  # may sit between the scores and the softmax (autopar/spmd/attention.py)
 # ops walked through from the softmax back to the scores (a sequence-local op that is no middle op,
 # soft-capping's tanh, is found and then refused by affine_middle, not mistaken for a mask)
 WALKED = MIDDLE_OPS | ops_where("sequence_local")
-TRIANGLES = frozenset({"pd_op.tril", "pd_op.triu"})  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
+TRIANGLES = ops_where("triangle")  # a mask cut from a tensor shaped like the scores (Paddle's SDPA)
 SHAPE_ONLY = {"pd_op.full_like": frozenset({0})}  # operands read for their shape only (Paddle marks none)
 
 
@@ -321,3 +317,28 @@ def ring_gradient_placements(graph: ProgramGraph, first: PropagationResult, name
             mapping = tuple((dim,) if t == seq else dims for t, dims in enumerate(dist.mapping))
             made[key] = DistAttr.of(dist.mesh, mapping, tuple((d, kind) for d, kind in dist.partial if d != dim))
     return made
+
+
+def repeated_from(graph: ProgramGraph, key: ValueKey) -> tuple[ValueKey, int] | None:
+    """``(kv, rep)`` when ``key`` (a core's K or V, ``[B, H, S, D]``) is grouped-query attention's
+    ``repeat_kv`` of ``kv`` (``[B, S, Hkv, D]``: unsqueeze after the heads, expand ``rep`` times,
+    reshape to ``Hkv * rep`` heads, transpose heads before the sequence), else None: a ring can
+    move ``kv`` and repeat each block where it arrives (``rep`` times fewer bytes)."""
+    chain = []
+    current = key
+    for name in ("pd_op.transpose", "pd_op.reshape", "pd_op.expand", "pd_op.unsqueeze"):
+        op = graph.ops[current[0]]
+        if op.name != name or op.inputs[0] is None:
+            return None
+        chain.append(op)
+        current = op.inputs[0]
+    kv, out = graph.values[current].shape, graph.values[key].shape
+    if len(kv) != 4 or len(out) != 4:
+        return None
+    batch, seq, heads, dim = kv
+    rep = out[1] // heads if heads else 0
+    shapes = [graph.values[op.outputs[0]].shape for op in chain]  # transpose, reshape, expand, unsqueeze
+    expected = [(batch, heads * rep, seq, dim), (batch, seq, heads * rep, dim), (batch, seq, heads, rep, dim), (batch, seq, heads, 1, dim)]
+    if rep < 2 or [tuple(s) for s in shapes] != expected or list(chain[0].attrs.get("perm", ())) != [0, 2, 1, 3]:
+        return None
+    return current, rep

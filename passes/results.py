@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from autopar.attention_cores import AffineMiddle, AttentionCore
 from autopar.collective import CollectiveKind
+from autopar.cost_model.planner import ReshardStep
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import ValueKey
@@ -121,3 +123,41 @@ class SiteBuckets:
     """SiteFusion's result: the all_gathers one op reads, fused (passes/site_fusion.py)."""
 
     buckets: tuple[SiteBucket, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockValue:
+    """What a permute moves, as emit_step reads a serial value: a label, the global shape, the dtype."""
+
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RingCore:
+    """One core's ring, planned once: the core, its middle, the group size, the key length and
+    the ring shifts (``[k|v]`` forward, ``[k|v|dk|dv]`` and ``[dk|dv]`` backward, ``[k|v]`` of a
+    recomputation) with the values they move."""
+
+    core: AttentionCore
+    middle: AffineMiddle
+    mesh_dim: int
+    parts: int
+    keys: int  # the global sequence length of K and V
+    shifts: tuple[ReshardStep, ReshardStep, ReshardStep, ReshardStep]  # [k|v], [k|v|dk|dv], [dk|dv], recomputed [k|v]
+    values: tuple[BlockValue, BlockValue, BlockValue, BlockValue]  # what each of them moves
+    reason: str
+    first_grad: int | None  # the matmul_grad ops of the core's backward (None: no backward)
+    second_grad: int | None
+    split_grads: frozenset[ValueKey] = frozenset()  # dK / dV reduce_scattered by sequence right after their grad op
+    recomputed: tuple[int, int] | None = None  # recompute: the backward's clones of the two matmuls
+    # grouped-query attention: the forward ring moves K, V before repeat_kv (and the repeat count)
+    unrepeated: tuple[ValueKey, ValueKey, int] | None = None
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """RingAttention's result (passes/ring_attention.py): each attention core's ring, program order."""
+
+    cores: tuple[RingCore, ...]

@@ -6,6 +6,7 @@ stages know of them (``declare``: traits asked as ``ops_where(trait)``; ops with
 """
 
 from autopar.spmd import (  # noqa: F401  (registration)
+    attention,
     batch_norm,
     builtin,
     concat_split,

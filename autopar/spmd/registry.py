@@ -106,6 +106,8 @@ TRAIT_MEANINGS: dict[str, str] = {
     "cpu_twinned": "its bfloat16 / float16 kernel cannot run (or is wrong) on Paddle's CPU build: the numerics twin runs its fp32 kernel on rounded inputs, given these attributes in order, or (\"on_master\") the update on the fp32 master (autopar.testing.amp)",
     "splits_pieces": "takes a tensor apart into equal pieces along one dim (split, concat_grad): pieces placed on the sub-meshes of a mesh dim's shards make it a view, no collective (autopar/sub_meshes.py)",
     "joins_pieces": "puts pieces together, \"concat\" along its axis or \"sum\": pieces from the sub-meshes of a mesh dim's shards make it a view (autopar/sub_meshes.py)",
+    "attention_middle": "may stand between an attention core's scores and its softmax: a scale, a mask (autopar.attention_cores)",
+    "triangle": "keeps a matrix's triangle by a diagonal counted from its corner: a block of it shifts the diagonal (ring attention)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }
 TRAITS: dict[str, dict[str, object]] = {}  # op name without "pd_op." (other dialects kept: "builtin.split") -> trait -> value

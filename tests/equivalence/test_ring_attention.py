@@ -45,6 +45,8 @@ def test_ring_attention_equals_serial(model, mesh):
     forward = [c for c in comms if c.kind == "permute" and c.value.endswith(".kv")]
     backward = [c for c in comms if c.kind == "permute" and not c.value.endswith(".kv")]
     assert (len(forward), len(backward)) == ((cp - 1) * LAYERS, cp * LAYERS)
+    if model == "llama":  # grouped-query attention: K, V move before repeat_kv ([B, S, 2 kv heads, 2 x 8]), half the bytes
+        assert {c.shape for c in forward} == {(4, 8, 2, 16)}
     assert not [c for c in comms if c.kind == "all_gather" and ("for matmul" in c.reason or "reshape_grad" in c.reason)]
     assert not [c for c in comms if c.kind == "reduce_scatter"]  # dK / dV: the ring's blocks, not reduced sums
     assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
@@ -160,3 +162,19 @@ def test_a_middle_not_affine_in_the_scores_is_refused_by_name():
         autopar.shard_tensor(x, mesh, [autopar.Shard(1)])
     with pytest.raises(autopar.AutoparError, match=r"ring attention: pd_op.tanh#\d+ in attention\(matmul#\d+ .*\) is a tanh of the scores"):
         autopar.compile(main, mesh, startup_program=startup, strategy=RING)
+
+
+@pytest.mark.parametrize(
+    "model, mesh, extra",
+    [
+        ("gpt2", M([[0, 1], [2, 3]], ["dp", "sep"]), {"zero_stage": 3}),
+        ("llama", M([[0, 1], [2, 3]], ["pp", "sep"]), {"recompute": True, "pipeline": autopar.PipelineConfig(micro_batches=2, stages=2)}),
+    ],
+    ids=["zero-3 on dp2 x sep2", "recompute in pp2 x sep2"],
+)
+def test_ring_attention_composes(model, mesh, extra):
+    seed, feeds = _build(model, mesh)
+    strategy = autopar.Strategy(context_parallel=RING.context_parallel, **extra)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    assert "permute" in [c.kind for c in dist.comm_ops(0)]
+    assert_simulation_equals_serial(seed, dist, classes=64, feeds=feeds)
