@@ -123,16 +123,10 @@ class DistributedProgram:
 
     def _sequence_orders(self) -> dict[ValueKey, Any]:
         """``balance="zigzag"``: the values carrying the sequence in zig-zag order
-        (:mod:`autopar.rewrites.zigzag_values`), which fetches put back in serial order."""
-        context = self.strategy.context_parallel if self.strategy is not None else None
-        if context is None or context.balance != "zigzag":
-            return {}
-        from autopar.rewrites.context_parallel import sequence_length
-        from autopar.rewrites.zigzag import zigzag_order
-        from autopar.rewrites.zigzag_values import zigzag_values
+        (:mod:`autopar.zigzag_values`), which fetches put back in serial order."""
+        from autopar.zigzag_values import sequence_orders
 
-        order = zigzag_order(sequence_length(self.graph, context.dim), self.mesh.dim_size(context.dim))
-        return zigzag_values(self.graph, order)
+        return sequence_orders(self.graph, self.mesh, self.strategy.context_parallel if self.strategy is not None else None)
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).

@@ -179,13 +179,14 @@ def _refuse_other_sequence_dims(graph: ProgramGraph, length: int, dim: str) -> N
 
 
 def _refuse_random(graph: ProgramGraph, dim: str) -> None:
-    """A random draw (dropout's mask) over the reordered sequence draws in the zig-zag order:
-    not the serial numbers (drawing serial's and reordering them is not built)."""
+    """A random draw other than dropout's mask over the reordered sequence draws in the zig-zag
+    order: not the serial numbers. (A training dropout is lowered to the serial mask reordered
+    like its input: passes/dropout_slicing.py, passes/ring_blocks.py.)"""
     for op in graph.ops:
-        if op.role is Role.FORWARD and op.short_name in RANDOM:
+        if op.role is Role.FORWARD and op.short_name in RANDOM and op.short_name != "dropout":
             raise AutoparError(
                 f"ContextParallel(balance='zigzag') over {dim!r}: {op} draws random numbers, which over the reordered "
-                "sequence would not be the serial run's (drawing the serial ones and reordering them is not built); "
+                "sequence would not be the serial run's (only dropout's mask is drawn serially and reordered); "
                 "use balance=None"
             )
 

@@ -33,9 +33,12 @@ the tokens, which a reordering leaves alone).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
+from autopar.mesh import ProcessMesh
 from autopar.rank_plan import SequenceOrder
 
 CONTRACTED = -1  # a matmul operand's dim summed over
@@ -44,6 +47,22 @@ REDUCTIONS = ("sum", "mean", "max", "min", "logsumexp", "prod", "amax", "amin")
 
 
 Dim = tuple[int, int, int]  # (dim, extent, inner): SequenceOrder.dims
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {order: zigzag_values}
+
+
+def sequence_orders(graph: ProgramGraph, mesh: ProcessMesh, context: Any) -> dict[ValueKey, SequenceOrder]:
+    """:func:`zigzag_values` of ``graph`` under ``context`` (a ``ContextParallel``; nothing
+    unless its balance is zig-zag), computed once per graph."""
+    if context is None or context.balance != "zigzag":
+        return {}
+    from autopar.rewrites.context_parallel import sequence_length
+    from autopar.rewrites.zigzag import zigzag_order
+
+    order = zigzag_order(sequence_length(graph, context.dim), mesh.dim_size(context.dim))
+    cached = _FOUND.setdefault(graph, {})
+    if order not in cached:
+        cached[order] = zigzag_values(graph, order)
+    return cached[order]
 
 
 def zigzag_values(graph: ProgramGraph, order: Sequence[int]) -> dict[ValueKey, SequenceOrder]:
