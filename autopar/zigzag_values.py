@@ -202,7 +202,7 @@ def _matmul_dim(op: OpNode, index: int, shape: tuple[int, ...], dim: Dim, out: t
 
 def _keeps_first(graph: ProgramGraph, op: OpNode, d: int) -> bool:
     """A ``slice`` of dim ``d`` from position 0 (GPT-2 cuts its mask buffer to the sequence)."""
-    if op.short_name != "slice" or len(op.inputs) < 2 or op.inputs[1] is None:
+    if op.name != "pd_op.slice" or len(op.inputs) < 2 or op.inputs[1] is None:
         return False
     axes = [int(a) for a in op.attrs.get("axes", ())]
     starts = graph.values[op.inputs[1]].const

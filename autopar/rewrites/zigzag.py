@@ -19,9 +19,12 @@ Position-wise ops, attention with its mask and positions reordered alike, and a 
 averaged over the tokens are unchanged by a reordering, so the step — loss and gradients —
 is the serial one. A value built in the graph from constants alone with a dim of the
 sequence length that is neither of those (nor made from one) cannot be made to follow: it is
-refused by name, and so is a random draw (dropout: its mask would be drawn in the zig-zag
-order, not serial's). What is not done: a fetched per-token value (logits) comes back in the
-zig-zag order.
+refused by name, and so is a random draw other than dropout (it would draw in the zig-zag
+order, not serial's). A training dropout draws the serial mask and reorders it like its input
+(passes/dropout_slicing.py, the ring's blocks: passes/ring_blocks.py). Which values carry the
+sequence in zig-zag order, and along which dims, is found on the compiled graph
+(:mod:`autopar.zigzag_values`): the rank plans carry it, fetches are put back in serial order
+and ``autopar.check`` compares in serial order.
 """
 
 from __future__ import annotations
