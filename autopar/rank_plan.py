@@ -54,6 +54,11 @@ class ValueInfo:
         """``array`` (this value as the program holds it, global) in the serial program's order."""
         return array if self.order is None else self.order.serial(array, self.label)
 
+    def check_fetchable(self) -> None:
+        """Refuse by name, before a step runs, a fetch that could not be returned in serial order."""
+        if self.order is not None:
+            self.order.refuse_unknown(self.label)
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceOrder:
@@ -68,13 +73,17 @@ class SequenceOrder:
     dims: tuple[tuple[int, int, int], ...] = ()
     unknown: str = ""
 
-    def serial(self, array: np.ndarray, label: str) -> np.ndarray:
-        """``array`` put back in serial order (refused by name where the order is not known)."""
+    def refuse_unknown(self, label: str) -> None:
+        """Refuse by name a value whose order is not known."""
         if self.unknown:
             raise AutoparError(
                 f"{label} carries the sequence in the zig-zag order of ContextParallel(balance='zigzag') and where is not "
                 f"known: {self.unknown}; it cannot be returned in serial order (fetch it with balance=None)"
             )
+
+    def serial(self, array: np.ndarray, label: str) -> np.ndarray:
+        """``array`` put back in serial order (refused by name where the order is not known)."""
+        self.refuse_unknown(label)
         array = np.asarray(array)
         for dim, extent, inner in self.dims:
             shape = array.shape

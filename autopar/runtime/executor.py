@@ -134,6 +134,8 @@ class Executor:
             keys = last_keys  # the same fetch list as last step: no lookups (each leaves bytes behind in Paddle)
         else:
             keys = tuple(self.plan.values.key(item) for item in fetch_list)
+            for key in keys:  # (before the step: a value that could only come back permuted is refused)
+                self.plan.values.info(key).check_fetchable()
             self._last_fetch = (list(fetch_list), keys)
         runner = self._runners.get(keys)
         if runner is None:

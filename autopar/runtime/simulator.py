@@ -67,6 +67,8 @@ def simulate_plans(
     quiet_paddle_logs()
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
+    for key in keys:  # (before any step: a value that could only come back permuted is refused)
+        values.info(key).check_fetchable()
     pipelined = {rank: plan.pipeline.steps for rank, plan in plans.items() if plan.pipeline is not None}
     if pipelined:  # every rank's executable schedule checked together before any runs, links in order
         verify_links(pipelined, fifo=True)

@@ -53,6 +53,23 @@ def test_fetched_logits_under_zigzag_equal_serials(name):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{what}, step {step}")
 
 
+def test_a_fetch_whose_order_is_not_known_is_refused_by_name_before_the_step(llama_zigzag):
+    """A value the walk cannot follow (here: the order of the flattened logits forgotten, as an
+    op it does not know would leave it) is refused at fetch, before any step runs."""
+    import dataclasses
+
+    seed, dist, feeds = llama_zigzag
+    _, flat = logits_of(seed.main)
+    key = dist.key(flat)
+    info = dist.values.info(key)
+    dist.values._infos[key] = dataclasses.replace(info, order=SequenceOrder(info.order.order, (), "an op it does not know"))
+    try:
+        with pytest.raises(autopar.AutoparError, match=rf"{info.label} carries the sequence in the zig-zag order .* an op it does not know"):
+            simulate(dist, feeds, [seed.loss, flat])
+    finally:
+        dist.values._infos[key] = info
+
+
 def test_a_sequence_order_puts_blocks_back_and_refuses_an_unknown_one_by_name():
     order = zigzag_order(4, 2)  # (0, 3, 1, 2)
     serial = np.arange(2 * 4 * 3).reshape(2 * 4, 3)  # [batch * seq, hidden]: the sequence a block of dim 0
