@@ -250,6 +250,12 @@ def _in_serial_order(dist: Any, keys: list[ValueKey]) -> dict[ValueKey, Any]:
             key = graph.key_of(result) if result.initialized() else None
             if key in wanted and key not in found and (infos[key].order is None or not infos[key].order.unknown):
                 found[key] = result
+    for key in wanted - set(found):  # a recompute clone: its forward twin's Value (the reordered run's dropout is not serial's)
+        forward = graph.ops[key[0]].recomputes
+        twins = graph.ops[forward].outputs if forward is not None else ()
+        twin = twins[key[1]] if key[1] < len(twins) else None
+        if twin in found and (infos[key].order is None or not infos[key].order.unknown):
+            found[key] = found[twin]
     return found
 
 
