@@ -149,6 +149,8 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
         use_generator_state(start)
         yours = _serial_values(dist, in_order, feeds, dist.serial_program)
         serial = [{**want, **mine} for want, mine in zip(serial, yours)]
+        drawn = _after_dropout(dist.graph)  # (the reordered run draws its masks in zig-zag order: no reference there)
+        keys = [k for k in keys if k in in_order or k not in drawn]
     return _compare(dist, keys, serial, distributed, frozenset(in_order))
 
 
@@ -239,7 +241,8 @@ def _in_serial_order(dist: Any, keys: list[ValueKey]) -> dict[ValueKey, Any]:
     the sequence in zig-zag order along known dims) -> your program's Value. They are compared
     with your program's run, in serial order, so a difference the reordering itself makes is
     found too; the others (the zig-zag copies, a value whose order is not known) with the
-    reordered serial program's, both in zig-zag order. Empty without zig-zag."""
+    reordered serial program's, both in zig-zag order — except where a dropout's mask reaches
+    them (that run draws it in zig-zag order): those are not compared. Empty without zig-zag."""
     infos = {key: dist.values.info(key) for key in keys}
     if not any(info.order is not None for info in infos.values()):
         return {}
@@ -257,6 +260,15 @@ def _in_serial_order(dist: Any, keys: list[ValueKey]) -> dict[ValueKey, Any]:
         if twin in found and (infos[key].order is None or not infos[key].order.unknown):
             found[key] = found[twin]
     return found
+
+
+def _after_dropout(graph: Any) -> set[ValueKey]:
+    """The values a training dropout's mask reaches (its results and everything made from them)."""
+    reached: set[ValueKey] = set()
+    for op in graph.ops:
+        if (op.short_name == "dropout" and not op.attrs.get("is_test", False)) or any(k in reached for k in op.inputs if k is not None):
+            reached.update(k for k in op.outputs if k is not None)
+    return reached
 
 
 def _serial_values(dist: Any, keys: Sequence[ValueKey], feeds: list[Mapping[str, Any]], program: Any = None) -> list[dict[ValueKey, np.ndarray]]:
