@@ -10,15 +10,17 @@ refused by name). Found by walking the final graph in program order:
 
 * the reordering selects (the index an ``assign_value_`` of the zig-zag order): their input's
   dims and their axis;
-* ``transpose`` moves dims by its perm, ``matmul`` maps batch dims by broadcasting and the
-  rows / columns of its operands (the contracted dim is summed over: reordered in both
-  operands alike, as attention's keys, the same sum), ``embedding`` keeps its ids' dims;
-* other ops: an input's dim maps to the output dim it aligns with — right-aligned (same size)
-  where the input broadcasts into the output, else the output dim of the same size and the
-  same number of elements before it (squeeze, a reduction over trailing dims); a reshape
-  merging it with its neighbours (logits flattened to ``[batch * seq, vocab]``) keeps it as a
-  block of the merged dim (:class:`SequenceOrder`'s ``(dim, extent, inner)``); a
-  ``slice`` keeping the first positions of a reordered dim keeps it reordered;
+* an op whose rule is an equation (``abcd->acbd``, ``abmk,abnk->abmn``: autopar/spmd/): the
+  dim's letter, wherever the result has it (a transpose moves it, a matmul keeps q's rows and
+  K's columns, an embedding its ids' dims); a letter the result lacks is summed over
+  (reordered in every operand alike, as attention's keys: the same sum); a dim the equation
+  keeps whole (``1``: an axis the op works along, a concat's, an index_select's) is followed
+  only through a ``slice`` keeping its first positions (GPT-2 cuts its mask buffer);
+* a reshape (``reshape``, ``flatten``, ``squeeze``, ``unsqueeze``): the output dim of the same
+  size with as many elements before it, or the dim the reordered block lands in whole when
+  merged with its neighbours (logits flattened to ``[batch * seq, vocab]``: the sequence a block
+  of the merged dim, :class:`SequenceOrder`'s ``(dim, extent, inner)``); ``expand`` and the few
+  rules without an equation that keep dims in place (``POSITIONAL``): right-aligned;
 * a dim that maps nowhere: dropped where the op reduces it (a ``sum``/``mean``/``max``/``min``
   over it, a scalar result: the loss), else the order is unknown;
 * a gradient op's results are the gradients of its forward op's operands, in their order
@@ -40,9 +42,12 @@ from typing import Any
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.rank_plan import SequenceOrder
+from autopar.spmd import get_rule
+from autopar.spmd.base import TensorSpec
 
-CONTRACTED = -1  # a matmul operand's dim summed over
+CONTRACTED = -1  # a dim its op sums over (its letter not in the result)
 RESHAPES = ("reshape", "flatten", "squeeze", "unsqueeze")
+POSITIONAL = ("expand", "cross_entropy_with_softmax", "full_like", "assign", "assign_out_")  # rules without an equation, dims kept in place
 REDUCTIONS = ("sum", "mean", "max", "min", "logsumexp", "prod", "amax", "amin")
 
 
@@ -122,7 +127,7 @@ def _dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: 
             continue
         shape = graph.values[source].shape
         for dim in found[source].dims:
-            mapped = _mapped(graph, op, index, shape, dim, out)
+            mapped = _mapped(graph, op, index, shape, dim, out, position)
             if mapped == CONTRACTED:
                 continue
             if mapped is None:
@@ -151,53 +156,61 @@ def _gradient_dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey
     return set(found[operand].dims) if operand in found else set()
 
 
-def _mapped(graph: ProgramGraph, op: OpNode, index: int, shape: tuple[int, ...], dim: Dim, out: tuple[int, ...]) -> Dim | None:
-    """What input ``index``'s reordered ``dim`` becomes in the output (None: nothing known)."""
+def _mapped(graph: ProgramGraph, op: OpNode, index: int, shape: tuple[int, ...], dim: Dim, out: tuple[int, ...], position: int) -> Dim | int | None:  # fmt: skip
+    """What input ``index``'s reordered ``dim`` becomes in result ``position`` (None: nothing known;
+    CONTRACTED: summed over)."""
     d, extent, inner = dim
-    name = op.short_name
-    if name == "transpose":
-        perm = [p % len(shape) for p in op.attrs.get("perm", ())]
-        return (perm.index(d), extent, inner) if d in perm else None
-    if name == "matmul":
-        return _matmul_dim(op, index, shape, dim, out)
-    if name == "embedding":
-        return dim if index == 0 else None
-    if len(shape) == len(out) and name not in RESHAPES:
-        if out[d] == shape[d]:
-            return dim
-        if inner == 1 and shape[d] == extent and _keeps_first(graph, op, d):
+    letters = _letters(graph, op, index, position)
+    if letters is not None:  # the op's rule equation: the dim's letter, where the result has it
+        ins, result = letters
+        letter = ins[d] if d < len(ins) else "1"
+        if letter != "1":
+            return (result.index(letter), extent, inner) if letter in result else CONTRACTED
+        if inner == 1 and shape[d] == extent and len(shape) == len(out) and _keeps_first(graph, op, d):
             return (d, out[d], 1)
-        return None
-    if len(shape) < len(out) and name not in RESHAPES:  # broadcast into the output, right-aligned
+        return None  # a dim the rule keeps whole (an axis the op works along): not followed
+    if op.short_name in RESHAPES:
+        return _reshaped(shape, dim, out)
+    if op.short_name in POSITIONAL and len(shape) <= len(out):  # broadcast into the result, right-aligned
         offset = len(out) - len(shape)
-        if all(s in (1, out[i + offset]) for i, s in enumerate(shape)):
+        if out[d + offset] == shape[d]:
             return (d + offset, extent, inner)
-    before = math.prod(shape[:d])  # a reduction over trailing dims, squeeze, unsqueeze
-    for e, size in enumerate(out):
-        if size == shape[d] and math.prod(out[:e]) == before:
-            return (e, extent, inner)
-    if name in RESHAPES:  # the dim merged with its neighbours (or split off): where its block of elements lands
-        stride = inner * math.prod(shape[d + 1 :])
-        for e, size in enumerate(out):
-            tail = math.prod(out[e + 1 :])
-            if stride % tail == 0 and (tail * size) % (stride * extent) == 0:
-                return (e, extent, stride // tail)
     return None
 
 
-def _matmul_dim(op: OpNode, index: int, shape: tuple[int, ...], dim: Dim, out: tuple[int, ...]) -> Dim | int | None:
-    """A matmul operand's dim in the output: batch dims right-aligned, x's rows, y's columns."""
-    d, extent, inner = dim
-    rank = len(shape)
-    if rank < 2 or len(out) < 2:
+def _letters(graph: ProgramGraph, op: OpNode, index: int, position: int) -> tuple[str, str] | None:
+    """Input ``index``'s and result ``position``'s letters in ``op``'s rule equation (None: its
+    rule has none, or does not describe them)."""
+    equation = getattr(get_rule(op.name), "equation", None)
+    if not callable(equation):
         return None
-    transposed = bool(op.attrs.get("transpose_x" if index == 0 else "transpose_y"))
-    kept = (rank - 1 if transposed else rank - 2) if index == 0 else (rank - 2 if transposed else rank - 1)
-    if d == kept:
-        return (len(out) - 2 if index == 0 else len(out) - 1, extent, inner)
-    if d >= rank - 2:
-        return CONTRACTED  # summed over (both operands reordered alike: the same sum)
-    return (d + len(out) - rank, extent, inner)
+    specs = [TensorSpec(graph.values[k].shape) if k is not None and graph.values[k].kind != "vector" else None for k in op.inputs]
+    try:
+        text = equation(specs, op.attrs)
+    except (AttributeError, TypeError, IndexError, KeyError, ValueError):
+        return None
+    ins, _, outs = text.partition("->")
+    present = [i for i in range(len(specs)) if specs[i] is not None]
+    operands, results = ins.split(","), outs.split(",")
+    if index not in present or present.index(index) >= len(operands) or position >= len(results):
+        return None
+    return operands[present.index(index)], results[position]
+
+
+def _reshaped(shape: tuple[int, ...], dim: Dim, out: tuple[int, ...]) -> Dim | None:
+    """A reshape's: the output dim of the same size with as many elements before it, else the
+    dim the reordered block of elements lands in whole (merged with its neighbours)."""
+    d, extent, inner = dim
+    before = math.prod(shape[:d])
+    for e, size in enumerate(out):
+        if size == shape[d] and math.prod(out[:e]) == before:
+            return (e, extent, inner)
+    stride = inner * math.prod(shape[d + 1 :])
+    for e, size in enumerate(out):
+        tail = math.prod(out[e + 1 :])
+        if stride % tail == 0 and (tail * size) % (stride * extent) == 0:
+            return (e, extent, stride // tail)
+    return None
 
 
 def _keeps_first(graph: ProgramGraph, op: OpNode, d: int) -> bool:
