@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_vs_paddle.py
 	$(PY) benchmarks/bench_context_parallel.py
+	$(PY) benchmarks/bench_moe.py
 
 # re-measure this machine's CPU profiles (cost_model/profiles/cpu_shm.json, cpu_gloo.json; about
 # four minutes each, on an idle machine): the measuring is a tool, the cost model only reads them

@@ -157,7 +157,8 @@ def analysis_start(
         if plan.pipelined and annotations_of(program).local_ops:
             raise AnnotationError(
                 "autopar.local_map under a pipeline: its copies' sub-meshes would be read as pipeline stages; local "
-                "regions are not combined with a pipeline yet (compile without Strategy.pipeline and stages)"
+                "regions are not combined with a pipeline yet (compile without Strategy.pipeline and stages; under a "
+                "pipeline, write the experts stacked and route over a groups dim: docs/moe.md, 'Pipelines')"
             )
         if not plan.pipelined:  # values and ops on sub-meshes that are no pipeline stage (autopar/sub_meshes.py)
             op_meshes = place_ops(graph, mesh, user, op_meshes)

@@ -39,7 +39,10 @@ The step, on the busiest rank of each pipeline rank:
   FThenB and 1F1B, divided by the virtual stages for the interleaved schedule, and for ZB-H1
   (forward, input and weight gradient equally long) ``(p - 1)`` forwards (its weight gradients
   fill the drain).
-Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states, and the kept
+Memory: parameters, gradients (ZeRO-2/3: their shards), optimizer states — each on the ranks
+holding it only: an expert placed on a sub-mesh, or its slice of stacked experts split over
+``ep``, counts on its holders, ``1 / ep`` of the replicated experts per rank
+(``tests/unit/cost_model/test_moe_pricing.py``) — and the kept
 activations times the micro-batches in flight (1F1B and ZB-H1: ``p - s`` on stage ``s``; FThenB:
 all ``m``); with recompute, the largest layer's recomputed activations beside them (they live
 again while its backward runs: :func:`_recomputed`); a ring attention keeps its log-sum-exp, not

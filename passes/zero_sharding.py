@@ -107,12 +107,14 @@ class ZeroSharding(Pass):
             if key is not None and dist is not None:
                 edits.states[key] = dataclasses.replace(prop.state(key), dist=dist)
         self._gradient(state, op, grad, sharded, edits)
-        if self.stage == 3:  # the parameter is stored as its shard; its other readers gather it
+        on_sub_meshes = self.stage == 3 and _read_on_sub_meshes(edits, graph, param, op.index, whole.mesh)
+        if self.stage == 3 and not on_sub_meshes:  # the parameter is stored as its shard; its other readers gather it
             self._move(state, param, sharded, op.index, edits)
             edits.regather.add(param)
         else:
             self._write_back(state, op, param, sharded, edits)
-        return ZeroShard(param, label, op.index, whole, sharded, f"stage {self.stage}", op.inputs[grad])
+        how = "stage 3, stored whole: read on sub-meshes as it is (autopar.local_map)" if on_sub_meshes else f"stage {self.stage}"
+        return ZeroShard(param, label, op.index, whole, sharded, how, op.inputs[grad])
 
     def _gradient(self, state: CompileState, op: OpNode, slot: int, sharded: DistAttr, edits: _Edits) -> None:
         """Stage 1: the gradient stays whole until the update, which reads its shard (a
@@ -157,6 +159,21 @@ class ZeroSharding(Pass):
             need = prop.op_result(site.op).inputs[site.slot] or old
             if need != placement:
                 edits.added.append(ReshardNeed(site, key, placement, need))
+
+
+def _read_on_sub_meshes(edits: _Edits, graph, param: ValueKey, update: int, mesh) -> bool:
+    """Whether an op other than ``update`` reads ``param`` on a sub-mesh of ``mesh`` (the copies
+    of an ``autopar.local_map`` reading a parameter every copy shares). Such a read is a view of
+    the whole parameter; a stage-3 shard would need a gather on the mesh whose ranks read it on
+    different copies, so the parameter stays whole between steps (its states and gradient are
+    still sharded, as at stage 2)."""
+    for reader in dict.fromkeys(graph.values[param].users):
+        if reader == update or reader not in edits.base.op_results:
+            continue
+        needs = edits.op_result(reader).inputs
+        if any(k == param and d is not None and d.mesh != mesh for k, d in zip(graph.ops[reader].inputs, needs)):
+            return True
+    return False
 
 
 @dataclass

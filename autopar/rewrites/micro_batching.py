@@ -40,6 +40,15 @@ from autopar.spmd.vocab_parallel import split_row
 
 SHAPE_ATTR_OPS = ops_where("shape_attr")  # (reshape, full, expand)
 
+# the opt-in for statistics over all the step's tokens (a router's cumsum over token slots, the
+# mean or max of its expert counts), named by every refusal: computed per group of tokens in the
+# program itself, its serial meaning is per group, and micro-batches holding whole groups are exact
+PER_GROUP = (
+    "Statistics over the step's tokens (a router's cumsum over token slots, the mean or max of its expert counts) "
+    "run per micro-batch only where the program computes them per group of tokens: route over a leading groups "
+    "dim whose count micro_batches divides (the zoo MoE: Config(router_groups=...); docs/moe.md, 'Pipelines')"
+)
+
 
 @dataclass(frozen=True)
 class MicroBatching:
@@ -119,11 +128,11 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
             raise AutoparError(
                 f"micro-batching: {maker}{_layer(maker)} makes {value.label} {list(value.shape)} whole over the batch, and "
                 f"{op} reads one micro-batch's rows of it ({need.need}); no rule lets {maker.name} make a micro-batch's "
-                "piece: compute it from the inputs' rows, or use one micro-batch"
+                f"piece: compute it from the inputs' rows, or use one micro-batch. {PER_GROUP}"
             )
         raise AutoparError(
             f"micro-batching: {op}{_layer(op)} reads {value.label} as {need.need}, but one micro-batch holds {need.have}; "
-            "the op needs the whole batch at once and cannot run one micro-batch at a time"
+            f"the op needs the whole batch at once and cannot run one micro-batch at a time. {PER_GROUP}"
         )
     placements = {k: s.dist for k, s in result.states.items()}
     _refuse_whole_batch_normalization(graph, placements)

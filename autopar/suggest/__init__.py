@@ -2,7 +2,8 @@
 (stage: strategy search, before compile).
 
 For each mesh shape (:mod:`.search`: the factorisations of the world — with a context-parallel
-dim splitting the sequence when it is long, :func:`.annotations.long_sequence` — and the shapes on fewer
+dim splitting the sequence when it is long, :func:`.annotations.long_sequence`; with an expert-parallel
+dim ``ep`` splitting the stacked experts where the program has them, :func:`.annotations.expert_count` — and the shapes on fewer
 devices that cannot grow — when the world does not divide the program well, leaving devices
 idle is the better plan, and the result says so: "uses 4 of 7 devices") the annotations are
 found from the program (:mod:`.annotations`: the feeds' batch dim, Megatron's column / row
@@ -44,10 +45,11 @@ from autopar.graph import ProgramGraph, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.strategy import Strategy
 from autopar.suggest import arguments
-from autopar.suggest.annotations import long_sequence, sequence_length
+from autopar.suggest.annotations import expert_count, long_sequence, sequence_length
 from autopar.suggest.plans import TIE, Plan, Suggestions
 from autopar.suggest.search import (
     CONTEXT_DIM,
+    EXPERT_DIM,
     Shape,
     accumulates,
     largest,
@@ -130,7 +132,8 @@ class _Search:
         self.program, self.startup, self.world, self.cluster = program, startup, world, cluster
         self.graph, self.batch, self.profile, self.budget = _setting(program, cluster, budget)
         self.precision, self.precision_words = chosen(who, precision, self.graph)
-        self.weights = _parameter_bytes(self.graph, self.precision)
+        self.weights = (*_parameter_bytes(self.graph, self.precision), _expert_bytes(self.graph, self.precision))
+        self.experts = expert_count(self.graph)  # stacked experts: try splitting them over an ep dim
         self.stages = most_stages(self.graph)
         self.seq = sequence_length(self.graph)
         self.context = long_sequence(self.graph)  # attention's [S, S] activations decide: try splitting the sequence
@@ -145,7 +148,8 @@ class _Search:
         """The world's factorisations, then (unless ``all_devices``) the shapes on fewer devices
         that cannot grow (:func:`.search.largest`)."""
         context = [cp for cp in range(1, self.world + 1) if cp == 1 or (self.context and self.seq % cp == 0)]
-        out = list(factorisations(self.world, context))
+        experts = [ep for ep in range(1, self.world + 1) if ep == 1 or (self.experts and self.experts % ep == 0)]
+        out = list(factorisations(self.world, context, experts))
         if not all_devices:
             data = [d for d in range(1, self.world + 1) if self.batch % d == 0]
             fewer = largest(self.world, data, range(1, self.world + 1), lambda s: self.unfit(s) is None)
@@ -155,9 +159,14 @@ class _Search:
     def unfit(self, shape: Shape, given: Strategy | None = None) -> str | None:
         """Why ``shape`` cannot take the program (None: it can), with the ``given`` strategy or
         (None) with the search's, whose pipelines need as many micro-batches as stages."""
-        rows = self.batch // shape.dp
-        if self.batch % shape.dp:
-            return f"the batch of {self.batch} rows does not split over {shape.dp} data ranks"
+        rows = self.batch // shape.data
+        if shape.ep > 1 and not self.experts:
+            return f"no stacked experts (an [E, ...] weight an einsum batches over E) to split over {shape.ep} expert-parallel ranks"
+        if shape.ep > 1 and self.experts % shape.ep:
+            return f"the {self.experts} experts do not split over {shape.ep} expert-parallel ranks"
+        if self.batch % shape.data:
+            ranks = f"{shape.dp} data ranks" if shape.ep == 1 else f"{shape.dp} x {shape.ep} data x expert ranks"
+            return f"the batch of {self.batch} rows does not split over {ranks}"
         straddling = _straddling(shape, self.profile.devices_per_node)
         if straddling:
             return (f"tensor parallelism over {shape.mp} ranks would cross nodes of {self.profile.devices_per_node} "
@@ -189,7 +198,8 @@ class _Search:
             tp = self.split(shape.mp) if shape.mp > 1 else None
             mesh = shape.mesh()
             sep = CONTEXT_DIM if shape.cp > 1 else None
-            annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None, sep)
+            ep = EXPERT_DIM if shape.ep > 1 else None
+            annotated = placements(self.graph, mesh, tp, "dp" if shape.dp > 1 else None, "mp" if shape.mp > 1 else None, sep, ep)
             annotated = PlacementTable(annotated, self.graph)
             chosen = list(strategies(shape, self.batch, self.cluster))
             self.entries[shape] = _Shape(shape, mesh, annotated, _split_words(tp), chosen, self.world, self.precision,
@@ -351,6 +361,17 @@ def _compiled(program: Any, mesh: ProcessMesh, startup: Any, strategy: Strategy,
         return compile_program(program, mesh, startup, strategy, analysis=analysis)
 
 
+def _expert_bytes(graph: ProgramGraph, precision: Any = None) -> int:
+    """Bytes of the stacked experts' parameters (:func:`.annotations.expert_parameters`) in ``precision``."""
+    from autopar.cost_model import tensor_bytes
+    from autopar.cost_model.precision import AS_BUILT
+    from autopar.suggest.annotations import expert_parameters
+
+    precision = precision or AS_BUILT
+    return sum(tensor_bytes(graph.values[k].shape, precision.dtype(graph.values[k].dtype, "parameter"), None, 0)
+               for k in expert_parameters(graph))  # fmt: skip
+
+
 def _parameter_bytes(graph: ProgramGraph, precision: Any = None) -> tuple[int, int]:
     """Bytes of the parameters and of the optimizer states (the program's state tensors: an O2
     program's fp32 masters among them; a float32 program priced in mixed precision gains a
@@ -367,14 +388,16 @@ def _parameter_bytes(graph: ProgramGraph, precision: Any = None) -> tuple[int, i
     return params, states
 
 
-def _memory_floor(weights: tuple[int, int], shape: Shape, strategy: Strategy) -> float:
+def _memory_floor(weights: tuple[int, int, int], shape: Shape, strategy: Strategy) -> float:
     """Parameters, gradients and optimizer states per rank at best (every weight split over the
-    tensor and pipeline ranks; ZeRO's shards over the data ranks): a plan above the budget by
-    these alone cannot fit whatever its activations."""
-    params, states = weights
+    tensor and pipeline ranks, the stacked experts (``weights[2]``) also over the expert ranks;
+    ZeRO's shards over the data ranks; the states as if all were the experts'): a plan above
+    the budget by these alone cannot fit whatever its activations."""
+    params, states, experts = weights
     model = shape.mp * shape.pp
+    params = (params - experts) / model + experts / (model * shape.ep)
     zero = strategy.zero_stage
-    return params / model / (shape.dp if zero >= 3 else 1) + params / model / (shape.dp if zero >= 2 else 1) + states / model / (
+    return params / (shape.dp if zero >= 3 else 1) + params / (shape.dp if zero >= 2 else 1) + states / (model * shape.ep) / (
         shape.dp if zero >= 1 else 1
     )
 

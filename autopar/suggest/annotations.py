@@ -26,7 +26,10 @@ divisible by mp) or a row-parallel input that does not arrive split leaves the p
 
 Data parallelism splits the feeds that carry the batch (:func:`batch_feeds`); context
 parallelism splits those of them that carry the sequence too, on dim 1 (:func:`sequence_feeds`),
-and is searched only where the sequence is long (:func:`long_sequence`).
+and is searched only where the sequence is long (:func:`long_sequence`). Expert parallelism
+splits the stacked experts by expert (:func:`expert_parameters`: ``[E, in, out]`` weights an
+einsum or matmul batches over their dim 0) and the batch feeds over data x expert, as GSPMD's
+MoE and the zoo's stacked MoE (``autopar/testing/zoo/moe.py``) annotate them.
 """
 
 from __future__ import annotations
@@ -189,16 +192,58 @@ def long_sequence(graph: ProgramGraph) -> bool:
     return attention_share(graph) >= LONG
 
 
+def expert_parameters(graph: ProgramGraph) -> tuple[ValueKey, ...]:
+    """The stacked experts' weights: parameters of 3 dims or more that a forward einsum (or
+    batched matmul) reads with their dim 0 a batch dim — kept in every operand and the output
+    (``"ecm,emh->ech"``: each expert ``e`` applied to its own rows) — all of one expert count.
+    Empty: no experts, or weights of several counts (left whole: which to split is unclear)."""
+    found = []
+    for key, value in graph.values.items():
+        if value.kind != "parameter" or len(value.shape) < 3 or value.shape[0] < 2:
+            continue
+        readers = [graph.ops[u] for u in value.users if graph.ops[u].role is Role.FORWARD]
+        if any(_batched_over_dim_0(graph, op, key) for op in readers):
+            found.append(key)
+    counts = {graph.values[key].shape[0] for key in found}
+    return tuple(found) if len(counts) == 1 else ()
+
+
+def expert_count(graph: ProgramGraph) -> int:
+    """The routed experts the stacked weights hold (0: none found)."""
+    found = expert_parameters(graph)
+    return int(graph.values[found[0]].shape[0]) if found else 0
+
+
+def _batched_over_dim_0(graph: ProgramGraph, op: OpNode, key: ValueKey) -> bool:
+    inputs = [k for k in op.inputs if k is not None]
+    if op.name == "pd_op.einsum" and isinstance(op.attrs.get("equation"), str) and "->" in op.attrs["equation"]:
+        operands, output = op.attrs["equation"].replace(" ", "").split("->")
+        terms = operands.split(",")
+        if len(terms) != len(inputs) or key not in inputs or not terms[inputs.index(key)]:
+            return False
+        letter = terms[inputs.index(key)][0]
+        return letter != "." and letter in output and all(letter in term for term in terms)
+    if op.name in ("pd_op.matmul", "pd_op.bmm") and len(inputs) == 2 and key in inputs:
+        other = graph.values[inputs[1 - inputs.index(key)]].shape
+        return len(other) == len(graph.values[key].shape) and other[0] == graph.values[key].shape[0]
+    return False
+
+
 def placements(
-    graph: ProgramGraph, mesh: ProcessMesh, tp: TensorParallel | None, dp: str | None, mp: str | None, sep: str | None = None
-) -> dict[ValueKey, DistAttr]:
+    graph: ProgramGraph, mesh: ProcessMesh, tp: TensorParallel | None, dp: str | None, mp: str | None, sep: str | None = None,
+    ep: str | None = None,
+) -> dict[ValueKey, DistAttr]:  # fmt: skip
     """The DistAttr of every value the plan annotates: ``tp``'s parameters split over mesh dim
-    ``mp``, the batch feeds over ``dp``, the sequence feeds' dim 1 over ``sep`` (None: that kind
-    of parallelism is not used)."""
+    ``mp``, the batch feeds over ``dp`` (and ``ep``), the sequence feeds' dim 1 over ``sep``,
+    the stacked experts' dim 0 over ``ep`` (None: that kind of parallelism is not used)."""
     specs: dict[ValueKey, list[Any]] = {}
-    if dp is not None:
+    batch = tuple(d for d in (dp, ep) if d is not None)
+    if batch:
         for key in batch_feeds(graph):
-            specs[key] = [dp] + [None] * (len(graph.values[key].shape) - 1)
+            specs[key] = [batch if len(batch) > 1 else batch[0]] + [None] * (len(graph.values[key].shape) - 1)
+    if ep is not None:
+        for key in expert_parameters(graph):
+            specs[key] = [ep] + [None] * (len(graph.values[key].shape) - 1)
     if sep is not None:
         for key in sequence_feeds(graph):
             spec = specs.get(key, [None] * len(graph.values[key].shape))

@@ -29,7 +29,7 @@ def count(who: str, name: str, value: Any, what: str = "whole number") -> int:
 
 
 def shapes(who: str, given: Any, world: int | None) -> list[Shape]:
-    """Mesh shapes: ``Shape`` values or ``(dp, mp, pp)`` / ``(dp, mp, pp, cp)`` sequences (tuples,
+    """Mesh shapes: ``Shape`` values or ``(dp, mp, pp)`` / ``(dp, mp, pp, cp[, ep])`` sequences (tuples,
     lists, arrays) of positive whole numbers, each on at most ``world`` devices."""
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
         raise AutoparError(f"{who}: shapes must be a list of mesh shapes (dp, mp, pp), got {given!r}")
@@ -127,7 +127,7 @@ def _shape(item: Any) -> Shape | None:
     if isinstance(item, (str, bytes)) or not isinstance(item, Iterable):
         return None
     sizes = [None if isinstance(n, bool) else _integral(n) for n in item]
-    if len(sizes) not in (3, 4) or any(n is None or n < 1 for n in sizes):
+    if len(sizes) not in (3, 4, 5) or any(n is None or n < 1 for n in sizes):
         return None
     return Shape(*sizes)
 

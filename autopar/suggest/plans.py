@@ -78,6 +78,9 @@ class Plan:
             parts.append(f"{self.split} over {s.mp} tensor-parallel ranks of one node")
         if s.pp > 1:
             parts.append(f"the layers are cut into {s.pp} pipeline stages balanced by predicted time")
+        if s.ep > 1:
+            parts.append(f"the stacked experts are split over {s.ep} expert-parallel ranks, the batch over data x expert "
+                         "(tokens dispatched to their experts' ranks and combined back)")  # fmt: skip
         if s.cp > 1:
             context = self.strategy.context_parallel
             how = (f"attention by {context.method}" if context is not None

@@ -3,7 +3,10 @@
 A candidate is a mesh shape — data x tensor x pipeline parallelism, any factorisation of the
 world, tensor parallelism innermost so that it stays inside a node; and, when the sequence is
 long (the memory of attention's activations decides: :func:`autopar.suggest.annotations.long_sequence`),
-context parallelism, the sequence split over a ``sep`` mesh dim between data and tensor — and
+context parallelism, the sequence split over a ``sep`` mesh dim between data and tensor; and,
+when the program has stacked experts (:func:`autopar.suggest.annotations.expert_parameters`),
+expert parallelism, the experts split by expert over an ``ep`` mesh dim after data, the batch
+over data x expert (GShard's groups) — and
 a Strategy: the ZeRO stage (with data parallelism), sequence parallelism (with tensor
 parallelism), the context-parallel method (with context parallelism: those compile builds,
 :func:`context_methods`), recompute, and
@@ -34,25 +37,32 @@ SCHEDULES = ("1F1B", "ZBH1")
 
 
 CONTEXT_DIM = "sep"  # the mesh dim context parallelism splits the sequence over (Paddle's name)
+EXPERT_DIM = "ep"  # the mesh dim expert parallelism splits the stacked experts (and the batch) over
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """Sizes of the data, tensor, pipeline and context (sequence) dims of a mesh."""
+    """Sizes of the data, tensor, pipeline, context (sequence) and expert dims of a mesh."""
 
     dp: int
     mp: int
     pp: int
     cp: int = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.mp * self.pp * self.cp
+        return self.dp * self.mp * self.pp * self.cp * self.ep
+
+    @property
+    def data(self) -> int:
+        """The ranks the batch is split over: data x expert (GShard's groups of tokens)."""
+        return self.dp * self.ep
 
     def mesh(self) -> ProcessMesh:
-        """The mesh: pipeline outermost, then data, context (``sep``), tensor innermost
-        (neighbouring ranks: one node's); dims of size 1 left out (one dim at least)."""
-        dims = (("pp", self.pp), ("dp", self.dp), (CONTEXT_DIM, self.cp), ("mp", self.mp))
+        """The mesh: pipeline outermost, then data, expert (``ep``), context (``sep``), tensor
+        innermost (neighbouring ranks: one node's); dims of size 1 left out (one dim at least)."""
+        dims = (("pp", self.pp), ("dp", self.dp), (EXPERT_DIM, self.ep), (CONTEXT_DIM, self.cp), ("mp", self.mp))
         sizes = [(name, size) for name, size in dims if size > 1] or [("dp", 1)]
         ranks: list = list(range(self.world))
         for _, size in reversed(sizes[1:]):
@@ -60,17 +70,21 @@ class Shape:
         return ProcessMesh(ranks, [name for name, _ in sizes])
 
     def __str__(self) -> str:
-        sizes = (("dp", self.dp), ("mp", self.mp), ("pp", self.pp), ("cp", self.cp))
+        sizes = (("dp", self.dp), ("mp", self.mp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
         return " x ".join(f"{name}={size}" for name, size in sizes if size > 1) or "one device"
 
 
-def shapes(world: int, context: Iterable[int] = (1,)) -> Iterator[Shape]:
-    """Every factorisation of ``world`` into dp x mp x pp x cp, for each ``cp`` of ``context``
-    that divides it (default: none with context parallelism)."""
+def shapes(world: int, context: Iterable[int] = (1,), experts: Iterable[int] = (1,)) -> Iterator[Shape]:
+    """Every factorisation of ``world`` into dp x mp x pp x cp x ep, for each ``cp`` of
+    ``context`` and ``ep`` of ``experts`` that divide it (default: none with context or expert
+    parallelism)."""
+    experts = list(experts)
     for cp in (c for c in context if world % c == 0):
-        for mp in _divisors(world // cp):
-            for pp in _divisors(world // (cp * mp)):
-                yield Shape(world // (cp * mp * pp), mp, pp, cp)
+        for ep in (e for e in experts if (world // cp) % e == 0):
+            rest = world // (cp * ep)
+            for mp in _divisors(rest):
+                for pp in _divisors(rest // mp):
+                    yield Shape(rest // (mp * pp), mp, pp, cp, ep)
 
 
 def largest(world: int, data: Iterable[int], tensor: Iterable[int], takes: Callable[[Shape], bool]) -> list[Shape]:
@@ -117,7 +131,7 @@ def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strate
     sequence = (False, True) if shape.mp > 1 else (False,)
     context = [None if m is None else ContextParallel(CONTEXT_DIM, m) for m in context_methods()] if shape.cp > 1 else [None]
     pipelines: list[PipelineConfig | None] = [None]
-    rows = batch // shape.dp
+    rows = batch // shape.data
     if shape.pp > 1:  # p, 2p, 4p micro-batches, or one row each (Megatron's m = B / d: the least bubble)
         counts = sorted({m for m in (shape.pp, 2 * shape.pp, 4 * shape.pp, rows) if m >= shape.pp and rows % m == 0})
         pipelines = [PipelineConfig(micro_batches=m, schedule=s, stages=shape.pp) for m in counts for s in SCHEDULES]

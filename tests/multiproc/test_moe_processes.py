@@ -1,7 +1,10 @@
-"""The zoo MoE written Paddle's way (``experts="local"``: the router per rank in
-``autopar.local_map``, each expert on a sub-mesh of ``ep``) in 4 real processes, host backend:
-ep4 and dp x ep, losses and parameters after 3 SGD steps equal serial (rtol 1e-5). Each rank
-runs only its own copy of the router and its own experts."""
+"""The zoo MoE in real processes, host backend, losses and parameters after 3 SGD steps equal
+serial (rtol 1e-5). Four processes: written Paddle's way (``experts="local"``: the router per rank
+in ``autopar.local_map``, each expert on a sub-mesh of ``ep``) on ep4 and dp x ep, each rank
+running only its own copy of the router and its own experts; and the stacked experts under
+ep x pp (2 stages, 2 micro-batches, routing per micro-batch: ``Config(router_groups=4)``). Two
+processes: the local and the stacked experts on ep2, and the stacked ones in a 2-stage pipeline
+routing per micro-batch. One launch per process count, several configurations each."""
 
 import textwrap
 
@@ -13,6 +16,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
     """
+    import sys
     import warnings
     warnings.filterwarnings("ignore")
     import autopar
@@ -20,16 +24,29 @@ SCRIPT = textwrap.dedent(
     from autopar.testing.zoo import moe
 
     M = autopar.ProcessMesh
-    config = moe.Config()
-    for name, mesh in [("ep4", M([0, 1, 2, 3], ["ep"])), ("dp x ep", M([[0, 1], [2, 3]], ["dp", "ep"]))]:
-        seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local")
-        dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    pipelined = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    CASES = {
+        4: [
+            ("ep4 local", M([0, 1, 2, 3], ["ep"]), "local", moe.Config(), None),
+            ("dp x ep local", M([[0, 1], [2, 3]], ["dp", "ep"]), "local", moe.Config(), None),
+            ("pp x ep stacked", M([[0, 1], [2, 3]], ["pp", "ep"]), "stacked", moe.Config(router_groups=4), pipelined),
+        ],
+        2: [
+            ("ep2 local", M([0, 1], ["ep"]), "local", moe.Config(), None),
+            ("ep2 stacked", M([0, 1], ["ep"]), "stacked", moe.Config(), None),
+            ("pp2 stacked", M([0, 1], ["pp"]), "stacked", moe.Config(router_groups=4), pipelined),
+        ],
+    }
+    for name, mesh, experts, config, strategy in CASES[int(sys.argv[1])]:
+        seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts=experts)
+        dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
         train_equals_serial(dist, seed.main, seed.startup, seed.loss, moe.feeds(config, 4, 8, 3))
         print("RESULT", name, "equal", flush=True)
     """
 )
 
 
-def test_the_local_moe_in_four_processes_equals_serial(tmp_path):
-    results = launch(SCRIPT, 4, tmp_path)
-    assert len(results) == 2 * 4, results
+@pytest.mark.parametrize("processes", [4, 2])
+def test_the_zoo_moe_in_real_processes_equals_serial(tmp_path, processes):
+    results = launch(SCRIPT, processes, tmp_path, args=[str(processes)])
+    assert len(results) == 3 * processes, results

@@ -1,21 +1,25 @@
 """A mixture-of-experts decoder in the DeepSeek-MoE shape: pre-norm blocks of causal attention
 and an MoE feed-forward with one shared expert beside ``n_experts`` routed ones, each token sent
-to its top-2 routed experts. The router is GShard's top-2 gating with a static capacity as
-fairscale's ``top2gate.py`` writes it (and DeepSpeed's ``sharded_moe.py`` after it): softmax
-gates; the first expert from ``topk``, the second from the gates with the first masked out;
-each token's slot in its expert from a ``cumsum`` over the tokens of its one-hot choice; tokens
-past the capacity dropped; the auxiliary load-balancing loss ``mean(me * ce) * E * E``; dispatch
-and combine as ``einsum`` over a ``[tokens, experts, capacity]`` tensor, the experts applied to
-the ``[experts, capacity, hidden]`` buffer with stacked weights. No gating noise (a
-deterministic router: serial and distributed runs route the same tokens). Static Paddle, layers
-nested as the reference nests them (``Transformer/Block_k/MoE/Router``).
+to its top-k routed experts (``Config.top_k``, 2 by default). The router is GShard's top-2 gating
+with a static capacity as fairscale's ``top2gate.py`` writes it (and DeepSpeed's
+``sharded_moe.py`` after it), the k-th choice made as the second is: softmax gates; the first
+expert from ``topk``, each next one from the gates with the earlier choices masked out; each
+token's slot in its expert from a ``cumsum`` over the tokens of its one-hot choice, after the
+slots of the earlier choices; tokens past the capacity dropped; the auxiliary load-balancing loss
+``mean(me * ce) * E * E``; dispatch and combine as ``einsum`` over a ``[groups, tokens, experts,
+capacity]`` tensor (GShard's groups: each routed on its own), the experts applied to the
+``[experts, groups, capacity, hidden]`` buffer. No gating noise (a deterministic router: serial
+and distributed runs route the same tokens). Static Paddle, layers nested as the reference nests
+them (``Transformer/Block_k/MoE/Router``).
 
 Two ways of writing the experts (``build(..., experts=...)``):
 
 - ``"stacked"`` (GSPMD's formulation): annotated by the mesh's dim names, ``dp`` splits the
   tokens' batch; ``ep`` splits the stacked experts' weights by expert (dim 0) and, like ``dp``,
   the batch; ``mp`` splits the attention as Megatron does (q, k, v by columns, the projection
-  by rows). The router sees the whole batch (its statistics are gathered).
+  by rows). The router sees ``Config.router_groups`` groups of the batch's tokens (1: the whole
+  batch; its statistics are gathered). Under a pipeline, a multiple of the micro-batches routes
+  per micro-batch (docs/moe.md, "Pipelines: routing per micro-batch").
 - ``"local"`` (Paddle's way: an auto-parallel MoE with the gate in a ``LocalLayer`` and the experts
   on ``split_mesh(mesh, "ep")``): the router runs per rank in :func:`autopar.local_map.local_map`
   — each of the ``G`` groups of tokens (one per rank of the token-splitting dims ``dp`` x ``ep``)
@@ -46,16 +50,27 @@ class Config:
     n_heads: int = 4
     n_experts: int = 4  # routed experts (the shared one is beside them)
     expert_hidden: int = 32
-    capacity_factor: float = 1.0  # GShard's: capacity = ceil(2 * tokens / experts * factor)
+    capacity_factor: float = 1.0  # GShard's: capacity = ceil(top_k * tokens / experts * factor)
     aux_loss_weight: float = 0.01
+    top_k: int = 2  # experts each token is sent to
+    # stacked experts: the batch's tokens routed in this many groups, each on its own (GShard's
+    # groups; 1: the whole batch at once). A multiple of a pipeline's micro-batches routes per
+    # micro-batch: each micro-batch holds whole groups (docs/moe.md, "Pipelines")
+    router_groups: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k is between 1 and n_experts ({self.n_experts}), got {self.top_k}")
+        if self.router_groups < 1:
+            raise ValueError(f"router_groups is >= 1, got {self.router_groups}")
 
 
 INPUTS, LABELS = ("tokens",), ("labels",)
 
 
 def capacity(config: Config, tokens: int) -> int:
-    """Slots per expert for ``tokens`` routed tokens (top-2: each token takes two)."""
-    return math.ceil(2 * tokens / config.n_experts * config.capacity_factor)
+    """Slots per expert for ``tokens`` routed tokens (each takes ``top_k``)."""
+    return math.ceil(config.top_k * tokens / config.n_experts * config.capacity_factor)
 
 
 TOKEN_DIMS = ("dp", "ep")  # the mesh dims that split the tokens (the local router's groups)
@@ -72,6 +87,12 @@ def build(
         raise ValueError(f"experts is 'stacked' or 'local', got {experts!r}")
     if experts == "local" and (mesh is None or "ep" not in mesh.dim_names):
         raise ValueError("experts='local' places the experts on the sub-meshes of the mesh's 'ep' dim: give a mesh with one")
+    if experts == "local" and config.n_experts % mesh.dim_size("ep"):
+        raise ValueError(f"experts='local' places n_experts / ep experts on each ep rank: {config.n_experts} experts do not divide over ep={mesh.dim_size('ep')}")
+    if experts == "local" and config.router_groups != 1:
+        raise ValueError("experts='local' routes per group of the mesh's token dims (dp x ep); router_groups is the stacked experts'")
+    if (batch * seq) % config.router_groups:
+        raise ValueError(f"router_groups ({config.router_groups}) does not divide the batch's {batch * seq} tokens")
     paddle, main, startup = _static()
     if seed is not None:
         main.random_seed = startup.random_seed = seed
@@ -114,36 +135,38 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
             return self.proj(y.transpose([0, 2, 1, 3]).reshape([B, T, C]))
 
     class Router(nn.Layer):
-        """GShard top-2 gating (fairscale top2gate): combine weights ``[S, E, C]``, the dispatch
-        mask, and the auxiliary loss."""
+        """GShard top-k gating (fairscale top2gate, generalised to ``config.top_k``) over
+        ``[groups, tokens, dim]``, each group routed on its own (its cumsum over token slots, its
+        capacity, its statistics): combine weights ``[G, S, E, C]``, the dispatch mask, and the
+        auxiliary loss (the groups' mean)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.wg = nn.Linear(config.dim, E, bias_attr=False)
 
         def forward(self, x: Any) -> tuple[Any, Any, Any]:
-            S = x.shape[0]
+            S = x.shape[1]
             C = capacity(config, S)
-            gates = F.softmax(self.wg(x), axis=-1)  # [S, E]
-            _, first = paddle.topk(gates, k=1, axis=-1)
-            mask1 = F.one_hot(first.reshape([-1]), E)  # [S, E]
-            _, second = paddle.topk(
-                paddle.where(mask1 > 0, paddle.full_like(gates, float("-inf")), gates), k=1, axis=-1
-            )
-            mask2 = F.one_hot(second.reshape([-1]), E)
-            locations1 = paddle.cumsum(mask1, axis=0) - 1  # each token's slot in its first expert
-            locations2 = paddle.cumsum(mask2, axis=0) - 1 + mask1.sum(axis=0, keepdim=True)
-            me, ce = gates.mean(axis=0), mask1.mean(axis=0)
-            aux = (me * ce).mean() * E * E  # load balancing: fraction routed x mean gate, per expert
-            mask1 = mask1 * (locations1 < C).astype("float32")  # tokens past the capacity dropped
-            mask2 = mask2 * (locations2 < C).astype("float32")
-            slot1 = (locations1 * mask1).sum(axis=1).astype("int64")
-            slot2 = (locations2 * mask2).sum(axis=1).astype("int64")
-            gate1, gate2 = (gates * mask1).sum(axis=1), (gates * mask2).sum(axis=1)
-            denom = paddle.clip(gate1 + gate2, min=1e-9)
-            gate1, gate2 = gate1 / denom, gate2 / denom
-            combine = paddle.einsum("se,sc->sec", gate1.unsqueeze(1) * mask1, F.one_hot(slot1, C)) + paddle.einsum(
-                "se,sc->sec", gate2.unsqueeze(1) * mask2, F.one_hot(slot2, C)
+            gates = F.softmax(self.wg(x), axis=-1)  # [G, S, E]
+            masks, rest = [], gates
+            for _ in range(config.top_k):  # the i-th expert: the best of the gates with the first i-1 masked out
+                _, choice = paddle.topk(rest, k=1, axis=-1)
+                masks.append(F.one_hot(choice.squeeze(-1), E))  # [G, S, E]
+                rest = paddle.where(masks[-1] > 0, paddle.full_like(gates, float("-inf")), rest)
+            me, ce = gates.mean(axis=1), masks[0].mean(axis=1)  # [G, E]
+            aux = (me * ce).mean() * E * E  # load balancing: fraction routed x mean gate, per expert and group
+            kept, taken = [], None
+            for mask in masks:  # each token's slot in its i-th expert: after the slots of the choices before
+                locations = paddle.cumsum(mask, axis=1) - 1 + (0 if taken is None else taken)
+                taken = mask.sum(axis=1, keepdim=True) + (0 if taken is None else taken)
+                mask = mask * (locations < C).astype("float32")  # tokens past the capacity dropped
+                slot = (locations * mask).sum(axis=2).astype("int64")
+                kept.append((mask, (gates * mask).sum(axis=2), slot))
+            if config.top_k > 1:  # top-k weights renormalised over the kept choices (top-1: Switch's raw gate)
+                denom = paddle.clip(paddle.add_n([g for _, g, _ in kept]), min=1e-9)
+                kept = [(mask, g / denom, slot) for mask, g, slot in kept]
+            combine = paddle.add_n(
+                [paddle.einsum("gse,gsc->gsec", g.unsqueeze(2) * mask, F.one_hot(slot, C)) for mask, g, slot in kept]
             )
             dispatch = (combine > 0).astype("float32")
             return combine, dispatch, aux
@@ -160,12 +183,14 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
 
         def forward(self, x: Any) -> tuple[Any, Any]:
             B, T, C = x.shape
+            G = config.router_groups
+            grouped = x.reshape([G, B * T // G, C])
+            combine, dispatch, aux = self.router(grouped)
+            buffer = paddle.einsum("gsec,gsm->egcm", dispatch, grouped)  # [experts, groups, capacity, dim]
+            hidden = F.gelu(paddle.einsum("egcm,emh->egch", buffer, self.w_in))
+            out = paddle.einsum("egch,ehm->egcm", hidden, self.w_out)
+            routed = paddle.einsum("gsec,egcm->gsm", combine, out).reshape([B * T, C])
             flat = x.reshape([B * T, C])
-            combine, dispatch, aux = self.router(flat)
-            buffer = paddle.einsum("sec,sm->ecm", dispatch, flat)  # [experts, capacity, dim]
-            hidden = F.gelu(paddle.einsum("ecm,emh->ech", buffer, self.w_in))
-            out = paddle.einsum("ech,ehm->ecm", hidden, self.w_out)
-            routed = paddle.einsum("sec,ecm->sm", combine, out)
             shared = self.shared_out(F.gelu(self.shared_in(flat)))
             return (routed + shared).reshape([B, T, C]), aux
 
@@ -199,7 +224,7 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
             G = math.prod(mesh.dim_size(n) for n in names)
             tokens = [autopar.Shard(0) if n in names else autopar.Replicate() for n in mesh.dim_names]
             summed = [autopar.Partial() if n in names else autopar.Replicate() for n in mesh.dim_names]
-            combine, dispatch, aux = local_map(self.router, [tokens], [tokens, tokens, summed], mesh)(flat)
+            combine, dispatch, aux = local_map(_one_group(self.router), [tokens], [tokens, tokens, summed], mesh)(flat)
             S = B * T // G
             combine, dispatch = (t.reshape([G, S, E, t.shape[-1]]) for t in (combine, dispatch))
             grouped = flat.reshape([G, S, C])
@@ -247,6 +272,16 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
             return self.head(self.norm(h)), aux
 
     return Transformer()
+
+
+def _one_group(router: Any) -> Any:
+    """``router`` on the ``[tokens, dim]`` of one group (a local_map copy): its results without the group dim."""
+
+    def routed(x: Any) -> tuple[Any, Any, Any]:
+        combine, dispatch, aux = router(x.unsqueeze(0))
+        return combine.squeeze(0), dispatch.squeeze(0), aux
+
+    return routed
 
 
 def compute_loss(config: Config, logits: Any, aux: Any, labels: Any) -> Any:
