@@ -46,6 +46,8 @@ from autopar.spmd import get_rule
 from autopar.spmd.base import TensorSpec
 
 CONTRACTED = -1  # a dim its op sums over (its letter not in the result)
+ALONG = -2  # a dim its op works along (its rule keeps it whole: ``1``)
+ALONG_TEXT = "works along"
 RESHAPES = ("reshape", "flatten", "squeeze", "unsqueeze")
 POSITIONAL = ("expand", "cross_entropy_with_softmax", "full_like", "assign", "assign_out_")  # rules without an equation, dims kept in place
 REDUCTIONS = ("sum", "mean", "max", "min", "logsumexp", "prod", "amax", "amin")
@@ -60,14 +62,28 @@ def sequence_orders(graph: ProgramGraph, mesh: ProcessMesh, context: Any) -> dic
     unless its balance is zig-zag), computed once per graph."""
     if context is None or context.balance != "zigzag":
         return {}
-    from autopar.rewrites.context_parallel import sequence_length
-    from autopar.rewrites.zigzag import zigzag_order
-
-    order = zigzag_order(sequence_length(graph, context.dim), mesh.dim_size(context.dim))
+    order = zigzag_order(_sequence_length(graph), mesh.dim_size(context.dim))
     cached = _FOUND.setdefault(graph, {})
     if order not in cached:
         cached[order] = zigzag_values(graph, order)
     return cached[order]
+
+
+def zigzag_order(length: int, cp: int) -> tuple[int, ...]:
+    """The positions in zig-zag order: 2cp chunks, rank i's two (i and 2cp-1-i) side by side."""
+    chunk = length // (2 * cp)
+    order: list[int] = []
+    for rank in range(cp):
+        for piece in (rank, 2 * cp - 1 - rank):
+            order += range(piece * chunk, (piece + 1) * chunk)
+    return tuple(order)
+
+
+def _sequence_length(graph: ProgramGraph) -> int:
+    """The longest dim 1 among the read feeds of two dims or more: the sequence, as
+    ``autopar.rewrites.context_parallel.sequence_length`` finds it (not imported from there:
+    the rewrites import this module)."""
+    return max((v.shape[1] for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users), default=0)
 
 
 def zigzag_values(graph: ProgramGraph, order: Sequence[int]) -> dict[ValueKey, SequenceOrder]:
@@ -96,7 +112,7 @@ def zigzag_values(graph: ProgramGraph, order: Sequence[int]) -> dict[ValueKey, S
                 continue
             dims = _dims(graph, op, position, key, found, reordering, length)
             if isinstance(dims, str):
-                found[key] = SequenceOrder(tuple(order), (), f"{dims} (made by {op})")
+                found[key] = SequenceOrder(tuple(order), (), f"{op} {dims}" if dims.startswith(ALONG_TEXT) else f"{dims} (made by {op})")
             elif dims:
                 found[key] = SequenceOrder(tuple(order), tuple(sorted(dims)))
     return found
@@ -130,14 +146,26 @@ def _dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: 
             mapped = _mapped(graph, op, index, shape, dim, out, position)
             if mapped == CONTRACTED:
                 continue
-            if mapped is None:
+            if mapped in (None, ALONG):
                 if _reduces(graph, op, shape, dim[0], out):
                     continue
-                return f"dim {dim[0]} of {graph.values[source].label} {list(shape)}, in zig-zag order, has no place in {list(out)}"
+                where = f"dim {dim[0]} of {graph.values[source].label} {list(shape)}, in zig-zag order"
+                return f"{ALONG_TEXT} {where}" if mapped == ALONG else f"{where}, has no place in {list(out)}"
             if mapped[1] < length:
-                return f"dim {mapped[0]} of {list(out)} keeps {mapped[1]} of the {length} reordered positions"
+                return f"{ALONG_TEXT} dim {mapped[0]}: it keeps {mapped[1]} of the {length} reordered positions"
             dims.add(mapped)
     return dims
+
+
+def along_sequence(graph: ProgramGraph, order: Sequence[int]) -> list[tuple[OpNode, str]]:
+    """The forward ops working along a dim that carries the sequence in zig-zag order (a shift, a
+    flip, a cumulative sum, a concat or a gather along it): what they compute over the reordered
+    sequence is not serial's. (An op whose rule says nothing of its dims is not among them: the
+    values it makes are refused at fetch instead.)"""
+    found = zigzag_values(graph, order)
+    return [(graph.ops[key[0]], order_.unknown) for key, order_ in found.items()
+            if order_.unknown.startswith(f"{graph.ops[key[0]]} {ALONG_TEXT}") and graph.ops[key[0]].role is Role.FORWARD
+            and graph.ops[key[0]].recomputes is None]  # fmt: skip
 
 
 def _gradient_dims(graph: ProgramGraph, op: OpNode, position: int, key: ValueKey, found: Mapping[ValueKey, SequenceOrder]) -> set[Dim] | str:  # fmt: skip
@@ -168,7 +196,7 @@ def _mapped(graph: ProgramGraph, op: OpNode, index: int, shape: tuple[int, ...],
             return (result.index(letter), extent, inner) if letter in result else CONTRACTED
         if inner == 1 and shape[d] == extent and len(shape) == len(out) and _keeps_first(graph, op, d):
             return (d, out[d], 1)
-        return None  # a dim the rule keeps whole (an axis the op works along): not followed
+        return ALONG  # a dim the rule keeps whole: an axis the op works along
     if op.short_name in RESHAPES:
         return _reshaped(shape, dim, out)
     if op.short_name in POSITIONAL and len(shape) <= len(out):  # broadcast into the result, right-aligned

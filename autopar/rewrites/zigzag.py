@@ -37,21 +37,12 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.spmd import ops_where
+from autopar.zigzag_values import along_sequence, zigzag_order
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
 RANDOM = ops_where("random", short=True) | {"dropout"}  # forward ops that draw random numbers
-
-
-def zigzag_order(length: int, cp: int) -> tuple[int, ...]:
-    """The positions in zig-zag order: 2cp chunks, rank i's two (i and 2cp-1-i) side by side."""
-    chunk = length // (2 * cp)
-    order: list[int] = []
-    for rank in range(cp):
-        for piece in (rank, 2 * cp - 1 - rank):
-            order += range(piece * chunk, (piece + 1) * chunk)
-    return tuple(order)
 
 
 @dataclass(frozen=True)
@@ -114,6 +105,19 @@ def zigzag(
     labels = tuple(f"{graph.values[k].label} (dims {list(d)})" if graph.values[k].kind == "feed" else f"{graph.ops[k[0]]} (dims {list(d)})"
                    for k, d in targets.items())  # fmt: skip
     return Zigzag(work, positions, {where[op.id()]: m for op, m in inserted.items()}, labels)
+
+
+def refuse_work_along_the_sequence(graph: ProgramGraph, length: int, cp: int, dim: str) -> None:
+    """``graph``, the reordered program: an op working along a dim that carries the sequence in
+    zig-zag order (a shift of the labels ``x[:, 1:]``, a flip, a cumulative sum, a concat or a
+    gather along it: :func:`autopar.zigzag_values.along_sequence`) computes over the reordered
+    sequence what serial computes over the serial one — not the same values: refused by name."""
+    found = along_sequence(graph, zigzag_order(length, cp))
+    if found:
+        raise AutoparError(
+            f"ContextParallel(balance='zigzag') over {dim!r}: {found[0][1]}; over the reordered sequence it would not "
+            "compute what it computes over yours; use balance=None"
+        )
 
 
 def reordered_feeds(graph: ProgramGraph, length: int) -> dict[ValueKey, ValueKey]:

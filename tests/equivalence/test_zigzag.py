@@ -164,3 +164,27 @@ def test_gpt2_with_dropout_under_zigzag_equals_serial(name):
     if name == "sep2, ring":
         report = autopar.check(dist, gpt2.feeds(config, BATCH, SEQ, 1))
         assert report.clean, str(report)
+
+
+def along_program(along):
+    """x [4, 8, 16] -> linear -> ``along`` (an op working along the sequence) -> mean."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, SEQ, 16], "float32")
+        h = paddle.nn.Linear(16, 16)(x)
+        paddle.optimizer.SGD(0.1).minimize(along(h).mean() * h.mean())
+    return main, startup
+
+
+@pytest.mark.parametrize(("along", "op"), [
+    (lambda h: paddle.flip(h, axis=[1]), "pd_op.flip"),
+    (lambda h: paddle.cumsum(h, axis=1), "pd_op.cumsum"),
+    (lambda h: h[:, 1:] * h[:, :-1], "pd_op.slice"),  # a shift (next-token labels)
+])  # fmt: skip
+def test_an_op_working_along_the_reordered_sequence_is_refused_by_name(along, op):
+    main, startup = along_program(along)
+    mesh = autopar.ProcessMesh([0, 1], ["sep"])
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", "all_gather", "zigzag"))
+    with pytest.raises(autopar.AutoparError, match=rf"balance='zigzag'\) over 'sep': {op}#\d+ works along dim 1 of %\d+\.0 \[4, 8, 16\]"):
+        autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
