@@ -20,7 +20,8 @@ averaged over the tokens are unchanged by a reordering, so the step — loss and
 is the serial one. A value built in the graph from constants alone with a dim of the
 sequence length that is neither of those (nor made from one) cannot be made to follow: it is
 refused by name, and so is a random draw other than dropout (it would draw in the zig-zag
-order, not serial's). A training dropout draws the serial mask and reorders it like its input
+order, not serial's) and an op working along a reordered dim (a shift, a flip, a cumsum:
+:func:`refuse_work_along_the_sequence`). A training dropout draws the serial mask and reorders it like its input
 (passes/dropout_slicing.py, the ring's blocks: passes/ring_blocks.py). Which values carry the
 sequence in zig-zag order, and along which dims, is found on the compiled graph
 (:mod:`autopar.zigzag_values`): the rank plans carry it, fetches are put back in serial order
