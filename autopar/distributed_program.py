@@ -113,12 +113,20 @@ class DistributedProgram:
     def values(self) -> ValueTable:
         """Serial values as the runtime sees them (names, placements, shapes)."""
         graph, prop = self.graph, self.propagation
+        orders = self._sequence_orders()
         infos = {
-            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), prop.made(key))
+            key: ValueInfo(key, v.label, v.kind, tuple(v.shape), v.dtype, prop.dist(key), prop.made(key), orders.get(key))
             for key, v in graph.values.items()
             if key in prop.states
         }
         return ValueTable(graph.by_name, graph.key_of, infos, graph.removed, index_uses(graph))
+
+    def _sequence_orders(self) -> dict[ValueKey, Any]:
+        """``balance="zigzag"``: the values carrying the sequence in zig-zag order
+        (:mod:`autopar.zigzag_values`), which fetches put back in serial order."""
+        from autopar.zigzag_values import sequence_orders
+
+        return sequence_orders(self.graph, self.mesh, self.strategy.context_parallel if self.strategy is not None else None)
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).

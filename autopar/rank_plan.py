@@ -48,6 +48,49 @@ class ValueInfo:
     dtype: str
     placement: DistAttr
     produced: DistAttr
+    order: SequenceOrder | None = None  # the sequence in zig-zag order along some dims (None: serial order)
+
+    def in_serial_order(self, array: np.ndarray) -> np.ndarray:
+        """``array`` (this value as the program holds it, global) in the serial program's order."""
+        return array if self.order is None else self.order.serial(array, self.label)
+
+    def check_fetchable(self) -> None:
+        """Refuse by name, before a step runs, a fetch that could not be returned in serial order."""
+        if self.order is not None:
+            self.order.refuse_unknown(self.label)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOrder:
+    """A value carrying the sequence in zig-zag order (``ContextParallel(balance="zigzag")``).
+    Each of ``dims`` is ``(dim, extent, inner)``: the dim read as ``[outer, extent, inner]``
+    (``outer`` / ``inner``: a batch or hidden dim flattened with the sequence, 1 when not), and
+    along ``extent``, position ``p`` of the program's value holds serial position ``order[p]``
+    (positions past the sequence, as a causal-mask buffer longer than it has, are in place).
+    ``unknown``: why the order is not known — the value cannot be returned in serial order."""
+
+    order: tuple[int, ...]
+    dims: tuple[tuple[int, int, int], ...] = ()
+    unknown: str = ""
+
+    def refuse_unknown(self, label: str) -> None:
+        """Refuse by name a value whose order is not known."""
+        if self.unknown:
+            raise AutoparError(
+                f"{label} carries the sequence in the zig-zag order of ContextParallel(balance='zigzag') and where is not "
+                f"known: {self.unknown}; it cannot be returned in serial order (fetch it with balance=None)"
+            )
+
+    def serial(self, array: np.ndarray, label: str) -> np.ndarray:
+        """``array`` put back in serial order (refused by name where the order is not known)."""
+        self.refuse_unknown(label)
+        array = np.asarray(array)
+        for dim, extent, inner in self.dims:
+            shape = array.shape
+            index = np.array([*self.order, *range(len(self.order), extent)])
+            blocks = array.reshape(*shape[:dim], shape[dim] // (extent * inner), extent, inner, *shape[dim + 1 :])
+            array = np.take(blocks, np.argsort(index), axis=dim + 1).reshape(shape)
+        return array
 
 
 class ValueTable:

@@ -21,6 +21,12 @@ micro-batch its number), and then the rank's box of the micro-batch (pp x dp: it
 
     scaled = dropout(ones(step shape), seed, p)[block k][box]
 
+Under ``ContextParallel(balance="zigzag")`` a dropout whose input carries the sequence in
+zig-zag order (:mod:`autopar.zigzag_values`: attention probabilities on both sequence dims,
+activations on dim 1) is lowered here even unsplit: the serial mask drawn, then reordered along
+those dims (``index_select`` with the zig-zag index) before the box is cut — exactly the serial
+mask's elements, each where the value it multiplies is.
+
 A recomputed dropout reads the forward's kept mask (:mod:`autopar.rewrites.recompute`), which
 is this sliced one: the same elements dropped. Drawing the whole mask costs each rank (and
 each micro-batch) the elementwise work of the whole tensor; it moves no bytes.
@@ -55,6 +61,8 @@ def rewrite(state: CompileState, rp: RankProgram, op: OpNode, sliced: SlicedDrop
     seed = seed_tensor if seed_tensor.initialized() else None
     whole = paddle._C_ops.dropout(ones, seed, p, False, attrs["mode"], attrs["seed"], attrs["fix_seed"])
     scaled, mask = whole, whole.get_defining_op().result(1)
+    if sliced.order is not None:  # the input carries the sequence in zig-zag order: the serial mask reordered alike
+        scaled, mask = (in_zigzag_order(t, sliced.order, drawn, str(op)) for t in (scaled, mask))
     if dim is not None:  # this micro-batch's block of the step's mask: rows [k * n, (k + 1) * n) of dim ``dim``
         if drawn[dim] != shape[dim] * state.micro.count:
             raise AutoparError(
@@ -79,6 +87,27 @@ def rewrite(state: CompileState, rp: RankProgram, op: OpNode, sliced: SlicedDrop
         rp.replaced[op.outputs[1]] = mask
     rp.ops[op.index] = whole.get_defining_op()
     serial.erase()
+
+
+def in_zigzag_order(value: Any, order: Any, shape: list[int], what: str) -> Any:
+    """``value`` (drawn over ``shape`` in serial order) reordered along the dims where ``order``
+    (a :class:`~autopar.rank_plan.SequenceOrder`) says the sequence is in zig-zag order: the
+    same elements, where the reordered program's values they multiply are."""
+    import numpy as np
+    import paddle
+
+    for dim, extent, inner in order.dims:
+        if inner != 1 or shape[dim] != extent:
+            raise AutoparError(
+                f"{what} (training dropout) under ContextParallel(balance='zigzag'): dim {dim} of its input {shape} holds "
+                "the sequence flattened with another dim; its serial mask is not reordered there; use balance=None"
+            )
+        index = paddle.assign(np.array([*order.order, *range(len(order.order), extent)], dtype="int64"))
+        if value.dtype == paddle.uint8:  # (the mask: index_select takes no uint8)
+            value = paddle._C_ops.cast(paddle._C_ops.index_select(paddle._C_ops.cast(value, paddle.int32), index, dim), paddle.uint8)
+        else:
+            value = paddle._C_ops.index_select(value, index, dim)
+    return value
 
 
 def _shaped(value: Any, shape: list[int]) -> Any:

@@ -15,6 +15,7 @@ from autopar.passes.base import CompileState
 from autopar.spmd import get_rule
 from autopar.spmd.lowering import Lowering, OpSite
 from autopar.spmd.registry import lowerings
+from autopar.zigzag_values import sequence_orders
 
 
 def op_site(state: CompileState, op: OpNode) -> OpSite | None:
@@ -23,6 +24,7 @@ def op_site(state: CompileState, op: OpNode) -> OpSite | None:
     if result is None:
         return None
     micro = state.micro
+    orders = sequence_orders(state.graph, state.mesh, state.strategy.context_parallel)  # (zig-zag: the operands' order)
     return OpSite(
         op.name,
         op.attrs,
@@ -32,6 +34,7 @@ def op_site(state: CompileState, op: OpNode) -> OpSite | None:
             micro.split_dim(k) if micro is not None and k is not None and k in micro.placements else None
             for k in op.inputs
         ),
+        tuple(orders.get(k) for k in op.inputs),
     )
 
 

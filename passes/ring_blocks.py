@@ -18,8 +18,11 @@ from autopar.dist_attr import DistAttr, shard_bounds
 from autopar.errors import AutoparError
 from autopar.graph import ValueKey
 from autopar.passes.base import CompileState, RankProgram
+from autopar.passes.dropout_slicing import in_zigzag_order
+from autopar.passes.lowered_ops import op_site
 from autopar.passes.reshard_emission import emit_step, replace_uses
 from autopar.passes.results import RingCore
+from autopar.spmd.dropout import sliced_dropout
 
 NEGATIVE = -1e30  # the running max's start: finite, so exp(m - m') of a fully masked first block is 0, not nan
 
@@ -163,6 +166,9 @@ class RankRing:
         whole = paddle._C_ops.dropout(
             ones, seed if seed.initialized() else None, p, bool(attrs.get("is_test", False)), attrs["mode"], attrs["seed"], attrs["fix_seed"]
         )
+        sliced = sliced_dropout(op_site(self.state, node))  # zig-zag: the serial mask reordered like the probabilities
+        if sliced is not None and sliced.order is not None:
+            whole = in_zigzag_order(whole, sliced.order, list(value.program_shape) if dim is not None else shape, str(node))
         if dim is not None:
             whole = self._micro_batch_block(whole, dim, shape)
         box = self.state.propagation.op_results[index].inputs[0].local_slices(shape, self.rp.rank)

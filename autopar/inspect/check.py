@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -144,7 +144,14 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
     distributed = _distributed_values(dist, keys, feeds)
     use_generator_state(start)
     serial = _serial_values(dist, keys, feeds)
-    return _compare(dist, keys, serial, distributed)
+    in_order = _in_serial_order(dist, keys)
+    if in_order:  # zig-zag: those values compared with your program's, the distributed ones put back in serial order
+        use_generator_state(start)
+        yours = _serial_values(dist, in_order, feeds, dist.serial_program)
+        serial = [{**want, **mine} for want, mine in zip(serial, yours)]
+        drawn = _after_dropout(dist.graph)  # (the reordered run draws its masks in zig-zag order: no reference there)
+        keys = [k for k in keys if k in in_order or k not in drawn]
+    return _compare(dist, keys, serial, distributed, frozenset(in_order))
 
 
 def random_feeds(dist: Any, steps: int = 1, seed: int = 0, int_high: int = 2) -> list[dict[str, np.ndarray]]:
@@ -179,7 +186,7 @@ def _feeds(feeds: Any, steps: int | None) -> list[Mapping[str, Any]]:
 def _keys(dist: Any) -> list[ValueKey]:
     """Every tensor value of the program the runtime can place (vectors are plumbing; constants
     carry their value in the op and every segment makes them again)."""
-    from autopar.op_kinds import CONSTANT_OPS
+    from autopar.op_kinds import CONSTANT_FILLS, CONSTANT_OPS
 
     graph, values = dist.decisions.serial(), dist.values
 
@@ -187,6 +194,8 @@ def _keys(dist: Any) -> list[ValueKey]:
         value, op = graph.values[key], graph.ops[key[0]]
         if key not in values or value.kind in ("vector", "constant") or any(size < 0 for size in value.shape):
             return False  # (a -1 size: an auxiliary output, batch_norm's reserve space)
+        if op.name in CONSTANT_FILLS and all(graph.values[k].kind == "constant" for k in op.inputs if k is not None):
+            return False  # a constant written from attributes (zig-zag's index): every segment makes it again
         return not (op.name in CONSTANT_OPS and not op.inputs)
 
     scaled = in_place_scaled(graph)
@@ -226,18 +235,60 @@ def makers(graph: Any) -> dict[ValueKey, int]:
     return found
 
 
-def _serial_values(dist: Any, keys: list[ValueKey], feeds: list[Mapping[str, Any]]) -> list[dict[ValueKey, np.ndarray]]:
+def _in_serial_order(dist: Any, keys: list[ValueKey]) -> dict[ValueKey, Any]:
+    """``ContextParallel(balance="zigzag")``: the compared values that are values of your
+    program (not made by a rewrite) and whose order is known (``ValueInfo.order``: serial, or
+    the sequence in zig-zag order along known dims) -> your program's Value. They are compared
+    with your program's run, in serial order, so a difference the reordering itself makes is
+    found too; the others (the zig-zag copies, a value whose order is not known) with the
+    reordered serial program's, both in zig-zag order — except where a dropout's mask reaches
+    them (that run draws it in zig-zag order): those are not compared. Empty without zig-zag."""
+    infos = {key: dist.values.info(key) for key in keys}
+    if not any(info.order is not None for info in infos.values()):
+        return {}
+    graph, wanted = dist.graph, set(keys)
+    found = {}
+    for op in dist.serial_program.global_block().ops:
+        for result in op.results():
+            key = graph.key_of(result) if result.initialized() else None
+            if key in wanted and key not in found and (infos[key].order is None or not infos[key].order.unknown):
+                found[key] = result
+    for key in wanted - set(found):  # a recompute clone: its forward twin's Value (the reordered run's dropout is not serial's)
+        forward = graph.ops[key[0]].recomputes
+        twins = graph.ops[forward].outputs if forward is not None else ()
+        twin = twins[key[1]] if key[1] < len(twins) else None
+        if twin in found and (infos[key].order is None or not infos[key].order.unknown):
+            found[key] = found[twin]
+    return found
+
+
+def _after_dropout(graph: Any) -> set[ValueKey]:
+    """The values a training dropout's mask reaches (its results and everything made from them)."""
+    reached: set[ValueKey] = set()
+    for op in graph.ops:
+        if (op.short_name == "dropout" and not op.attrs.get("is_test", False)) or any(k in reached for k in op.inputs if k is not None):
+            reached.update(k for k in op.outputs if k is not None)
+    return reached
+
+
+def _serial_values(dist: Any, keys: Sequence[ValueKey], feeds: list[Mapping[str, Any]], program: Any = None) -> list[dict[ValueKey, np.ndarray]]:
+    """Per step, each of ``keys`` in the serial run of ``program`` (by default the one compile
+    analysed: its ops by key; else a mapping key -> Value of ``program``)."""
     import paddle
 
-    program = dist.decisions.program
-    ops = list(program.global_block().ops)
+    if program is None:
+        program = dist.decisions.program
+        ops = list(program.global_block().ops)
+        fetches = [ops[k[0]].result(k[1]) for k in keys]
+    else:
+        fetches = [keys[k] for k in keys]
     scope, executor = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     out = []
     with paddle.static.scope_guard(scope):
         if dist.serial_startup_program is not None:
             executor.run(dist.serial_startup_program)
         for feed in feeds:
-            arrays = executor.run(program, feed=dict(feed), fetch_list=[ops[k[0]].result(k[1]) for k in keys])
+            arrays = executor.run(program, feed=dict(feed), fetch_list=fetches)
             out.append({k: _numbers(a, dist.values.info(k).dtype) for k, a in zip(keys, arrays)})
     return out
 
@@ -292,7 +343,9 @@ class _Rebuilt:
     split_dim: int | None = None  # (values split over the micro-batches: the dim they are cut along)
 
 
-def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: list[dict]) -> CheckReport:
+def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: list[dict], in_order: frozenset = frozenset()) -> CheckReport:
+    """``in_order``: the keys whose serial value is in serial order (zig-zag: :func:`_in_serial_order`),
+    their distributed value put back in serial order before the comparison."""
     graph = dist.decisions.serial()
     differences: list[Difference] = []
     per_layer: dict[str, list] = {}
@@ -306,10 +359,13 @@ def _compare(dist: Any, keys: list[ValueKey], serial: list[dict], distributed: l
         for key in keys:
             if key not in got:
                 continue  # made on no rank (a value the distributed program does not need)
-            reference = want[_recomputed(graph, key, want)]
+            source = _recomputed(graph, key, want)
+            reference = want[source]
             rebuilt = _rebuild(dist, key, got[key], reference.shape, micro)
             if rebuilt.array is None:
                 continue
+            if source in in_order:
+                rebuilt = _serial_order(dist.values.info(key), rebuilt)
             compared += 1
             maker = made.get(key, key[0])
             terms = scales[key] = max(_term_scale(graph, maker, want), _moved_scale(graph, maker, scales))
@@ -389,6 +445,12 @@ def _rebuild(dist: Any, key: ValueKey, pieces: Mapping[int, Mapping[int, np.ndar
     if pipeline_role is not None and key in pipeline_role.summed:
         return _Rebuilt(np.sum(np.stack(arrays), axis=0), replicas, per_micro_batch=arrays)
     return _Rebuilt(arrays[0], replicas, micro_batch=0, per_micro_batch=arrays)  # the same on every micro-batch
+
+
+def _serial_order(info: Any, rebuilt: _Rebuilt) -> _Rebuilt:
+    """``rebuilt`` (as the program holds it: the sequence in zig-zag order) in serial order."""
+    return replace(rebuilt, array=info.in_serial_order(rebuilt.array),
+                   per_micro_batch=[info.in_serial_order(a) for a in rebuilt.per_micro_batch])  # fmt: skip
 
 
 def _replica_mismatch(reduced: Mapping[int, np.ndarray], placement: Any, shape: tuple[int, ...]) -> str:

@@ -54,7 +54,7 @@ from autopar.rewrites.stage_norms import stage_norms
 from autopar.rewrites.stage_overflow import stage_overflow_checks
 from autopar.rewrites.static_shapes import static_shapes as constant_shapes
 from autopar.rewrites.whole_feeds import whole_feed_copies
-from autopar.rewrites.zigzag import reordered_feeds, zigzag
+from autopar.rewrites.zigzag import refuse_work_along_the_sequence, reordered_feeds, zigzag
 from autopar.shared_parameters import owner_meshes, reader_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
@@ -427,6 +427,7 @@ class ZigzagOrder(Rewrite):
         feeds = [k for k, v in work.graph.values.items() if v.kind == "feed" and len(v.shape) >= 2 and v.users and v.shape[1] == length]
         reordered = zigzag(work.program, work.graph, length, work.mesh.dim_size(self.dim), feeds, work.op_meshes, self.dim)
         moved = work.moved(reordered.program, reordered.positions)
+        refuse_work_along_the_sequence(moved["graph"], length, work.mesh.dim_size(self.dim), self.dim)
         return work.reported(self, str(reordered), **{**moved, "op_meshes": {**moved["op_meshes"], **reordered.meshes}})
 
 

@@ -19,9 +19,13 @@ Position-wise ops, attention with its mask and positions reordered alike, and a 
 averaged over the tokens are unchanged by a reordering, so the step — loss and gradients —
 is the serial one. A value built in the graph from constants alone with a dim of the
 sequence length that is neither of those (nor made from one) cannot be made to follow: it is
-refused by name, and so is a random draw (dropout: its mask would be drawn in the zig-zag
-order, not serial's). What is not done: a fetched per-token value (logits) comes back in the
-zig-zag order.
+refused by name, and so is a random draw other than dropout (it would draw in the zig-zag
+order, not serial's) and an op working along a reordered dim (a shift, a flip, a cumsum:
+:func:`refuse_work_along_the_sequence`). A training dropout draws the serial mask and reorders it like its input
+(passes/dropout_slicing.py, the ring's blocks: passes/ring_blocks.py). Which values carry the
+sequence in zig-zag order, and along which dims, is found on the compiled graph
+(:mod:`autopar.zigzag_values`): the rank plans carry it, fetches are put back in serial order
+and ``autopar.check`` compares in serial order.
 """
 
 from __future__ import annotations
@@ -34,21 +38,12 @@ from autopar.errors import AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
 from autopar.spmd import ops_where
+from autopar.zigzag_values import along_sequence, zigzag_order
 
 if TYPE_CHECKING:
     from paddle.pir import Program
 
 RANDOM = ops_where("random", short=True) | {"dropout"}  # forward ops that draw random numbers
-
-
-def zigzag_order(length: int, cp: int) -> tuple[int, ...]:
-    """The positions in zig-zag order: 2cp chunks, rank i's two (i and 2cp-1-i) side by side."""
-    chunk = length // (2 * cp)
-    order: list[int] = []
-    for rank in range(cp):
-        for piece in (rank, 2 * cp - 1 - rank):
-            order += range(piece * chunk, (piece + 1) * chunk)
-    return tuple(order)
 
 
 @dataclass(frozen=True)
@@ -111,6 +106,19 @@ def zigzag(
     labels = tuple(f"{graph.values[k].label} (dims {list(d)})" if graph.values[k].kind == "feed" else f"{graph.ops[k[0]]} (dims {list(d)})"
                    for k, d in targets.items())  # fmt: skip
     return Zigzag(work, positions, {where[op.id()]: m for op, m in inserted.items()}, labels)
+
+
+def refuse_work_along_the_sequence(graph: ProgramGraph, length: int, cp: int, dim: str) -> None:
+    """``graph``, the reordered program: an op working along a dim that carries the sequence in
+    zig-zag order (a shift of the labels ``x[:, 1:]``, a flip, a cumulative sum, a concat or a
+    gather along it: :func:`autopar.zigzag_values.along_sequence`) computes over the reordered
+    sequence what serial computes over the serial one — not the same values: refused by name."""
+    found = along_sequence(graph, zigzag_order(length, cp))
+    if found:
+        raise AutoparError(
+            f"ContextParallel(balance='zigzag') over {dim!r}: {found[0][1]}; over the reordered sequence it would not "
+            "compute what it computes over yours; use balance=None"
+        )
 
 
 def reordered_feeds(graph: ProgramGraph, length: int) -> dict[ValueKey, ValueKey]:
@@ -179,13 +187,14 @@ def _refuse_other_sequence_dims(graph: ProgramGraph, length: int, dim: str) -> N
 
 
 def _refuse_random(graph: ProgramGraph, dim: str) -> None:
-    """A random draw (dropout's mask) over the reordered sequence draws in the zig-zag order:
-    not the serial numbers (drawing serial's and reordering them is not built)."""
+    """A random draw other than dropout's mask over the reordered sequence draws in the zig-zag
+    order: not the serial numbers. (A training dropout is lowered to the serial mask reordered
+    like its input: passes/dropout_slicing.py, passes/ring_blocks.py.)"""
     for op in graph.ops:
-        if op.role is Role.FORWARD and op.short_name in RANDOM:
+        if op.role is Role.FORWARD and op.short_name in RANDOM and op.short_name != "dropout":
             raise AutoparError(
                 f"ContextParallel(balance='zigzag') over {dim!r}: {op} draws random numbers, which over the reordered "
-                "sequence would not be the serial run's (drawing the serial ones and reordering them is not built); "
+                "sequence would not be the serial run's (only dropout's mask is drawn serially and reordered); "
                 "use balance=None"
             )
 

@@ -134,6 +134,8 @@ class Executor:
             keys = last_keys  # the same fetch list as last step: no lookups (each leaves bytes behind in Paddle)
         else:
             keys = tuple(self.plan.values.key(item) for item in fetch_list)
+            for key in keys:  # (before the step: a value that could only come back permuted is refused)
+                self.plan.values.info(key).check_fetchable()
             self._last_fetch = (list(fetch_list), keys)
         runner = self._runners.get(keys)
         if runner is None:
@@ -229,13 +231,13 @@ class Executor:
             everyone = [got for got, _ in everyone]
         elif exchange:
             everyone = self.comm.all_gather_object(pieces)
-        if not exchange:
-            return pieces if runner.fetch_keys else []
+        infos = [self.plan.values.info(key) for key in runner.fetch_keys]
+        if not exchange:  # (each in the serial program's order: a zig-zag sequence put back)
+            return [p if p is None else info.in_serial_order(p) for info, p in zip(infos, pieces)] if runner.fetch_keys else []
         out = []
-        for i, key in enumerate(runner.fetch_keys):
-            info = self.plan.values.info(key)
+        for i, info in enumerate(infos):
             by_rank = {r: everyone[r][i] for r in info.produced.mesh.ranks}
-            out.append(assemble(by_rank, info.produced, info.shape, info.dtype))
+            out.append(info.in_serial_order(assemble(by_rank, info.produced, info.shape, info.dtype)))
         return out
 
     def _in_scope(self, runner: Any) -> bool:

@@ -67,6 +67,8 @@ def simulate_plans(
     quiet_paddle_logs()
     values = next(iter(plans.values())).values
     keys = [values.key(item) for item in fetch_list]
+    for key in keys:  # (before any step: a value that could only come back permuted is refused)
+        values.info(key).check_fetchable()
     pipelined = {rank: plan.pipeline.steps for rank, plan in plans.items() if plan.pipeline is not None}
     if pipelined:  # every rank's executable schedule checked together before any runs, links in order
         verify_links(pipelined, fifo=True)
@@ -160,19 +162,21 @@ def run_step(runners: Mapping[int, RankRunner], feed: Mapping[str, Any]) -> None
 def fetched(values: ValueTable, keys: Sequence[Any], runners: Mapping[int, RankRunner]) -> list[np.ndarray]:
     """The step's fetches as global arrays: each rank's whole copy where its program made them
     whole (the copies must agree, NaN equal to NaN: a diverged run returns its NaN, as the
-    serial run does), else assembled from every rank's piece."""
+    serial run does), else assembled from every rank's piece; in the serial program's order
+    (a value carrying the sequence in zig-zag order is put back: ``ValueInfo.in_serial_order``)."""
     pieces = {rank: runner.fetch_pieces() for rank, runner in runners.items()}
     out = []
     for i, key in enumerate(keys):
-        holders = [r for r in values.info(key).produced.mesh.ranks if runners[r].whole]
+        info = values.info(key)
+        holders = [r for r in info.produced.mesh.ranks if runners[r].whole]
         if not holders:
-            out.append(gather(values, key, {r: got[i] for r, got in pieces.items()}))
+            out.append(info.in_serial_order(gather(values, key, {r: got[i] for r, got in pieces.items()})))
             continue
         first = pieces[holders[0]][i]
         for rank in holders[1:]:
             if not np.array_equal(pieces[rank][i], first, equal_nan=True):  # (a diverged run's NaN loss is the same on every rank)
-                raise AutoparError(f"simulate: fetched {values.info(key).label} differs between ranks {holders[0]} and {rank}")
-        out.append(first)
+                raise AutoparError(f"simulate: fetched {info.label} differs between ranks {holders[0]} and {rank}")
+        out.append(info.in_serial_order(first))
     return out
 
 

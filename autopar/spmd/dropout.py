@@ -10,7 +10,9 @@ holding different rows would both draw the serial mask's first rows. So a traini
 a split input is rewritten per rank (:mod:`autopar.passes.dropout_slicing`): each rank draws
 the mask over the serial shape with the op's seed and applies its own box of it — no
 communication; under micro-batching each micro-batch applies its rows of the whole step's
-mask the same way. Without a fixed seed (``fix_seed`` false: ``program.random_seed`` unset) ranks
+mask the same way; under ``ContextParallel(balance="zigzag")``, where the input carries the
+sequence in zig-zag order, the serial mask is reordered alike (its elements, moved with the
+values they multiply). Without a fixed seed (``fix_seed`` false: ``program.random_seed`` unset) ranks
 would draw different masks; that is refused, naming the op, rather than silently diverging.
 dropout_grad multiplies out_grad by the mask: elementwise, linear in out_grad.
 """
@@ -43,20 +45,29 @@ def _dropout_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]
 @dataclass(frozen=True, slots=True)
 class SlicedDropout:
     """A training dropout each rank applies its box of the serial mask with; ``micro_dim``: the
-    dim of its input micro-batching splits (the mask is then drawn over the whole step)."""
+    dim of its input micro-batching splits (the mask is then drawn over the whole step);
+    ``order``: its input's :class:`~autopar.rank_plan.SequenceOrder` when it carries the
+    sequence in zig-zag order (the serial mask is then reordered alike before its box is cut)."""
 
     micro_dim: int | None
+    order: Any = None
 
 
 def sliced_dropout(site: OpSite) -> SlicedDropout | None:
-    """The slicing a training dropout needs: its input split between ranks or micro-batches
-    (None: the local kernel draws the serial mask)."""
+    """The slicing a training dropout needs: its input split between ranks or micro-batches,
+    or in zig-zag order (None: the local kernel draws the serial mask)."""
     if op_key(site.name) != "dropout" or site.attrs.get("is_test", False):
         return None
     required = site.inputs[0] if site.inputs else None
     micro_dim = site.micro_dims[0] if site.micro_dims else None
-    if (required is not None and required.sharded_mesh_dims()) or micro_dim is not None:
-        return SlicedDropout(micro_dim)
+    order = site.orders[0] if site.orders else None
+    if order is not None and order.unknown:
+        raise AutoparError(
+            f"{site.name} (training dropout) under ContextParallel(balance='zigzag'): where its input carries the "
+            f"sequence is not known ({order.unknown}), so the serial mask cannot be reordered like it; use balance=None"
+        )
+    if (required is not None and required.sharded_mesh_dims()) or micro_dim is not None or order is not None:
+        return SlicedDropout(micro_dim, order)
     return None
 
 

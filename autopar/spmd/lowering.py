@@ -32,13 +32,16 @@ from autopar.dist_attr import DistAttr
 class OpSite:
     """What a lowering's ``match`` sees of one op: its name, attributes, the placements its rule
     required of its operands, their global shapes, and the dim of each operand micro-batching
-    splits (None: not micro-batched)."""
+    splits (None: not micro-batched); ``orders``: each operand's
+    :class:`~autopar.rank_plan.SequenceOrder` under ``ContextParallel(balance="zigzag")``
+    (None: in serial order)."""
 
     name: str
     attrs: Mapping[str, Any]
     inputs: tuple[DistAttr | None, ...]
     shapes: tuple[tuple[int, ...] | None, ...]
     micro_dims: tuple[int | None, ...]
+    orders: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
