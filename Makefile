@@ -16,11 +16,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/simple_net_propagation.py
 
+# two workers (pytest-xdist): CI's machine has 2 cores; multi-process tests pick free ports and
+# unique shared-memory names, so two of them may run at once
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check autopar passes cost_model tests examples benchmarks tools
