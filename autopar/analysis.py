@@ -176,7 +176,7 @@ def analysed_program(work: Analysed, plan: CompilePlan, startup_program: Any) ->
     return AnalysedProgram(
         work.graph, propagation, work.mesh, cluster=work.cluster, startup=startup_program, micro=work.micro, recompute=work.recompute,
         sequence=work.sequence, regather=frozenset(regathered(work.recompute, work.graph, plan.pipelined)), rewrites=work.reports,
-        single_stage=plan.single_stage,
+        single_stage=plan.single_stage, zigzag=work.zigzag,
     )  # fmt: skip
 
 

@@ -126,7 +126,7 @@ class DistributedProgram:
         (:mod:`autopar.zigzag_values`), which fetches put back in serial order."""
         from autopar.zigzag_values import sequence_orders
 
-        return sequence_orders(self.graph, self.mesh, self.strategy.context_parallel if self.strategy is not None else None)
+        return sequence_orders(self.graph, self.state.zigzag)
 
     def dist_attr(self, name_or_value: Any) -> DistAttr | tuple[DistAttr, ...]:
         """Placement of a serial value (parameters, feeds and states also by name).

@@ -37,32 +37,30 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
-from autopar.mesh import ProcessMesh
 from autopar.rank_plan import SequenceOrder
-from autopar.spmd import get_rule
+from autopar.spmd import get_rule, trait_values
 from autopar.spmd.base import TensorSpec
 
 CONTRACTED = -1  # a dim its op sums over (its letter not in the result)
 ALONG = -2  # a dim its op works along (its rule keeps it whole: ``1``)
 ALONG_TEXT = "works along"
-RESHAPES = ("reshape", "flatten", "squeeze", "unsqueeze")
-POSITIONAL = ("expand", "cross_entropy_with_softmax", "full_like", "assign", "assign_out_")  # rules without an equation, dims kept in place
-REDUCTIONS = ("sum", "mean", "max", "min", "logsumexp", "prod", "amax", "amin")
+_PASSES = trait_values("zigzag_passes")  # op (short name) -> how the order passes it (declared beside the rules)
+RESHAPES = frozenset(op for op, how in _PASSES.items() if how == "reshape")
+POSITIONAL = frozenset(op for op, how in _PASSES.items() if how == "in_place")  # rules without an equation, dims kept in place
+REDUCTIONS = frozenset(op for op, how in _PASSES.items() if how == "reduces")
 
 
 Dim = tuple[int, int, int]  # (dim, extent, inner): SequenceOrder.dims
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {order: zigzag_values}
 
 
-def sequence_orders(graph: ProgramGraph, mesh: ProcessMesh, context: Any) -> dict[ValueKey, SequenceOrder]:
-    """:func:`zigzag_values` of ``graph`` under ``context`` (a ``ContextParallel``; nothing
-    unless its balance is zig-zag), computed once per graph."""
-    if context is None or context.balance != "zigzag":
+def sequence_orders(graph: ProgramGraph, order: tuple[int, ...] | None) -> dict[ValueKey, SequenceOrder]:
+    """:func:`zigzag_values` of ``graph`` whose sequence the zig-zag rewrite reordered to
+    ``order`` (None: no zig-zag, nothing), computed once per graph."""
+    if order is None:
         return {}
-    order = zigzag_order(_sequence_length(graph), mesh.dim_size(context.dim))
     cached = _FOUND.setdefault(graph, {})
     if order not in cached:
         cached[order] = zigzag_values(graph, order)
@@ -77,13 +75,6 @@ def zigzag_order(length: int, cp: int) -> tuple[int, ...]:
         for piece in (rank, 2 * cp - 1 - rank):
             order += range(piece * chunk, (piece + 1) * chunk)
     return tuple(order)
-
-
-def _sequence_length(graph: ProgramGraph) -> int:
-    """The longest dim 1 among the read feeds of two dims or more: the sequence, as
-    ``autopar.rewrites.context_parallel.sequence_length`` finds it (not imported from there:
-    the rewrites import this module)."""
-    return max((v.shape[1] for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users), default=0)
 
 
 def zigzag_values(graph: ProgramGraph, order: Sequence[int]) -> dict[ValueKey, SequenceOrder]:

@@ -119,6 +119,7 @@ class AnalysedProgram:
     regather: frozenset[ValueKey] = frozenset()  # values gathered again for the backward, not kept from the forward (recompute)
     rewrites: tuple[tuple[str, str], ...] = ()  # (rewrite, its report) of each serial rewrite, in order (autopar.rewrites)
     single_stage: bool = False  # the Strategy's pipeline has one stage: the whole mesh (PipelineConfig(stages=1))
+    zigzag: tuple[int, ...] | None = None  # balance="zigzag": the sequence positions in the order the program holds them
 
 
 _RESULT_FIELDS = {"pipeline": PipelinePlan, "zero_buckets": ZeroBuckets, "site_buckets": SiteBuckets}
@@ -142,6 +143,7 @@ class CompileState:
         self.micro, self.recompute, self.sequence, self.rewrites = analysed.micro, analysed.recompute, analysed.sequence, analysed.rewrites
         self.propagation: PropagationResult = analysed.propagation
         self.regather: frozenset[ValueKey] = analysed.regather
+        self.zigzag = analysed.zigzag
         self.unavailable = ""  # why no rank programs can be built (empty: they can)
         self.stages: list[str] = ["propagated"]
         self._results: dict[type, object] = {}

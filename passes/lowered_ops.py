@@ -24,7 +24,7 @@ def op_site(state: CompileState, op: OpNode) -> OpSite | None:
     if result is None:
         return None
     micro = state.micro
-    orders = sequence_orders(state.graph, state.mesh, state.strategy.context_parallel)  # (zig-zag: the operands' order)
+    orders = sequence_orders(state.graph, state.zigzag)  # (zig-zag: the operands' order)
     return OpSite(
         op.name,
         op.attrs,

@@ -149,7 +149,7 @@ def check(dist: Any, feeds: Sequence[Mapping[str, Any]] | Mapping[str, Any], ste
         use_generator_state(start)
         yours = _serial_values(dist, in_order, feeds, dist.serial_program)
         serial = [{**want, **mine} for want, mine in zip(serial, yours)]
-        drawn = _after_dropout(dist.graph)  # (the reordered run draws its masks in zig-zag order: no reference there)
+        drawn = _after_dropout(dist.decisions.serial())  # (the reordered run draws its masks in zig-zag order: no reference there)
         keys = [k for k in keys if k in in_order or k not in drawn]
     return _compare(dist, keys, serial, distributed, frozenset(in_order))
 
@@ -246,11 +246,11 @@ def _in_serial_order(dist: Any, keys: list[ValueKey]) -> dict[ValueKey, Any]:
     infos = {key: dist.values.info(key) for key in keys}
     if not any(info.order is not None for info in infos.values()):
         return {}
-    graph, wanted = dist.graph, set(keys)
+    graph, wanted = dist.decisions.serial(), set(keys)
     found = {}
     for op in dist.serial_program.global_block().ops:
         for result in op.results():
-            key = graph.key_of(result) if result.initialized() else None
+            key = _key_of(dist, result) if result.initialized() else None
             if key in wanted and key not in found and (infos[key].order is None or not infos[key].order.unknown):
                 found[key] = result
     for key in wanted - set(found):  # a recompute clone: its forward twin's Value (the reordered run's dropout is not serial's)
@@ -260,6 +260,14 @@ def _in_serial_order(dist: Any, keys: list[ValueKey]) -> dict[ValueKey, Any]:
         if twin in found and (infos[key].order is None or not infos[key].order.unknown):
             found[key] = found[twin]
     return found
+
+
+def _key_of(dist: Any, value: Any) -> ValueKey | None:
+    """The key of a Value of your program (None: a value the compile did not analyse)."""
+    try:
+        return dist.key(value)
+    except AutoparError:
+        return None
 
 
 def _after_dropout(graph: Any) -> set[ValueKey]:

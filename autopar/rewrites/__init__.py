@@ -58,6 +58,7 @@ from autopar.rewrites.zigzag import refuse_work_along_the_sequence, reordered_fe
 from autopar.shared_parameters import owner_meshes, reader_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
+from autopar.zigzag_values import zigzag_order
 
 if TYPE_CHECKING:
     from paddle.pir import Program
@@ -81,6 +82,7 @@ class Analysed:
     micro: MicroBatching | None = None
     sequence: SequenceRegions | None = None
     context: ContextSplit | None = None
+    zigzag: tuple[int, ...] | None = None  # the zig-zag rewrite's order of the sequence positions (autopar.zigzag_values)
     reports: tuple[tuple[str, str], ...] = ()  # (rewrite, what it did)
     propagated: PropagationResult | None = dataclasses.field(default=None, compare=False, repr=False)  # when known
 
@@ -428,7 +430,8 @@ class ZigzagOrder(Rewrite):
         reordered = zigzag(work.program, work.graph, length, work.mesh.dim_size(self.dim), feeds, work.op_meshes, self.dim)
         moved = work.moved(reordered.program, reordered.positions)
         refuse_work_along_the_sequence(moved["graph"], length, work.mesh.dim_size(self.dim), self.dim)
-        return work.reported(self, str(reordered), **{**moved, "op_meshes": {**moved["op_meshes"], **reordered.meshes}})
+        order = zigzag_order(length, work.mesh.dim_size(self.dim))
+        return work.reported(self, str(reordered), zigzag=order, **{**moved, "op_meshes": {**moved["op_meshes"], **reordered.meshes}})
 
 
 def apply_all(rewrites: tuple[Rewrite, ...], work: Analysed) -> Analysed:

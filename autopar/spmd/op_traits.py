@@ -30,3 +30,4 @@ declare(
 )
 declare("fused_gemm_epilogue", "linear", matmul_like=True, contracts=True)
 declare("shape", "shape64", neutral_source=True, shape_read=True)
+declare("logsumexp", "prod", "amax", "amin", zigzag_passes="reduces")  # (the zig-zag order through an op without an equation: autopar.zigzag_values)

@@ -90,7 +90,7 @@ register_rule(ADAM, "adam_", "adam", "adamw_", "adamw")
 # assign_out_(x, out) writes x into out in place (a bf16 parameter refreshed from its fp32 master
 # after an update on the master): the destination's placement decides, x is brought to it
 register_rule(OptimizerRule(like_param=(1, 0), outputs=(1,)), "assign_out_")
-declare("assign_out_", cpu_float16=True)  # the float16 parameter refreshed from its master
+declare("assign_out_", cpu_float16=True, zigzag_passes="in_place")  # the float16 parameter refreshed from its master
 # (FLOPs per parameter element, states per parameter) of one update, keyed as the cost model asks
 declare("sgd_", "momentum_", "adam_", "adamw_", updates_parameter=True)
 declare("adamw_", cpu_twinned="on_master")  # no bf16 / fp16 CPU kernel for a low-precision parameter

@@ -94,3 +94,4 @@ register_rule(EquationGradRule(_tie_grad_letters, grad=2, tensors=3, shape_only=
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("max", "mean", "min", normalizing=True)
 declare("sum", norm_plumbing=True, normalizing=True)
+declare("sum", "mean", "max", "min", zigzag_passes="reduces")  # (the zig-zag order through an op without an equation: autopar.zigzag_values)

@@ -107,6 +107,7 @@ TRAIT_MEANINGS: dict[str, str] = {
     "splits_pieces": "takes a tensor apart into equal pieces along one dim (split, concat_grad): pieces placed on the sub-meshes of a mesh dim's shards make it a view, no collective (autopar/sub_meshes.py)",
     "joins_pieces": "puts pieces together, \"concat\" along its axis or \"sum\": pieces from the sub-meshes of a mesh dim's shards make it a view (autopar/sub_meshes.py)",
     "attention_middle": "may stand between an attention core's scores and its softmax: a scale, a mask (autopar.attention_cores)",
+    "zigzag_passes": "how a value's zig-zag order of the sequence passes it when its rule has no equation: \"reshape\" (followed by element count), \"in_place\" (dims kept in place, right-aligned), \"reduces\" (the reduced dims drop out) (autopar.zigzag_values)",
     "triangle": "keeps a matrix's triangle by a diagonal counted from its corner: a block of it shifts the diagonal (ring attention)",
     "optimizer_cost": "an optimizer update's (FLOPs per parameter element, optimizer states per parameter) (cost model)",
 }

@@ -279,3 +279,4 @@ register_rule(EquationGradRule(_transpose_grad_letters, grad=0, tensors=1, resul
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("flatten", "reshape", "squeeze", "unsqueeze", keeps_split=True, passes_ids=True, to_loss=True)
 declare("transpose", keeps_split=True, to_loss=True)
+declare("reshape", "flatten", "squeeze", "unsqueeze", zigzag_passes="reshape")  # (the zig-zag order through an op without an equation: autopar.zigzag_values)

@@ -108,3 +108,4 @@ register_rule(
 # what other stages know of these ops (autopar.spmd.registry.TRAIT_MEANINGS)
 declare("log_softmax", to_loss=True)
 declare("softmax", keeps_split=True, to_loss=True)
+declare("cross_entropy_with_softmax", zigzag_passes="in_place")  # (the zig-zag order through an op without an equation: autopar.zigzag_values)
