@@ -26,11 +26,11 @@ parallel step).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
+
+from timing import median_simulated_step  # noqa: E402  (benchmarks/timing.py)
 
 LLAMA3_8B = {"heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "ffn": 14336, "layers": 32}
 SEQS = (4096, 32768, 131072)
@@ -92,7 +92,6 @@ def measured(cps: tuple[int, ...], steps: int = 3) -> list[str]:
     from autopar.cost_model.comm import coefficients
     from autopar.errors import AutoparError
     from autopar.inspect.cost_report import program_saved_bytes
-    from autopar.runtime.simulator import simulate
     from autopar.testing.serial import random_feeds
     from autopar.testing.zoo import llama
 
@@ -122,14 +121,9 @@ def measured(cps: tuple[int, ...], steps: int = 3) -> list[str]:
             sent = sum(coefficients(str(c.kind), len(c.group), c.bytes)[1] for c in comms) / config.n_layers
             kept = program_saved_bytes(dist.rank_plan(0, backend="host").program)  # (carriers in place: permute has no native op)
             feeds = random_feeds(seed.feeds, steps + 1, classes=config.vocab_size)
-            simulate(dist, feeds[:1], [seed.loss])
-            times = []
-            for feed in feeds[1:]:
-                start = time.perf_counter()
-                simulate(dist, [feed], [seed.loss])
-                times.append(time.perf_counter() - start)
+            step = median_simulated_step(dist, feeds, [seed.loss])
             lines.append(f"| {cp} | {method} | {len(dist.comm_ops(0))} | {sent / 1024:.0f} KiB | {kept / 1024:.0f} KiB | "
-                         f"{kept / serial_saved:.3f} | {_ms(statistics.median(times))} |")  # fmt: skip
+                         f"{kept / serial_saved:.3f} | {_ms(step)} |")  # fmt: skip
     return lines
 
 

@@ -29,11 +29,11 @@ same model on one device (ep = 1: the stacked MoE) and on ep = 2 and 4.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
+
+from timing import median_simulated_step  # noqa: E402  (benchmarks/timing.py)
 
 MIXTRAL = {"hidden": 4096, "ffn": 14336, "experts": 8, "top_k": 2, "tokens": 4096}
 SMALL = {"dim": 64, "n_experts": 4, "expert_hidden": 256, "n_layers": 2, "vocab_size": 64, "batch": 8, "seq": 16}
@@ -122,7 +122,6 @@ def priced_compiled() -> list[str]:
 
 
 def measured(steps: int = 3) -> list[str]:
-    from autopar.runtime.simulator import simulate
     from autopar.testing.zoo import moe
 
     config = _config()
@@ -135,14 +134,9 @@ def measured(steps: int = 3) -> list[str]:
     ]
     for ep in (1, 2, 4):
         seed, dist = _compiled(ep)
-        simulate(dist, feeds[:1], [seed.loss])
-        times = []
-        for feed in feeds[1:]:
-            start = time.perf_counter()
-            simulate(dist, [feed], [seed.loss])
-            times.append(time.perf_counter() - start)
+        step = median_simulated_step(dist, feeds, [seed.loss])
         name = "one device (the stacked MoE)" if ep == 1 else f"ep={ep}"
-        lines.append(f"| {name} | {len(dist.comm_ops(0))} | {statistics.median(times) * 1e3:,.1f} ms |")
+        lines.append(f"| {name} | {len(dist.comm_ops(0))} | {step * 1e3:,.1f} ms |")
     return lines
 
 

@@ -19,3 +19,17 @@ def median_time(run: Callable[[], object], runs: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def median_simulated_step(dist: object, feeds: list, fetch_list: list) -> float:
+    """Median seconds of one ``autopar.simulate`` step of ``dist`` over ``feeds[1:]``, after a
+    first step on ``feeds[0]`` (which builds the rank programs: not a step's cost)."""
+    from autopar.runtime.simulator import simulate
+
+    simulate(dist, feeds[:1], fetch_list)
+    times = []
+    for feed in feeds[1:]:
+        start = time.perf_counter()
+        simulate(dist, [feed], fetch_list)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -49,11 +49,12 @@ def random_feeds(feeds: Mapping[str, Any], steps: int, seed: int = 0, classes: i
 
 
 def assert_simulation_equals_serial(
-    seed: Any, dist: Any, steps: int = 3, classes: int = 10, feeds: list[dict[str, Any]] | None = None
-) -> None:
+    seed: Any, dist: Any, steps: int = 3, classes: int = 10, feeds: list[dict[str, Any]] | None = None,
+    rtol: float = 1e-5, atol: float = 1e-6,
+) -> None:  # fmt: skip
     """``steps`` random steps of ``dist`` in the simulator and of the seed's serial program from
-    one generator state: losses every step (rtol 1e-5) and parameters after the last (rtol 1e-5,
-    atol 1e-6) equal (``simulate`` also refuses replicated copies that differ). ``feeds``: one
+    one generator state: losses every step (``rtol``) and parameters after the last (``rtol``,
+    ``atol``) equal (``simulate`` also refuses replicated copies that differ). ``feeds``: one
     dict per step instead of random ones."""
     import paddle
 
@@ -65,6 +66,6 @@ def assert_simulation_equals_serial(
     paddle.set_rng_state(start)
     serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
     for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
+        np.testing.assert_allclose(got[0], want[0], rtol=rtol, err_msg=f"loss at step {step}")
     for name, want in serial.parameters.items():
-        np.testing.assert_allclose(result.parameters[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(result.parameters[name], want, rtol=rtol, atol=atol, err_msg=name)

@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.passes.results import RingPlan
-from autopar.runtime.simulator import simulate
 from autopar.testing.models import SeedProgram
-from autopar.testing.serial import random_feeds, run_serial
+from autopar.testing.serial import assert_simulation_equals_serial
 
 RING = autopar.Strategy(context_parallel=autopar.ContextParallel(dim="sep", method="ring"))
 MASKS = ("none", "causal_add", "causal_where", "fed_add", "finite_where", "sdpa", "sdpa_causal", "flash_causal")  # sdpa, flash: Paddle's own
@@ -121,18 +120,6 @@ def test_ring_attention_equals_serial_or_is_refused_by_name(drawn):
     dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
     (ring,) = dist.state.result(RingPlan).cores  # a recomputed core rings again (a part re-run reads kept values)
     assert [c.kind for c in dist.comm_ops(0)].count("permute") == (cp - 1) * (1 if ring.recomputed is None else 2) + cp
-    _assert_equal_to_serial(seed, dist)
+    # 1e-4 / 5e-5: the ring sums the softmax in another order (a wrong block or coefficient is off by 0.08 to 1.6)
+    assert_simulation_equals_serial(seed, dist, steps=2, rtol=1e-4, atol=5e-5)
 
-
-def _assert_equal_to_serial(seed, dist, steps=2):
-    import paddle
-
-    feeds = random_feeds(seed.feeds, steps)
-    start = paddle.get_rng_state()
-    ring = simulate(dist, feeds, [seed.loss])
-    paddle.set_rng_state(start)
-    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
-    for step, (want, got) in enumerate(zip(serial.fetches, ring.fetches)):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-4, err_msg=f"loss at step {step}")
-    for name, want in serial.parameters.items():
-        np.testing.assert_allclose(ring.parameters[name], want, rtol=1e-4, atol=5e-5, err_msg=name)
