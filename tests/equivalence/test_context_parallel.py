@@ -139,3 +139,16 @@ def test_ulysses_moves_q_k_v_in_and_the_output_back_with_one_all_to_all_each(mod
     score_reads = {op.index for op in score_matmuls(gathered)}
     keys = [r for r in gathered.decisions.reshards() if r.op_index in score_reads and r.kinds == ("all_gather",)]
     assert len(keys) == layers  # K gathered whole for each core's scores (V for its second matmul)
+
+
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_a_bidirectional_model_equals_serial(method):
+    """Attention without a causal mask (the zoo's BERT: a padding mask fed with the tokens, no
+    triangle), the sequence split over sep2."""
+    from autopar.testing.zoo import bert
+
+    config, mesh = bert.Config(num_hidden_layers=2), autopar.ProcessMesh([0, 1], ["sep"])
+    seed = bert.build(config, batch=4, seq=8)
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", method))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    assert_simulation_equals_serial(seed, dist, feeds=bert.feeds(config, 4, 8, 3))
