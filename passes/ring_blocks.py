@@ -365,9 +365,13 @@ class RankRing:
 
     # ---- the serial core's ops, and the gathers no one reads any more ---------------------
     def _erase(self) -> None:
+        """Erase the core's ops, then the producers only they read. Producers are held as (id,
+        op) taken while alive, and an erased op is never touched again: a Value or op of an
+        erased op points to freed memory (reading it failed at random)."""
         rp = self.rp
         serial = {op.id() for op in rp.ops if op is not None}
-        dropped: list[Any] = []
+        self._erased: set[int] = set()
+        dropped: list[tuple[int, Any]] = []
         for index in sorted((*self.core.backward, *self.core.recomputed, *self.core.ops), reverse=True):
             op = rp.ops[index]
             if op is None:
@@ -377,25 +381,22 @@ class RankRing:
                 if not result.use_empty():
                     users = ", ".join(user.name() for user in result.all_used_ops())
                     raise AutoparError(f"ring attention: {self.state.graph.ops[index]} of {self.core} is still read by {users}")
-            dropped.extend(op.operands_source())
+            dropped.extend(_producers(op))
             op.erase()
             rp.ops[index] = None
         while dropped:
-            value = dropped.pop()
-            if not value.initialized() or not value.use_empty():
+            ident, producer = dropped.pop()
+            if ident in serial or ident in self._erased or any(not r.use_empty() for r in producer.results()):
                 continue
-            producer = value.get_defining_op()
-            if producer is None or producer.id() in serial or any(not r.use_empty() for r in producer.results()):
-                continue
-            dropped.extend(producer.operands_source())
+            dropped.extend(_producers(producer))
             self._forget(producer)
             producer.erase()
 
     def _erase_readers(self, value: Any, serial: set[int]) -> None:
         """Erase the inserted ops (reshards of the core's values) that read ``value`` and whose
         results no one reads any more, readers of readers first."""
-        for user in list(value.all_used_ops()):
-            if user.id() in serial:
+        for ident, user in [(user.id(), user) for user in value.all_used_ops()]:  # (ids read while alive)
+            if ident in serial or ident in self._erased:
                 continue
             for result in user.results():
                 self._erase_readers(result, serial)
@@ -406,9 +407,18 @@ class RankRing:
     def _forget(self, op: Any) -> None:
         """Drop the records of an inserted op about to be erased (its collective, its result)."""
         rp, ident = self.rp, op.id()
+        self._erased.add(ident)
         rp.collectives[:] = [(c, i) for c, i in rp.collectives if i != ident]
         for table in (rp.resharded, rp.final, rp.replaced):
             for key in [k for k, v in table.items() if any(v.is_same(r) for r in op.results())]:
                 del table[key]
 
 
+def _producers(op: Any) -> list[tuple[int, Any]]:
+    """The ops making ``op``'s operands, as (id, op), read while they are alive."""
+    found = []
+    for value in op.operands_source():
+        producer = value.get_defining_op() if value.initialized() else None
+        if producer is not None:
+            found.append((producer.id(), producer))
+    return found
