@@ -8,8 +8,9 @@ when the program has stacked experts (:func:`autopar.suggest.annotations.expert_
 expert parallelism, the experts split by expert over an ``ep`` mesh dim after data, the batch
 over data x expert (GShard's groups) — and
 a Strategy: the ZeRO stage (with data parallelism), sequence parallelism (with tensor
-parallelism), the context-parallel method (with context parallelism: those compile builds,
-:func:`context_methods`), recompute, and
+parallelism), the context-parallel method (with context parallelism: every
+``ContextParallel.method``; one compile refuses is kept among the skipped plans, with its
+reason), recompute, and
 for a pipeline the micro-batch count and schedule (the stage cut is automatic: balanced by
 predicted time), without one the micro-batches gradients are accumulated over. A shape is skipped, with the reason kept, where the program cannot take it:
 the batch does not divide over the data ranks, nothing is found to split over tensor ranks
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.mesh import ProcessMesh
-from autopar.strategy import ContextParallel, PipelineConfig, Strategy
+from autopar.strategy import CONTEXT_PARALLEL_METHODS, ContextParallel, PipelineConfig, Strategy
 
 SCHEDULES = ("1F1B", "ZBH1")
 
@@ -114,22 +115,11 @@ def most_stages(graph: Any) -> int:
     return max(len({path_of(op) for op in forward if path_of(op)}), 1)
 
 
-def context_methods() -> tuple[str | None, ...]:
-    """The context-parallel methods tried on a shape with context parallelism: every
-    ``ContextParallel.method`` once compile builds the field (a method it refuses is kept among
-    the skipped plans, with compile's reason); until then None — no Strategy field, the
-    sequence split by the annotations alone, which propagation carries through attention by
-    gathering k and v whole each layer (the all-gather-KV plan)."""
-    from autopar.strategy import CONTEXT_PARALLEL_METHODS, NOT_YET
-
-    return (None,) if "context_parallel" in NOT_YET else tuple(CONTEXT_PARALLEL_METHODS)
-
-
 def strategies(shape: Shape, batch: int, cluster: str | None) -> Iterator[Strategy]:
     """The strategies tried on ``shape`` for a global ``batch`` (see the module docstring)."""
     zero_stages = (0, 1, 2, 3) if shape.dp > 1 else (0,)
     sequence = (False, True) if shape.mp > 1 else (False,)
-    context = [None if m is None else ContextParallel(CONTEXT_DIM, m) for m in context_methods()] if shape.cp > 1 else [None]
+    context = [ContextParallel(CONTEXT_DIM, m) for m in CONTEXT_PARALLEL_METHODS] if shape.cp > 1 else [None]
     pipelines: list[PipelineConfig | None] = [None]
     rows = batch // shape.data
     if shape.pp > 1:  # p, 2p, 4p micro-batches, or one row each (Megatron's m = B / d: the least bubble)
