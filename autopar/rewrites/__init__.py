@@ -37,6 +37,7 @@ from autopar.rewrites.context_parallel import (
     head_splits,
     sequence_after,
     sequence_carriers,
+    sequence_feeds,
     sequence_length,
 )
 from autopar.rewrites.dead_ops import dead_ops
@@ -426,7 +427,7 @@ class ZigzagOrder(Rewrite):
 
     def apply(self, work: Analysed) -> Analysed:
         length = sequence_length(work.graph, self.dim)
-        feeds = [k for k, v in work.graph.values.items() if v.kind == "feed" and len(v.shape) >= 2 and v.users and v.shape[1] == length]
+        feeds = [v.key for v in sequence_feeds(work.graph) if v.shape[1] == length]
         reordered = zigzag(work.program, work.graph, length, work.mesh.dim_size(self.dim), feeds, work.op_meshes, self.dim)
         moved = work.moved(reordered.program, reordered.positions)
         refuse_work_along_the_sequence(moved["graph"], length, work.mesh.dim_size(self.dim), self.dim)

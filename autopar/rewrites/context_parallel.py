@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from autopar.attention_cores import AttentionCore
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
-from autopar.graph import ProgramGraph, ValueKey
+from autopar.graph import ProgramGraph, ValueKey, ValueNode
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult
 
@@ -115,9 +115,14 @@ class ContextSplit:
         return text
 
 
+def sequence_feeds(graph: ProgramGraph) -> list[ValueNode]:
+    """The read feeds of two dims or more: those that may carry the sequence (module docstring)."""
+    return [v for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
+
+
 def sequence_length(graph: ProgramGraph, dim: str) -> int:
-    """The longest dim 1 among the feeds of two dims or more (module docstring)."""
-    lengths = [v.shape[SEQ_DIM] for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
+    """The longest dim 1 among :func:`sequence_feeds` (module docstring)."""
+    lengths = [v.shape[SEQ_DIM] for v in sequence_feeds(graph)]
     if not lengths:
         raise AutoparError(
             f"Strategy.context_parallel over {dim!r}: the program has no feed of two dims or more ([batch, seq, ...]) "
@@ -135,7 +140,7 @@ def sequence_carriers(
     their placements (module docstring). ``stand_ins``: a feed read through a reordered copy
     of it (:mod:`.zigzag`) -> that copy, which is placed instead of the feed."""
     length = sequence_length(graph, dim)
-    feeds = [v for v in graph.values.values() if v.kind == "feed" and len(v.shape) >= 2 and v.users]
+    feeds = sequence_feeds(graph)
     copies = [graph.values[key] for key in sorted(stage_copies) if len(graph.values[key].shape) >= 2]
     stand_ins = stand_ins or {}
     found, placed = [], {}
