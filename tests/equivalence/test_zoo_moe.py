@@ -149,22 +149,15 @@ def adamw_floor():
     """The fp32 floor of 3 AdamW steps of the local MoE on dp x ep (4 groups of one row each):
     per parameter, how far the serial program moves when the batch's rows come in another order
     (the groups permuted: the same sums, added in another order)."""
-    import numpy as np
     import paddle
 
-    from autopar.testing.serial import run_serial
+    from autopar.testing.serial import row_order_floor
 
     config, mesh = moe.Config(n_layers=1), MESHES["dp x ep"]
     with paddle.utils.unique_name.guard():  # (the parameters named as in each test's build)
         seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local", optimizer="adamw")
     feeds = moe.feeds(config, 4, 8, 3)
-    permuted = [{k: v[[2, 0, 3, 1]] for k, v in f.items()} for f in feeds]
-    start = paddle.get_rng_state()
-    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
-    paddle.set_rng_state(start)
-    other = run_serial(seed.main, seed.startup, permuted, [seed.loss])
-    paddle.set_rng_state(start)
-    floor = {n: float(np.max(np.abs(other.parameters[n] - w))) for n, w in serial.parameters.items()}
+    serial, floor = row_order_floor(seed, feeds, [2, 0, 3, 1])
     return config, feeds, serial, floor
 
 

@@ -1,0 +1,101 @@
+"""The zoo MoE's stacked experts (GSPMD's formulation: ``moe.build(..., experts="stacked")``)
+routed per group of tokens lined up with the batch split (``Config(router_groups=g)``, g the
+ranks splitting the batch: ep2 g=2, ep4 g=4, dp x ep g=4, ep x mp g=2). Each rank's tokens are
+then whole groups: the router runs on them with no collective, and on the GPU profile the
+dispatch and the combine are one all_to_all each way per MoE layer, as the local experts'
+(tests/equivalence/test_zoo_moe.py). Equal to serial with SGD, and with AdamW within the fp32
+floor (serial against serial with the groups in another order)."""
+
+import numpy as np
+import paddle
+import pytest
+
+import autopar
+from autopar.testing.serial import assert_simulation_equals_serial, row_order_floor
+from autopar.testing.zoo import moe
+
+M = autopar.ProcessMesh
+BATCH, SEQ = 4, 8
+# name -> (mesh, router groups: the ranks splitting the batch)
+LINED_UP = {
+    "ep2": (M([0, 1], ["ep"]), 2),
+    "ep4": (M([0, 1, 2, 3], ["ep"]), 4),
+    "dp x ep": (M([[0, 1], [2, 3]], ["dp", "ep"]), 4),
+    "ep x mp": (M([[0, 1], [2, 3]], ["ep", "mp"]), 2),  # Megatron's tensor-parallel attention beside the experts
+}
+GPU = autopar.Strategy(cluster="h100-node")
+
+
+def _build(name: str, optimizer: str = "sgd") -> tuple[moe.Config, object]:
+    mesh, groups = LINED_UP[name]
+    config = moe.Config(n_layers=1, router_groups=groups)
+    with paddle.utils.unique_name.guard():  # (the same parameter names in every build of a config)
+        return config, moe.build(config, batch=BATCH, seq=SEQ, mesh=mesh, optimizer=optimizer)
+
+
+@pytest.fixture(scope="module")
+def on_the_gpu_profile():
+    """Each configuration's SGD program compiled for h100-node (built once per module)."""
+    built = {}
+
+    def compiled(name):
+        if name not in built:
+            config, seed = _build(name)
+            built[name] = config, seed, autopar.compile(seed.main, LINED_UP[name][0], startup_program=seed.startup, strategy=GPU)
+        return built[name]
+
+    return compiled
+
+
+@pytest.mark.parametrize("name", list(LINED_UP))
+def test_routing_per_group_lined_up_with_the_batch_split_moves_two_all_to_alls_each_way(on_the_gpu_profile, name):
+    """Rank 0, per MoE layer and step: 2 all_to_alls forward (dispatch to the experts' ranks,
+    combine back to the tokens') and 2 backward, over the ep ranks; nothing else in the MoE
+    layer but gradient syncs (the stacked experts' over their holders: the dp ranks sharing their
+    ep coordinate). On ep x mp the attention's Megatron collectives over mp are the attention's."""
+    config, _, dist = on_the_gpu_profile(name)
+    mesh = LINED_UP[name][0]
+    ep = mesh.dim_names.index("ep")
+    ep_ranks = tuple(r for r in mesh.ranks if all(c == 0 for d, c in enumerate(mesh.coordinate(r)) if d != ep))
+    moved = dist.comm_ops(0)
+    all_to_alls = [c for c in moved if c.kind.value == "all_to_all"]
+    assert len(all_to_alls) == 4 * config.n_layers and {c.group for c in all_to_alls} == {ep_ranks}, all_to_alls
+    others = [c for c in moved if c.kind.value != "all_to_all" and "gradient sync" not in c.reason]
+    assert all("Attention" in c.reason and "MoE" not in c.reason for c in others), [(c.kind.value, c.reason[:90]) for c in others]
+    assert bool(others) == ("mp" in mesh.dim_names)
+    holders = tuple(r for r in mesh.ranks if mesh.coordinate(r)[ep] == mesh.coordinate(0)[ep])
+    expert_syncs = [c for c in moved if "gradient sync" in c.reason and "grad(mo_e" in c.reason]
+    assert all(set(c.group) <= set(holders) for c in expert_syncs), [(c.group, c.reason[:90]) for c in expert_syncs]
+    assert bool(expert_syncs) == ("dp" in mesh.dim_names)  # (over mp each rank computes the same gradient: no sum)
+
+
+@pytest.mark.parametrize("name", list(LINED_UP))
+def test_routing_per_group_lined_up_with_the_batch_split_equals_serial(on_the_gpu_profile, name):
+    """3 SGD steps of the plan counted above, in the simulator: losses and parameters equal serial."""
+    config, seed, dist = on_the_gpu_profile(name)
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, BATCH, SEQ, 3))
+
+
+@pytest.mark.parametrize("name", ["ep4", "dp x ep", "ep x mp"])
+def test_adamw_on_the_stacked_experts_equals_serial_within_the_floor(name):
+    """3 AdamW steps: losses within 1e-5 relative, every parameter within twice its floor (at
+    least 1e-5). The floor: serial against serial with the batch's routing groups permuted
+    (the attention's key bias moves by ~1e-2 there, every other parameter by ~1e-6)."""
+    import autopar.runtime.simulator as simulator
+
+    config, seed = _build(name, "adamw")
+    groups = LINED_UP[name][1]
+    per_group = BATCH // groups
+    order = [2, 0, 3, 1] if groups == 4 else [1, 0]
+    feeds = moe.feeds(config, BATCH, SEQ, 3)
+    serial, floor = row_order_floor(seed, feeds, [g * per_group + r for g in order for r in range(per_group)])
+    dist = autopar.compile(seed.main, LINED_UP[name][0], startup_program=seed.startup)
+    start = paddle.get_rng_state()
+    result = simulator.simulate(dist, feeds, [seed.loss])
+    paddle.set_rng_state(start)
+    for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
+    assert result.parameters.keys() == serial.parameters.keys()
+    for param, want in serial.parameters.items():
+        error = float(np.max(np.abs(result.parameters[param] - want)))
+        assert error <= max(2 * floor[param], 1e-5), (param, error, floor[param])
