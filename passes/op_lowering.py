@@ -3,8 +3,8 @@ lowered).
 
 A rule whose kept split Paddle's kernel cannot run on the local piece declares a
 :class:`~autopar.spmd.lowering.Lowering` (vocabulary-parallel rows, batch statistics over a
-split batch, dropout slicing). This one pass walks them all (:func:`lowered_ops`): at compile
-time it records the mesh dims of the collectives they will emit; per rank it sets the insertion
+split batch, dropout slicing, a scan's carry between shards). This one pass walks them all
+(:func:`lowered_ops`): at compile time it records the mesh dims of the collectives they will emit; per rank it sets the insertion
 point at each matched op of the rank's program and calls the lowering's emitter
 (:data:`EMITTERS`), which replaces the op by what that rank must compute. The emitters emit
 planned reshards (:func:`~autopar.passes.reshard_emission.emit_step`), so they live beside the
@@ -22,13 +22,14 @@ from typing import Any, ClassVar
 
 from autopar.errors import AutoparError
 from autopar.graph import OpNode
-from autopar.passes import batch_norm_stats, dropout_slicing, vocab_parallel
+from autopar.passes import batch_norm_stats, dropout_slicing, scan_carry, vocab_parallel
 from autopar.passes.base import CompileState, Pass, RankProgram
 from autopar.passes.lowered_ops import lowered_ops
 from autopar.passes.results import LoweringGroups
 from autopar.spmd.batch_norm import BATCH_STATISTICS
 from autopar.spmd.dropout import DROPOUT_SLICES
 from autopar.spmd.registry import lowerings
+from autopar.spmd.scan import SCAN_CARRIES
 from autopar.spmd.vocab_parallel import VOCAB_ROWS
 
 Emitter = Callable[[CompileState, RankProgram, OpNode, Any], None]
@@ -39,6 +40,7 @@ EMITTERS: dict[str, Emitter] = {
     VOCAB_ROWS.name: vocab_parallel.rewrite,
     BATCH_STATISTICS.name: batch_norm_stats.rewrite,
     DROPOUT_SLICES.name: dropout_slicing.rewrite,
+    SCAN_CARRIES.name: scan_carry.rewrite,
 }
 
 

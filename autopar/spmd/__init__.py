@@ -29,6 +29,7 @@ from autopar.spmd import (  # noqa: F401  (registration)
     optimizer,
     pad_repeat,
     reduction,
+    scan,
     shape_ops,
     softmax,
 )

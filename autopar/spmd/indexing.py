@@ -1,10 +1,11 @@
-"""Ops that work along one axis: cumsum, flip, roll, index_select / gather, one_hot, and their
-grads (stage: propagate). Each is one equation (:class:`~autopar.spmd.equations.EinsumRule`): the
-axis they work along is whole (a piece of it cannot be scanned, reversed, rolled or indexed
-alone), every other dim keeps its split. cumsum, flip, roll and the selections are linear in
-their tensor, so a pending sum passes through.
+"""Ops that work along one axis: flip, roll, index_select / gather, one_hot, and their grads
+(stage: propagate). Each is one equation (:class:`~autopar.spmd.equations.EinsumRule`): the
+axis they work along is whole (a piece of it cannot be reversed, rolled or indexed alone),
+every other dim keeps its split. flip, roll and the selections are linear in their tensor, so
+a pending sum passes through. (cumsum keeps even its scanned dim's split, with a carry between
+the shards: :mod:`autopar.spmd.scan`.)
 
-    cumsum / flip / roll   a1c -> a1c          (flatten / no axis: every dim whole)
+    flip / roll            a1c -> a1c          (no axis: every dim whole)
     index_select / gather  1b,1 -> 1b          (x, index: the axis and the index whole)
     one_hot                ab -> ab1           (the new class dim whole)
     *_grad                 the same letters, the incoming gradient's pending sum kept
@@ -32,9 +33,9 @@ def _axes(attrs: Mapping[str, Any], ndim: int) -> list[int]:
     return axes_attr(attrs, "axis", ndim) if attrs.get("axis") not in (None, []) else []
 
 
-def _scan(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
-    """cumsum / flip: ``a1c -> a1c``; cumsum with ``flatten`` scans every dim."""
-    names = _along(inputs[0].ndim, attrs, everything=bool(attrs.get("flatten", False)))
+def _flip(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """flip: ``a1c -> a1c``."""
+    names = _along(inputs[0].ndim, attrs)
     return f"{names}->{names}"
 
 
@@ -42,11 +43,6 @@ def _roll(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     """roll with no axis rolls the flattened tensor: every dim whole."""
     names = _along(inputs[0].ndim, attrs, everything=not _axes(attrs, inputs[0].ndim))
     return f"{names}->{names}"
-
-
-def _scan_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
-    names = _scan(inputs[:1], attrs).split("->")[0]
-    return [names, names]
 
 
 def _roll_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
@@ -71,8 +67,7 @@ def _one_hot(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     return f"{names}->{names}1"
 
 
-register_rule(EinsumRule(_scan, linearity="multi", tensors=1), "cumsum", "flip")
-register_rule(EquationGradRule(_scan_letters, grad=1, tensors=2), "cumsum_grad")
+register_rule(EinsumRule(_flip, linearity="multi", tensors=1), "flip")
 register_rule(EinsumRule(_roll, linearity="multi", tensors=1), "roll")
 register_rule(EquationGradRule(_roll_letters, grad=1, tensors=2), "roll_grad")
 register_rule(EinsumRule(_select, linearity="multi", tensors=2), "index_select", "gather")

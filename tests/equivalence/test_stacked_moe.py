@@ -41,7 +41,11 @@ def on_the_gpu_profile():
     def compiled(name):
         if name not in built:
             config, seed = _build(name)
-            built[name] = config, seed, autopar.compile(seed.main, LINED_UP[name][0], startup_program=seed.startup, strategy=GPU)
+            built[name] = (
+                config,
+                seed,
+                autopar.compile(seed.main, LINED_UP[name][0], startup_program=seed.startup, strategy=GPU),
+            )
         return built[name]
 
     return compiled
@@ -61,7 +65,9 @@ def test_routing_per_group_lined_up_with_the_batch_split_moves_two_all_to_alls_e
     all_to_alls = [c for c in moved if c.kind.value == "all_to_all"]
     assert len(all_to_alls) == 4 * config.n_layers and {c.group for c in all_to_alls} == {ep_ranks}, all_to_alls
     others = [c for c in moved if c.kind.value != "all_to_all" and "gradient sync" not in c.reason]
-    assert all("Attention" in c.reason and "MoE" not in c.reason for c in others), [(c.kind.value, c.reason[:90]) for c in others]
+    assert all("Attention" in c.reason and "MoE" not in c.reason for c in others), [
+        (c.kind.value, c.reason[:90]) for c in others
+    ]
     assert bool(others) == ("mp" in mesh.dim_names)
     holders = tuple(r for r in mesh.ranks if mesh.coordinate(r)[ep] == mesh.coordinate(0)[ep])
     expert_syncs = [c for c in moved if "gradient sync" in c.reason and "grad(mo_e" in c.reason]

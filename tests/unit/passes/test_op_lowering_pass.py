@@ -1,5 +1,5 @@
 """Per-op lowerings are declared by rules and walked by one pass (issue 37 item 2): the rules of
-embedding / softmax / cross-entropy, batch_norm and dropout declare theirs
+embedding / softmax / cross-entropy, batch_norm, dropout and cumsum declare theirs
 (autopar/spmd/lowering.py), ``spmd.lowerings()`` lists them in their declared order, and
 passes/op_lowering.py runs every one through the same scaffold (which ops, which ranks, the
 program guard), each lowering adding only an emitter."""
@@ -16,15 +16,17 @@ from autopar.spmd.batch_norm import BATCH_STATISTICS
 from autopar.spmd.dropout import DROPOUT_SLICES
 from autopar.spmd.lowering import Lowering
 from autopar.spmd.registry import register_rule
+from autopar.spmd.scan import SCAN_CARRIES
 from autopar.spmd.vocab_parallel import VOCAB_ROWS
 
 
 def test_the_rules_declare_the_lowerings_and_each_has_an_emitter():
-    assert lowerings() == (VOCAB_ROWS, BATCH_STATISTICS, DROPOUT_SLICES)
+    assert lowerings() == (VOCAB_ROWS, BATCH_STATISTICS, DROPOUT_SLICES, SCAN_CARRIES)
     for op in ("embedding", "embedding_grad", "softmax", "log_softmax_grad", "cross_entropy_with_softmax"):
         assert get_rule(op).lowering is VOCAB_ROWS, op
     assert get_rule("batch_norm_").lowering is get_rule("batch_norm_grad").lowering is BATCH_STATISTICS
     assert get_rule("dropout").lowering is DROPOUT_SLICES and get_rule("dropout_grad").lowering is None
+    assert get_rule("cumsum").lowering is get_rule("cumsum_grad").lowering is SCAN_CARRIES
     assert set(op_lowering.EMITTERS) == {lowering.name for lowering in lowerings()}
 
 
