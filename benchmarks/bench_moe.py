@@ -24,6 +24,14 @@ stacked MoE on one device).
 **Measured** (this machine's CPU, ``autopar.simulate``: every rank in this one process, so the
 step is the sum of the ranks' work, not a parallel step; median of 3 after a warm-up): the
 same model on one device (ep = 1: the stacked MoE) and on ep = 2 and 4.
+
+**Stacked experts, routing over the whole batch against routing per group lined up with the
+batch split** (GSPMD's formulation, ``experts="stacked"``; the same small model): priced on
+h100-node, rank 0's collectives per MoE layer that are not gradient syncs, by kind with their
+nccl-tests sizes and priced seconds, for ``router_groups=1`` (the whole batch: its router's
+statistics summed over the ranks, the ``[experts, capacity, hidden]`` buffer of the global
+capacity reduce-scattered and all-gathered each way) and ``router_groups`` = the ranks splitting
+the batch (2 all_to_alls each way); and measured, the simulated step of each on this machine's CPU.
 """
 
 from __future__ import annotations
@@ -88,7 +96,9 @@ def _compiled(ep: int, optimizer: str = "momentum"):
         mesh = autopar.ProcessMesh([0], ["dp"])
     else:
         mesh = autopar.ProcessMesh(list(range(ep)), ["ep"])
-        seed = moe.build(config, batch=SMALL["batch"], seq=SMALL["seq"], mesh=mesh, experts="local", optimizer=optimizer)
+        seed = moe.build(
+            config, batch=SMALL["batch"], seq=SMALL["seq"], mesh=mesh, experts="local", optimizer=optimizer
+        )
     strategy = autopar.Strategy(cluster="h100-node")
     return seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
 
@@ -98,7 +108,9 @@ def priced_compiled() -> list[str]:
 
     config = _config()
     tokens = SMALL["batch"] * SMALL["seq"]
-    per_layer = MoELayer(tokens, config.dim, config.n_experts, 2, expert_parameters=2 * config.dim * config.expert_hidden)
+    per_layer = MoELayer(
+        tokens, config.dim, config.n_experts, 2, expert_parameters=2 * config.dim * config.expert_hidden
+    )
     experts_total = config.n_layers * expert_memory(per_layer, 1, states=1)
     prices = {ep: _compiled(ep)[1].decisions.price() for ep in (1, 2, 4)}
     held = {ep: price.parameter_memory for ep, price in prices.items()}
@@ -140,6 +152,68 @@ def measured(steps: int = 3) -> list[str]:
     return lines
 
 
+STACKED = {  # name -> (mesh shape, mesh dims, router groups lined up with the batch split)
+    "ep=2": ([0, 1], ["ep"], 2),
+    "ep=4": ([0, 1, 2, 3], ["ep"], 4),
+    "dp=2 x ep=2": ([[0, 1], [2, 3]], ["dp", "ep"], 4),
+}
+
+
+def _stacked(name: str, groups: int):
+    import dataclasses
+
+    import autopar
+    from autopar.testing.zoo import moe
+
+    ranks, dims, _ = STACKED[name]
+    mesh = autopar.ProcessMesh(ranks, dims)
+    config = dataclasses.replace(_config(), router_groups=groups)
+    seed = moe.build(config, batch=SMALL["batch"], seq=SMALL["seq"], mesh=mesh, optimizer="momentum")
+    strategy = autopar.Strategy(cluster="h100-node")
+    return config, seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+
+
+def _per_layer(dist, layers: int) -> tuple[str, int, float, float]:
+    """Rank 0's collectives per layer that are not gradient syncs: by kind (count x sizes), their
+    count, nccl-tests bytes and priced seconds."""
+    moved = [c for c in dist.comm_ops(0) if "gradient sync" not in c.reason]
+    kinds: dict[str, list[int]] = {}
+    for c in moved:
+        kinds.setdefault(c.kind.value, []).append(c.bytes)
+    text = ", ".join(
+        f"{len(b) / layers:g} {kind} ({'/'.join(_bytes(x) for x in sorted(set(b), reverse=True))})"
+        for kind, b in sorted(kinds.items())
+    )
+    return text, len(moved), sum(c.bytes for c in moved) / layers, sum(c.time for c in moved) / layers
+
+
+def stacked_routing(steps: int = 3, measure: bool = True) -> list[str]:
+    from autopar.testing.zoo import moe
+
+    lines = [
+        f"stacked experts (experts='stacked' {SMALL}, top-2, capacity factor 1, Momentum): priced (compiled plan on "
+        "h100-node, no GPU) rank 0's collectives per MoE layer other than gradient syncs"
+        + (
+            f"; measured: simulated step (this machine's CPU, all ranks in one process, median of {steps})"
+            if measure
+            else ""
+        ),
+        "| mesh | router_groups | collectives / layer (rank 0, not gradient syncs) | bytes / layer | priced seconds / layer | priced step |"
+        + (" simulated step (measured) |" if measure else ""),
+        "|---|---|---|---|---|---|" + ("---|" if measure else ""),
+    ]
+    for name, (_, _, lined_up) in STACKED.items():
+        for groups in (1, lined_up):
+            config, seed, dist = _stacked(name, groups)
+            kinds, _, sent, seconds = _per_layer(dist, config.n_layers)
+            row = f"| {name} | {groups} | {kinds} | {_bytes(sent)} | {_us(seconds)} | {_us(dist.decisions.price().step)} |"
+            if measure:
+                feeds = moe.feeds(config, SMALL["batch"], SMALL["seq"], steps + 1)
+                row += f" {median_simulated_step(dist, feeds, [seed.loss]) * 1e3:,.1f} ms |"
+            lines.append(row)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--priced-only", action="store_true")
@@ -150,6 +224,8 @@ def main() -> None:
     if not args.priced_only:
         print()
         print("\n".join(measured()))
+    print()
+    print("\n".join(stacked_routing(measure=not args.priced_only)))
 
 
 if __name__ == "__main__":

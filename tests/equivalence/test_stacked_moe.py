@@ -105,3 +105,23 @@ def test_adamw_on_the_stacked_experts_equals_serial_within_the_floor(name):
     for param, want in serial.parameters.items():
         error = float(np.max(np.abs(result.parameters[param] - want)))
         assert error <= max(2 * floor[param], 1e-5), (param, error, floor[param])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 4), (2, 1, 1, 1, 2)])  # (dp, mp, pp, cp, ep): ep4, dp2 x ep2
+def test_suggests_expert_parallel_plans_price_the_routing_the_program_writes(shape):
+    """``suggest`` prices a plan by compiling it: where the program routes 4 groups and the plan
+    splits the batch over 4 ranks (dp x ep, as suggest annotates stacked experts), rank 0 moves the
+    2 all_to_alls each way and nothing else but gradient syncs, and the plan is priced below the
+    same plan of the whole-batch router (its buffer reduce-scattered and gathered each way)."""
+    from autopar.suggest import price_plan
+
+    prices, kinds = {}, {}
+    for groups in (1, 4):
+        config = moe.Config(n_layers=1, router_groups=groups)
+        with paddle.utils.unique_name.guard():
+            seed = moe.build(config, batch=BATCH, seq=SEQ)
+        plan = price_plan(seed.main, shape, startup_program=seed.startup, cluster="h100-node")
+        moved = [c for c in plan.compile().comm_ops(0) if "gradient sync" not in c.reason]
+        prices[groups], kinds[groups] = plan.price.step, sorted(c.kind.value for c in moved)
+    assert kinds[4] == ["all_to_all"] * 4 and "reduce_scatter" in kinds[1]
+    assert prices[4] < prices[1]
