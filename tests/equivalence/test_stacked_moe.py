@@ -125,3 +125,28 @@ def test_suggests_expert_parallel_plans_price_the_routing_the_program_writes(sha
         prices[groups], kinds[groups] = plan.price.step, sorted(c.kind.value for c in moved)
     assert kinds[4] == ["all_to_all"] * 4 and "reduce_scatter" in kinds[1]
     assert prices[4] < prices[1]
+
+
+def test_whole_batch_routing_keeps_the_token_split_through_the_router():
+    """router_groups=1 on ep2 (h100-node): topk, one_hot and the cumsum over token slots keep the
+    tokens' split; rank 0 moves only the router's sums over the tokens (the aux loss's means, the
+    first choices' counts: all_reduces of a few values), one all_gather of each shard's totals per
+    cumsum (2 rows of E), and the [experts, capacity, hidden] buffer of the global capacity:
+    reduce-scattered to the experts and gathered back, each way. That buffer is summed over the
+    ranks because each rank's tokens fill slots anywhere in the global capacity; routing per group
+    moves it as all_to_alls of 1/ep of it (the test above). Equal to serial:
+    tests/equivalence/test_zoo_moe.py::test_the_zoo_moe_equals_serial (router_groups=1)."""
+    config = moe.Config(n_layers=1)
+    mesh = LINED_UP["ep2"][0]
+    with paddle.utils.unique_name.guard():
+        seed = moe.build(config, batch=BATCH, seq=SEQ, mesh=mesh)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=GPU)
+    moved = [c for c in dist.comm_ops(0) if "gradient sync" not in c.reason]
+    carries = [c for c in moved if c.reason.startswith("scan carry")]
+    assert [(c.kind.value, c.bytes) for c in carries] == [("all_gather", 2 * config.n_experts * 4)] * 2
+    buffer = config.n_experts * moe.capacity(config, BATCH * SEQ) * config.dim * 4
+    big = sorted((c.kind.value, c.bytes) for c in moved if c.bytes > 64)
+    assert big == [("all_gather", buffer)] * 2 + [("reduce_scatter", buffer)] * 2
+    rest = [c for c in moved if c not in carries and c.bytes <= 64]
+    assert rest and all(c.kind.value == "all_reduce" for c in rest), [(c.kind.value, c.reason[:80]) for c in rest]
+    assert len(moved) == len(carries) + len(big) + len(rest)
