@@ -85,8 +85,8 @@ def test_routing_per_group_lined_up_with_the_batch_split_equals_serial(on_the_gp
 @pytest.mark.parametrize("name", ["ep4", "dp x ep", "ep x mp"])
 def test_adamw_on_the_stacked_experts_equals_serial_within_the_floor(name):
     """3 AdamW steps: losses within 1e-5 relative, every parameter within twice its floor (at
-    least 1e-5). The floor: serial against serial with the batch's routing groups permuted
-    (the attention's key bias moves by ~1e-2 there, every other parameter by ~1e-6)."""
+    least 1e-5). The floor: serial against serial with the batch's routing groups permuted (the
+    same sums added in another order; autopar.testing.serial.row_order_floor, as the local experts')."""
     import autopar.runtime.simulator as simulator
 
     config, seed = _build(name, "adamw")
