@@ -80,3 +80,28 @@ def test_the_first_shard_takes_part_in_the_gather_and_adds_nothing():
 def test_a_scan_along_a_micro_batched_dim_is_refused_by_name():
     with pytest.raises(AutoparError, match=r"micro-batching: pd_op\.cumsum scans dim 0 .* one micro-batch's scan"):
         _scanned(M([0, 1], ["dp"]), {"dp": 0}, micro_batches=2)
+
+
+def test_a_pending_sum_passes_through_the_scan():
+    """A row-parallel product (pending a sum over mp) scanned along its rows (split over dp): each
+    rank carries its own term's totals over dp, and the sum over mp is made after the scan, where
+    square needs it complete. Equal to serial."""
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    mesh = M([[0, 1], [2, 3]], ["dp", "mp"])
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [ROWS, WIDTH], "float32")
+        linear = paddle.nn.Linear(WIDTH, WIDTH, bias_attr=False)
+        loss = paddle.mean(paddle.square(paddle.cumsum(linear(x), axis=0)))
+        make_optimizer("sgd").minimize(loss)
+    annotate(x, mesh, dp=0, mp=1)
+    annotate(linear.weight, mesh, mp=0)
+    dist = autopar.compile(main, mesh, startup_program=startup)
+    moved = [
+        (c.kind.value, c.group, c.reason.split(":")[0].split(" in ")[0])
+        for c in dist.comm_ops(0)
+        if "gradient sync" not in c.reason
+    ]
+    carry = ("all_gather", (0, 2), "scan carry")  # (over dp only: the pending sum over mp kept)
+    assert moved == [carry, ("all_reduce", (0, 1), "row-parallel output"), carry]
+    assert_simulation_equals_serial(SeedProgram(main, startup, {"x": x}, loss, {}), dist, steps=2)
