@@ -391,7 +391,8 @@ def _communication(
                 out[rank][once] += seconds + (_stretch(step.kind, group, cluster, processes) if shared else 0.0)
                 out[rank][2 + once] += moved
                 out[rank][4 + once] += 1
-    for op, plan in _row_reshards(state, precision):  # (a vocabulary-parallel row's all_reduces, emitted by its rewrite)
+    # (a vocabulary-parallel row's all_reduces, a split scan's carry: emitted by their lowerings)
+    for op, plan in [*_row_reshards(state, precision), *_scan_carries(state)]:
         once = int(op.role is Role.OPTIMIZER)
         for step in plan.steps:
             for rank, group in [] if step.kind.is_local else _taking_part(step, ranks):
@@ -448,6 +449,17 @@ def _bucket_seconds(state: CompileState, bucket: Any, by_index: dict[int, Any], 
         return bucket.time * ratio, int(bucket.bytes * ratio)
     kind, group = found
     return rescaled_time(kind.value, group, bucket.bytes, bucket.time, ratio, state.cluster), int(bucket.bytes * ratio)
+
+
+def _scan_carries(state: CompileState) -> list[tuple[Any, Any]]:
+    """The all_gathers of the shards' totals a cumsum along a split dim adds
+    (:mod:`autopar.passes.scan_carry`): (op, planned reshard) each, in the value's dtype (a few
+    rows: the precision a program is priced in does not change their fixed costs)."""
+    from autopar.passes.lowered_ops import lowered_ops
+    from autopar.passes.scan_carry import carry_plan
+    from autopar.spmd.scan import SCAN_CARRIES
+
+    return [(op, carry_plan(state, op, carry)[0]) for _, op, carry in lowered_ops(state, SCAN_CARRIES)]
 
 
 def _row_reshards(state: CompileState, precision: Precision = AS_BUILT) -> list[tuple[Any, Any]]:

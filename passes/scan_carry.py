@@ -19,6 +19,7 @@ sum of x stays pending (the totals keep it). The op stays; its readers read ``ou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,18 +63,26 @@ def rewrite(state: CompileState, rp: RankProgram, op: OpNode, carry: ScanCarry) 
     rp.replaced[op.outputs[0]] = out
 
 
+def carry_plan(state: CompileState, op: OpNode, carry: ScanCarry) -> tuple[Any, tuple[int, ...]]:
+    """The planned reshard ``S(axis) -> R`` of the shards' totals (``parts`` rows along the
+    scanned dim, pending sums kept) and their global shape: what :func:`rewrite` emits and
+    :mod:`autopar.pricing` prices."""
+    slot = 1 if op.short_name == "cumsum_grad" else 0
+    value = state.graph.values[op.inputs[slot]]
+    shape = list(value.shape)
+    shape[carry.axis] = math.prod(carry.dist.mesh.shape[d] for d in carry.mesh_dims)  # (parts)
+    src = carry.dist
+    dst = src.with_mapping([() if d == carry.axis else dims for d, dims in enumerate(src.mapping)])
+    return plan_reshard(src, dst, tuple(shape), value.dtype, state.cluster), tuple(shape)
+
+
 def _all_gather(
     state: CompileState, rp: RankProgram, op: OpNode, carry: ScanCarry, total: Any, value: Any, parts: int
 ) -> Any:
-    """Every shard's total on every rank of the scanned dim's mesh dims: the planned reshard
-    ``S(axis) -> R`` of the ``parts`` rows (pending sums kept)."""
-    shape = list(value.shape)
-    shape[carry.axis] = parts
-    src = carry.dist
-    dst = src.with_mapping([() if d == carry.axis else dims for d, dims in enumerate(src.mapping)])
-    plan = plan_reshard(src, dst, tuple(shape), value.dtype, state.cluster)
-    names = "/".join(src.mesh.dim_names[d] for d in carry.mesh_dims)
-    totals = TotalsValue(f"{value.label}.shard_totals", tuple(shape), value.dtype)
+    """Every shard's total on every rank of the scanned dim's mesh dims (:func:`carry_plan`)."""
+    plan, shape = carry_plan(state, op, carry)
+    names = "/".join(carry.dist.mesh.dim_names[d] for d in carry.mesh_dims)
+    totals = TotalsValue(f"{value.label}.shard_totals", shape, value.dtype)
     reason = (
         f"{in_layer('scan carry', layer_of(state.graph, op.index))}: {op} scans {value.label} along dim "
         f"{carry.axis}, split over {names}: all_gather of each shard's total ({parts} rows) for the carry"

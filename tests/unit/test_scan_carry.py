@@ -17,7 +17,7 @@ M = autopar.ProcessMesh
 ROWS, WIDTH = 8, 6
 
 
-def _scanned(mesh, splits, exclusive=False, reverse=False, micro_batches=None):
+def _scanned(mesh, splits, exclusive=False, reverse=False, micro_batches=None, cluster=None):
     """``loss = mean(cumsum(x @ w, axis=0)²)``, x's rows split by ``splits`` (mesh dim -> 0)."""
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
@@ -29,7 +29,7 @@ def _scanned(mesh, splits, exclusive=False, reverse=False, micro_batches=None):
         make_optimizer("sgd").minimize(loss)
     annotate(x, mesh, **splits)
     seed = SeedProgram(main, startup, {"x": x}, loss, {})
-    strategy = autopar.Strategy(fuse_allreduce=False)
+    strategy = autopar.Strategy(fuse_allreduce=False, cluster=cluster)
     if micro_batches:
         strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, stages=1))
     return seed, autopar.compile(main, mesh, startup_program=startup, strategy=strategy)
@@ -105,3 +105,18 @@ def test_a_pending_sum_passes_through_the_scan():
     carry = ("all_gather", (0, 2), "scan carry")  # (over dp only: the pending sum over mp kept)
     assert moved == [carry, ("all_reduce", (0, 1), "row-parallel output"), carry]
     assert_simulation_equals_serial(SeedProgram(main, startup, {"x": x}, loss, {}), dist, steps=2)
+
+
+def test_the_carry_is_priced_as_it_is_emitted():
+    """The step's price counts each rank's carries (autopar/pricing.py): its per-micro-batch
+    collectives are the ones it moves that are not gradient syncs, at the carries' planned
+    seconds and sizes (h100-node: no CPU cores shared by the processes, whose stretch of the
+    fixed costs the planned times leave out)."""
+    from autopar.pricing import rank_times
+
+    _, dist = _scanned(*CASES["dp4"], cluster="h100-node")
+    (times,) = rank_times(dist.state, [0]).values()
+    carries = [c for c in dist.comm_ops(0) if c.reason.startswith("scan carry")]
+    assert times.per_micro_collectives == len(carries) == 2
+    assert times.per_micro_comm == pytest.approx(sum(c.time for c in carries))
+    assert times.per_micro_sent == sum(c.bytes for c in carries)  # (counted as the vocabulary rows' are: their size)
