@@ -69,21 +69,3 @@ def assert_simulation_equals_serial(
         np.testing.assert_allclose(got[0], want[0], rtol=rtol, err_msg=f"loss at step {step}")
     for name, want in serial.parameters.items():
         np.testing.assert_allclose(result.parameters[name], want, rtol=rtol, atol=atol, err_msg=name)
-
-
-def row_order_floor(seed: Any, feeds: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> tuple[SerialResult, dict[str, float]]:
-    """The fp32 floor of ``seed``'s serial program over ``feeds``: per parameter, how far it
-    moves after the last step when every feed's rows come in the order ``rows`` (the same
-    sums, added in another order; ``rows`` must permute whole routing groups, or the program
-    computes something else). Returns the serial run in the given order and the floor. A
-    distributed run sums in yet another order, so it is held to a small multiple of this."""
-    import paddle
-
-    permuted = [{k: np.asarray(v)[list(rows)] for k, v in feed.items()} for feed in feeds]
-    start = paddle.get_rng_state()
-    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
-    paddle.set_rng_state(start)
-    other = run_serial(seed.main, seed.startup, permuted, [seed.loss])
-    paddle.set_rng_state(start)
-    floor = {n: float(np.max(np.abs(other.parameters[n] - w))) for n, w in serial.parameters.items()}
-    return serial, floor

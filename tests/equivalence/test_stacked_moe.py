@@ -11,7 +11,8 @@ import paddle
 import pytest
 
 import autopar
-from autopar.testing.serial import assert_simulation_equals_serial, row_order_floor
+from autopar.testing.processes import reordered_floor
+from autopar.testing.serial import assert_simulation_equals_serial, run_serial
 from autopar.testing.zoo import moe
 
 M = autopar.ProcessMesh
@@ -86,7 +87,7 @@ def test_routing_per_group_lined_up_with_the_batch_split_equals_serial(on_the_gp
 def test_adamw_on_the_stacked_experts_equals_serial_within_the_floor(name):
     """3 AdamW steps: losses within 1e-5 relative, every parameter within twice its floor (at
     least 1e-5). The floor: serial against serial with the batch's routing groups permuted (the
-    same sums added in another order; autopar.testing.serial.row_order_floor, as the local experts')."""
+    same sums added in another order; autopar.testing.processes.reordered_floor, as the local experts')."""
     import autopar.runtime.simulator as simulator
 
     config, seed = _build(name, "adamw")
@@ -94,10 +95,14 @@ def test_adamw_on_the_stacked_experts_equals_serial_within_the_floor(name):
     per_group = BATCH // groups
     order = [2, 0, 3, 1] if groups == 4 else [1, 0]
     feeds = moe.feeds(config, BATCH, SEQ, 3)
-    serial, floor = row_order_floor(seed, feeds, [g * per_group + r for g in order for r in range(per_group)])
+    floor = reordered_floor(
+        seed.main, seed.startup, seed.loss, feeds, [g * per_group + r for g in order for r in range(per_group)]
+    )
     dist = autopar.compile(seed.main, LINED_UP[name][0], startup_program=seed.startup)
     start = paddle.get_rng_state()
     result = simulator.simulate(dist, feeds, [seed.loss])
+    paddle.set_rng_state(start)
+    serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
     paddle.set_rng_state(start)
     for step, (want, got) in enumerate(zip(serial.fetches, result.fetches)):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"loss at step {step}")
