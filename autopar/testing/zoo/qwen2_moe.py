@@ -113,7 +113,7 @@ def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) 
     gate per rank (module docstring)."""
     import paddle
 
-    from autopar.local_map import global_mesh_tensor, local_map, split_mesh, sub_mesh_tensors
+    from autopar.local_map import global_mesh_tensor, local_map, sub_mesh_tensors
 
     nn, F = paddle.nn, paddle.nn.functional
     head_dim = config.hidden_size // config.num_attention_heads
@@ -362,7 +362,8 @@ def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) 
             dispatched_input, combine_weights, l_aux = local_map(self.gate_and_dispatch, [tokens], [slots, tokens, summed], mesh)(reshaped_input)
             by_expert = [autopar.Shard(0) if n == "ep" else autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
             outs = []
-            for self.moe_rank, rows in enumerate(sub_mesh_tensors(dispatched_input, mesh, by_expert, "ep")):
+            for moe_rank, rows in enumerate(sub_mesh_tensors(dispatched_input, mesh, by_expert, "ep")):
+                self.moe_rank = moe_rank  # expert_forward picks this ep rank's experts, as on that rank
                 # Re-shape after all-to-all: ecm -> gecm (this rank's experts)
                 rows = rows.reshape([1, self.moe_num_experts_per_device, -1, d_model])
                 outs.append(self.expert_forward(rows).reshape([self.moe_num_experts_per_device, -1, d_model]))
