@@ -121,3 +121,18 @@ def _top2gating(logits: np.ndarray, capacity: int) -> tuple[np.ndarray, float]:
             if mask[s, e]:
                 combine[s, e, loc[s, e]] += g[s] / denom[s]
     return combine, aux
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp x ep"])
+def test_the_references_whole_batch_gate_on_the_mesh_equals_serial_and_keeps_its_argmax_split(name):
+    """``routing="whole_batch"``: the reference's one-device spelling left on the mesh (one gate
+    over every token, experts still on their sub-meshes). Equal to serial; the router's argmax and
+    its -inf masked_fill keep the tokens' split (they were gathered: "no SPMD rule for argmax").
+    (Routing every token at once, its cumsum over token slots needs them all: docs/moe.md.)"""
+    mesh = MESHES[name]
+    seed = qwen2_moe.build(CONFIG, batch=4, seq=8, mesh=mesh, routing="whole_batch")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    assert_simulation_equals_serial(seed, dist, feeds=qwen2_moe.feeds(CONFIG, 4, 8, 3))
+    gpu = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(cluster="h100-node"))
+    readers = {_reader(c.reason) for c in gpu.comm_ops(0) if ": pd_op." in c.reason}
+    assert not readers & {"pd_op.argmax", "pd_op.masked_fill"}, readers

@@ -86,10 +86,16 @@ TOKEN_DIMS = ("dp", "ep")  # the mesh dims that split the tokens: each rank's ga
 
 def build(
     config: Config = Config(), batch: int = 4, seq: int = 8, mesh: autopar.ProcessMesh | None = None,
-    optimizer: str = "sgd", seed: int | None = 23,
+    optimizer: str = "sgd", seed: int | None = 23, routing: str = "per_rank",
 ) -> SeedProgram:  # fmt: skip
     """The training program (next-token cross-entropy plus the weighted aux losses), annotated
-    for ``mesh`` (None: serial, the gate over the whole batch)."""
+    for ``mesh`` (None: serial, the gate over the whole batch). ``routing="per_rank"``: the gate
+    and the dispatch / combine einsums per rank of ``dp`` x ``ep`` in ``local_map``, each rank's
+    tokens routed on their own, as the reference's ranks route under expert parallelism;
+    ``"whole_batch"``: the reference's one-device spelling kept on the mesh, one gate over every
+    token (its cumsum over token slots then needs the whole batch: gathered)."""
+    if routing not in ("per_rank", "whole_batch"):
+        raise ValueError(f"routing is 'per_rank' or 'whole_batch', got {routing!r}")
     if mesh is not None and "ep" in mesh.dim_names and config.num_experts % mesh.dim_size("ep"):
         raise ValueError(f"{config.num_experts} experts do not divide over ep={mesh.dim_size('ep')}")
     paddle, main, startup = _static()
@@ -98,7 +104,7 @@ def build(
     with paddle.static.program_guard(main, startup):
         tokens = paddle.static.data("tokens", [batch, seq], "int64")
         labels = paddle.static.data("labels", [batch, seq], "int64")
-        model = network(config, mesh)
+        model = network(config, mesh, routing)
         if mesh is not None:
             _annotate(model, tokens, labels, mesh)
         logits, aux = model(tokens)
@@ -107,10 +113,10 @@ def build(
     return SeedProgram(main, startup, {"tokens": tokens, "labels": labels}, loss, {"model": model})
 
 
-def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) -> Any:
+def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None, routing: str = "per_rank") -> Any:
     """The model (``Qwen2MoeForCausalLM``'s layers); its forward returns the logits and the
     summed ``l_aux`` of its layers. ``mesh``: where its MoE layers place the experts and run the
-    gate per rank (module docstring)."""
+    gate (module docstring); ``routing``: as in :func:`build`."""
     import paddle
 
     from autopar.local_map import global_mesh_tensor, local_map, sub_mesh_tensors
@@ -308,38 +314,37 @@ def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) 
             dispatched_input = paddle.einsum("sec,sm->ecm", paddle.cast(dispatch_mask, reshaped_input.dtype), reshaped_input)
             return dispatched_input, combine_weights, l_aux
 
+        def route(self, reshaped_input: Any) -> tuple[Any, Any, Any]:
+            """The gate and the dispatch einsum: per rank of the token dims in ``local_map``
+            (Paddle's LocalLayer; the aux loss the groups' mean), or over every token at once."""
+            if mesh is None or routing == "whole_batch":
+                return self.gate_and_dispatch(reshaped_input)
+            tokens, slots, summed, groups = _token_placements(mesh)
+            dispatched_input, combine_weights, l_aux = local_map(self.gate_and_dispatch, [tokens], [slots, tokens, summed], mesh)(reshaped_input)
+            return dispatched_input, combine_weights, l_aux / groups
+
+        def combine(self, combine_weights: Any, expert_output: Any, hidden_state: Any) -> Any:
+            """The combine einsum, per rank where the gate is."""
+
+            def combining(combine_weights: Any, expert_output: Any) -> Any:
+                return paddle.einsum("sec,ecm->sm", combine_weights.cast(hidden_state[0].dtype), expert_output)
+
+            if mesh is None or routing == "whole_batch":
+                return combining(combine_weights, expert_output)
+            tokens, slots, _, _ = _token_placements(mesh)
+            return local_map(combining, [tokens, slots], [tokens], mesh)(combine_weights, expert_output)
+
         def forward(self, hidden_state: Any) -> tuple[Any, Any]:
             batch_size, seq_len, d_model = hidden_state.shape
             reshaped_input = hidden_state.reshape([-1, d_model])
-            if mesh is None:
-                dispatched_input, combine_weights, l_aux = self.gate_and_dispatch(reshaped_input)
-                groups = 1
-            else:  # the gate per rank of the token dims (Paddle's LocalLayer)
-                names = [n for n in TOKEN_DIMS if n in mesh.dim_names]
-                groups = math.prod(mesh.dim_size(n) for n in names)
-                tokens = [autopar.Shard(0) if n in names else autopar.Replicate() for n in mesh.dim_names]
-                slots = [autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
-                summed = [autopar.Partial() if n in names else autopar.Replicate() for n in mesh.dim_names]
-                dispatched_input, combine_weights, l_aux = local_map(self.gate_and_dispatch, [tokens], [slots, tokens, summed], mesh)(reshaped_input)
+            dispatched_input, combine_weights, l_aux = self.route(reshaped_input)
             # Re-shape after all-to-all: ecm -> gecm
             dispatched_input = dispatched_input.reshape([self.expert_parallel_degree, self.moe_num_experts_per_device, -1, d_model])
             expert_output = self.expert_forward(dispatched_input)
             # Re-shape before drop_tokens: gecm -> ecm
             expert_output = expert_output.reshape([self.expert_parallel_degree * self.moe_num_experts_per_device, -1, d_model])
             combined_output = self.combine(combine_weights, expert_output, hidden_state)
-            return combined_output.reshape(hidden_state.shape), l_aux / groups
-
-        def combine(self, combine_weights: Any, expert_output: Any, hidden_state: Any) -> Any:
-            if mesh is None:
-                return paddle.einsum("sec,ecm->sm", combine_weights.cast(hidden_state[0].dtype), expert_output)
-            names = [n for n in TOKEN_DIMS if n in mesh.dim_names]
-            tokens = [autopar.Shard(0) if n in names else autopar.Replicate() for n in mesh.dim_names]
-            slots = [autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
-
-            def local_combine(combine_weights: Any, expert_output: Any) -> Any:
-                return paddle.einsum("sec,ecm->sm", combine_weights.cast(hidden_state[0].dtype), expert_output)
-
-            return local_map(local_combine, [tokens, slots], [tokens], mesh)(combine_weights, expert_output)
+            return combined_output.reshape(hidden_state.shape), l_aux
 
     class ExpertParallelMoELayer(MoELayer):
         """``MoELayer`` on a mesh with ``ep``: expert ``e`` on ``split_mesh(mesh, "ep")[e //
@@ -354,13 +359,9 @@ def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) 
         def forward(self, hidden_state: Any) -> tuple[Any, Any]:
             batch_size, seq_len, d_model = hidden_state.shape
             reshaped_input = hidden_state.reshape([-1, d_model])
-            names = [n for n in TOKEN_DIMS if n in mesh.dim_names]
-            groups = math.prod(mesh.dim_size(n) for n in names)
-            tokens = [autopar.Shard(0) if n in names else autopar.Replicate() for n in mesh.dim_names]
-            slots = [autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
-            summed = [autopar.Partial() if n in names else autopar.Replicate() for n in mesh.dim_names]
-            dispatched_input, combine_weights, l_aux = local_map(self.gate_and_dispatch, [tokens], [slots, tokens, summed], mesh)(reshaped_input)
-            by_expert = [autopar.Shard(0) if n == "ep" else autopar.Shard(1) if n in names else autopar.Replicate() for n in mesh.dim_names]
+            dispatched_input, combine_weights, l_aux = self.route(reshaped_input)
+            _, slots, _, _ = _token_placements(mesh)
+            by_expert = [autopar.Shard(0) if n == "ep" else p for n, p in zip(mesh.dim_names, slots)]
             outs = []
             for moe_rank, rows in enumerate(sub_mesh_tensors(dispatched_input, mesh, by_expert, "ep")):
                 self.moe_rank = moe_rank  # expert_forward picks this ep rank's experts, as on that rank
@@ -370,7 +371,7 @@ def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) 
             expert_output = global_mesh_tensor(outs, mesh, by_expert, "ep")
             expert_output = autopar.reshard(expert_output, mesh, slots)  # back to each group's ranks (Paddle's dist.reshard)
             combined_output = self.combine(combine_weights, expert_output, hidden_state)
-            return combined_output.reshape(hidden_state.shape), l_aux / groups
+            return combined_output.reshape(hidden_state.shape), l_aux
 
     class Qwen2MoeSparseMoEBlock(ExpertParallelMoELayer if mesh is not None and "ep" in mesh.dim_names else MoELayer):
         def __init__(self) -> None:
@@ -433,6 +434,15 @@ def network(config: Config = Config(), mesh: autopar.ProcessMesh | None = None) 
             return self.lm_head(hidden_states), aux_loss
 
     return Qwen2MoeForCausalLM()
+
+
+def _token_placements(mesh: autopar.ProcessMesh) -> tuple[list[Any], list[Any], list[Any], int]:
+    """Placements on ``mesh`` of a per-rank gate's tokens (``Shard(0)`` over the token dims),
+    its dispatched buffer's slots (``Shard(1)``), its summed aux loss (``Partial``), and the
+    number of groups (ranks of the token dims)."""
+    names = [n for n in TOKEN_DIMS if n in mesh.dim_names]
+    pick = lambda split: [split if n in names else autopar.Replicate() for n in mesh.dim_names]  # noqa: E731
+    return pick(autopar.Shard(0)), pick(autopar.Shard(1)), pick(autopar.Partial()), math.prod(mesh.dim_size(n) for n in names)
 
 
 def compute_loss(config: Config, logits: Any, aux_loss: Any, labels: Any) -> Any:
