@@ -40,7 +40,8 @@ through :func:`~autopar.local_map.global_mesh_tensor`, and ``autopar.reshard`` r
 each group's ranks for the combine einsum, also per rank in ``local_map``. ``mp`` splits the
 attention as Megatron does. Without ``ep`` the experts are whole on the mesh (the reference's
 expert-parallel degree 1); without a mesh the gate routes the whole batch, as the reference
-does on one device.
+does on one device. ``build(routing="whole_batch")`` keeps that one-device gate on the mesh
+too (one gate over every token; its cumsum over token slots then needs every token).
 """
 
 from __future__ import annotations
