@@ -4,8 +4,8 @@ both ways its users write it: stacked experts (the batch over ``dp``, the stacke
 the batch over ``ep``) and Paddle's way (``experts="local"``: the router per group of tokens in
 ``autopar.local_map``, each expert its own layer on a sub-mesh of ``ep``, which is no pipeline
 stage). Losses every step and every parameter after 3 SGD steps. Written Paddle's way, the
-dispatch and the combine are one all_to_all each way per layer on the GPU profile; the stacked
-experts still gather the router's whole-batch statistics."""
+dispatch and the combine are one all_to_all each way per layer on the GPU profile (the stacked
+experts' counts, routed per group: tests/equivalence/test_stacked_moe.py)."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
