@@ -141,6 +141,9 @@ class Kind:
     # gloo has no such collective: the host backend runs it by an exchange even over the whole world
     # (``eager``), so a ``world_exchange`` profile prices it as one (cost_model/comm.py)
     exchanged: ClassVar[bool] = False
+    # the kind that sends it uneven (trimmed rows, counts first) when it moves a dropless
+    # dispatch buffer (autopar/dropless.py); None: always sent as it is
+    sent_uneven_as: ClassVar[CollectiveKind | None] = None
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
@@ -154,6 +157,21 @@ class Kind:
         """Write this rank's output straight into ``out`` (an output tensor's memory, shaped as
         the input) without a fresh array, bit-equal to :meth:`perform`; whether it could."""
         return False
+
+    def posted(self, job: Collective, x: np.ndarray, index: int) -> np.ndarray:
+        """What member ``index`` puts on the wire for ``job`` (every backend exchanges these):
+        its input, unless the kind has a packed wire form (the uneven all_to_all)."""
+        return x
+
+    def received(self, job: Collective, posted: list[np.ndarray], x: np.ndarray, index: int) -> np.ndarray | None:
+        """Member ``index``'s output from every member's :meth:`posted` message (``x``: its own
+        input), bit-equal to :meth:`perform`'s."""
+        return self.perform_for(job, posted, index)
+
+    def wire_bytes(self, job: Collective, message: np.ndarray, index: int) -> int | None:
+        """Bytes of member ``index``'s posted ``message`` meant for the other members (what a
+        runtime counts as sent, :mod:`autopar.runtime.wire`); None: not counted for this kind."""
+        return None
 
     def axes(self, tensor_dims: Sequence[int]) -> tuple[int, int]:
         """``(axis, split_axis)`` of a Collective for a planner step moving ``tensor_dims``."""
@@ -351,6 +369,7 @@ class ReduceScatter(Kind):
 
 class AllToAll(Kind):
     kind = CollectiveKind.ALL_TO_ALL
+    sent_uneven_as = CollectiveKind.ALL_TO_ALL_V
     move = (Shard, Shard)
     emulated_by = CollectiveKind.ALL_GATHER
     sized_by_input = True
@@ -380,6 +399,10 @@ class AllToAll(Kind):
 
     def axes(self, tensor_dims):
         return tensor_dims[0], tensor_dims[-1]  # gathered along the first, split along the last
+
+    def wire_bytes(self, job, message, index):  # the pieces cut for the other members
+        p = len(job.group)
+        return sum(_piece_view(message, job.split_axis, p, j).nbytes for j in range(p) if j != index)
 
     def piece_axis(self, job):
         return job.split_axis
@@ -453,7 +476,16 @@ class AllToAllV(Kind):
     """An all_to_all with a size per (sender, receiver) pair (MPI's ``Alltoallv``; MoE's token
     dispatch): member ``i`` cuts its input along ``split_axis`` into ``splits[i]`` (in group order)
     and member ``j`` joins the ``j``-th pieces of every member along ``axis``. ``nbytes`` is the
-    busiest member's traffic: the larger of what leaves it and what arrives (:meth:`traffic`)."""
+    busiest member's traffic: the larger of what leaves it and what arrives (:meth:`traffic`).
+
+    With ``trim_axis`` (the uneven all_to_all of a dropless dispatch buffer, counts found at run
+    time): the pieces are even, as all_to_all's, but each goes out only up to its last row along
+    ``trim_axis`` holding a non-zero byte (raw bytes: ``-0.0`` and NaN are sent), and the receiver
+    fills the rest with zeros. The result is all_to_all's for any data; what it saves depends on
+    the data (a dispatch buffer's experts fill a prefix of their capacity, GShard's cumsum
+    slots; the rows of empty slots stay zero through bias-free experts and in the gradients).
+    The wire form (:meth:`posted`): the trimmed pieces' shapes first (the counts, ``int64``
+    ``[p, ndim]``), then the pieces for the other members, raw."""
 
     kind = CollectiveKind.ALL_TO_ALL_V
     sized_by_input = True
@@ -479,6 +511,27 @@ class AllToAllV(Kind):
     def perform_for(self, job, pieces, index):
         return np.concatenate([self._pieces(job, x, i)[index] for i, x in enumerate(pieces)], axis=job.axis)
 
+    def posted(self, job, x, index):
+        if job.trim_axis is None:
+            return x
+        trimmed = [_filled_rows(piece, job.trim_axis) for piece in self._pieces(job, x, index)]
+        trimmed[index] = trimmed[index][(slice(None),) * job.trim_axis + (slice(0, 0),)]  # its own piece stays
+        shapes = np.array([piece.shape for piece in trimmed], dtype=np.int64)
+        return np.concatenate([shapes.view(np.uint8).ravel(), *(np.ascontiguousarray(t).view(np.uint8).ravel() for t in trimmed)])
+
+    def received(self, job, posted, x, index):
+        if job.trim_axis is None:
+            return self.perform_for(job, posted, index)
+        rows = x.shape[job.trim_axis]
+        pieces = [self._pieces(job, x, index)[index] if i == index else _unpacked(message, index, len(job.group), x, job.trim_axis, rows)
+                  for i, message in enumerate(posted)]  # fmt: skip
+        return np.concatenate(pieces, axis=job.axis)
+
+    def wire_bytes(self, job, message, index):
+        if job.trim_axis is not None:  # (the packed message: counts, then the others' trimmed pieces)
+            return int(message.nbytes)
+        return sum(piece.nbytes for j, piece in enumerate(self._pieces(job, message, index)) if j != index)
+
     @staticmethod
     def traffic(splits: Sequence[Sequence[int]], bytes_per_count: float) -> float:
         """The busiest member's bytes: max over members of what it sends others and what others
@@ -499,8 +552,41 @@ class AllToAllV(Kind):
 
         return paddle._C_ops.assign(x)  # a carrier, typed to this rank's output by the emitter
 
+    def native_op(self, comm, x, ring, rank):
+        raise NativeUnsupported(
+            f"native backend: all_to_all_v of {comm.value} ({comm.reason.split(':')[0]}) has no static gloo kernel "
+            "(counts exchanged at run time); use the host backend (backend='auto' does), or "
+            "Strategy(uneven_all_to_all=False) for the padded all_to_all"
+        )
+
     def eager(self, job, x, backend):
-        return _exchanged(job, x, backend)
+        index = job.group.index(backend.rank)
+        by_rank = backend.gathered(self.posted(job, x, index))
+        return self.received(job, [by_rank[r] for r in job.group], x, index)
+
+
+def _filled_rows(piece: np.ndarray, axis: int) -> np.ndarray:
+    """``piece`` up to its last row along ``axis`` holding a non-zero byte (a view)."""
+    rows = piece.shape[axis]
+    if rows == 0 or piece.size == 0:
+        return piece[(slice(None),) * axis + (slice(0, 0),)]
+    raw = np.ascontiguousarray(np.moveaxis(piece, axis, 0)).view(np.uint8).reshape(rows, -1)
+    filled = np.flatnonzero(raw.any(axis=1))
+    return piece[(slice(None),) * axis + (slice(0, int(filled[-1]) + 1 if filled.size else 0),)]
+
+
+def _unpacked(message: np.ndarray, index: int, p: int, x: np.ndarray, axis: int, rows: int) -> np.ndarray:
+    """Member ``index``'s piece out of a sender's packed message, zero-filled to ``rows`` along ``axis``."""
+    header = p * x.ndim * 8
+    shapes = message[:header].view(np.int64).reshape(p, x.ndim)
+    sizes = [int(np.prod(shape)) * x.itemsize for shape in shapes]
+    start = header + sum(sizes[:index])
+    piece = message[start : start + sizes[index]].view(x.dtype).reshape(tuple(shapes[index]))
+    full = list(piece.shape)
+    full[axis] = rows
+    out = np.zeros(full, dtype=x.dtype)
+    out[(slice(None),) * axis + (slice(0, piece.shape[axis]),)] = piece
+    return out
 
 
 class Broadcast(Kind):
@@ -681,6 +767,25 @@ def perform_for(job: Collective, inputs: dict[int, np.ndarray], rank: int) -> np
     if missing:
         raise AutoparError(f"{job.kind} over {group}: no input from ranks {missing}")
     return KINDS[job.kind].perform_for(job, [np.asarray(inputs[r]) for r in group], group.index(rank))
+
+
+def posted(job: Collective, x: np.ndarray, rank: int) -> np.ndarray:
+    """What ``rank`` puts on the wire for ``job`` (its input, or the kind's packed form)."""
+    return KINDS[job.kind].posted(job, np.asarray(x), job.group.index(rank))
+
+
+def received(job: Collective, messages: dict[int, np.ndarray], x: np.ndarray, rank: int) -> np.ndarray | None:
+    """``rank``'s output of ``job`` from every member's :func:`posted` message (``x``: its input)."""
+    group = list(job.group)
+    missing = [r for r in group if r not in messages]
+    if missing:
+        raise AutoparError(f"{job.kind} over {group}: no message from ranks {missing}")
+    return KINDS[job.kind].received(job, [np.asarray(messages[r]) for r in group], np.asarray(x), group.index(rank))
+
+
+def wire_bytes(job: Collective, message: np.ndarray, rank: int) -> int | None:
+    """Bytes of ``rank``'s posted ``message`` meant for the other members (None: not counted)."""
+    return KINDS[job.kind].wire_bytes(job, message, job.group.index(rank))
 
 
 def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:

@@ -1,0 +1,147 @@
+"""Dropless dispatch buffers: found in the program, their over-sending said, their all_to_alls
+sent uneven on request (stage: reshard emission; issue 40, "Capacity").
+
+A router with a worst-case capacity drops no token: each expert has a slot for every token of a
+group (``C = S``; a token takes at most one slot of an expert). Its dispatch buffer
+``[E, G, C, H]`` is mostly padding: the routed tokens fill ``k x G x S`` of its ``E x G x S``
+rows, ``k / E`` of it. Found from the program's shapes only: a forward ``einsum`` whose routing
+operand ``[.., S, E, C]`` sums over the token letter ``S``, keeps the expert and capacity letters
+``E`` and ``C`` (in no other operand), and has ``C`` of the size of ``S``; e.g. GShard's
+``"gsec,gsm->egcm"``. ``k`` is the router's top-k: the ``k`` of the ``topk`` ops over ``E`` in the
+einsum's layer, per router call (calls told apart by their layer path, as ``local_map`` copies
+are). An all_to_all of a value of the buffer's shape (the dispatch, the combine and their
+gradients) says in its reason the bytes it sends and what the routed tokens need,
+``tokens x top_k x hidden x bytes``, both priced from those shapes. With
+``Strategy(uneven_all_to_all=True)`` it is emitted as the uneven all_to_all instead
+(``all_to_all_v`` trimmed along the capacity dim, counts found at run time:
+:class:`autopar.collective_kinds.AllToAllV`), priced at the routed bytes a uniform gate sends
+(:func:`autopar.cost_model.moe.uneven_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from autopar.collective import Collective
+from autopar.collective_kinds import KINDS
+from autopar.cost_model.moe import uneven_bytes
+from autopar.graph import ProgramGraph, Role, once_per_graph
+
+
+@dataclass(frozen=True, slots=True)
+class DroplessBuffer:
+    """A dropless dispatch buffer: the einsum's output ``shape``, its capacity dim, the tokens it
+    routes (``G x S``), the router's ``top_k`` (None: no ``topk`` op found) and the row width."""
+
+    shape: tuple[int, ...]
+    capacity_dim: int
+    experts: int
+    tokens: int
+    top_k: int | None
+    hidden: int
+    layer: str
+
+    @property
+    def needed_share(self) -> float | None:
+        """The share of the buffer the routed tokens fill: ``k x tokens x hidden / size``."""
+        if self.top_k is None:
+            return None
+        return self.top_k * self.tokens * self.hidden / math.prod(self.shape)
+
+    def over_sending(self, nbytes: int) -> str:
+        """What an all_to_all sending ``nbytes`` of this buffer per rank says about its padding."""
+        head = (
+            f"dropless buffer {list(self.shape)} (capacity {self.shape[self.capacity_dim]} = every token of a group "
+            f"in one expert): sends {nbytes} B per rank"
+        )
+        if self.top_k is None:
+            return f"{head}; the router's top-k is not found in the program, so the routed tokens' bytes are not known"
+        need = round(nbytes * self.needed_share)
+        return (
+            f"{head}, the routed tokens need {need} B (tokens x top_k x hidden: {self.tokens} x {self.top_k} x "
+            f"{self.hidden} of {math.prod(self.shape)} values): {nbytes - need} B of padding, {nbytes / max(need, 1):.1f}x"
+        )
+
+
+@once_per_graph
+def dropless_buffers(graph: ProgramGraph) -> tuple[DroplessBuffer, ...]:
+    """The program's dropless dispatch buffers (module docstring), in op order."""
+    found = []
+    for op in graph.ops:
+        if op.role is not Role.FORWARD or op.name != "pd_op.einsum" or "->" not in str(op.attrs.get("equation", "")):
+            continue
+        buffer = _dispatch(graph, op)
+        if buffer is not None:
+            found.append(buffer)
+    return tuple(found)
+
+
+def _dispatch(graph: ProgramGraph, op: object) -> DroplessBuffer | None:
+    operands, out = str(op.attrs["equation"]).replace(" ", "").split("->")
+    letters = operands.split(",")
+    if len(letters) != 2 or op.outputs[0] is None:
+        return None
+    shapes = [graph.values[k].shape if k is not None else () for k in op.inputs[:2]]
+    for m in (0, 1):
+        mask, other = letters[m], letters[1 - m]
+        sizes = dict(zip(mask, shapes[m])) | dict(zip(other, shapes[1 - m]))
+        own = [c for c in mask if c not in other and c in out]
+        tokens = [c for c in mask if c in other and c not in out]
+        if len(own) != 2 or len(tokens) != 1 or len(shapes[m]) != len(mask):
+            continue
+        token = tokens[0]
+        capacity = [c for c in own if sizes[c] == sizes[token]]
+        if not capacity:
+            continue  # a static capacity below the worst case
+        c = capacity[-1]
+        e = next(x for x in own if x != c)
+        routed = math.prod(sizes[x] for x in mask if x not in (e, c))
+        hidden = math.prod(sizes[x] for x in other if x not in mask)
+        layer = str(op.attrs.get("struct_name", ""))
+        return DroplessBuffer(
+            tuple(graph.values[op.outputs[0]].shape), out.index(c), sizes[e], routed, _top_k(graph, layer, sizes[e]), hidden, layer.strip("/")
+        )  # fmt: skip
+    return None
+
+
+def _top_k(graph: ProgramGraph, layer: str, experts: int) -> int | None:
+    """The router's top-k in ``layer``: the ``k`` of its ``topk`` ops over the experts, per call."""
+    per_call: dict[str, int] = {}
+    for op in graph.ops:
+        if op.role is not Role.FORWARD or op.name != "pd_op.topk" or not str(op.attrs.get("struct_name", "")).startswith(layer or "/"):
+            continue
+        source = graph.values[op.inputs[0]]
+        k = op.attrs.get("k")
+        if k is None and len(op.inputs) > 1 and op.inputs[1] is not None:
+            k = graph.values[op.inputs[1]].const
+        if not source.shape or source.shape[-1] != experts or k is None:
+            continue
+        name = str(op.attrs["struct_name"])
+        per_call[name] = per_call.get(name, 0) + int(k if not hasattr(k, "__len__") else list(k)[0])
+    counts = set(per_call.values())
+    return counts.pop() if len(counts) == 1 else None
+
+
+def dropless_collective(graph: ProgramGraph, collective: Collective, uneven: bool, cluster: object) -> Collective:
+    """``collective`` as emitted: an all_to_all of a dropless buffer says its over-sending in its
+    reason, and with ``uneven`` is the uneven all_to_all (trimmed along the capacity dim)."""
+    form = KINDS[collective.kind].sent_uneven_as
+    if form is None:
+        return collective
+    buffer = next((b for b in dropless_buffers(graph) if b.shape == collective.shape), None)
+    if buffer is None:
+        return collective
+    reason = f"{collective.reason}; {buffer.over_sending(collective.bytes)}"
+    if not uneven or buffer.capacity_dim in (collective.axis, collective.split_axis):
+        return dataclasses.replace(collective, reason=reason)
+    from autopar.cost_model.comm import collective_time
+
+    nbytes = uneven_bytes(collective.bytes, buffer.needed_share)
+    return dataclasses.replace(
+        collective, kind=form, trim_axis=buffer.capacity_dim, bytes=nbytes,
+        time=collective_time(form, collective.group, nbytes, cluster) if cluster is not None else collective.time,
+        reason=f"{reason}; sent uneven: each piece up to its last filled row along dim {buffer.capacity_dim}, counts first, "
+        f"priced at the routed {nbytes} B a uniform gate fills",
+    )  # fmt: skip
