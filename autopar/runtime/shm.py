@@ -299,6 +299,7 @@ class SharedMemoryCommunicator:
 
                 call.target.set(np.array(out), paddle.CPUPlace())  # (the source is a CPU tensor)
 
+        record(job, source, self.rank)
         with waiting(collective_label(job), timeout=self.timeout):
             self.node.collect(job.group, source, finish)
         return True
