@@ -479,13 +479,15 @@ class AllToAllV(Kind):
     busiest member's traffic: the larger of what leaves it and what arrives (:meth:`traffic`).
 
     With ``trim_axis`` (the uneven all_to_all of a dropless dispatch buffer, counts found at run
-    time): the pieces are even, as all_to_all's, but each goes out only up to its last row along
-    ``trim_axis`` holding a non-zero byte (raw bytes: ``-0.0`` and NaN are sent), and the receiver
-    fills the rest with zeros. The result is all_to_all's for any data; what it saves depends on
+    time): the pieces are even, as all_to_all's, but each slab of a piece (an expert of a group)
+    goes out only up to its last row along ``trim_axis`` holding a non-zero byte (raw bytes:
+    ``-0.0`` and NaN are sent), and the receiver fills the rest with zeros. The result is all_to_all's for any data; what it saves depends on
     the data (a dispatch buffer's experts fill a prefix of their capacity, GShard's cumsum
     slots; the rows of empty slots stay zero through bias-free experts and in the gradients).
-    The wire form (:meth:`posted`): the trimmed pieces' shapes first (the counts, ``int64``
-    ``[p, ndim]``), then the pieces for the other members, raw."""
+    The wire form (:meth:`posted`), the counts first: the pieces' shapes (``int64 [p, ndim]``),
+    then per piece for another member the row count of each of its slabs (one per index of the
+    dims before ``trim_axis``: an expert of a group, whose filled slots are a prefix of its
+    capacity; ``int64``), then those rows, raw."""
 
     kind = CollectiveKind.ALL_TO_ALL_V
     sized_by_input = True
@@ -514,16 +516,18 @@ class AllToAllV(Kind):
     def posted(self, job, x, index):
         if job.trim_axis is None:
             return x
-        trimmed = [_filled_rows(piece, job.trim_axis) for piece in self._pieces(job, x, index)]
-        trimmed[index] = trimmed[index][(slice(None),) * job.trim_axis + (slice(0, 0),)]  # its own piece stays
-        shapes = np.array([piece.shape for piece in trimmed], dtype=np.int64)
-        return np.concatenate([shapes.view(np.uint8).ravel(), *(np.ascontiguousarray(t).view(np.uint8).ravel() for t in trimmed)])
+        pieces = self._pieces(job, x, index)
+        shapes = np.array([piece.shape for piece in pieces], dtype=np.int64)
+        parts = [shapes.view(np.uint8).ravel()]
+        for j, piece in enumerate(pieces):
+            if j != index:  # (its own piece stays)
+                parts += _trimmed(piece, job.trim_axis)
+        return np.concatenate(parts)
 
     def received(self, job, posted, x, index):
         if job.trim_axis is None:
             return self.perform_for(job, posted, index)
-        rows = x.shape[job.trim_axis]
-        pieces = [self._pieces(job, x, index)[index] if i == index else _unpacked(message, index, len(job.group), x, job.trim_axis, rows)
+        pieces = [self._pieces(job, x, index)[index] if i == index else _untrimmed(message, i, index, len(job.group), x, job.trim_axis)
                   for i, message in enumerate(posted)]  # fmt: skip
         return np.concatenate(pieces, axis=job.axis)
 
@@ -565,28 +569,42 @@ class AllToAllV(Kind):
         return self.received(job, [by_rank[r] for r in job.group], x, index)
 
 
-def _filled_rows(piece: np.ndarray, axis: int) -> np.ndarray:
-    """``piece`` up to its last row along ``axis`` holding a non-zero byte (a view)."""
-    rows = piece.shape[axis]
-    if rows == 0 or piece.size == 0:
-        return piece[(slice(None),) * axis + (slice(0, 0),)]
-    raw = np.ascontiguousarray(np.moveaxis(piece, axis, 0)).view(np.uint8).reshape(rows, -1)
-    filled = np.flatnonzero(raw.any(axis=1))
-    return piece[(slice(None),) * axis + (slice(0, int(filled[-1]) + 1 if filled.size else 0),)]
+def _slabs(shape: Sequence[int], axis: int) -> tuple[int, int, int]:
+    """A piece as ``[slabs, rows, row]``: the dims before ``axis`` (each slab: one expert of one
+    group), the rows along it (the capacity), the values of a row."""
+    return int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]), int(np.prod(shape[axis + 1 :], dtype=np.int64))
 
 
-def _unpacked(message: np.ndarray, index: int, p: int, x: np.ndarray, axis: int, rows: int) -> np.ndarray:
-    """Member ``index``'s piece out of a sender's packed message, zero-filled to ``rows`` along ``axis``."""
-    header = p * x.ndim * 8
-    shapes = message[:header].view(np.int64).reshape(p, x.ndim)
-    sizes = [int(np.prod(shape)) * x.itemsize for shape in shapes]
-    start = header + sum(sizes[:index])
-    piece = message[start : start + sizes[index]].view(x.dtype).reshape(tuple(shapes[index]))
-    full = list(piece.shape)
-    full[axis] = rows
-    out = np.zeros(full, dtype=x.dtype)
-    out[(slice(None),) * axis + (slice(0, piece.shape[axis]),)] = piece
-    return out
+def _trimmed(piece: np.ndarray, axis: int) -> list[np.ndarray]:
+    """``piece``'s wire form: each slab's count of rows up to its last one holding a non-zero byte
+    (``int64``), then those rows, raw bytes."""
+    slabs, rows, row = _slabs(piece.shape, axis)
+    values = np.ascontiguousarray(piece).reshape(slabs, rows, row)
+    raw = values.view(np.uint8).reshape(slabs, rows, -1).any(axis=2) if values.size else np.zeros((slabs, rows), bool)
+    counts = np.where(raw.any(axis=1), rows - np.argmax(raw[:, ::-1], axis=1), 0).astype(np.int64)
+    return [counts.view(np.uint8), *(values[s, : counts[s]].view(np.uint8).ravel() for s in range(slabs))]
+
+
+def _untrimmed(message: np.ndarray, sender: int, index: int, p: int, x: np.ndarray, axis: int) -> np.ndarray:
+    """Member ``index``'s piece out of member ``sender``'s packed message, each slab zero-filled
+    past its count."""
+    shapes = message[: p * x.ndim * 8].view(np.int64).reshape(p, x.ndim)
+    at = shapes.nbytes
+    for j, shape in enumerate(shapes):
+        if j == sender:
+            continue
+        slabs, rows, row = _slabs(shape, axis)
+        counts = message[at : at + 8 * slabs].view(np.int64)
+        at += 8 * slabs
+        if j == index:
+            out = np.zeros((slabs, rows, row), dtype=x.dtype)
+            for s, count in enumerate(counts):
+                size = int(count) * row * x.itemsize
+                out[s, :count] = message[at : at + size].view(x.dtype).reshape(int(count), row)
+                at += size
+            return out.reshape(tuple(shape))
+        at += int(counts.sum()) * row * x.itemsize
+    raise AutoparError(f"all_to_all_v: member {sender}'s message holds no piece for member {index}")
 
 
 class Broadcast(Kind):

@@ -14,8 +14,8 @@ gradients) says in its reason the bytes it sends and what the routed tokens need
 ``tokens x top_k x hidden x bytes``, both priced from those shapes. With
 ``Strategy(uneven_all_to_all=True)`` it is emitted as the uneven all_to_all instead
 (``all_to_all_v`` trimmed along the capacity dim, counts found at run time:
-:class:`autopar.collective_kinds.AllToAllV`), priced at the routed bytes a uniform gate sends
-(:func:`autopar.cost_model.moe.uneven_bytes`).
+:class:`autopar.collective_kinds.AllToAllV`), priced at the routed bytes a uniform gate sends the
+other members (:func:`autopar.cost_model.moe.uneven_bytes` of the padded pieces for them).
 """
 
 from __future__ import annotations
@@ -138,10 +138,11 @@ def dropless_collective(graph: ProgramGraph, collective: Collective, uneven: boo
         return dataclasses.replace(collective, reason=reason)
     from autopar.cost_model.comm import collective_time
 
-    nbytes = uneven_bytes(collective.bytes, buffer.needed_share)
+    p = len(collective.group)  # (all_to_all_v's bytes: what leaves the busiest member, its own piece stays)
+    nbytes = uneven_bytes(round(collective.bytes * (p - 1) / p), buffer.needed_share)
     return dataclasses.replace(
         collective, kind=form, trim_axis=buffer.capacity_dim, bytes=nbytes,
         time=collective_time(form, collective.group, nbytes, cluster) if cluster is not None else collective.time,
-        reason=f"{reason}; sent uneven: each piece up to its last filled row along dim {buffer.capacity_dim}, counts first, "
-        f"priced at the routed {nbytes} B a uniform gate fills",
+        reason=f"{reason}; sent uneven: each expert's rows up to its last filled one along dim {buffer.capacity_dim}, "
+        f"counts first, priced at the routed {nbytes} B a uniform gate sends the other members",
     )  # fmt: skip

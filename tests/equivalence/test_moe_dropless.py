@@ -11,6 +11,7 @@ import pytest
 
 import autopar
 from autopar.cli import explain_text
+from autopar.errors import NativeUnsupported
 from autopar.runtime.wire import counting
 from autopar.testing.serial import assert_simulation_equals_serial
 from autopar.testing.zoo import moe
@@ -90,3 +91,23 @@ def test_the_uneven_all_to_all_sends_fewer_bytes_than_the_padded_one(runs, name)
     assert trimmed + untouched < padded
     dist = runs[name, False][0]
     assert padded == STEPS * sum(math.ceil(c.bytes / 2) for c in dist.comm_ops(0) if c.kind.value == "all_to_all")
+
+
+def test_the_native_backend_refuses_the_uneven_all_to_all_by_name(runs):
+    dist, _ = runs["stacked ep2", True]
+    with pytest.raises(NativeUnsupported, match=r"native backend: all_to_all_v of .* in Transformer.*/Block/MoE.*use the host backend"):
+        dist.rank_plan(0, "native")
+
+
+def test_every_trimmed_all_to_all_sends_about_the_routed_share(runs):
+    """The dispatch, the combine and both gradients: each sends little more than the routed
+    ``top_k / n_experts`` of its padded pieces (the rows of empty slots are zero in all four:
+    the zoo's experts have no bias, and an empty slot's combine weight is zero), never all of it."""
+    dist, log = runs["stacked ep2", True]
+    config = CASES["stacked ep2"][2]
+    padded_piece = next(c.bytes for c in runs["stacked ep2", False][0].comm_ops(0) if c.kind.value == "all_to_all") // 2
+    trimmed = [s for s in log.records if s.rank == 0 and s.trimmed]
+    assert len(trimmed) == 4 * STEPS
+    assert len({s.value for s in trimmed}) == 4
+    share = config.top_k / config.n_experts
+    assert all(s.nbytes < padded_piece * (share + 0.25) for s in trimmed), [(s.value, s.nbytes) for s in trimmed]

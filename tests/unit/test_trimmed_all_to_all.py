@@ -53,15 +53,17 @@ def test_trimmed_pieces_rebuild_all_to_alls_result_bit_for_bit(seed):
     assert np.signbit(outputs[0][0, 3, 4, 1])  # member 1's -0.0 arrived as -0.0 (its piece for member 0)
 
 
-def test_only_the_filled_rows_and_the_counts_go_out():
+def test_only_each_slabs_filled_rows_and_the_counts_go_out():
     inputs = {r: np.zeros(SHAPE, np.float32) for r in range(P)}
-    inputs[0][2:4, :, :2, :] = 1.0  # member 0's piece for member 1: 2 filled rows of 5
+    inputs[0][2, 0, :2, :] = 1.0  # member 0's piece for member 1 (experts 2, 3): expert 2 of group 0 fills 2 slots,
+    inputs[0][3, 1, :4, :] = 1.0  # expert 3 of group 1 fills 4, the other 4 slabs none
     messages, outputs = _over_the_wire(job(), inputs)
-    header = P * len(SHAPE) * 8  # the trimmed pieces' shapes, int64
-    row = 2 * 3 * 2 * 4  # a piece's row along the capacity: [2 experts, 3 groups, ., 2 hidden] float32
-    assert wire_bytes(job(), messages[0], 0) == header + 2 * row
-    assert wire_bytes(job(), messages[1], 1) == header  # all zero: the counts only
-    assert wire_bytes(job(None), inputs[0], 0) == 2 * 5 * row  # padded: every row of the other members' pieces
+    shapes = P * len(SHAPE) * 8  # the pieces' shapes, int64
+    counts = 2 * (2 * 3) * 8  # per piece for another member, a count per slab (2 experts x 3 groups), int64
+    row = 2 * 4  # a row along the capacity: 2 hidden values, float32
+    assert wire_bytes(job(), messages[0], 0) == shapes + counts + (2 + 4) * row
+    assert wire_bytes(job(), messages[1], 1) == shapes + counts  # all zero: the counts only
+    assert wire_bytes(job(None), inputs[0], 0) == 2 * (2 * 3 * 5) * row  # padded: every slot of the other members' pieces
     assert np.array_equal(outputs[1], perform(job(None), inputs)[1])
 
 
