@@ -26,7 +26,7 @@ from autopar.collective_kinds import KINDS, point_to_point
 from autopar.dropless import dropless_collective
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.graph import Role
-from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
+from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram, declared
 from autopar.propagation import SiteKind
 
 
@@ -35,7 +35,7 @@ class ReshardEmission(Pass):
     name: ClassVar[str] = "reshard_emission"
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "reshard-planned")
     emit_ensures: ClassVar[str] = "comm-inserted"
-    uneven_all_to_all: bool = False  # a dropless buffer's all_to_alls sent uneven (autopar/dropless.py)
+    uneven_all_to_all: bool = declared()  # a dropless buffer's all_to_alls sent uneven (autopar/dropless.py)
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
