@@ -134,8 +134,10 @@ def dropless_collective(graph: ProgramGraph, collective: Collective, uneven: boo
     if buffer is None:
         return collective
     reason = f"{collective.reason}; {buffer.over_sending(collective.bytes)}"
-    if not uneven or buffer.capacity_dim in (collective.axis, collective.split_axis):
+    if buffer.capacity_dim in (collective.axis, collective.split_axis):  # (the capacity itself is split or joined)
         return dataclasses.replace(collective, reason=reason)
+    if not uneven:
+        return dataclasses.replace(collective, reason=f"{reason}; Strategy(uneven_all_to_all=True) sends only the filled rows")
     from autopar.cost_model.comm import collective_time
 
     p = len(collective.group)  # (all_to_all_v's bytes: what leaves the busiest member, its own piece stays)
