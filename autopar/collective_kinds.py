@@ -513,6 +513,9 @@ class AllToAllV(Kind):
     def perform_for(self, job, pieces, index):
         return np.concatenate([self._pieces(job, x, i)[index] for i, x in enumerate(pieces)], axis=job.axis)
 
+    def axes(self, tensor_dims):
+        return tensor_dims[0], tensor_dims[-1]  # (planned only as all_to_all's uneven form: its dims)
+
     def posted(self, job, x, index):
         if job.trim_axis is None:
             return x
@@ -814,6 +817,12 @@ def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:
     entry = KINDS[job.kind]
     whole = run(replace(job, kind=entry.emulated_by))
     return own_piece(whole, entry.piece_axis(job), len(job.group), job.group.index(rank))
+
+
+@cache
+def uneven_form(kind: str | CollectiveKind) -> bool:
+    """Whether ``kind`` is another kind's uneven form (its ``sent_uneven_as``): all_to_all_v."""
+    return any(entry.sent_uneven_as is not None and entry.sent_uneven_as == kind for entry in KINDS.values())
 
 
 @cache

@@ -1,5 +1,5 @@
 """Dropless dispatch buffers: found in the program, their over-sending said, their all_to_alls
-sent uneven on request (stage: reshard emission; issue 40, "Capacity").
+sent uneven on request (stage: reshard planning and emission; issue 40, "Capacity").
 
 A router with a worst-case capacity drops no token: each expert has a slot for every token of a
 group (``C = S``; a token takes at most one slot of an expert). Its dispatch buffer
@@ -12,7 +12,7 @@ einsum's layer, per router call (calls told apart by their layer path, as ``loca
 are). An all_to_all of a value of the buffer's shape (the dispatch, the combine and their
 gradients) says in its reason the bytes it sends and what the routed tokens need,
 ``tokens x top_k x hidden x bytes``, both priced from those shapes. With
-``Strategy(uneven_all_to_all=True)`` it is emitted as the uneven all_to_all instead
+``Strategy(uneven_all_to_all=True)`` it is planned (priced) and emitted as the uneven all_to_all instead
 (``all_to_all_v`` trimmed along the capacity dim, counts found at run time:
 :class:`autopar.collective_kinds.AllToAllV`), priced at the routed bytes a uniform gate sends the
 other members (:func:`autopar.cost_model.moe.uneven_bytes` of the padded pieces for them).
@@ -25,8 +25,11 @@ import math
 from dataclasses import dataclass
 
 from autopar.collective import Collective
-from autopar.collective_kinds import KINDS
+from autopar.collective_kinds import KINDS, uneven_form
+from autopar.cost_model.cluster import Cluster, dtype_bytes
+from autopar.cost_model.comm import collective_time
 from autopar.cost_model.moe import uneven_bytes
+from autopar.cost_model.planner import ReshardPlan
 from autopar.graph import ProgramGraph, Role, once_per_graph
 
 
@@ -124,27 +127,45 @@ def _top_k(graph: ProgramGraph, layer: str, experts: int) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def dropless_collective(graph: ProgramGraph, collective: Collective, uneven: bool, cluster: object) -> Collective:
-    """``collective`` as emitted: an all_to_all of a dropless buffer says its over-sending in its
-    reason, and with ``uneven`` is the uneven all_to_all (trimmed along the capacity dim)."""
-    form = KINDS[collective.kind].sent_uneven_as
-    if form is None:
-        return collective
-    buffer = next((b for b in dropless_buffers(graph) if b.shape == collective.shape), None)
+def _buffer(graph: ProgramGraph, shape: tuple[int, ...]) -> DroplessBuffer | None:
+    return next((b for b in dropless_buffers(graph) if b.shape == tuple(shape)), None)
+
+
+def dropless_plan(graph: ProgramGraph, plan: ReshardPlan, cluster: Cluster) -> ReshardPlan:
+    """``plan`` with its all_to_alls of a dropless buffer planned as the uneven all_to_all (the
+    table's ``sent_uneven_as``), priced at the routed share of the pieces sent to the others;
+    other plans as they are. A step that splits or joins the capacity dim is left padded."""
+    buffer = _buffer(graph, plan.shape)
     if buffer is None:
+        return plan
+    steps = []
+    for step in plan.steps:
+        form = KINDS[step.kind].sent_uneven_as
+        if form is None or buffer.capacity_dim in step.tensor_dims or not step.groups:
+            steps.append(step)
+            continue
+        p = len(step.groups[0])  # (all_to_all_v's bytes: what leaves the busiest member, its own piece stays)
+        nbytes = uneven_bytes(round(step.bytes * (p - 1) / p), buffer.needed_share)
+        steps.append(dataclasses.replace(step, kind=form, bytes=nbytes, time=collective_time(form, step.groups[0], nbytes, cluster)))
+    return dataclasses.replace(plan, steps=tuple(steps))
+
+
+def dropless_collective(graph: ProgramGraph, collective: Collective) -> Collective:
+    """``collective`` as emitted: an all_to_all of a dropless buffer says its padding in its
+    reason; one planned uneven (:func:`dropless_plan`) is trimmed along the capacity dim."""
+    entry = KINDS[collective.kind]
+    uneven = uneven_form(collective.kind) and not collective.splits
+    if entry.sent_uneven_as is None and not uneven:
         return collective
-    reason = f"{collective.reason}; {buffer.over_sending(collective.bytes)}"
-    if buffer.capacity_dim in (collective.axis, collective.split_axis):  # (the capacity itself is split or joined)
-        return dataclasses.replace(collective, reason=reason)
+    buffer = _buffer(graph, collective.shape)
+    if buffer is None or buffer.capacity_dim in (collective.axis, collective.split_axis):
+        return collective
+    padded = math.prod(collective.output_shape) * dtype_bytes(collective.dtype)  # (even pieces: the input's size)
+    reason = f"{collective.reason}; {buffer.over_sending(padded)}"
     if not uneven:
         return dataclasses.replace(collective, reason=f"{reason}; Strategy(uneven_all_to_all=True) sends only the filled rows")
-    from autopar.cost_model.comm import collective_time
-
-    p = len(collective.group)  # (all_to_all_v's bytes: what leaves the busiest member, its own piece stays)
-    nbytes = uneven_bytes(round(collective.bytes * (p - 1) / p), buffer.needed_share)
     return dataclasses.replace(
-        collective, kind=form, trim_axis=buffer.capacity_dim, bytes=nbytes,
-        time=collective_time(form, collective.group, nbytes, cluster) if cluster is not None else collective.time,
+        collective, trim_axis=buffer.capacity_dim,
         reason=f"{reason}; sent uneven: each expert's rows up to its last filled one along dim {buffer.capacity_dim}, "
-        f"counts first, priced at the routed {nbytes} B a uniform gate sends the other members",
+        f"counts first, priced at the routed {collective.bytes} B a uniform gate sends the other members",
     )  # fmt: skip

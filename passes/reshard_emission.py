@@ -26,7 +26,7 @@ from autopar.collective_kinds import KINDS, point_to_point
 from autopar.dropless import dropless_collective
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.graph import Role
-from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram, declared
+from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
 from autopar.propagation import SiteKind
 
 
@@ -35,7 +35,6 @@ class ReshardEmission(Pass):
     name: ClassVar[str] = "reshard_emission"
     emit_requires: ClassVar[tuple[str, ...]] = ("partitioned", "reshard-planned")
     emit_ensures: ClassVar[str] = "comm-inserted"
-    uneven_all_to_all: bool = declared()  # a dropless buffer's all_to_alls sent uneven (autopar/dropless.py)
 
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         import paddle
@@ -44,7 +43,7 @@ class ReshardEmission(Pass):
         with paddle.static.program_guard(rp.program):
             for planned in state.reshards:
                 if planned.index not in fused:
-                    _emit(state, rp, planned, self.uneven_all_to_all)
+                    _emit(state, rp, planned)
             paddle.pir.reset_insertion_point_to_end()
 
 
@@ -55,7 +54,7 @@ def read_site(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> 
     return rp.ops[site_op], site_pos
 
 
-def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard, uneven: bool = False) -> None:
+def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard) -> None:
     import paddle
 
     need = planned.need
@@ -83,7 +82,7 @@ def _emit(state: CompileState, rp: RankProgram, planned: PlannedReshard, uneven:
         inserted.add(current.get_defining_op().id())
     for number, step in enumerate(planned.plan.steps):
         key = CollectiveKey("reshard", planned.index, number)
-        current = emit_step(state, rp, step, current, value, planned.reason, key, uneven=uneven)
+        current = emit_step(state, rp, step, current, value, planned.reason, key)
         if current is not source:
             inserted.add(current.get_defining_op().id())
     if moved != value.dtype:
@@ -113,12 +112,10 @@ def _involved(state: CompileState, rank: int, planned: PlannedReshard) -> bool:
     return any(step.group_of(rank) is not None for step in planned.plan.steps)
 
 
-def emit_step(
-    state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey, uneven: bool = False
-) -> Any:  # fmt: skip
+def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey) -> Any:
     """Emit one plan step on ``rp.rank``; returns the value holding the new placement (an
-    all_to_all of a dropless buffer says its padding, and with ``uneven`` is sent uneven:
-    :func:`autopar.dropless.dropless_collective`)."""
+    all_to_all of a dropless MoE buffer says its padding, or is sent uneven where planning chose
+    so: :func:`autopar.dropless.dropless_collective`)."""
     import paddle
 
     rank = rp.rank
@@ -141,7 +138,7 @@ def emit_step(
             reduce=step.reduce or "sum", axis=axis, split_axis=split_axis,
             root=0, dtype=dtype_name(x), shift=step.shift,
         )  # fmt: skip
-        collective = dropless_collective(state.graph, collective, uneven, state.cluster)
+        collective = dropless_collective(state.graph, collective)
         return emit_collective(state, rp, collective, x, step.mesh_dims)
     out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))
     return out

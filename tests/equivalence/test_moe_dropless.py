@@ -111,3 +111,17 @@ def test_every_trimmed_all_to_all_sends_about_the_routed_share(runs):
     assert len({s.value for s in trimmed}) == 4
     share = config.top_k / config.n_experts
     assert all(s.nbytes < padded_piece * (share + 0.25) for s in trimmed), [(s.value, s.nbytes) for s in trimmed]
+
+
+def test_the_plan_prices_the_uneven_all_to_all_at_the_routed_share(runs):
+    """Planning chooses the uneven form (``reshard_planning(uneven_all_to_all=True)``), so the
+    plan's price reads it: each all_to_all_v is priced at the routed ``top_k / n_experts`` of the
+    padded pieces rank 0 sends the other member, and the plan sends less and waits less."""
+    config = CASES["stacked ep2"][2]
+    padded, uneven = runs["stacked ep2", False][0], runs["stacked ep2", True][0]
+    before = [c.bytes for c in padded.comm_ops(0) if "dropless buffer" in c.reason]
+    after = [c.bytes for c in uneven.comm_ops(0) if c.trim_axis is not None]
+    assert after == [b // 2 * config.top_k // config.n_experts for b in before]
+    assert "reshard_planning(uneven_all_to_all=True)" in str(uneven.passes)
+    cheap, dear = uneven.decisions.price(), padded.decisions.price()
+    assert cheap.sent < dear.sent and cheap.communication < dear.communication
