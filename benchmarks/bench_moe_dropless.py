@@ -157,7 +157,7 @@ def priced() -> list[str]:
     name, mesh, experts, config = _cases()[0]
     lines = [
         f"priced (h100-node profile, no GPU ran): the compiled plan of {name} (the small model above), rank 0, per layer",
-        "| form | all_to_alls | bytes each (Collective.bytes) | seconds each (Collective.time) |",
+        "| form | all_to_alls | bytes each (Collective.bytes: all_to_all's input buffer, all_to_all_v's bytes leaving the rank) | seconds each (Collective.time) |",
         "|---|---|---|---|",
     ]
     for uneven in (False, True):
