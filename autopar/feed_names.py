@@ -12,5 +12,21 @@ runtime names them without importing the rewrites above it).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 MICRO_BATCH_FEED = "autopar.micro_batch"
 WHOLE_BATCH = "@whole_batch"
+
+
+def with_whole_batch_copies(feed: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """``feed`` (the user's: feed name -> the step's whole array) with each whole-batch copy among
+    ``names`` (a program's feeds, ``<feed>@whole_batch``) given its feed's array, as the pipeline
+    runner gives it in every micro-batch. A copy is never the user's to give: one in ``feed`` is
+    replaced by its feed's array."""
+    out = dict(feed)
+    for name in names:
+        base = name.removesuffix(WHOLE_BATCH)
+        if base != name and base in feed:
+            out[name] = feed[base]
+    return out

@@ -131,6 +131,17 @@ def sequence_length(graph: ProgramGraph, dim: str) -> int:
     return max(lengths)
 
 
+def not_the_sequence(value: ValueNode, length: int) -> str | None:
+    """Why ``value`` (of two dims or more) does not carry a sequence of ``length`` on dim 1 for
+    the split (None: it does; module docstring)."""
+    if value.shape[SEQ_DIM] != length:
+        return f"dim 1 is {value.shape[SEQ_DIM]}, not the sequence"
+    others = [d for d, size in enumerate(value.shape) if size == length and d != SEQ_DIM]
+    if others:  # a [seq, seq] mask or bias: which dim is the queries' is not known (propagation slices it)
+        return f"dim {others[0]} is {length} long too: which dim is the sequence is not known"
+    return None
+
+
 def sequence_carriers(
     graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], op_meshes: Mapping[int, ProcessMesh], dim: str,
     stage_copies: Iterable[ValueKey] = (), stand_ins: Mapping[ValueKey, ValueKey] | None = None,
@@ -146,12 +157,9 @@ def sequence_carriers(
     found, placed = [], {}
     for value, what in [*((v, "feed") for v in sorted(feeds, key=lambda v: v.key)), *((v, "stage copy") for v in copies)]:
         carrier = functools.partial(Carrier, value.key, value.label, value.shape, what)
-        if value.shape[SEQ_DIM] != length:
-            found.append(carrier(False, f"dim 1 is {value.shape[SEQ_DIM]}, not the sequence"))
-            continue
-        others = [d for d, size in enumerate(value.shape) if size == length and d != SEQ_DIM]
-        if others:  # a [seq, seq] mask or bias: which dim is the queries' is not known (propagation slices it)
-            found.append(carrier(False, f"dim {others[0]} is {length} long too: which dim is the sequence is not known"))
+        why = not_the_sequence(value, length)
+        if why is not None:
+            found.append(carrier(False, why))
             continue
         base = user.get(value.key)
         if base is not None and _uses(base, dim) and value.key not in stand_ins:

@@ -6,6 +6,8 @@ bitwise ops, arange, and their grads (stage: propagate).
                                partial sum over the mesh dims that split it
     tril / triu   ab11 -> ab11 the last two dims whole (the diagonal is counted from the corner)
     where         abc,abc,abc -> abc   (Paddle broadcasts the operands first); grad linear in g
+    masked_fill   abc,abc, -> abc      (x, mask, the 0-d fill value); its grad: out_grad where
+                               the mask is off for x, the sum where it is on for the value
     logical_* / bitwise_*      broadcasting elementwise, as compare ops
     tile          ab -> a1     (repeat_times [1, 2]): a repeated dim whole, the rest keeps its split
     arange        -> a         whole: each element is its own index, so no rank can make a piece
@@ -112,6 +114,7 @@ def _arange(inputs: Sequence[TensorSpec | None], attrs: Mapping[str, Any]) -> st
 
 
 register_rule(EquationGradRule(_where_grad_letters, grad=3, results=(1, 2), shape_only=()), "where_grad")
+register_rule(EquationGradRule(_where_grad_letters, grad=3, results=(0, 2), shape_only=()), "masked_fill_grad")
 register_rule(EinsumRule(_arange), "arange", "linspace")
 
 
@@ -176,7 +179,7 @@ def _tile_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -
 
 
 register_rule(EquationGradRule(_tile_grad_letters, grad=1, tensors=2, shape_only=(0,)), "tile_grad")
-register_rule(EinsumRule(broadcast_equation), "where")
+register_rule(EinsumRule(broadcast_equation), "where", "masked_fill")
 register_rule(EinsumRule(broadcast_equation), "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor")
 register_rule(EinsumRule(same_equation, tensors=1), "bitwise_not")
 

@@ -1,6 +1,9 @@
 """Reductions with axis / keepdim: sum, mean, max, min and their grads (stage: propagate).
 
     sum   abc -> ac      (axis [1]; keepdim writes the reduced dim ``1``: abc -> a1c)
+    argmax / argmin  a1c -> ac   (keepdims: a1c; flatten: every dim whole) the reduced axis whole:
+                     an index found in a piece of a row is no index of the row; the others keep
+                     their split (a router's argmax over experts stays split by token)
 
 A split of a reduced dim leaves the output partial over its mesh dims: a pending sum for sum
 and mean, a pending max / min for max / min. sum and mean are linear, so a partial input stays
@@ -26,7 +29,7 @@ from typing import Any
 
 from autopar.spmd.base import TensorSpec
 from autopar.spmd.equations import EinsumRule, EquationGradRule
-from autopar.spmd.operands import letters
+from autopar.spmd.operands import axes_attr, letters
 from autopar.spmd.registry import declare, register_rule
 
 
@@ -66,6 +69,15 @@ def _reduction(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
     return f"{x}->{out}"
 
 
+def _arg_reduction(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> str:
+    """argmax / argmin ``(x, axis) -> out``: ``a1c -> ac``; the axis whole, the others keep their split."""
+    ndim = inputs[0].ndim
+    axes = set(range(ndim) if attrs.get("flatten") else axes_attr(attrs, "axis", ndim))
+    x = letters(ndim, whole=axes)
+    out = "".join(c for i, c in enumerate(x) if i not in axes or attrs.get("keepdims"))
+    return f"{x}->{out}"
+
+
 def _shape_grad_letters(inputs: Sequence[TensorSpec], attrs: Mapping[str, Any]) -> list[str]:
     """sum / mean grads ``(x, out_grad, axis) -> x_grad``: ``abc,ac -> abc``."""
     return list(reduction_letters(inputs[0].ndim, attrs))
@@ -87,6 +99,7 @@ register_rule(EinsumRule(_reduction, linearity="multi", tensors=1), "sum")
 register_rule(EinsumRule(_reduction, linearity="multi", tensors=1, scale=_mean_scale), "mean")
 register_rule(EinsumRule(_reduction, reduce_kind="max", tensors=1), "max")
 register_rule(EinsumRule(_reduction, reduce_kind="min", tensors=1), "min")
+register_rule(EinsumRule(_arg_reduction, tensors=1), "argmax", "argmin")
 register_rule(EquationGradRule(_shape_grad_letters, grad=1, tensors=2, shape_only=(0,)), "sum_grad")
 register_rule(EquationGradRule(_shape_grad_letters, grad=1, tensors=2, shape_only=(0,), scale=_mean_scale), "mean_grad")
 register_rule(EquationGradRule(_tie_grad_letters, grad=2, tensors=3, shape_only=()), "max_grad", "min_grad")

@@ -25,8 +25,8 @@ divisible by mp) or a row-parallel input that does not arrive split leaves the p
 ``TensorParallel.notes`` says where and why in the user's terms (layer path, shapes).
 
 Data parallelism splits the feeds that carry the batch (:func:`batch_feeds`); context
-parallelism splits those of them that carry the sequence too, on dim 1 (:func:`sequence_feeds`),
-and is searched only where the sequence is long (:func:`long_sequence`). Expert parallelism
+parallelism splits the feeds that carry the sequence on dim 1, by compile's rule
+(:func:`sequence_feeds`), and is searched only where the sequence is long (:func:`long_sequence`). Expert parallelism
 splits the stacked experts by expert (:func:`expert_parameters`: ``[E, in, out]`` weights an
 einsum or matmul batches over their dim 0) and the batch feeds over data x expert, as GSPMD's
 MoE and the zoo's stacked MoE (``autopar/testing/zoo/moe.py``) annotate them.
@@ -44,6 +44,9 @@ from autopar.annotate import to_dist_attr
 from autopar.dist_attr import DistAttr
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.mesh import ProcessMesh
+from autopar.rewrites.context_parallel import SEQ_DIM, not_the_sequence
+from autopar.rewrites.context_parallel import sequence_feeds as read_feeds
+from autopar.rewrites.context_parallel import sequence_length as context_sequence_length
 from autopar.spmd import ops_where
 
 # what the search reads of ops, declared beside their rules (autopar.spmd.registry.TRAIT_MEANINGS):
@@ -150,20 +153,21 @@ def batch_feeds(graph: ProgramGraph) -> tuple[ValueKey, ...]:
 
 
 def sequence_feeds(graph: ProgramGraph) -> tuple[ValueKey, ...]:
-    """The batch feeds that carry the sequence on dim 1 (token ids, labels, masks per token):
-    those of :func:`batch_feeds` with a dim 1, of the size most of them share (ties: the larger)."""
-    feeds = [key for key in batch_feeds(graph) if len(graph.values[key].program_shape) >= 2]
-    sizes = Counter(graph.values[key].program_shape[1] for key in feeds)
-    if not sizes:
+    """The feeds that carry the sequence on dim 1 (token ids, labels, masks per token), by the
+    rule compile's context-parallel split applies (:mod:`autopar.rewrites.context_parallel`):
+    the read feeds of two dims or more whose dim 1 is the longest among them and no other dim
+    is as long."""
+    feeds = read_feeds(graph)
+    if not feeds:
         return ()
-    seq = max(sizes, key=lambda size: (sizes[size], size))
-    return tuple(key for key in feeds if graph.values[key].program_shape[1] == seq)
+    length = context_sequence_length(graph, "sep")  # (the dim is named only in its refusal, for no feed: not here)
+    return tuple(sorted(value.key for value in feeds if not_the_sequence(value, length) is None))
 
 
 def sequence_length(graph: ProgramGraph) -> int:
     """The tokens of a sequence (dim 1 of :func:`sequence_feeds`; 0: no feed carries one)."""
     feeds = sequence_feeds(graph)
-    return int(graph.values[feeds[0]].program_shape[1]) if feeds else 0
+    return int(graph.values[feeds[0]].shape[SEQ_DIM]) if feeds else 0
 
 
 LONG = 0.5  # the share of the saved activations attention's [.., S, S] values must reach for the sequence to count as long

@@ -159,3 +159,42 @@ def test_command_line_exit_codes(tmp_path):
     assert ok.returncode == 0 and "every value equals serial" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([*run, f"{target}:broken", "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "first difference (step 0): pd_op.add#" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_a_recomputed_dropout_is_compared_by_what_its_clone_remakes():
+    """GPT-2 with dropout under recompute: each dropout is recomputed as ``x * cast(mask) / (1 - p)``
+    from its kept mask. The clone's last op re-makes the dropout's output and is compared with it;
+    the cast mask and the product are compared as themselves (paired by output slot, the cast of
+    the mask was compared with the dropout's output: 5 false differences)."""
+    from autopar.inspect.check import remade
+    from autopar.testing.zoo import gpt2
+
+    config, mesh = gpt2.Config(dropout=0.1), autopar.ProcessMesh([0, 1], ["dp"])
+    seed = gpt2.build(config, batch=4, seq=8, mesh=mesh)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(recompute=True))
+    graph = dist.decisions.serial()
+    dropouts = {op.index for op in graph.ops if op.short_name == "dropout"}
+    remakes = {clone: forward for clone, forward in remade(graph).items() if forward[0] in dropouts}
+    assert remakes and all(graph.ops[c[0]].short_name == "divide" and f[1] == 0 for c, f in remakes.items()), remakes
+    casts = [op for op in graph.ops if op.recomputes in dropouts and op.short_name == "cast"]
+    assert casts and not any(op.outputs[0] in remakes for op in casts)
+    report = autopar.check(dist, gpt2.feeds(config, 4, 8, 2))
+    assert report.clean, str(report)
+
+
+def test_a_pipelines_whole_batch_copy_of_a_feed_is_given_its_feed():
+    """GPT-2's loss divides by the whole batch's count of valid targets: under a pipeline that
+    count is made from ``targets@whole_batch``, a feed the serial run needs too (it failed with
+    KeyError 'targets@whole_batch'). The copy is given its feed's array; random feeds draw only
+    the user's feeds."""
+    from autopar.inspect.check import random_feeds
+    from autopar.testing.zoo import gpt2
+
+    config, mesh = gpt2.Config(), autopar.ProcessMesh([0, 1], ["pp"])
+    seed = gpt2.build(config, batch=4, seq=8, mesh=mesh)
+    pipeline = autopar.PipelineConfig(micro_batches=2, stages=2)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(pipeline=pipeline))
+    assert "targets@whole_batch" in dist.values.named("feed")
+    assert set(random_feeds(dist)[0]) == {"idx", "targets"}
+    report = autopar.check(dist, gpt2.feeds(config, 4, 8, 2))
+    assert report.clean and report.micro_batches == 2, str(report)

@@ -34,6 +34,17 @@ def test_the_zoo_moe_equals_serial(name):
     assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
 
 
+@pytest.mark.parametrize(("name", "groups"), [("ep4", 4), ("dp x ep", 4), ("ep x mp", 2)])
+def test_stacked_experts_routing_per_group_of_the_batch_split_equal_serial(name, groups):
+    """Stacked experts with ``router_groups`` = the batch's split (dp x ep: 4 groups, one a rank;
+    ep x mp: 2, one per ep rank, the attention tensor-parallel over mp): each rank routes its own
+    tokens, and the serial program routes the same groups."""
+    config, mesh = moe.Config(n_layers=1, router_groups=groups), MESHES[name]
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh)
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup)
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
+
+
 @pytest.fixture(scope="module")
 def local_moe():
     """The Paddle-way MoE compiled on each expert-parallel mesh (built once per module)."""
@@ -85,6 +96,21 @@ def test_zero_1_shards_an_experts_states_over_its_holders():
     assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
     expert = {(c.kind.value, c.group) for c in dist.comm_ops(0) if "Expert" in c.reason}
     assert expert == {("reduce_scatter", (0, 2)), ("all_gather", (0, 2))}
+
+
+def test_zero_1_shards_the_stacked_experts_states_over_dp():
+    """ZeRO-1 with momentum on dp x ep, stacked experts routed per rank (4 groups): each ep rank
+    holds its slice of the stacked experts, replicated over dp, so its gradient is
+    reduce-scattered over dp and the updated shards gathered back there; equal to serial."""
+    config, mesh = moe.Config(n_layers=1, router_groups=4), MESHES["dp x ep"]
+    seed = moe.build(config, batch=4, seq=8, mesh=mesh, optimizer="momentum")
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(zero_stage=1))
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 3))
+    experts = [z for z in dist.state.zero if str(z.whole) == "[R,S(0)]"]  # the stacked experts: split by expert over ep
+    assert len(experts) == 2 and all(str(z.sharded) == "[S(0)#1,S(0)]" for z in experts), [str(z) for z in dist.state.zero]
+    scattered = [c for c in dist.comm_ops(0) if c.kind.value == "reduce_scatter"]
+    assert scattered and all(c.group == (0, 2) and all(f"grad({z.label})" in c.reason for z in experts) for c in scattered)
+    assert any(c.kind.value == "all_gather" and c.group == (0, 2) and "ZeRO parameter gather" in c.reason for c in dist.comm_ops(0))
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
@@ -149,22 +175,19 @@ def adamw_floor():
     """The fp32 floor of 3 AdamW steps of the local MoE on dp x ep (4 groups of one row each):
     per parameter, how far the serial program moves when the batch's rows come in another order
     (the groups permuted: the same sums, added in another order)."""
-    import numpy as np
     import paddle
 
+    from autopar.testing.processes import reordered_floor
     from autopar.testing.serial import run_serial
 
     config, mesh = moe.Config(n_layers=1), MESHES["dp x ep"]
     with paddle.utils.unique_name.guard():  # (the parameters named as in each test's build)
         seed = moe.build(config, batch=4, seq=8, mesh=mesh, experts="local", optimizer="adamw")
     feeds = moe.feeds(config, 4, 8, 3)
-    permuted = [{k: v[[2, 0, 3, 1]] for k, v in f.items()} for f in feeds]
+    floor = reordered_floor(seed.main, seed.startup, seed.loss, feeds, rows=[2, 0, 3, 1])
     start = paddle.get_rng_state()
     serial = run_serial(seed.main, seed.startup, feeds, [seed.loss])
     paddle.set_rng_state(start)
-    other = run_serial(seed.main, seed.startup, permuted, [seed.loss])
-    paddle.set_rng_state(start)
-    floor = {n: float(np.max(np.abs(other.parameters[n] - w))) for n, w in serial.parameters.items()}
     return config, feeds, serial, floor
 
 

@@ -92,3 +92,26 @@ def test_each_method_is_tried_and_the_ring_holds_least(long):
     assert set(cp4) == {"ring", "all_gather"}
     assert cp4["ring"].price.memory < cp4["all_gather"].price.memory
     assert any("not divisible by 4" in skip.why for skip in plans.skipped if skip.shape == Shape(1, 1, 1, 4))
+
+
+def test_suggest_takes_the_sequence_feeds_compile_splits():
+    """One sequence feed ``x`` [4, 8, 16] beside two per-example weights [4, 1]: the most common
+    dim 1 among the batch feeds is 1, but the sequence is the longest dim 1. Suggest asks
+    compile's rule (``autopar/rewrites/context_parallel.py``), so it prices the split compile makes."""
+    import paddle
+
+    from autopar.suggest.annotations import sequence_length
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [4, 8, 16], "float32")
+        weights = [paddle.static.data(name, [4, 1], "float32") for name in ("w", "v")]
+        loss = (paddle.nn.Linear(16, 16)(x).mean(-1) * weights[0] * weights[1]).mean()
+        paddle.optimizer.SGD(0.1).minimize(loss)
+    graph = ProgramGraph(main)
+    assert [graph.values[key].name for key in sequence_feeds(graph)] == ["x"] and sequence_length(graph) == 8
+    sep = autopar.ProcessMesh([0, 1], ["sep"])
+    strategy = autopar.Strategy(context_parallel=autopar.ContextParallel("sep", "all_gather"))
+    dist = autopar.compile(main, sep, startup_program=startup, strategy=strategy)
+    assert [str(dist.decisions.placement(name)) for name in ("x", "w", "v")] == ["[S(1)]", "[R]", "[R]"]

@@ -9,4 +9,9 @@ gives Megatron tensor parallelism, ``pp`` places consecutive layers on ``mesh[i]
 makes the model with ``network(config, stages)`` and its loss with ``compute_loss(config,
 *outputs, *labels)`` (feeds ``INPUTS`` to the model, ``LABELS`` to the loss): the same two make
 the model in dynamic mode for Paddle's own semi-auto engine (``benchmarks/bench_vs_paddle.py``).
+
+The mixture-of-experts models also read an ``ep`` mesh dim and return the logits with the
+routers' auxiliary loss: ``moe`` (our own, GShard / fairscale gating, experts stacked or on
+sub-meshes) and ``qwen2_moe`` (ported from PaddleNLP's non-auto Qwen2-MoE block, top-2 gating
+and ``MoELayer`` in their authors' spelling, the gate per rank in ``autopar.local_map``).
 """
