@@ -124,11 +124,8 @@ class Collective:
         p = len(self.group)
         if self.splits and (len(self.splits) != p or any(len(row) != p or min(row) < 0 for row in self.splits)):
             raise ValueError(f"{self.kind} of {self.value}: splits must be {p} x {p} counts >= 0, got {self.splits}")
-        if self.trim_axis is not None and (self.splits or self.trim_axis in (self.axis, self.split_axis)):
-            raise ValueError(
-                f"{self.kind} of {self.value}: trim_axis={self.trim_axis} needs even pieces (no splits) and a dim "
-                f"neither split ({self.split_axis}) nor joined ({self.axis})"
-            )
+        if self.trim_axis is not None and self.splits:
+            raise ValueError(f"{self.kind} of {self.value}: trim_axis={self.trim_axis} needs even pieces (no splits), got {self.splits}")
 
     def __str__(self) -> str:
         extra = f", shift={self.shift}" if self.shift else ""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.collective import Collective
@@ -45,6 +46,11 @@ class DroplessBuffer:
     top_k: int | None
     hidden: int
     layer: str
+    copy_shape: tuple[int, ...] | None = None  # one copy's, when local_map copies are joined along the capacity
+
+    def matches(self, shape: Sequence[int]) -> bool:
+        """Whether a value of ``shape`` is this buffer (or one copy of it)."""
+        return tuple(shape) in (self.shape, self.copy_shape)
 
     @property
     def needed_share(self) -> float | None:
@@ -55,10 +61,11 @@ class DroplessBuffer:
 
     def over_sending(self, nbytes: int) -> str:
         """What an all_to_all sending ``nbytes`` of this buffer per rank says about its padding."""
-        head = (
-            f"dropless buffer {list(self.shape)} (capacity {self.shape[self.capacity_dim]} = every token of a group "
-            f"in one expert): sends {nbytes} B per rank"
-        )
+        capacity = f"capacity {self.shape[self.capacity_dim]}"
+        if self.copy_shape is not None:  # (local_map's copies joined along the capacity)
+            per_copy = self.copy_shape[self.capacity_dim]
+            capacity = f"capacity {per_copy} x {self.shape[self.capacity_dim] // per_copy} groups"
+        head = f"dropless buffer {list(self.shape)} ({capacity}: every token of a group in one expert): sends {nbytes} B per rank"
         if self.top_k is None:
             return f"{head}; the router's top-k is not found in the program, so the routed tokens' bytes are not known"
         need = round(nbytes * self.needed_share)
@@ -70,15 +77,26 @@ class DroplessBuffer:
 
 @once_per_graph
 def dropless_buffers(graph: ProgramGraph) -> tuple[DroplessBuffer, ...]:
-    """The program's dropless dispatch buffers (module docstring), in op order."""
-    found = []
+    """The program's dropless dispatch buffers (module docstring), in op order. The dispatch
+    einsums of one layer with the same shapes are one buffer's copies (``local_map``'s, one per
+    group of tokens), joined along the capacity dim: the buffer's shape is the joined one."""
+    found: dict[tuple, tuple[DroplessBuffer, int]] = {}
     for op in graph.ops:
         if op.role is not Role.FORWARD or op.name != "pd_op.einsum" or "->" not in str(op.attrs.get("equation", "")):
             continue
         buffer = _dispatch(graph, op)
         if buffer is not None:
-            found.append(buffer)
-    return tuple(found)
+            key = (buffer.layer, buffer.shape, buffer.capacity_dim)
+            found[key] = (buffer, found[key][1] + 1 if key in found else 1)
+    return tuple(_joined(buffer, copies) for buffer, copies in found.values())
+
+
+def _joined(buffer: DroplessBuffer, copies: int) -> DroplessBuffer:
+    if copies == 1:
+        return buffer
+    shape = list(buffer.shape)
+    shape[buffer.capacity_dim] *= copies
+    return dataclasses.replace(buffer, shape=tuple(shape), tokens=buffer.tokens * copies, copy_shape=buffer.shape)
 
 
 def _dispatch(graph: ProgramGraph, op: object) -> DroplessBuffer | None:
@@ -110,13 +128,17 @@ def _dispatch(graph: ProgramGraph, op: object) -> DroplessBuffer | None:
 
 
 def _top_k(graph: ProgramGraph, layer: str, experts: int) -> int | None:
-    """The router's top-k in ``layer``: the ``k`` of its ``topk`` ops over the experts, per call."""
+    """The router's top-k in ``layer``: the ``k`` of its ``topk`` ops over the experts (an
+    ``argmax`` over them picks one: PaddleNLP's top2gating), per call (calls told apart by their
+    layer path)."""
     per_call: dict[str, int] = {}
     for op in graph.ops:
-        if op.role is not Role.FORWARD or op.name != "pd_op.topk" or not str(op.attrs.get("struct_name", "")).startswith(layer or "/"):
+        if op.role is not Role.FORWARD or op.name not in ("pd_op.topk", "pd_op.argmax"):
+            continue
+        if not str(op.attrs.get("struct_name", "")).startswith(layer or "/"):
             continue
         source = graph.values[op.inputs[0]]
-        k = op.attrs.get("k")
+        k = op.attrs.get("k") if op.name == "pd_op.topk" else 1
         if k is None and len(op.inputs) > 1 and op.inputs[1] is not None:
             k = graph.values[op.inputs[1]].const
         if not source.shape or source.shape[-1] != experts or k is None:
@@ -128,20 +150,20 @@ def _top_k(graph: ProgramGraph, layer: str, experts: int) -> int | None:
 
 
 def _buffer(graph: ProgramGraph, shape: tuple[int, ...]) -> DroplessBuffer | None:
-    return next((b for b in dropless_buffers(graph) if b.shape == tuple(shape)), None)
+    return next((b for b in dropless_buffers(graph) if b.matches(shape)), None)
 
 
 def dropless_plan(graph: ProgramGraph, plan: ReshardPlan, cluster: Cluster) -> ReshardPlan:
     """``plan`` with its all_to_alls of a dropless buffer planned as the uneven all_to_all (the
     table's ``sent_uneven_as``), priced at the routed share of the pieces sent to the others;
-    other plans as they are. A step that splits or joins the capacity dim is left padded."""
+    other plans as they are."""
     buffer = _buffer(graph, plan.shape)
     if buffer is None:
         return plan
     steps = []
     for step in plan.steps:
         form = KINDS[step.kind].sent_uneven_as
-        if form is None or buffer.capacity_dim in step.tensor_dims or not step.groups:
+        if form is None or not step.groups:
             steps.append(step)
             continue
         p = len(step.groups[0])  # (all_to_all_v's bytes: what leaves the busiest member, its own piece stays)
@@ -158,7 +180,7 @@ def dropless_collective(graph: ProgramGraph, collective: Collective) -> Collecti
     if entry.sent_uneven_as is None and not uneven:
         return collective
     buffer = _buffer(graph, collective.shape)
-    if buffer is None or buffer.capacity_dim in (collective.axis, collective.split_axis):
+    if buffer is None:
         return collective
     padded = math.prod(collective.output_shape) * dtype_bytes(collective.dtype)  # (even pieces: the input's size)
     reason = f"{collective.reason}; {buffer.over_sending(padded)}"
