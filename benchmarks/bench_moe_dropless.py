@@ -9,7 +9,9 @@ row, counts first). Every figure says whether it is priced or measured, and wher
 all_to_alls a layer; bytes counted on the messages the simulator exchanges,
 ``autopar.runtime.wire``): the zoo MoE with ``Config(dropless=True)`` (dim 64, 4 experts of 256,
 top-2, 1 layer, batch 8 x 16 tokens, SGD), rank 0, per layer and step (the mean of 3 steps):
-the stacked experts on ep2 (2 router groups), the local ones on ep2, ep4 and dp2 x ep2. Beside
+the stacked experts on ep2 (2 router groups), the local ones on ep2, ep4 and dp2 x ep2; and the
+ported Qwen2-MoE (``autopar/testing/zoo/qwen2_moe.py``, same sizes) with the worst-case capacity
+``capacity_factor = num_experts`` on ep2. Beside
 them, priced from the shapes: the routed rows ``T x k x h x 4 B`` of rank 0's pieces for the
 other members (what a perfect uneven all_to_all would send).
 
@@ -47,42 +49,56 @@ def _bytes(n: float) -> str:
 
 
 def _cases():
+    """(name, mesh, model, build's keywords, config)."""
     import autopar
-    from autopar.testing.zoo import moe
+    from autopar.testing.zoo import moe, qwen2_moe
 
     M = autopar.ProcessMesh
+    qwen = qwen2_moe.Config(hidden_size=SMALL["dim"], num_experts=SMALL["n_experts"], moe_intermediate_size=SMALL["expert_hidden"],
+                            num_hidden_layers=1, capacity_factor=float(SMALL["n_experts"]))  # fmt: skip
     return [
-        ("stacked ep2", M([0, 1], ["ep"]), "stacked", moe.Config(**SMALL, dropless=True, router_groups=2)),
-        ("local ep2", M([0, 1], ["ep"]), "local", moe.Config(**SMALL, dropless=True)),
-        ("local ep4", M([0, 1, 2, 3], ["ep"]), "local", moe.Config(**SMALL, dropless=True)),
-        ("local dp2 x ep2", M([[0, 1], [2, 3]], ["dp", "ep"]), "local", moe.Config(**SMALL, dropless=True)),
+        ("stacked ep2", M([0, 1], ["ep"]), moe, {"experts": "stacked"}, moe.Config(**SMALL, dropless=True, router_groups=2)),
+        ("local ep2", M([0, 1], ["ep"]), moe, {"experts": "local"}, moe.Config(**SMALL, dropless=True)),
+        ("local ep4", M([0, 1, 2, 3], ["ep"]), moe, {"experts": "local"}, moe.Config(**SMALL, dropless=True)),
+        ("local dp2 x ep2", M([[0, 1], [2, 3]], ["dp", "ep"]), moe, {"experts": "local"}, moe.Config(**SMALL, dropless=True)),
+        ("ported Qwen2-MoE ep2, capacity_factor = E", M([0, 1], ["ep"]), qwen2_moe, {}, qwen),
     ]
 
 
-def _compiled(mesh, experts, config, uneven):
+def _compiled(mesh, model, keywords, config, uneven):
     import autopar
-    from autopar.testing.zoo import moe
 
-    seed = moe.build(config, batch=BATCH, seq=SEQ, mesh=mesh, experts=experts)
+    seed = model.build(config, batch=BATCH, seq=SEQ, mesh=mesh, **keywords)
     strategy = autopar.Strategy(cluster="h100-node", uneven_all_to_all=uneven)
     return seed, autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
 
 
-def _routed(dist, config) -> int:
+def _routed(dist, config) -> int:  # (the zoo's and the port's field names)
     """Priced from shapes: the routed rows of rank 0's pieces for the other members, per layer
     (the share k x tokens x hidden of each padded all_to_all's pieces for others)."""
     total = 0
     for c in dist.comm_ops(0):
         if "dropless buffer" in c.reason:
             p = len(c.group)
-            total += round(c.bytes * (p - 1) / p * config.top_k / config.n_experts)
-    return total // config.n_layers
+            total += round(c.bytes * (p - 1) / p * _top_k(config) / _experts(config))
+    return total // _layers(config)
+
+
+def _top_k(config) -> int:
+    return getattr(config, "top_k", None) or config.num_experts_per_tok
+
+
+def _experts(config) -> int:
+    return getattr(config, "n_experts", None) or config.num_experts
+
+
+def _layers(config) -> int:
+    return getattr(config, "n_layers", None) or config.num_hidden_layers
 
 
 def measured_simulator() -> list[str]:
     from autopar.runtime.simulator import simulate
     from autopar.runtime.wire import counting
-    from autopar.testing.zoo import moe
 
     lines = [
         f"measured (simulator, autopar.runtime.wire: the messages exchanged), rank 0, per layer and step: zoo MoE dropless {SMALL}, "
@@ -90,15 +106,15 @@ def measured_simulator() -> list[str]:
         "| plan | all_to_alls / layer | padded sent (measured) | uneven sent (measured) | uneven / padded | routed T x k x h (priced) |",
         "|---|---|---|---|---|---|",
     ]
-    for name, mesh, experts, config in _cases():
+    for name, mesh, model, keywords, config in _cases():
         sent, count = {}, 0
         for uneven in (False, True):
-            seed, dist = _compiled(mesh, experts, config, uneven)
+            seed, dist = _compiled(mesh, model, keywords, config, uneven)
             with counting() as log:
-                simulate(dist, moe.feeds(config, BATCH, SEQ, STEPS), [seed.loss])
-            sent[uneven] = log.sent(rank=0) / STEPS / config.n_layers
+                simulate(dist, model.feeds(config, BATCH, SEQ, STEPS), [seed.loss])
+            sent[uneven] = log.sent(rank=0) / STEPS / _layers(config)
             if not uneven:  # (the padded plan's all_to_alls: the uneven ones' bytes are priced already)
-                count = sum("dropless buffer" in c.reason for c in dist.comm_ops(0)) // config.n_layers
+                count = sum("dropless buffer" in c.reason for c in dist.comm_ops(0)) // _layers(config)
                 routed = _routed(dist, config)
         lines.append(f"| {name} | {count} | {_bytes(sent[False])} | {_bytes(sent[True])} | {sent[True] / sent[False]:.2f} | {_bytes(routed)} |")
     return lines
@@ -154,14 +170,14 @@ def priced() -> list[str]:
     from autopar.cost_model.comm import collective_time
     from autopar.cost_model.moe import uneven_bytes
 
-    name, mesh, experts, config = _cases()[0]
+    name, mesh, model, keywords, config = _cases()[0]
     lines = [
         f"priced (h100-node profile, no GPU ran): the compiled plan of {name} (the small model above), rank 0, per layer",
         "| form | all_to_alls | bytes each (Collective.bytes: all_to_all's input buffer, all_to_all_v's bytes leaving the rank) | seconds each (Collective.time) |",
         "|---|---|---|---|",
     ]
     for uneven in (False, True):
-        _, dist = _compiled(mesh, experts, config, uneven)
+        _, dist = _compiled(mesh, model, keywords, config, uneven)
         moved = [c for c in dist.comm_ops(0) if "dropless buffer" in c.reason]
         kinds = sorted({c.kind.value for c in moved})
         lines.append(f"| {'uneven' if uneven else 'padded'} | {len(moved)} x {', '.join(kinds)} | "
