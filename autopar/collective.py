@@ -87,9 +87,9 @@ class Collective:
     ``(i + shift) % p`` and receives member ``(i - shift) % p``'s. all_to_all_v: as all_to_all,
     but member ``i`` sends ``splits[i][j]`` elements along ``split_axis`` to member ``j`` (its
     pieces in order); ``splits`` empty: even pieces, as all_to_all. ``trim_axis`` (all_to_all_v
-    with even pieces only): the counts are found at run time, the uneven all_to_all of a dropless
-    dispatch buffer: each piece goes out only up to its last non-zero row along ``trim_axis``
-    (the experts' capacity), after its row count, and the receiver fills the rest with zeros —
+    with even pieces only): the uneven all_to_all of a dropless dispatch buffer, its counts found
+    at run time: each expert's rows of a piece go out only up to the last non-zero one along
+    ``trim_axis`` (the capacity), after the counts, and the receiver fills the rest with zeros —
     the same result as all_to_all for any data (autopar/collective_kinds.py, ``AllToAllV``).
     ``bytes``: the planner's nccl-tests size on this collective, in ``dtype`` (what it moves: a
     gradient reduced in another dtype, ``Strategy.reduce_dtype``, moves that one); ``time``:

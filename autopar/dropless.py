@@ -6,16 +6,22 @@ group (``C = S``; a token takes at most one slot of an expert). Its dispatch buf
 ``[E, G, C, H]`` is mostly padding: the routed tokens fill ``k x G x S`` of its ``E x G x S``
 rows, ``k / E`` of it. Found from the program's shapes only: a forward ``einsum`` whose routing
 operand ``[.., S, E, C]`` sums over the token letter ``S``, keeps the expert and capacity letters
-``E`` and ``C`` (in no other operand), and has ``C`` of the size of ``S``; e.g. GShard's
-``"gsec,gsm->egcm"``. ``k`` is the router's top-k: the ``k`` of the ``topk`` ops over ``E`` in the
-einsum's layer, per router call (calls told apart by their layer path, as ``local_map`` copies
-are). An all_to_all of a value of the buffer's shape (the dispatch, the combine and their
-gradients) says in its reason the bytes it sends and what the routed tokens need,
+``E`` and ``C`` (in no other operand), and has ``C`` of the size of ``S``: GShard's
+``"gsec,gsm->egcm"``, PaddleNLP's ``"sec,sm->ecm"``. The dispatch einsums of one layer with the
+same shapes are ``local_map``'s copies of one (one per group of tokens), joined along the
+capacity. ``k`` is the router's top-k: the ``k`` of the ``topk`` ops over ``E`` in the einsum's
+layer (an ``argmax`` over ``E`` picks one), per router call (calls told apart by their layer path,
+as ``local_map`` copies are).
+
+An all_to_all of a value of the buffer's shape, or one copy's (the dispatch, the combine and
+their gradients), says in its reason the bytes it sends and what the routed tokens need,
 ``tokens x top_k x hidden x bytes``, both priced from those shapes. With
-``Strategy(uneven_all_to_all=True)`` it is planned (priced) and emitted as the uneven all_to_all instead
-(``all_to_all_v`` trimmed along the capacity dim, counts found at run time:
-:class:`autopar.collective_kinds.AllToAllV`), priced at the routed bytes a uniform gate sends the
-other members (:func:`autopar.cost_model.moe.uneven_bytes` of the padded pieces for them).
+``Strategy(uneven_all_to_all=True)`` reshard planning plans (and prices) it as the uneven
+all_to_all instead (the table's ``sent_uneven_as``: ``all_to_all_v``, trimmed along the capacity
+dim at emission, counts found at run time: :class:`autopar.collective_kinds.AllToAllV`), at the
+routed bytes a uniform gate sends the other members (:func:`autopar.cost_model.moe.uneven_bytes`
+of the padded pieces for them). Only where an all_to_all is planned: the CPU profiles plan these
+moves as all_gathers and slices (no all_to_all kernel), which stay as they are.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from autopar.cost_model.cluster import Cluster, dtype_bytes
 from autopar.cost_model.comm import collective_time
 from autopar.cost_model.moe import uneven_bytes
 from autopar.cost_model.planner import ReshardPlan
-from autopar.graph import ProgramGraph, Role, once_per_graph
+from autopar.graph import OpNode, ProgramGraph, Role, once_per_graph
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +105,7 @@ def _joined(buffer: DroplessBuffer, copies: int) -> DroplessBuffer:
     return dataclasses.replace(buffer, shape=tuple(shape), tokens=buffer.tokens * copies, copy_shape=buffer.shape)
 
 
-def _dispatch(graph: ProgramGraph, op: object) -> DroplessBuffer | None:
+def _dispatch(graph: ProgramGraph, op: OpNode) -> DroplessBuffer | None:
     operands, out = str(op.attrs["equation"]).replace(" ", "").split("->")
     letters = operands.split(",")
     if len(letters) != 2 or op.outputs[0] is None:
