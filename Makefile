@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_vs_paddle.py
 	$(PY) benchmarks/bench_context_parallel.py
 	$(PY) benchmarks/bench_moe.py
+	$(PY) benchmarks/bench_moe_dropless.py
 
 # re-measure this machine's CPU profiles (cost_model/profiles/cpu_shm.json, cpu_gloo.json; about
 # four minutes each, on an idle machine): the measuring is a tool, the cost model only reads them

@@ -86,7 +86,11 @@ class Collective:
     send / recv: ``group = (sender, receiver)``. permute: member ``i`` sends its input to member
     ``(i + shift) % p`` and receives member ``(i - shift) % p``'s. all_to_all_v: as all_to_all,
     but member ``i`` sends ``splits[i][j]`` elements along ``split_axis`` to member ``j`` (its
-    pieces in order); ``splits`` empty: even pieces, as all_to_all.
+    pieces in order); ``splits`` empty: even pieces, as all_to_all. ``trim_axis`` (all_to_all_v
+    with even pieces only): the uneven all_to_all of a dropless dispatch buffer, its counts found
+    at run time: each expert's rows of a piece go out only up to the last non-zero one along
+    ``trim_axis`` (the capacity), after the counts, and the receiver fills the rest with zeros —
+    the same result as all_to_all for any data (autopar/collective_kinds.py, ``AllToAllV``).
     ``bytes``: the planner's nccl-tests size on this collective, in ``dtype`` (what it moves: a
     gradient reduced in another dtype, ``Strategy.reduce_dtype``, moves that one); ``time``:
     predicted seconds.
@@ -110,7 +114,7 @@ class Collective:
     dtype: str = "float32"
     shift: int = 0  # permute: member i sends to member (i + shift) % p
     splits: tuple[tuple[int, ...], ...] = ()  # all_to_all_v: splits[i][j] = what member i sends member j
-
+    trim_axis: int | None = None  # all_to_all_v: pieces sent up to their last non-zero row along it (counts at run time)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, CollectiveKind):
@@ -120,10 +124,13 @@ class Collective:
         p = len(self.group)
         if self.splits and (len(self.splits) != p or any(len(row) != p or min(row) < 0 for row in self.splits)):
             raise ValueError(f"{self.kind} of {self.value}: splits must be {p} x {p} counts >= 0, got {self.splits}")
+        if self.trim_axis is not None and self.splits:
+            raise ValueError(f"{self.kind} of {self.value}: trim_axis={self.trim_axis} needs even pieces (no splits), got {self.splits}")
 
     def __str__(self) -> str:
         extra = f", shift={self.shift}" if self.shift else ""
         extra += f", splits={[list(row) for row in self.splits]}" if self.splits else ""
+        extra += f", trimmed along dim {self.trim_axis}" if self.trim_axis is not None else ""
         return (
             f"{self.kind}(group={list(self.group)}{extra}, {self.dtype}, {self.bytes} B, {self.time * 1e6:.1f}us) "
             f"{self.value}: {self.src} -> {self.dst} — {self.reason}"

@@ -141,6 +141,9 @@ class Kind:
     # gloo has no such collective: the host backend runs it by an exchange even over the whole world
     # (``eager``), so a ``world_exchange`` profile prices it as one (cost_model/comm.py)
     exchanged: ClassVar[bool] = False
+    # the kind that sends it uneven (trimmed rows, counts first) when it moves a dropless
+    # dispatch buffer (autopar/dropless.py); None: always sent as it is
+    sent_uneven_as: ClassVar[CollectiveKind | None] = None
 
     def perform(self, job: Collective, pieces: list[np.ndarray]) -> list[np.ndarray | None]:
         raise AutoparError(f"the runtime cannot perform {self.kind}")
@@ -154,6 +157,21 @@ class Kind:
         """Write this rank's output straight into ``out`` (an output tensor's memory, shaped as
         the input) without a fresh array, bit-equal to :meth:`perform`; whether it could."""
         return False
+
+    def posted(self, job: Collective, x: np.ndarray, index: int) -> np.ndarray:
+        """What member ``index`` puts on the wire for ``job`` (every backend exchanges these):
+        its input, unless the kind has a packed wire form (the uneven all_to_all)."""
+        return x
+
+    def received(self, job: Collective, posted: list[np.ndarray], x: np.ndarray, index: int) -> np.ndarray | None:
+        """Member ``index``'s output from every member's :meth:`posted` message (``x``: its own
+        input), bit-equal to :meth:`perform`'s."""
+        return self.perform_for(job, posted, index)
+
+    def wire_bytes(self, job: Collective, message: np.ndarray, index: int) -> int | None:
+        """Bytes of member ``index``'s posted ``message`` meant for the other members (what a
+        runtime counts as sent, :mod:`autopar.runtime.wire`); None: not counted for this kind."""
+        return None
 
     def axes(self, tensor_dims: Sequence[int]) -> tuple[int, int]:
         """``(axis, split_axis)`` of a Collective for a planner step moving ``tensor_dims``."""
@@ -351,6 +369,7 @@ class ReduceScatter(Kind):
 
 class AllToAll(Kind):
     kind = CollectiveKind.ALL_TO_ALL
+    sent_uneven_as = CollectiveKind.ALL_TO_ALL_V
     move = (Shard, Shard)
     emulated_by = CollectiveKind.ALL_GATHER
     sized_by_input = True
@@ -380,6 +399,10 @@ class AllToAll(Kind):
 
     def axes(self, tensor_dims):
         return tensor_dims[0], tensor_dims[-1]  # gathered along the first, split along the last
+
+    def wire_bytes(self, job, message, index):  # the pieces cut for the other members
+        p = len(job.group)
+        return sum(_piece_view(message, job.split_axis, p, j).nbytes for j in range(p) if j != index)
 
     def piece_axis(self, job):
         return job.split_axis
@@ -453,7 +476,18 @@ class AllToAllV(Kind):
     """An all_to_all with a size per (sender, receiver) pair (MPI's ``Alltoallv``; MoE's token
     dispatch): member ``i`` cuts its input along ``split_axis`` into ``splits[i]`` (in group order)
     and member ``j`` joins the ``j``-th pieces of every member along ``axis``. ``nbytes`` is the
-    busiest member's traffic: the larger of what leaves it and what arrives (:meth:`traffic`)."""
+    busiest member's traffic: the larger of what leaves it and what arrives (:meth:`traffic`).
+
+    With ``trim_axis`` (the uneven all_to_all of a dropless dispatch buffer, counts found at run
+    time): the pieces are even, as all_to_all's, but each slab of a piece (an expert of a group)
+    goes out only up to its last row along ``trim_axis`` holding a non-zero byte (raw bytes:
+    ``-0.0`` and NaN are sent), and the receiver fills the rest with zeros. The result is all_to_all's for any data; what it saves depends on
+    the data (a dispatch buffer's experts fill a prefix of their capacity, GShard's cumsum
+    slots; the rows of empty slots stay zero through bias-free experts and in the gradients).
+    The wire form (:meth:`posted`), the counts first: the pieces' shapes (``int64 [p, ndim]``),
+    then per piece for another member the row count of each of its slabs (one per index of the
+    dims before ``trim_axis``: an expert of a group, whose filled slots are a prefix of its
+    capacity; ``int64``), then those rows, raw."""
 
     kind = CollectiveKind.ALL_TO_ALL_V
     sized_by_input = True
@@ -479,6 +513,32 @@ class AllToAllV(Kind):
     def perform_for(self, job, pieces, index):
         return np.concatenate([self._pieces(job, x, i)[index] for i, x in enumerate(pieces)], axis=job.axis)
 
+    def axes(self, tensor_dims):
+        return tensor_dims[0], tensor_dims[-1]  # (planned only as all_to_all's uneven form: its dims)
+
+    def posted(self, job, x, index):
+        if job.trim_axis is None:
+            return x
+        pieces = self._pieces(job, x, index)
+        shapes = np.array([piece.shape for piece in pieces], dtype=np.int64)
+        parts = [shapes.view(np.uint8).ravel()]
+        for j, piece in enumerate(pieces):
+            if j != index:  # (its own piece stays)
+                parts += _trimmed(piece, job.trim_axis)
+        return np.concatenate(parts)
+
+    def received(self, job, posted, x, index):
+        if job.trim_axis is None:
+            return self.perform_for(job, posted, index)
+        pieces = [self._pieces(job, x, index)[index] if i == index else _untrimmed(message, i, index, len(job.group), x, job.trim_axis)
+                  for i, message in enumerate(posted)]  # fmt: skip
+        return np.concatenate(pieces, axis=job.axis)
+
+    def wire_bytes(self, job, message, index):
+        if job.trim_axis is not None:  # (the packed message: counts, then the others' trimmed pieces)
+            return int(message.nbytes)
+        return sum(piece.nbytes for j, piece in enumerate(self._pieces(job, message, index)) if j != index)
+
     @staticmethod
     def traffic(splits: Sequence[Sequence[int]], bytes_per_count: float) -> float:
         """The busiest member's bytes: max over members of what it sends others and what others
@@ -499,8 +559,55 @@ class AllToAllV(Kind):
 
         return paddle._C_ops.assign(x)  # a carrier, typed to this rank's output by the emitter
 
+    def native_op(self, comm, x, ring, rank):
+        raise NativeUnsupported(
+            f"native backend: all_to_all_v of {comm.value} ({comm.reason.split(':')[0]}) has no static gloo kernel "
+            "(counts exchanged at run time); use the host backend (backend='auto' does), or "
+            "Strategy(uneven_all_to_all=False) for the padded all_to_all"
+        )
+
     def eager(self, job, x, backend):
-        return _exchanged(job, x, backend)
+        index = job.group.index(backend.rank)
+        by_rank = backend.gathered(self.posted(job, x, index))
+        return self.received(job, [by_rank[r] for r in job.group], x, index)
+
+
+def _slabs(shape: Sequence[int], axis: int) -> tuple[int, int, int]:
+    """A piece as ``[slabs, rows, row]``: the dims before ``axis`` (each slab: one expert of one
+    group), the rows along it (the capacity), the values of a row."""
+    return int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]), int(np.prod(shape[axis + 1 :], dtype=np.int64))
+
+
+def _trimmed(piece: np.ndarray, axis: int) -> list[np.ndarray]:
+    """``piece``'s wire form: each slab's count of rows up to its last one holding a non-zero byte
+    (``int64``), then those rows, raw bytes."""
+    slabs, rows, row = _slabs(piece.shape, axis)
+    values = np.ascontiguousarray(piece).reshape(slabs, rows, row)
+    raw = values.view(np.uint8).reshape(slabs, rows, -1).any(axis=2) if values.size else np.zeros((slabs, rows), bool)
+    counts = np.where(raw.any(axis=1), rows - np.argmax(raw[:, ::-1], axis=1), 0).astype(np.int64)
+    return [counts.view(np.uint8), *(values[s, : counts[s]].view(np.uint8).ravel() for s in range(slabs))]
+
+
+def _untrimmed(message: np.ndarray, sender: int, index: int, p: int, x: np.ndarray, axis: int) -> np.ndarray:
+    """Member ``index``'s piece out of member ``sender``'s packed message, each slab zero-filled
+    past its count."""
+    shapes = message[: p * x.ndim * 8].view(np.int64).reshape(p, x.ndim)
+    at = shapes.nbytes
+    for j, shape in enumerate(shapes):
+        if j == sender:
+            continue
+        slabs, rows, row = _slabs(shape, axis)
+        counts = message[at : at + 8 * slabs].view(np.int64)
+        at += 8 * slabs
+        if j == index:
+            out = np.zeros((slabs, rows, row), dtype=x.dtype)
+            for s, count in enumerate(counts):
+                size = int(count) * row * x.itemsize
+                out[s, :count] = message[at : at + size].view(x.dtype).reshape(int(count), row)
+                at += size
+            return out.reshape(tuple(shape))
+        at += int(counts.sum()) * row * x.itemsize
+    raise AutoparError(f"all_to_all_v: member {sender}'s message holds no piece for member {index}")
 
 
 class Broadcast(Kind):
@@ -683,6 +790,25 @@ def perform_for(job: Collective, inputs: dict[int, np.ndarray], rank: int) -> np
     return KINDS[job.kind].perform_for(job, [np.asarray(inputs[r]) for r in group], group.index(rank))
 
 
+def posted(job: Collective, x: np.ndarray, rank: int) -> np.ndarray:
+    """What ``rank`` puts on the wire for ``job`` (its input, or the kind's packed form)."""
+    return KINDS[job.kind].posted(job, np.asarray(x), job.group.index(rank))
+
+
+def received(job: Collective, messages: dict[int, np.ndarray], x: np.ndarray, rank: int) -> np.ndarray | None:
+    """``rank``'s output of ``job`` from every member's :func:`posted` message (``x``: its input)."""
+    group = list(job.group)
+    missing = [r for r in group if r not in messages]
+    if missing:
+        raise AutoparError(f"{job.kind} over {group}: no message from ranks {missing}")
+    return KINDS[job.kind].received(job, [np.asarray(messages[r]) for r in group], np.asarray(x), group.index(rank))
+
+
+def wire_bytes(job: Collective, message: np.ndarray, rank: int) -> int | None:
+    """Bytes of ``rank``'s posted ``message`` meant for the other members (None: not counted)."""
+    return KINDS[job.kind].wire_bytes(job, message, job.group.index(rank))
+
+
 def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:
     """``job`` run as its emulation (``run(emulating_job)`` gives the emulating kind's output),
     then this rank's own piece."""
@@ -691,6 +817,12 @@ def emulated(job: Collective, rank: int, run: Any) -> np.ndarray:
     entry = KINDS[job.kind]
     whole = run(replace(job, kind=entry.emulated_by))
     return own_piece(whole, entry.piece_axis(job), len(job.group), job.group.index(rank))
+
+
+@cache
+def uneven_form(kind: str | CollectiveKind) -> bool:
+    """Whether ``kind`` is another kind's uneven form (its ``sent_uneven_as``): all_to_all_v."""
+    return any(entry.sent_uneven_as is not None and entry.sent_uneven_as == kind for entry in KINDS.values())
 
 
 @cache

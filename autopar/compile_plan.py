@@ -149,7 +149,8 @@ def passes_for(strategy: Strategy) -> list[Pass]:
     passes: list[Pass] = [Partition(pipelined=pipelined)]
     if strategy.zero_stage:
         passes.append(ZeroSharding(strategy.zero_stage, pipelined=pipelined))
-    passes += [ReshardPlanning(pipelined=pipelined, reduce_dtype=strategy.reduce_dtype), ReshardEmission(), SiteFusion()]
+    passes += [ReshardPlanning(pipelined=pipelined, reduce_dtype=strategy.reduce_dtype, uneven_all_to_all=strategy.uneven_all_to_all),
+               ReshardEmission(), SiteFusion()]
     if strategy.fuse_allreduce:
         passes.append(AllreduceFusion(strategy.bucket_bytes))
         if strategy.zero_stage:

@@ -141,6 +141,11 @@ class Strategy:
     fused buckets and ZeRO's included) move and sum in. None: each gradient's own dtype (a
     bfloat16 gradient of an AMP O2 program is reduced in bfloat16); ``"float32"``: cast up before
     the collective and back after, so the optimizer reads the dtype it was built with.
+
+    ``uneven_all_to_all=True``: the all_to_alls of a dropless dispatch buffer (a worst-case
+    capacity, autopar/dropless.py) send each piece only up to its last filled row, after the
+    row counts, as ``all_to_all_v`` (host backend and simulator; the native backend refuses it
+    by name). Default (False): the padded buffer, its padding said in the collective's reason.
     """
 
     pipeline: PipelineConfig | None = None
@@ -153,6 +158,7 @@ class Strategy:
     local_batch_norm: bool = False  # per-rank batch statistics, NOT equal to serial (passes/batch_norm_stats.py)
     reduce_dtype: str | None = None  # the dtype gradient reductions move; None: each gradient's own (docs/paddle_amp.md)
     context_parallel: ContextParallel | None = None  # the sequence split over a mesh dim (docs/context_parallel.md)
+    uneven_all_to_all: bool = False  # a dropless buffer's all_to_alls sent uneven (autopar/dropless.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -165,6 +171,7 @@ class Strategy:
         object.__setattr__(self, "recompute", _recompute_selection(self.recompute))
         _check_type("Strategy", "fuse_allreduce", self.fuse_allreduce, bool, "True or False")
         _check_type("Strategy", "local_batch_norm", self.local_batch_norm, bool, "True or False")
+        _check_type("Strategy", "uneven_all_to_all", self.uneven_all_to_all, bool, "True or False")
         if self.cluster is not None:
             _check_type("Strategy", "cluster", self.cluster, str, "a cluster profile name or JSON path")
             if not self.cluster.strip():  # (not the hardware's profile: that is None)

@@ -154,3 +154,18 @@ def expert_memory(layer: MoELayer, ep: int, states: int = 2, parameter_dtype: st
     if layer.experts % ep:
         raise CostModelError(f"expert parallelism: {layer.experts} experts do not split over ep={ep} ranks")
     return layer.experts // ep * layer.expert_parameters * (2 + states) * dtype_bytes(parameter_dtype)
+
+
+def uneven_bytes(padded: int, routed_share: float | None, imbalance: float = 1.0) -> int:
+    """Bytes the uneven all_to_all of a dropless buffer is priced at: the ``padded`` buffer's
+    ``routed_share`` (``k x tokens x hidden`` of its values, :mod:`autopar.dropless`) times the
+    gate's ``imbalance`` (1: a uniform gate), at most the padded buffer (``padded``: the padded
+    pieces a rank sends the others, all_to_all_v's bytes). The runtime sends each expert's rows
+    up to its last filled slot (the counts beside them), so what it measures sits near a uniform
+    gate's share, above it by the gate's real imbalance (benchmarks/bench_moe_dropless.py shows
+    both). None: the share is not known, priced padded."""
+    if imbalance < 1:
+        raise CostModelError(f"uneven all_to_all: imbalance is the busiest rank's share over its even one (>= 1), got {imbalance!r}")
+    if routed_share is None:
+        return int(padded)
+    return int(min(padded, math.ceil(padded * routed_share * imbalance)))

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 from autopar.collective import Collective, CollectiveKey, CollectiveKind
 from autopar.collective_kinds import KINDS, point_to_point
+from autopar.dropless import dropless_collective
 from autopar.errors import AutoparError, NativeUnsupported
 from autopar.graph import Role
 from autopar.passes.base import CompileState, Pass, PlannedReshard, RankProgram
@@ -112,7 +113,9 @@ def _involved(state: CompileState, rank: int, planned: PlannedReshard) -> bool:
 
 
 def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: Any, reason: str, key: CollectiveKey) -> Any:
-    """Emit one plan step on ``rp.rank``; returns the value holding the new placement."""
+    """Emit one plan step on ``rp.rank``; returns the value holding the new placement (an
+    all_to_all of a dropless MoE buffer says its padding, or is sent uneven where planning chose
+    so: :func:`autopar.dropless.dropless_collective`)."""
     import paddle
 
     rank = rp.rank
@@ -135,6 +138,7 @@ def emit_step(state: CompileState, rp: RankProgram, step: Any, x: Any, value: An
             reduce=step.reduce or "sum", axis=axis, split_axis=split_axis,
             root=0, dtype=dtype_name(x), shift=step.shift,
         )  # fmt: skip
+        collective = dropless_collective(state.graph, collective)
         return emit_collective(state, rp, collective, x, step.mesh_dims)
     out.set_type(paddle.pir.create_shaped_type(x.type(), list(local)))
     return out

@@ -19,6 +19,7 @@ from autopar.causes import gradients, in_layer, layer_of, parameter_layer, resha
 from autopar.collective_kinds import kind_of
 from autopar.cost_model import ReshardPlan, plan_reshard
 from autopar.dist_attr import DistAttr
+from autopar.dropless import dropless_plan
 from autopar.errors import AutoparError
 from autopar.graph import Role, ValueKey
 from autopar.passes.base import CompileState, Pass, PlannedReshard, PlannedReshards, declared
@@ -36,10 +37,12 @@ class ReshardPlanning(Pass):
     copies of a parameter on other stages follow its update (refresh needs). ``reduce_dtype``:
     the dtype gradient reductions move (None: the gradient's own); a gradient reduced in
     another dtype is planned, priced and emitted in it, cast before and back after
-    (:mod:`.reshard_emission`)."""
+    (:mod:`.reshard_emission`). ``uneven_all_to_all``: the all_to_alls of a dropless MoE buffer
+    are planned and priced as the uneven all_to_all (:func:`autopar.dropless.dropless_plan`)."""
 
     pipelined: bool = declared()
     reduce_dtype: str | None = declared(None)
+    uneven_all_to_all: bool = declared()
 
     name: ClassVar[str] = "reshard_planning"
     plan_requires: ClassVar[tuple[str, ...]] = ("propagated",)
@@ -65,6 +68,8 @@ class ReshardPlanning(Pass):
                 have = DistAttr.replicated(need.need.mesh, len(value.shape))
             moved = self.reduce_dtype if need.value in grads and have.partial else value.dtype  # (a gradient reduction)
             plan = plan_reshard(have, need.need, value.shape, moved, state.cluster)
+            if self.uneven_all_to_all:
+                plan = dropless_plan(state.graph, plan, state.cluster)
             if not plan.steps:
                 continue
             _check_site(state, need, plan, written_back, self.pipelined)

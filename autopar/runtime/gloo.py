@@ -34,12 +34,13 @@ from typing import Any
 import numpy as np
 
 from autopar.collective import Collective
-from autopar.collective_kinds import KINDS, emulated, perform_for, point_to_point
+from autopar.collective_kinds import KINDS, emulated, point_to_point, posted, received
 from autopar.errors import AutoparError
 from autopar.paddle_mode import dygraph
 from autopar.rank_status import collective_timeout, waiting
 from autopar.runtime.jobs import ScopeCall, collective_label
 from autopar.runtime.native import CREATED_RINGS, exchange_label, startup_label, wait_for_store
+from autopar.runtime.wire import record
 
 
 class GlooCommunicator:
@@ -101,6 +102,8 @@ class GlooCommunicator:
         with waiting(what, timeout=self.timeout), dygraph():
             world = sorted(job.group) == list(range(self.world))
             x = np.require(x, requirements="C")
+            if self.rank in job.group:
+                record(job, posted(job, x, self.rank), self.rank)  # (counted only inside autopar.runtime.wire.counting)
             if self.group_exchange and not world:
                 return self._in_group(job, x)
             if world and KINDS[job.kind].emulated_by is not None:  # as gloo runs it natively (and the cost model prices it)
@@ -110,21 +113,22 @@ class GlooCommunicator:
             everyone: list[Any] = []
             import paddle.distributed as pdist
 
-            pdist.all_gather_object(everyone, np.require(x, requirements="C"))
+            pdist.all_gather_object(everyone, posted(job, x, self.rank) if self.rank in job.group else x)
             if self.rank not in job.group:
                 return None
-            return perform_for(job, {r: everyone[r] for r in job.group}, self.rank)
+            return received(job, {r: everyone[r] for r in job.group}, x, self.rank)
 
     def _in_group(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
         """A sub-group collective among its members only, over the p2p links: each member sends
         its input to the others and computes its output (pipelines: the ranks of other stages run
         other jobs meanwhile, so the world exchange cannot serve them)."""
         links = self._links()
+        message = posted(job, x, self.rank)
         for member in job.group:
             if member != self.rank:
-                links.send(member, x, job.key)
-        inputs = {member: x if member == self.rank else links.recv(member, job.key, self.timeout) for member in job.group}
-        return perform_for(job, inputs, self.rank)
+                links.send(member, message, job.key)
+        messages = {member: message if member == self.rank else links.recv(member, job.key, self.timeout) for member in job.group}
+        return received(job, messages, x, self.rank)
 
     def _links(self) -> Any:
         from paddle.base import core

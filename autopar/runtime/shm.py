@@ -42,11 +42,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from autopar.collective import Collective
-from autopar.collective_kinds import KINDS, perform_for, point_to_point
+from autopar.collective_kinds import KINDS, perform_for, point_to_point, posted, received
 from autopar.errors import AutoparError
 from autopar.host_comm import ENV, choice, x86_64
 from autopar.rank_status import WATCHDOG_MARGIN, collective_timeout, waiting
 from autopar.runtime.jobs import ScopeCall, collective_label
+from autopar.runtime.wire import record
 
 T = TypeVar("T")
 
@@ -279,7 +280,7 @@ class SharedMemoryCommunicator:
         output tensor's memory when it already has that shape (a copy into a fresh tensor
         every step grew resident memory by ~900 B a step); p2p goes through :meth:`run`."""
         job = call.collective
-        if point_to_point(job.kind):
+        if point_to_point(job.kind) or job.trim_axis is not None:  # (a packed wire form goes through run)
             return False
         source = tensor_view(call.source)
         if source is None:
@@ -298,6 +299,7 @@ class SharedMemoryCommunicator:
 
                 call.target.set(np.array(out), paddle.CPUPlace())  # (the source is a CPU tensor)
 
+        record(job, source, self.rank)
         with waiting(collective_label(job), timeout=self.timeout):
             self.node.collect(job.group, source, finish)
         return True
@@ -308,7 +310,9 @@ class SharedMemoryCommunicator:
                 from autopar.runtime.p2p import send_or_recv
 
                 return send_or_recv(self.rank, self.store, job, x, self.timeout)
-            return self.node.collect(job.group, x, lambda arrays: _owned(perform_for(job, arrays, self.rank), arrays))
+            message = posted(job, x, self.rank)
+            record(job, message, self.rank)
+            return self.node.collect(job.group, message, lambda arrays: _owned(received(job, arrays, x, self.rank), arrays))
 
     def all_gather_object(self, obj: Any, what: str | None = None) -> list[Any]:
         from autopar.runtime.native import exchange_label

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.collective_kinds import kind_of, perform, point_to_point
+from autopar.collective_kinds import kind_of, perform, point_to_point, posted, received
 from autopar.errors import AutoparError
 from autopar.mesh import ProcessMesh
 from autopar.pieces import assemble
@@ -25,6 +25,7 @@ from autopar.runtime.p2p import Inbox, check_message
 from autopar.runtime.paddle_log import quiet_paddle_logs
 from autopar.runtime.rank_runner import RankRunner
 from autopar.runtime.replicas import digest, first_mismatch, generator_state, use_generator_state
+from autopar.runtime.wire import record
 
 
 @dataclass
@@ -153,7 +154,13 @@ def run_step(runners: Mapping[int, RankRunner], feed: Mapping[str, Any]) -> None
             stuck = "; ".join(f"rank {r}: {job.kind} over {list(job.group)} ({job.key})" for r, job in sorted(pending.items()) if job)
             raise AutoparError(f"the rank plans deadlock: {stuck}")
         inputs = {r: runners[r].collective_input() for r in ready.group}
-        outputs = perform(ready, inputs)
+        messages = {r: posted(ready, inputs[r], r) for r in ready.group}  # what each member puts on the wire
+        for r in ready.group:
+            record(ready, messages[r], r)
+        if any(messages[r] is not inputs[r] for r in ready.group):  # a packed wire form (the uneven all_to_all)
+            outputs = {r: received(ready, messages, inputs[r], r) for r in ready.group}
+        else:  # (computed once for the group: an all_reduce's sum is not redone per member)
+            outputs = perform(ready, inputs)
         for r in ready.group:
             runners[r].finish_collective(outputs.get(r))
             pending[r] = runners[r].run_until_collective()

@@ -51,6 +51,10 @@ class Config:
     n_experts: int = 4  # routed experts (the shared one is beside them)
     expert_hidden: int = 32
     capacity_factor: float = 1.0  # GShard's: capacity = ceil(top_k * tokens / experts * factor)
+    # dropless routing: the worst-case capacity, every token of a group in one expert (capacity =
+    # the group's tokens; capacity_factor unused). Nothing is dropped; the padding is sent
+    # (explain says the bytes; Strategy(uneven_all_to_all=True) sends only the filled rows)
+    dropless: bool = False
     aux_loss_weight: float = 0.01
     top_k: int = 2  # experts each token is sent to
     # stacked experts: the batch's tokens routed in this many groups, each on its own (GShard's
@@ -69,7 +73,10 @@ INPUTS, LABELS = ("tokens",), ("labels",)
 
 
 def capacity(config: Config, tokens: int) -> int:
-    """Slots per expert for ``tokens`` routed tokens (each takes ``top_k``)."""
+    """Slots per expert for ``tokens`` routed tokens (each takes ``top_k``, at most one slot of an
+    expert): dropless, all of them (the worst case); else GShard's static capacity."""
+    if config.dropless:
+        return tokens
     return math.ceil(config.top_k * tokens / config.n_experts * config.capacity_factor)
 
 
