@@ -361,20 +361,27 @@ def onto_stage_sub_meshes(
 ) -> tuple[dict[ValueKey, DistAttr], dict[int, ProcessMesh]]:  # fmt: skip
     """Under a pipeline, values and ops placed on sub-meshes that keep the pipeline dim (an
     ``autopar.local_map``'s copies, ``local``; experts annotated on ``split_mesh(mesh, "ep")[i]``)
-    read as living on the sub-mesh of their stage (:func:`within_stage`): an op on the stage the
-    pipeline's ``cut`` gives it (a constant, on its first reader's), an activation on its
-    producer's, a parameter on its first forward reader's. Then every op is placed as without
-    a pipeline, its stage mesh standing for the mesh (:func:`place_ops`). Returns the user's
-    placements and the op meshes so moved."""
-    def stage_of(index: int, what: str) -> ProcessMesh:
-        found = cut.get(index)
-        for reader in (u for k in graph.ops[index].outputs if k is not None for u in graph.values[k].users):
-            found = found or cut.get(reader)
-        if found is None:
-            raise AutoparError(f"{graph.ops[index]} ({what}) runs on no pipeline stage, nor does any op reading it")
-        return found
-
-    placed = {i: within_stage(mesh, sub, stage_of(i, f"autopar.local_map copy on {sub}")) for i, sub in local.items()}
+    read as living on the sub-mesh of their stage (:func:`within_stage`). A local region (its
+    copies, one run of ops) runs on one stage: the latest the pipeline's ``cut`` gives its ops
+    (a cut falling between copies moves the earlier ones after it), and the split handing it its
+    pieces runs there too. An activation lives on its producer's stage, a parameter on its first
+    forward reader's. Then every op is placed as without a pipeline, its stage mesh standing for
+    the mesh (:func:`place_ops`); a parameter the copies read, unannotated, is held whole by their
+    stage. Returns the user's placements and the op meshes so moved."""
+    homes = dict(cut)
+    order = {mesh[i]: i for i in range(mesh.shape[0])}
+    for region in _runs(sorted(local)):
+        stages = [homes[i] for i in region if i in homes]
+        if not stages:
+            raise AutoparError(f"{graph.ops[region[0]]} (an autopar.local_map copy on {local[region[0]]}) runs on no pipeline stage")
+        latest = max(stages, key=order.__getitem__)
+        homes.update({i: latest for i in region})
+        for key, attr in user.items():  # the split handing the region its pieces: on the region's stage
+            if graph.values[key].kind == "activation" and spans_stages(mesh, attr.mesh) and key[0] not in local:
+                if any(u in region for u in graph.values[key].users):
+                    for maker in (key[0], *(k[0] for k in graph.ops[key[0]].inputs if k is not None and graph.ops[key[0]].name in VECTOR_OPS)):
+                        homes[maker] = latest
+    placed = {i: within_stage(mesh, sub, homes[i]) for i, sub in local.items()}
     moved = dict(user)
     for key, attr in user.items():
         if not spans_stages(mesh, attr.mesh):
@@ -383,15 +390,27 @@ def onto_stage_sub_meshes(
         pipeline_dim = attr.mesh.dim_names.index(mesh.dim_names[0])
         if pipeline_dim in attr.sharded_mesh_dims() or pipeline_dim in attr.partial_dims:
             raise AutoparError(f"{value.label!r} is placed {attr}, split over the pipeline dim {mesh.dim_names[0]!r}; each stage holds it whole")
-        if value.kind == "activation":
-            stage = stage_of(key[0], f"makes {value.label!r}")
+        stages = [homes[key[0]]] if value.kind == "activation" and key[0] in homes else [homes[u] for u in value.users if u in homes]
+        if not stages:
+            raise AutoparError(f"{value.label!r} is placed on {attr.mesh}, but no op of a pipeline stage makes or reads it")
+        moved[key] = _by_name(attr, within_stage(mesh, attr.mesh, stages[0]), {pipeline_dim})
+    for key, value in graph.values.items():  # an unannotated parameter the copies read: held whole by their stage
+        readers = [u for u in value.users if u in local]
+        if value.kind == "parameter" and key not in moved and readers:
+            moved[key] = DistAttr.replicated(homes[readers[0]], len(value.shape))
+    cut_homes = {i: m for i, m in homes.items() if i not in local}
+    return moved, place_ops(graph, mesh, moved, placed, homes=cut_homes)
+
+
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """``indices`` (sorted) in maximal runs of consecutive ones: the ops of one local region."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
         else:
-            readers = [cut[u] for u in value.users if u in cut]
-            if not readers:
-                raise AutoparError(f"{value.label!r} is placed on {attr.mesh}, but no op of a pipeline stage reads it")
-            stage = readers[0]
-        moved[key] = _by_name(attr, within_stage(mesh, attr.mesh, stage), {pipeline_dim})
-    return moved, place_ops(graph, mesh, moved, placed, homes=cut)
+            runs.append([i])
+    return runs
 
 
 def stage_container(mesh: ProcessMesh, sub: ProcessMesh) -> ProcessMesh:
