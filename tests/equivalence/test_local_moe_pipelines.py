@@ -59,3 +59,22 @@ def test_zero_1_under_pp_x_dp_x_ep_shards_each_expert_over_its_holders_in_its_st
     kinds = {(c.kind.value, c.group) for c in dist.comm_ops(0)}
     assert ("reduce_scatter", (0, 2)) in kinds  # expert 0 of stage 0: held by ranks 0 and 2 (dp), ep == 0
     assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 8, 8, 3))
+
+
+def test_each_micro_batch_moves_two_all_to_alls_each_way_per_layer_on_the_gpu_profile():
+    """h100-node, pp x ep, 2 groups a copy in 2 micro-batches: rank 0 (stage 0, one MoE layer)
+    moves, per micro-batch, exactly 2 all_to_alls forward and 2 backward over its stage's ep
+    ranks, each of one micro-batch's tokens x top-k x hidden x 4 bytes (8 x 2 x 32 x 4); the
+    rest is the pipeline's send / recv and the gradient syncs."""
+    config = moe.Config(router_groups=4)
+    seed = moe.build(config, batch=4, seq=8, mesh=PP_EP, experts="local")
+    strategy = autopar.Strategy(cluster="h100-node", pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    dist = autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=strategy)
+    for rank, stage_ranks in ((0, (0, 1)), (2, (2, 3))):
+        moved = dist.comm_ops(rank)
+        all_to_alls = [c for c in moved if c.kind.value == "all_to_all"]
+        tokens = 4 * 8 // 2 // 2  # one micro-batch's tokens on one ep rank
+        assert len(all_to_alls) == 4 and {(c.group, c.bytes) for c in all_to_alls} == {(stage_ranks, tokens * config.top_k * config.dim * 4)}
+        rest = [c for c in moved if c.kind.value != "all_to_all"]
+        assert all(c.kind.value in ("send", "recv") and "pipeline stage boundary" in c.reason or "gradient sync" in c.reason for c in rest)
+        assert any(c.kind.value == "send" for c in rest) and any("gradient sync" in c.reason for c in rest)
