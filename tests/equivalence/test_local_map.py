@@ -220,6 +220,15 @@ def test_local_map_under_a_pipeline_equals_serial(groups, micro_batches):
     assert_simulation_equals_serial(seed, dist)
 
 
+def test_local_map_under_a_pipeline_is_refused_by_name():
+    """Under a pipeline whose stages no cut gives (PipelineConfig() without stages), the copies
+    have no stage to run on: refused, naming the op, its sub-mesh and stages=n."""
+    seed, _, _ = staged(groups=1)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=1))
+    with pytest.raises(AnnotationError, match=r"autopar.local_map under a pipeline: pd_op\.\w+#\d+ runs on mesh\(pp=2\).*stages=n"):
+        autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=strategy)
+
+
 def test_local_map_under_micro_batches_without_groups_is_refused_by_name():
     seed, _, _ = staged(groups=1)
     strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
