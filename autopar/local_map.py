@@ -164,8 +164,6 @@ def local_map(
 
     @functools.wraps(fn)
     def mapped(*inputs: Any) -> Any:
-        import paddle
-
         name = getattr(fn, "__name__", "fn")
         if len(inputs) != len(in_placements):
             raise AnnotationError(f"local_map({name}): {len(inputs)} inputs, {len(in_placements)} in_placements")

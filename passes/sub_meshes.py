@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 from autopar.annotate import local_op_ids
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS
+from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.mesh import ProcessMesh
 from autopar.sub_meshes import View, find_views, stage_container
 
 

@@ -29,6 +29,9 @@ Two ways of writing the experts (``build(..., experts=...)``):
   rows of the dispatched buffer through :func:`~autopar.local_map.sub_mesh_tensors` and giving
   them back through :func:`~autopar.local_map.global_mesh_tensor` (Paddle's
   ``moe_sub_mesh_tensors`` / ``moe_global_mesh_tensor``). The auxiliary loss is the groups' mean.
+  ``Config.router_groups = q x G`` has each copy route ``q`` groups of its rows, group-major
+  (``local_map(..., groups=q)``): under a pipeline of ``m`` micro-batches dividing ``q``, each
+  micro-batch routes whole groups (docs/moe.md, "Pipelines: routing per micro-batch").
 """
 
 from __future__ import annotations
