@@ -4,8 +4,8 @@
 A *stage* is a run of forward ops that ``autopar.shard_op(layer, mesh[i])`` placed on one
 sub-mesh; backward ops follow their forward op, updates their parameter. An op on a sub-mesh
 of a stage (an ``autopar.local_map`` copy, an expert on ``split_mesh(mesh, "ep")[i]``:
-autopar/sub_meshes.py) belongs to that stage; the sub_meshes pass then keeps it on its ranks. Stages are numbered
-in the order the forward pass reaches them; layers cycling through the meshes again give a
+autopar/sub_meshes.py) belongs to that stage; the sub_meshes pass keeps it on its ranks. Stages
+are numbered in the order the forward pass reaches them; layers cycling through the meshes again give a
 pipeline rank several (virtual) stages. Values crossing stages are ordinary reshards across
 meshes (the planner's ``send_recv``), emitted as ``send`` on the producing rank and ``recv`` on
 the reading one; so this pass only decides, per rank:
