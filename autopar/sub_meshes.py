@@ -16,6 +16,12 @@ Values cross between the mesh and its sub-meshes only where no data moves:
   dims), and a sum of them (``add_n``, ``add``) leaves the result pending a sum over them
   (``Partial``) — each rank holds its own term.
 
+Under a pipeline (stages along dim 0), a sub-mesh that keeps the pipeline dim stands, on each
+stage, for its ranks there (:func:`within_stage`: ``split_mesh(mesh, "ep")[i]`` on ``pp x ep`` is
+``mesh[s]`` at ``ep == i`` on stage ``s``): the stages are cut first, then each op is placed with
+its stage mesh standing for the mesh, and views join or split the pieces of a stage's value
+(:func:`onto_stage_sub_meshes`).
+
 :func:`place_ops` finds where each op runs, :func:`find_views` the views; propagation asks
 :func:`view_result` for a view's placements instead of a rule; the sub_meshes pass
 (``passes/sub_meshes.py``) keeps on each rank its own ops and turns views into plain reads.
