@@ -154,13 +154,9 @@ def analysis_start(
     else:
         warn_foreign_annotations(program, graph)
         user, op_meshes = _user_placements(program, graph, mesh, staged=plan.pipelined), _op_meshes(program, graph, mesh)
-        if plan.pipelined and annotations_of(program).local_ops:
-            raise AnnotationError(
-                "autopar.local_map under a pipeline: its copies' sub-meshes would be read as pipeline stages; local "
-                "regions are not combined with a pipeline yet (compile without Strategy.pipeline and stages; under a "
-                "pipeline, write the experts stacked and route over a groups dim: docs/moe.md, 'Pipelines')"
-            )
-        if not plan.pipelined:  # values and ops on sub-meshes that are no pipeline stage (autopar/sub_meshes.py)
+        # values and ops on sub-meshes that are no pipeline stage (autopar/sub_meshes.py); under a
+        # pipeline, on the sub-meshes of the stages once the stages are cut (rewrites.PipelineStages)
+        if not plan.pipelined:
             op_meshes = place_ops(graph, mesh, user, op_meshes)
             _refuse_sub_meshes_never_joined(graph, mesh, user, op_meshes)
     _refuse_meaningless_partials(graph, user)

@@ -98,8 +98,9 @@ def plan_compile(program: Program | None, mesh: ProcessMesh, strategy: Strategy 
     effective = effective_strategy(program, mesh, strategy)
     chosen = effective.strategy
     passes = passes_for(chosen)
-    if chosen.pipeline is None and program is not None and _has_sub_meshes(program, mesh):  # each rank keeps its own ops
-        passes.insert(len(passes) - 2, SubMeshes())  # (after op_lowering, before fetch_replication: autopar/sub_meshes.py)
+    if program is not None and _has_sub_meshes(program, mesh, chosen.pipeline is not None):  # each rank keeps its own ops
+        # (after op_lowering, before the pipeline split and fetch_replication: autopar/sub_meshes.py)
+        passes.insert(len(passes) - (3 if chosen.pipeline is not None else 2), SubMeshes())
     return CompilePlan(effective, rewrites_for(chosen), tuple(passes), tuple(analysed_fields(chosen).items()))
 
 
@@ -200,10 +201,14 @@ def _check_context_parallel(context: ContextParallel | None, mesh: ProcessMesh) 
         )
 
 
-def _has_sub_meshes(program: Program, mesh: ProcessMesh) -> bool:
-    """Whether autopar.local_map placed ops, or annotations placed values, on sub-meshes."""
+def _has_sub_meshes(program: Program, mesh: ProcessMesh, pipelined: bool = False) -> bool:
+    """Whether autopar.local_map placed ops, or annotations placed values, on sub-meshes (under
+    a pipeline: sub-meshes that are no stage ``mesh[i]``)."""
     notes = annotations_of(program)
-    return bool(notes.local_ops) or any(attr.mesh != mesh and not attr.mesh.same_grid(mesh) for attr, _ in notes.tensors.values())
+    stages = {mesh[i] for i in range(mesh.shape[0])} if pipelined else set()
+    return bool(notes.local_ops) or any(
+        attr.mesh != mesh and not attr.mesh.same_grid(mesh) and attr.mesh not in stages for attr, _ in notes.tensors.values()
+    )
 
 
 def _has_stages(program: Program, mesh: ProcessMesh) -> bool:

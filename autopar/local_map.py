@@ -16,6 +16,11 @@ Compiled, nothing moves: each rank keeps only its copy, the splits and the assem
 ``moe_global_mesh_tensor``): experts written per sub-mesh, their parameters placed on
 ``split_mesh(mesh, "ep")[i]``, read and return the expert buffer through them.
 
+Under a pipeline of ``m`` micro-batches, the ranks run ``fn`` on each micro-batch's shards; the
+serial meaning above applies it to the whole batch's. The two agree where ``groups`` (a multiple of
+``m``) makes each copy's rows whole groups of each micro-batch (:func:`local_map`); without it,
+micro-batching refuses the region by name (one micro-batch is exact).
+
 Refused by name: a placement that leaves a pending sum on an input (``Partial``: a shard has no
 piece of it), a shard that does not divide its dim, outputs whose copies disagree in shape.
 """
@@ -129,39 +134,88 @@ def _placed_on(sub: ProcessMesh) -> Iterator[None]:
             table[op.id()] = sub
 
 
-def local_map(fn: Callable[..., Any], in_placements: Sequence[Any], out_placements: Sequence[Any], mesh: ProcessMesh) -> Callable[..., Any]:
+def _grouped(attr: DistAttr) -> DistAttr:
+    """``attr`` for the value with a leading groups dim put before its dim 0 (unsplit)."""
+    return DistAttr.of(attr.mesh, ((), *attr.mapping), attr.partial)
+
+
+def local_map(
+    fn: Callable[..., Any], in_placements: Sequence[Any], out_placements: Sequence[Any], mesh: ProcessMesh, groups: int = 1
+) -> Callable[..., Any]:  # fmt: skip
     """``fn`` run per rank on its shards (module docstring). ``in_placements`` / ``out_placements``:
     one Paddle placement list (one entry per mesh dim) per input / output of ``fn``; the mesh dims
     that shard any input are the copies' (every input sharding a dim over them does so over all
     of them, outermost, in mesh order). Returns a function of the inputs; an ``fn`` returning one
-    value gives one value."""
+    value gives one value.
+
+    ``groups`` (the per-micro-batch opt-in, docs/moe.md): each copy runs ``fn`` on ``groups``
+    groups of rows at once, over a new leading dim that ``fn`` keeps (a router over ``[groups,
+    tokens, dim]`` routes each group on its own). The split dim (dim 0) of each input is read
+    group-major, ``[groups, copies, rows]``: copy ``j`` gets the ``j``-th piece of every group.
+    Under ``m`` micro-batches with ``m`` dividing ``groups``, each micro-batch holds whole groups,
+    and the ranks run exactly what the serial program does. ``Shard(0)`` outputs come back in the
+    inputs' row order (``fn``'s results ``[groups, rows, ...]``), ``Partial()`` ones summed."""
     if not isinstance(mesh, ProcessMesh):
         raise AnnotationError(f"local_map needs an autopar.ProcessMesh, got {type(mesh).__name__}")
     if not callable(fn):
         raise AnnotationError(f"local_map needs a function, got {type(fn).__name__}")
+    if not isinstance(groups, int) or groups < 1:
+        raise AnnotationError(f"local_map({getattr(fn, '__name__', 'fn')}): groups is a positive int, got {groups!r}")
 
     @functools.wraps(fn)
     def mapped(*inputs: Any) -> Any:
+        name = getattr(fn, "__name__", "fn")
         if len(inputs) != len(in_placements):
-            raise AnnotationError(f"local_map({getattr(fn, '__name__', 'fn')}): {len(inputs)} inputs, {len(in_placements)} in_placements")
+            raise AnnotationError(f"local_map({name}): {len(inputs)} inputs, {len(in_placements)} in_placements")
         program_of(inputs[0])
         attrs = [_attr(x, mesh, p) for x, p in zip(inputs, in_placements)]
         order = tuple(sorted({d for a in attrs for split in a.mapping for d in split} | {d for a in attrs for d, _ in a.partial}))
         if not order:
-            raise AnnotationError(f"local_map({getattr(fn, '__name__', 'fn')}): no input is split over a mesh dim: there is one shard")
+            raise AnnotationError(f"local_map({name}): no input is split over a mesh dim: there is one shard")
         names = [mesh.dim_names[d] for d in order]
+        copies = len(sub_meshes(mesh, order))
         pieces = []
         for x, a in zip(inputs, attrs):
             axis = _split_dim(a, order, f"local_map input {value_label(x)!r}")
-            pieces.append(sub_mesh_tensors(x, mesh, a, names) if axis is not None else [x] * len(sub_meshes(mesh, order)))
+            if axis is None:
+                pieces.append([x] * copies)
+                continue
+            if groups > 1:  # group-major: [groups, rows of every copy], each copy's piece [groups, its rows]
+                if axis != 0 or x.shape[0] % groups:
+                    raise AnnotationError(
+                        f"local_map({name}, groups={groups}): input {value_label(x)!r} {list(x.shape)} is split on dim {axis}; "
+                        f"groups take dim 0 apart, which {groups} must divide"
+                    )
+                x, a = x.reshape([groups, x.shape[0] // groups, *x.shape[1:]]), _grouped(a)
+            pieces.append(sub_mesh_tensors(x, mesh, a, names))
         outputs = []
         for j, sub in enumerate(sub_meshes(mesh, order)):
             with _placed_on(sub):
                 out = fn(*[p[j] for p in pieces])
             outputs.append(list(out) if isinstance(out, (list, tuple)) else [out])
         if any(len(o) != len(out_placements) for o in outputs):
-            raise AnnotationError(f"local_map({getattr(fn, '__name__', 'fn')}): fn returns {len(outputs[0])} values, {len(out_placements)} out_placements")
-        joined = [global_mesh_tensor([o[i] for o in outputs], mesh, out_placements[i], names) for i in range(len(out_placements))]
+            raise AnnotationError(f"local_map({name}): fn returns {len(outputs[0])} values, {len(out_placements)} out_placements")
+        joined = []
+        for i, placements in enumerate(out_placements):
+            parts = [o[i] for o in outputs]
+            if groups == 1:
+                joined.append(global_mesh_tensor(parts, mesh, placements, names))
+                continue
+            ndim = len(parts[0].shape)
+            attr = to_dist_attr(placements, mesh, ndim, f"local_map({name}) output {i}")  # (on fn's results)
+            summed = all((d, "sum") in attr.partial for d in order)
+            axis = None if summed else _split_dim(attr, order, f"local_map({name}) output {i}")
+            if axis is None:  # a sum over the copies
+                joined.append(global_mesh_tensor(parts, mesh, attr, names))
+                continue
+            if axis != 0 or ndim < 2 or parts[0].shape[0] != groups or attr.mapping[-1]:
+                raise AnnotationError(
+                    f"local_map({name}, groups={groups}): output {i} {list(parts[0].shape)} placed {attr}: with groups, fn's "
+                    "results lead with the groups dim, and a split output is Shard(0) (its rows)"
+                )
+            attr = DistAttr.of(mesh, ((), *attr.mapping[:-1]), attr.partial)  # (its rows: dim 1 of fn's [groups, rows, ...])
+            whole = global_mesh_tensor(parts, mesh, attr, names)  # [groups, rows of every copy, ...]
+            joined.append(whole.reshape([whole.shape[0] * whole.shape[1], *whole.shape[2:]]))
         return joined[0] if len(joined) == 1 else tuple(joined)
 
     return mapped

@@ -16,6 +16,12 @@ Values cross between the mesh and its sub-meshes only where no data moves:
   dims), and a sum of them (``add_n``, ``add``) leaves the result pending a sum over them
   (``Partial``) — each rank holds its own term.
 
+Under a pipeline (stages along dim 0), a sub-mesh that keeps the pipeline dim stands, on each
+stage, for its ranks there (:func:`within_stage`: ``split_mesh(mesh, "ep")[i]`` on ``pp x ep`` is
+``mesh[s]`` at ``ep == i`` on stage ``s``): the stages are cut first, then each op is placed with
+its stage mesh standing for the mesh, and views join or split the pieces of a stage's value
+(:func:`onto_stage_sub_meshes`).
+
 :func:`place_ops` finds where each op runs, :func:`find_views` the views; propagation asks
 :func:`view_result` for a view's placements instead of a rule; the sub_meshes pass
 (``passes/sub_meshes.py``) keeps on each rank its own ops and turns views into plain reads.
@@ -160,8 +166,9 @@ class View:
     whole: int  # the op's input (split) or output (join) position of the whole value
     pieces: tuple[int, ...]  # the op's output (split) or input (join) positions of the pieces
     meshes: tuple[ProcessMesh, ...]  # each piece's sub-mesh
-    order: tuple[int, ...]  # the fixed mesh dims, outermost first
+    order: tuple[int, ...]  # the fixed mesh dims of ``mesh``, outermost first
     axis: int | None
+    mesh: ProcessMesh | None = None  # the whole value's mesh: the compile mesh, or a pipeline stage's
 
 
 def _axis(op: OpNode, ndim: int) -> int:
@@ -170,25 +177,44 @@ def _axis(op: OpNode, ndim: int) -> int:
     return axis % ndim if ndim else 0
 
 
-def place_ops(graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], placed: Mapping[int, ProcessMesh]) -> dict[int, ProcessMesh]:
+def place_ops(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], placed: Mapping[int, ProcessMesh],
+    homes: Mapping[int, ProcessMesh] | None = None,
+) -> dict[int, ProcessMesh]:  # fmt: skip
     """``placed`` plus the sub-mesh each op runs on when its inputs live on one (grad ops: their
-    forward op's), and the mesh for an op joining values of several sub-meshes (a view, or
-    refused by propagation). Without any sub-mesh placement: ``placed`` unchanged."""
+    forward op's), and its home mesh for an op joining values of several sub-meshes (a view, or
+    refused by propagation). ``homes``: under a pipeline, the stage mesh each forward op runs on
+    (the cut's); an op's sub-meshes are then those of its stage, and ops placed on no sub-mesh
+    keep their stage. Without any sub-mesh placement: ``placed`` (and ``homes``) unchanged."""
+    homes = homes or {}
     where: dict[ValueKey, ProcessMesh] = {k: a.mesh for k, a in user.items()}
     if not any(is_sub_mesh(mesh, m) for m in (*where.values(), *placed.values())):
-        return dict(placed)
+        return {**homes, **placed}
+
+    def home(op: OpNode) -> ProcessMesh:
+        """The op's stage (a grad op: its forward op's; one without: the stage its inputs live
+        on, when one); without a pipeline, the mesh."""
+        found = homes.get(op.index)
+        if found is None and op.forward_op is not None:
+            found = homes.get(op.forward_op)
+        if found is None and homes:
+            stages = {stage_container(mesh, where[k]) for k in op.inputs if k is not None and k in where}
+            found = stages.pop() if len(stages) == 1 else None
+        return found or mesh
+
     out = dict(placed)
     for op in graph.ops:
         if op.name in VECTOR_OPS or op.name in SOURCE_OPS:
             continue
+        whole = home(op)
         found = out.get(op.index)
         if found is None and op.forward_op is not None:
             found = out.get(op.forward_op)
         if found is None:
-            subs = list(dict.fromkeys(where[k] for k in op.inputs if k is not None and k in where and where[k] != mesh))
-            found = subs[0] if len(subs) == 1 else (mesh if subs else None)
-            if found is None and op.name in SPLITS and any(where.get(k, mesh) != mesh for k in op.outputs if k is not None):
-                found = mesh  # a split whose pieces are placed on sub-meshes (autopar.sub_mesh_tensors)
+            subs = list(dict.fromkeys(where[k] for k in op.inputs if k is not None and k in where and is_sub_mesh(whole, where[k])))
+            found = subs[0] if len(subs) == 1 else (whole if subs else None)
+            if found is None and op.name in SPLITS and any(is_sub_mesh(whole, where.get(k, whole)) for k in op.outputs if k is not None):
+                found = whole  # a split whose pieces are placed on sub-meshes (autopar.sub_mesh_tensors)
             if found is not None:
                 out[op.index] = found
         elif op.index not in out:
@@ -199,18 +225,20 @@ def place_ops(graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, Di
         for j, key in enumerate(op.outputs):
             if key is None:
                 continue
-            if found == mesh and op.name in SPLITS and forward is not None and op.name.endswith("_grad"):
+            if found == whole and op.name in SPLITS and forward is not None and op.name.endswith("_grad"):
                 pieces = [k for k in forward.inputs if k is not None and graph.values[k].kind != "constant"]
                 if j < len(pieces) and pieces[j] in where:  # concat_grad: each gradient where its piece is
                     where.setdefault(key, where[pieces[j]])
                     continue
             where.setdefault(key, found)
+    ops_meshes = {**homes, **out}
     for op in graph.ops:  # a plain split whose pieces are each read on the sub-mesh of its shard
         if op.name in SPLITS and op.forward_op is None and op.index not in out:
-            meshes = [readers_mesh(graph, k, out) for k in op.outputs if k is not None]
-            if all(m is not None and m != mesh for m in meshes) and _order(mesh, meshes) is not None:  # type: ignore[arg-type]
-                out[op.index] = mesh
-    return out
+            whole = home(op)
+            meshes = [readers_mesh(graph, k, ops_meshes) for k in op.outputs if k is not None]
+            if all(m is not None and is_sub_mesh(whole, m) for m in meshes) and _order(whole, meshes) is not None:  # type: ignore[arg-type]
+                out[op.index] = whole
+    return {**homes, **out}
 
 
 def readers_mesh(graph: ProgramGraph, key: ValueKey, op_meshes: Mapping[int, ProcessMesh]) -> ProcessMesh | None:
@@ -230,20 +258,22 @@ def value_meshes(
         for key in op.outputs:
             if key is None or key in where:
                 continue
-            readers = readers_mesh(graph, key, op_meshes) if op_mesh == mesh and op.name in SPLITS else None
-            where[key] = readers if readers is not None and is_sub_mesh(mesh, readers) else op_mesh
+            readers = readers_mesh(graph, key, op_meshes) if op.name in SPLITS else None
+            where[key] = readers if readers is not None and is_sub_mesh(op_mesh, readers) else op_mesh
     return where
 
 
 def find_views(graph: ProgramGraph, mesh: ProcessMesh, where: Mapping[ValueKey, ProcessMesh], op_meshes: Mapping[int, ProcessMesh]) -> dict[int, View]:
-    """The views of the program (module docstring) by op index: ops on ``mesh`` of the split /
-    join kinds whose pieces live on sub-meshes of ``mesh`` (``where``: each value's mesh). A
-    join of values of several sub-meshes that is no view is refused."""
+    """The views of the program (module docstring) by op index: ops on ``mesh`` (or, under a
+    pipeline, on a stage mesh) of the split / join kinds whose pieces live on sub-meshes of the
+    op's mesh (``where``: each value's mesh). A join of values of several sub-meshes that is no
+    view is refused."""
     if not any(is_sub_mesh(mesh, m) for m in {*op_meshes.values(), *where.values()}):
         return {}
     views: dict[int, View] = {}
     for op in graph.ops:
-        if op_meshes.get(op.index) != mesh:
+        whole_mesh = op_meshes.get(op.index)
+        if whole_mesh is None:
             continue
         tensors = [p for p, k in enumerate(op.inputs) if k is not None and graph.values[k].kind != "constant"]
         if op.name in SPLITS:
@@ -261,23 +291,24 @@ def find_views(graph: ProgramGraph, mesh: ProcessMesh, where: Mapping[ValueKey, 
             forward = graph.ops[op.forward_op]
             keys = [k for k in forward.inputs if k is not None and graph.values[k].kind != "constant"][: len(keys)]
         meshes = [where.get(k) for k in keys]
-        if not any(m is not None and is_sub_mesh(mesh, m) for m in meshes):
+        if not any(m is not None and is_sub_mesh(whole_mesh, m) for m in meshes):
             continue
-        order = _order(mesh, meshes) if all(m is not None for m in meshes) else None
+        order = _order(whole_mesh, meshes) if all(m is not None for m in meshes) else None
         if order is None:
             raise AutoparError(
-                f"{op} joins or splits values of the sub-meshes {', '.join(str(m) for m in meshes)} of {mesh}: the pieces must be "
-                "one per shard of the sub-meshes' dims, in order (split_mesh(mesh, dim)[i] holds piece i)"
+                f"{op} joins or splits values of the sub-meshes {', '.join(str(m) for m in meshes)} of {whole_mesh}: the pieces "
+                "must be one per shard of the sub-meshes' dims, in order (split_mesh(mesh, dim)[i] holds piece i)"
             )
         axis = None if op.short_name in _SUMS else _axis(op, ndim)
-        views[op.index] = View(op.index, op.name in SPLITS, whole, slots, tuple(meshes), order, axis)  # type: ignore[arg-type]
+        views[op.index] = View(op.index, op.name in SPLITS, whole, slots, tuple(meshes), order, axis, whole_mesh)  # type: ignore[arg-type]
     for op in graph.ops:  # any other op reading several sub-meshes' values
-        if op.index in views or op_meshes.get(op.index) != mesh or op.name in VECTOR_OPS:
+        op_mesh = op_meshes.get(op.index)
+        if op.index in views or op_mesh is None or op.name in VECTOR_OPS:
             continue
-        subs = {where[k] for k in op.inputs if k is not None and k in where and is_sub_mesh(mesh, where[k])}
+        subs = {where[k] for k in op.inputs if k is not None and k in where and is_sub_mesh(op_mesh, where[k])}
         if subs:
             raise AutoparError(
-                f"{op} runs on {mesh} but reads values held by its sub-meshes {', '.join(map(str, subs))} only; join "
+                f"{op} runs on {op_mesh} but reads values held by its sub-meshes {', '.join(map(str, subs))} only; join "
                 "them first (autopar.global_mesh_tensor, or the out_placements of autopar.local_map)"
             )
     return views
@@ -289,6 +320,7 @@ def view_result(view: View, op: OpNode, mesh: ProcessMesh, known: Mapping[ValueK
     shard. None while nothing is known."""
     whole_key = op.inputs[view.whole] if view.splits else op.outputs[view.whole]
     piece_keys = [(op.outputs if view.splits else op.inputs)[p] for p in view.pieces]
+    mesh = view.mesh or mesh
     whole = known.get(whole_key)
     if whole is not None and whole.mesh == mesh:
         lined = lined_up(whole, view.order, view.axis)
@@ -311,3 +343,86 @@ def view_result(view: View, op: OpNode, mesh: ProcessMesh, known: Mapping[ValueK
     outputs = [None] * len(op.outputs)
     outputs[view.whole] = lined
     return RuleResult(tuple(inputs), tuple(outputs))
+
+
+# ---- under a pipeline: sub-meshes of the stages ------------------------------------------------
+def spans_stages(mesh: ProcessMesh, sub: ProcessMesh) -> bool:
+    """``sub`` is a sub-mesh of a pipelined ``mesh`` (stages along dim 0) that keeps the pipeline
+    dim: it fixes other dims only (``split_mesh(mesh, "ep")[i]`` on a ``pp x ep`` mesh), so on
+    each stage it stands for its ranks there."""
+    fixed = fixed_coordinates(mesh, sub)
+    return bool(fixed) and 0 not in fixed and mesh.shape[0] > 1
+
+
+def within_stage(mesh: ProcessMesh, sub: ProcessMesh, stage: ProcessMesh) -> ProcessMesh:
+    """The ranks of ``sub`` (a sub-mesh of ``mesh`` keeping its pipeline dim) on ``stage``: the
+    sub-mesh of ``stage`` fixing the same dims, by name, at the same coordinates."""
+    fixed = fixed_coordinates(mesh, sub) or {}
+    return sub_mesh_at(stage, {stage.dim_names.index(mesh.dim_names[d]): c for d, c in fixed.items()})
+
+
+def onto_stage_sub_meshes(
+    graph: ProgramGraph, mesh: ProcessMesh, user: Mapping[ValueKey, DistAttr], cut: Mapping[int, ProcessMesh],
+    local: Mapping[int, ProcessMesh],
+) -> tuple[dict[ValueKey, DistAttr], dict[int, ProcessMesh]]:  # fmt: skip
+    """Under a pipeline, values and ops placed on sub-meshes that keep the pipeline dim (an
+    ``autopar.local_map``'s copies, ``local``; experts annotated on ``split_mesh(mesh, "ep")[i]``)
+    read as living on the sub-mesh of their stage (:func:`within_stage`). A local region (its
+    copies, one run of ops) runs on one stage: the latest the pipeline's ``cut`` gives its ops
+    (a cut falling between copies moves the earlier ones after it), and the split handing it its
+    pieces runs there too. An activation lives on its producer's stage, a parameter on its first
+    forward reader's. Then every op is placed as without a pipeline, its stage mesh standing for
+    the mesh (:func:`place_ops`); a parameter the copies read, unannotated, is held whole by their
+    stage. Returns the user's placements and the op meshes so moved."""
+    homes = dict(cut)
+    order = {mesh[i]: i for i in range(mesh.shape[0])}
+    for region in _runs(sorted(local)):
+        stages = [homes[i] for i in region if i in homes]
+        if not stages:
+            raise AutoparError(f"{graph.ops[region[0]]} (an autopar.local_map copy on {local[region[0]]}) runs on no pipeline stage")
+        latest = max(stages, key=order.__getitem__)
+        homes.update({i: latest for i in region})
+        for key, attr in user.items():  # the split handing the region its pieces: on the region's stage
+            if graph.values[key].kind == "activation" and spans_stages(mesh, attr.mesh) and key[0] not in local:
+                if any(u in region for u in graph.values[key].users):
+                    for maker in (key[0], *(k[0] for k in graph.ops[key[0]].inputs if k is not None and graph.ops[key[0]].name in VECTOR_OPS)):
+                        homes[maker] = latest
+    placed = {i: within_stage(mesh, sub, homes[i]) for i, sub in local.items()}
+    moved = dict(user)
+    for key, attr in user.items():
+        if not spans_stages(mesh, attr.mesh):
+            continue
+        value = graph.values[key]
+        pipeline_dim = attr.mesh.dim_names.index(mesh.dim_names[0])
+        if pipeline_dim in attr.sharded_mesh_dims() or pipeline_dim in attr.partial_dims:
+            raise AutoparError(f"{value.label!r} is placed {attr}, split over the pipeline dim {mesh.dim_names[0]!r}; each stage holds it whole")
+        stages = [homes[key[0]]] if value.kind == "activation" and key[0] in homes else [homes[u] for u in value.users if u in homes]
+        if not stages:
+            raise AutoparError(f"{value.label!r} is placed on {attr.mesh}, but no op of a pipeline stage makes or reads it")
+        moved[key] = _by_name(attr, within_stage(mesh, attr.mesh, stages[0]), {pipeline_dim})
+    for key, value in graph.values.items():  # an unannotated parameter the copies read: held whole by their stage
+        readers = [u for u in value.users if u in local]
+        if value.kind == "parameter" and key not in moved and readers:
+            moved[key] = DistAttr.replicated(homes[readers[0]], len(value.shape))
+    cut_homes = {i: m for i, m in homes.items() if i not in local}
+    return moved, place_ops(graph, mesh, moved, placed, homes=cut_homes)
+
+
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """``indices`` (sorted) in maximal runs of consecutive ones: the ops of one local region."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def stage_container(mesh: ProcessMesh, sub: ProcessMesh) -> ProcessMesh:
+    """The pipeline stage ``mesh[i]`` holding ``sub`` when ``sub`` is a sub-mesh of that stage
+    (it fixes the pipeline dim and more: an expert's ranks on a stage); else ``sub``."""
+    fixed = fixed_coordinates(mesh, sub)
+    if fixed and 0 in fixed and len(fixed) > 1 and mesh.ndim > 1:
+        return mesh[fixed[0]]
+    return sub

@@ -2,8 +2,10 @@
 (stage: comm-fused -> stage-split per rank; stages and schedule planned at compile).
 
 A *stage* is a run of forward ops that ``autopar.shard_op(layer, mesh[i])`` placed on one
-sub-mesh; backward ops follow their forward op, updates their parameter. Stages are numbered
-in the order the forward pass reaches them; layers cycling through the meshes again give a
+sub-mesh; backward ops follow their forward op, updates their parameter. An op on a sub-mesh
+of a stage (an ``autopar.local_map`` copy, an expert on ``split_mesh(mesh, "ep")[i]``:
+autopar/sub_meshes.py) belongs to that stage; the sub_meshes pass keeps it on its ranks. Stages
+are numbered in the order the forward pass reaches them; layers cycling through the meshes again give a
 pipeline rank several (virtual) stages. Values crossing stages are ordinary reshards across
 meshes (the planner's ``send_recv``), emitted as ``send`` on the producing rank and ``recv`` on
 the reading one; so this pass only decides, per rank:
@@ -41,6 +43,7 @@ from autopar.passes.results import PipelinePlan
 from autopar.pipeline_lowering import SYNC_SOURCE
 from autopar.schedule import UPDATE, B, F, I, Phase, W, verified_schedule
 from autopar.spmd import ops_where
+from autopar.sub_meshes import stage_container
 
 PHASES = {Role.FORWARD: F, Role.BACKWARD: B}  # an op's role -> its phase's kind (the optimizer's: UPDATE)
 LOSS_SCALE_UPDATES = ops_where("moves_loss_scale")  # update_loss_scaling_: reads the overflow flag as operand 1
@@ -183,7 +186,9 @@ _STAGES: weakref.WeakKeyDictionary[Any, tuple[ProcessMesh, dict, tuple]] = weakr
 
 
 def _find_stages(state: CompileState) -> tuple[list[ProcessMesh], list[int], dict[int, int]]:
-    graph, op_meshes = state.graph, state.propagation.op_meshes
+    graph = state.graph
+    # an op on a sub-mesh of a stage (an autopar.local_map copy, an expert: autopar/sub_meshes.py) is of that stage
+    op_meshes = {i: stage_container(state.mesh, m) for i, m in state.propagation.op_meshes.items()}
     runs: list[ProcessMesh] = []
     stage_of: dict[int, int] = {}
     whole = state.analysed.single_stage  # one stage: the mesh
@@ -238,8 +243,8 @@ def _follow(
     graph: Any, op: Any, mesh: ProcessMesh, runs: list[ProcessMesh], stage_of: dict[int, int], readers: dict[Any, list[int]]
 ) -> int | None:
     """The stage on ``mesh`` (the op's) among, in order: the stages reading an update's
-    parameter, the grad op's forward op's, those making its inputs, and for an update-phase
-    op, any stage on ``mesh``."""
+    parameter, the grad op's forward op's, those making its inputs, those reading its inputs
+    in the forward pass, and for an update-phase op, any stage on ``mesh``."""
     candidates = list(readers.get(op.inputs[0], ())) if op.role is Role.OPTIMIZER and op.inputs else []
     if op.forward_op is not None and op.forward_op in stage_of:
         candidates.append(stage_of[op.forward_op])
@@ -247,6 +252,8 @@ def _follow(
         maker = None if key is None else _through_split(graph, key[0])
         if maker in stage_of:
             candidates.append(stage_of[maker])
+    for key in op.inputs:  # (a grad op of no forward op reading a constant of its stage's forward: a local_map copy's scale)
+        candidates += readers.get(key, ()) if key is not None else ()
     if op.role is Role.OPTIMIZER:  # (an update-phase op of that mesh with no staged input: a copy of a step-wide count)
         candidates += range(len(runs))
     return next((stage for stage in candidates if runs[stage] == mesh), None)

@@ -7,6 +7,9 @@ other rank it is erased, with the parameters and constants only it read. A view 
 value into the pieces its shards are, a concat or sum of such pieces — moves no data: on each
 rank the piece it holds IS its local value, so the readers of the piece read the value (a
 split), or the readers of the joined value read the piece (a join), and the view op is erased.
+Under a pipeline the sub-meshes are a stage's (``split_mesh(mesh, "ep")[i]`` on a ``pp x ep``
+mesh is, on stage ``s``, the ranks of ``mesh[s]`` at ``ep == i``): this pass runs before the
+pipeline split and keeps to the rank's own stage; the other stages' ops are the split's to erase.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any, ClassVar
 from autopar.annotate import local_op_ids
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS
+from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.sub_meshes import View, find_views
+from autopar.sub_meshes import View, find_views, stage_container
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,24 @@ class SubMeshes(Pass):
     def emit(self, state: CompileState, rp: RankProgram) -> None:
         op_meshes = state.propagation.op_meshes
         where = {key: state.propagation.dist(key).mesh for key in state.graph.tensor_keys() if key in state.propagation.states}
-        views = find_views(state.graph, state.mesh, where, op_meshes)
-        if not views and all(rp.rank in mesh.ranks for mesh in op_meshes.values()):
+        pipelined = state.pipeline is not None
+
+        def mine(mesh: ProcessMesh) -> bool:
+            """Of this rank's stage (under a pipeline; the other stages' ops are the pipeline split's to erase)."""
+            return not pipelined or rp.rank in stage_container(state.mesh, mesh).ranks
+
+        views = {i: v for i, v in find_views(state.graph, state.mesh, where, op_meshes).items() if mine(op_meshes[i])}
+        if not views and all(rp.rank in mesh.ranks or not mine(mesh) for mesh in op_meshes.values()):
             return
         for view in views.values():
             _read_through(state, rp, view)
         serial = {op.id(): index for index, op in enumerate(rp.ops) if op is not None}
-        gone = {
-            op.id() for op in rp.ops
-            if op is not None and (serial[op.id()] in views or rp.rank not in op_meshes.get(serial[op.id()], state.mesh).ranks)
-        }  # fmt: skip
+
+        def elsewhere(index: int) -> bool:
+            mesh = op_meshes.get(index, state.mesh)
+            return rp.rank not in mesh.ranks and mine(mesh)
+
+        gone = {op.id() for op in rp.ops if op is not None and (serial[op.id()] in views or elsewhere(serial[op.id()]))}
         _erase(state, rp, gone, serial)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autopar.annotate import annotations_of
 from autopar.attention_cores import attention_cores
 from autopar.dist_attr import DistAttr
-from autopar.errors import AutoparError
+from autopar.errors import AnnotationError, AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
@@ -59,6 +59,7 @@ from autopar.rewrites.zigzag import refuse_work_along_the_sequence, reordered_fe
 from autopar.shared_parameters import owner_meshes, reader_meshes
 from autopar.spmd.batch_norm import LOCAL_STATISTICS, batch_statistics
 from autopar.spmd.registry import op_key
+from autopar.sub_meshes import onto_stage_sub_meshes, spans_stages, stage_container
 from autopar.zigzag_values import zigzag_order
 
 if TYPE_CHECKING:
@@ -233,10 +234,20 @@ class PipelineStages(Rewrite):
     name: ClassVar[str] = "pipeline_stages"
 
     def apply(self, work: Analysed) -> Analysed:
-        op_meshes = dict(work.op_meshes)
+        op_meshes, user = dict(work.op_meshes), dict(work.user)
+        local = {i: m for i, m in op_meshes.items() if spans_stages(work.mesh, m)}  # autopar.local_map copies (autopar/sub_meshes.py)
+        if local and self.stages is None:
+            raise AnnotationError(
+                f"autopar.local_map under a pipeline: {work.graph.ops[min(local)]} runs on {local[min(local)]}, which keeps the "
+                "pipeline dim; the copies run on the sub-meshes of the stages PipelineConfig(stages=n) cuts (give stages=n)"
+            )
         if self.stages is not None:
             kept = reshard_copies(work.graph, work.user, op_meshes)
-            op_meshes = layer_stages(work.graph, work.mesh, self.stages, op_meshes, work.cluster, kept)
+            # (a reshard copy onto the whole mesh is cut as any op: its annotation moves to its stage, _onto_stages)
+            placed = {i: m for i, m in op_meshes.items() if i not in local and not (i in kept and m == work.mesh)}
+            op_meshes = layer_stages(work.graph, work.mesh, self.stages, placed, work.cluster, kept)
+            if local or any(spans_stages(work.mesh, a.mesh) for a in user.values()):  # each on its stage's sub-mesh
+                user, op_meshes = onto_stage_sub_meshes(work.graph, work.mesh, user, op_meshes, local)
         elif on_stages(work.mesh, work.user):  # parameters annotated on stage meshes place their ops (Paddle's way)
             op_meshes = infer_stages(work.graph, work.mesh, work.user, op_meshes)
         if op_meshes:
@@ -245,8 +256,11 @@ class PipelineStages(Rewrite):
         if staged is not None:
             work = work.reported(self, str(staged), **work.moved(staged.program, staged.positions))
             op_meshes = {**{staged.positions[i]: m for i, m in op_meshes.items() if staged.positions[i] is not None}, **staged.meshes}
-        op_meshes = owner_meshes(work.graph, op_meshes)
-        user = _onto_stages(work.graph, work.mesh, work.user, op_meshes)
+        stages_of_ops = {i: stage_container(work.mesh, m) for i, m in op_meshes.items()}  # (an op on a stage's sub-mesh: that stage)
+        op_meshes = {**owner_meshes(work.graph, stages_of_ops), **op_meshes}
+        if staged is not None:
+            user = {(staged.positions[i], j): a for (i, j), a in user.items() if staged.positions[i] is not None}
+        user = _onto_stages(work.graph, work.mesh, user, op_meshes)
         counts: dict[ProcessMesh, int] = {}
         for index, mesh in op_meshes.items():
             if work.graph.ops[index].role is Role.FORWARD:
@@ -487,11 +501,11 @@ def _onto_stages(
         if attr.mesh != mesh or 0 in attr.sharded_mesh_dims() or 0 in attr.partial_dims:
             continue
         if value.kind == "activation" and key[0] in op_meshes:  # made on one stage (Paddle: on every stage reading it)
-            moved[key] = transplant(attr, op_meshes[key[0]])
+            moved[key] = transplant(attr, stage_container(mesh, op_meshes[key[0]]))
             continue
         if value.kind != "parameter":
             continue
         stages = reader_meshes(graph, key, op_meshes)
-        if stages:
-            moved[key] = transplant(attr, stages[0])
+        if stages:  # (read on a sub-mesh of a stage, by autopar.local_map's copies: held by the stage)
+            moved[key] = transplant(attr, stage_container(mesh, stages[0]))
     return moved

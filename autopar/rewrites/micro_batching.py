@@ -17,7 +17,8 @@ reads off:
 
 An op that needs a value whole over the batch before the optimizer (batch statistics, a
 reshape folding the batch into another dim) cannot run one micro-batch at a time: refused
-by name. A training dropout can: each micro-batch applies its rows of the serial whole-batch
+by name (an ``autopar.local_map`` region, whose serial meaning is per shard of the whole batch,
+naming its opt-in ``groups``). A training dropout can: each micro-batch applies its rows of the serial whole-batch
 mask (:mod:`autopar.passes.dropout_slicing` draws it and picks them by the micro-batch's
 number, fed as :data:`autopar.feed_names.MICRO_BATCH_FEED`).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from autopar.annotate import local_op_ids
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
@@ -47,6 +49,15 @@ PER_GROUP = (
     "Statistics over the step's tokens (a router's cumsum over token slots, the mean or max of its expert counts) "
     "run per micro-batch only where the program computes them per group of tokens: route over a leading groups "
     "dim whose count micro_batches divides (the zoo MoE: Config(router_groups=...); docs/moe.md, 'Pipelines')"
+)
+
+
+# the same opt-in for an autopar.local_map region (a router per rank, Paddle's LocalLayer): named
+# by the refusal of a local region's split under several micro-batches
+PER_LOCAL_GROUP = (
+    "Opt in with local_map(..., groups=q), q a multiple of micro_batches: each copy runs fn on q groups of its rows, "
+    "group-major, so each micro-batch holds whole groups and the serial reference computes per group too (the zoo "
+    "MoE with experts='local': Config(router_groups=q x copies); docs/moe.md, 'Pipelines'); or use one micro-batch"
 )
 
 
@@ -120,9 +131,17 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
     )  # fmt: skip
     if whole_reads:  # made from the whole feeds first (.whole_feeds); then the rest is decided again
         return MicroBatching(count, {}, {}, feeds, whole_reads), graph
+    local = _local_region_ops(graph)
     for need in reshards:
         op = graph.ops[need.op]
         value = graph.values[need.value]
+        if local and (op.index in local or _feeds_region(graph, op, local)):
+            raise AutoparError(
+                f"micro-batching: {op}{_layer(op)} {'takes apart' if op.index not in local else 'reads'} {value.label} "
+                f"{list(value.shape)} for an autopar.local_map region ({need.need} over the micro-batches, which hold "
+                f"{need.have}). Its serial meaning applies fn to each rank's shard of the whole batch; {count} "
+                f"micro-batches would apply it to each micro-batch's shards instead. {PER_LOCAL_GROUP}"
+            )
         if need.site.kind is SiteKind.AFTER_PRODUCER or _cuttable(graph, need.value, need.have, need.need):
             maker = graph.ops[need.value[0]]
             raise AutoparError(
@@ -255,6 +274,27 @@ def _accumulated(graph: ProgramGraph, need: ReshardNeed) -> bool:
         return True
     made_in_update = graph.ops[need.value[0]].role is Role.OPTIMIZER
     return made_in_update and bool(need.have.partial_dims) and not need.have.sharded_mesh_dims()
+
+
+def _local_region_ops(graph: ProgramGraph) -> set[int]:
+    """The ops ``autopar.local_map`` placed in its copies (with their grad ops), by index."""
+    ids = local_op_ids()
+    if not ids:
+        return set()
+    by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases
+    found = {by_id[i] for i in ids if i in by_id}
+    return found | {op.index for op in graph.ops if op.forward_op in found}
+
+
+def _feeds_region(graph: ProgramGraph, op: OpNode, local: set[int], hops: int = 3) -> bool:
+    """Whether ``op``'s results reach a local region's op within ``hops`` reads (``local_map``'s
+    own reshape and split of its input, a ``builtin.split`` of a vector between)."""
+    frontier = [op.index]
+    for _ in range(hops):
+        frontier = [user for index in frontier for key in graph.ops[index].outputs if key is not None for user in graph.values[key].users]
+        if any(index in local for index in frontier):
+            return True
+    return False
 
 
 def _layer(op: OpNode) -> str:

@@ -1,9 +1,11 @@
 """``autopar.local_map`` (autopar/local_map.py): ``fn`` run per rank on its shards has a serial
 meaning — ``fn`` applied to each shard in turn, the results concatenated (``Shard``) or summed
 (``Partial``) — and the compiled program computes exactly it, moving nothing for the region:
-each rank keeps its own copy of ``fn``, the split and the assembly are views. Refusals by name:
-a pending sum on an input, a shard that does not divide, a collective inside ``fn``, a value of
-one sub-mesh read on the mesh without being assembled."""
+each rank keeps its own copy of ``fn``, the split and the assembly are views. Under a pipeline,
+the copies run on the sub-meshes of their stage; with ``groups`` (a multiple of the
+micro-batches) the serial program is what the micro-batches run. Refusals by name: a pending sum
+on an input, a shard that does not divide, a collective inside ``fn``, a value of one sub-mesh
+read on the mesh without being assembled, a local region under micro-batches without groups."""
 
 import numpy as np
 import pytest
@@ -167,12 +169,71 @@ def test_a_sub_mesh_value_read_on_the_mesh_unassembled_is_refused_by_name():
         autopar.compile(main, mesh, startup_program=startup)
 
 
+PP_EP = M([[0, 1], [2, 3]], ["pp", "ep"])
+
+
+def staged(groups, rows=16, width=6, train=True):
+    """A Linear, then a local_map of ``centred``'s fn with ``groups`` groups per copy (fn keeps
+    the leading groups dim: its statistics are over each group's rows): two layers to cut."""
+    paddle, main, startup = _static()
+    main.random_seed = startup.random_seed = 3
+    with paddle.static.program_guard(main, startup):
+        x = paddle.static.data("x", [rows, width], "float32")
+        pre, lin = paddle.nn.Linear(width, width), paddle.nn.Linear(width, width)
+
+        def fn(t):
+            h = lin(t)
+            return h - h.mean(axis=-2, keepdim=True), (h * h).sum(axis=-2)
+
+        split = [R(), S(0)]
+        out, squares = local_map(fn, [split], [split, [R(), P()]], PP_EP, groups=groups)(pre(x))
+        loss = out.pow(2).mean() + squares.mean()
+        if train:
+            make_optimizer("sgd").minimize(loss)
+    return SeedProgram(main, startup, {"x": x}, loss, {"pre": pre, "lin": lin}), out, squares
+
+
+def test_groups_are_read_group_major():
+    """With groups=2 on 2 copies, copy j runs fn on the j-th piece of each of the 2 groups of
+    rows at once: numpy applies fn to the 4 chunks (group k, copy j) in turn. The summed output
+    keeps the groups dim: group k's is the sum over its chunks, rows 8k to 8k+7 (read copy-major
+    it would be rows 4k to 4k+3 and 8+4k to 8+4k+3)."""
+    seed, out, squares = staged(groups=2, train=False)
+    x = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
+    h, got_squares = run_serial(seed.main, seed.startup, [{"x": x}], [out, squares]).fetches[0]
+    pre_w, pre_b, w, b = (
+        run_serial(seed.main, seed.startup, [{"x": x}], [p]).fetches[0][0] for name in ("pre", "lin") for p in seed.layers[name].parameters()
+    )  # fmt: skip
+    chunks = [(c @ pre_w + pre_b) @ w + b for c in np.split(x, 4)]  # group-major: rows of (group 0: copy 0, copy 1), (group 1: ...)
+    np.testing.assert_allclose(h, np.concatenate([c - c.mean(axis=0) for c in chunks]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_squares, [(chunks[2 * k] ** 2).sum(0) + (chunks[2 * k + 1] ** 2).sum(0) for k in range(2)], rtol=1e-5)
+
+
+@pytest.mark.parametrize(("groups", "micro_batches"), [(2, 2), (1, 1)])
+def test_local_map_under_a_pipeline_equals_serial(groups, micro_batches):
+    """pp x ep, 2 stages: the copies run on the sub-meshes of their stage (its ep ranks);
+    with groups a multiple of the micro-batches (or one micro-batch), equal to serial."""
+    seed, _, _ = staged(groups)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, stages=2))
+    dist = autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=strategy)
+    assert [m.ranks for m in dist.state.pipeline.meshes] == [(0, 1), (2, 3)]
+    assert_simulation_equals_serial(seed, dist)
+
+
 def test_local_map_under_a_pipeline_is_refused_by_name():
-    mesh = MESHES["ep2"]
-    seed, _, _ = centred(mesh)
-    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2))
-    with pytest.raises(AnnotationError, match=r"autopar.local_map under a pipeline: .* not combined with a pipeline yet"):
-        autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    """Under a pipeline whose stages no cut gives (PipelineConfig() without stages), the copies
+    have no stage to run on: refused, naming the op, its sub-mesh and stages=n."""
+    seed, _, _ = staged(groups=1)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=1))
+    with pytest.raises(AnnotationError, match=r"autopar.local_map under a pipeline: pd_op\.\w+#\d+ runs on mesh\(pp=2\).*stages=n"):
+        autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=strategy)
+
+
+def test_local_map_under_micro_batches_without_groups_is_refused_by_name():
+    seed, _, _ = staged(groups=1)
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    with pytest.raises(AutoparError, match=r"micro-batching: pd_op\.\w+#\d+ takes apart .* for an autopar\.local_map region.*local_map\(\.\.\., groups=q\)"):
+        autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=strategy)
 
 
 @pytest.mark.parametrize("name", ["ep2", "dp x ep"])

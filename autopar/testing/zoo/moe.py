@@ -29,6 +29,9 @@ Two ways of writing the experts (``build(..., experts=...)``):
   rows of the dispatched buffer through :func:`~autopar.local_map.sub_mesh_tensors` and giving
   them back through :func:`~autopar.local_map.global_mesh_tensor` (Paddle's
   ``moe_sub_mesh_tensors`` / ``moe_global_mesh_tensor``). The auxiliary loss is the groups' mean.
+  ``Config.router_groups = q x G`` has each copy route ``q`` groups of its rows, group-major
+  (``local_map(..., groups=q)``): under a pipeline of ``m`` micro-batches dividing ``q``, each
+  micro-batch routes whole groups (docs/moe.md, "Pipelines: routing per micro-batch").
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ class Config:
     top_k: int = 2  # experts each token is sent to
     # stacked experts: the batch's tokens routed in this many groups, each on its own (GShard's
     # groups; 1: the whole batch at once). A multiple of a pipeline's micro-batches routes per
-    # micro-batch: each micro-batch holds whole groups (docs/moe.md, "Pipelines")
+    # micro-batch: each micro-batch holds whole groups (docs/moe.md, "Pipelines"). Local experts:
+    # 1 routes one group per copy of the router (dp x ep); a multiple q x copies routes q groups
+    # per copy, group-major (autopar.local_map's groups; the per-micro-batch opt-in)
     router_groups: int = 1
 
     def __post_init__(self) -> None:
@@ -83,6 +88,11 @@ def capacity(config: Config, tokens: int) -> int:
 TOKEN_DIMS = ("dp", "ep")  # the mesh dims that split the tokens (the local router's groups)
 
 
+def local_copies(mesh: autopar.ProcessMesh) -> int:
+    """The local router's copies on ``mesh``: one per rank of its token dims (dp x ep)."""
+    return math.prod(mesh.dim_size(n) for n in TOKEN_DIMS if n in mesh.dim_names)
+
+
 def build(
     config: Config = Config(), batch: int = 4, seq: int = 8, mesh: autopar.ProcessMesh | None = None,
     optimizer: str = "sgd", seed: int | None = 17, experts: str = "stacked",
@@ -96,8 +106,11 @@ def build(
         raise ValueError("experts='local' places the experts on the sub-meshes of the mesh's 'ep' dim: give a mesh with one")
     if experts == "local" and config.n_experts % mesh.dim_size("ep"):
         raise ValueError(f"experts='local' places n_experts / ep experts on each ep rank: {config.n_experts} experts do not divide over ep={mesh.dim_size('ep')}")
-    if experts == "local" and config.router_groups != 1:
-        raise ValueError("experts='local' routes per group of the mesh's token dims (dp x ep); router_groups is the stacked experts'")
+    if experts == "local" and config.router_groups != 1 and config.router_groups % local_copies(mesh):
+        raise ValueError(
+            f"experts='local' routes per group of the mesh's token dims (dp x ep: {local_copies(mesh)} copies); router_groups is 1 "
+            f"(one group a copy) or a multiple of them, got {config.router_groups}"
+        )
     if (batch * seq) % config.router_groups:
         raise ValueError(f"router_groups ({config.router_groups}) does not divide the batch's {batch * seq} tokens")
     paddle, main, startup = _static()
@@ -228,10 +241,13 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
             B, T, C = x.shape
             flat = x.reshape([B * T, C])
             names = [n for n in TOKEN_DIMS if n in mesh.dim_names]
-            G = math.prod(mesh.dim_size(n) for n in names)
+            copies = local_copies(mesh)
+            per_copy = max(config.router_groups // copies, 1)  # groups each copy routes, group-major (local_map's groups)
+            G = copies * per_copy
             tokens = [autopar.Shard(0) if n in names else autopar.Replicate() for n in mesh.dim_names]
             summed = [autopar.Partial() if n in names else autopar.Replicate() for n in mesh.dim_names]
-            combine, dispatch, aux = local_map(_one_group(self.router), [tokens], [tokens, tokens, summed], mesh)(flat)
+            router = _one_group(self.router) if per_copy == 1 else self.router
+            combine, dispatch, aux = local_map(router, [tokens], [tokens, tokens, summed], mesh, groups=per_copy)(flat)
             S = B * T // G
             combine, dispatch = (t.reshape([G, S, E, t.shape[-1]]) for t in (combine, dispatch))
             grouped = flat.reshape([G, S, C])
@@ -248,7 +264,7 @@ def network(config: Config = Config(), local_mesh: autopar.ProcessMesh | None = 
             out = autopar.reshard(out, mesh, by_group)  # back to each group's ranks (Paddle's dist.reshard)
             routed = paddle.einsum("gsec,egcm->gsm", combine, out).reshape([B * T, C])
             shared = self.shared_out(F.gelu(self.shared_in(flat)))
-            return (routed + shared).reshape([B, T, C]), aux / G
+            return (routed + shared).reshape([B, T, C]), aux / copies  # (each copy's aux: the mean over its groups)
 
     class Block(nn.Layer):
         def __init__(self) -> None:

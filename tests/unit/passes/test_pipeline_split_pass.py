@@ -56,3 +56,21 @@ def test_the_pass_is_declared_by_the_pipeline_strategy_only():
 def _plain():
     seed = simple_net(batch=8, sizes=SIZES)
     return seed.main, autopar.ProcessMesh([0, 1], ["pp"]), seed.startup
+
+
+def test_an_op_on_a_sub_mesh_of_a_stage_is_of_that_stage():
+    """The local MoE on pp x ep: its router copies and experts run on one rank of a stage (the
+    stage mesh x the ep-fixed sub-mesh). They are of that stage, not stages of their own: two
+    stages, each op of a one-rank sub-mesh on the stage holding its rank."""
+    from autopar.testing.zoo import moe
+
+    mesh = autopar.ProcessMesh([[0, 1], [2, 3]], ["pp", "ep"])
+    seed = moe.build(moe.Config(n_layers=2), batch=4, seq=8, mesh=mesh, experts="local")
+    strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=1, stages=2))
+    dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+    plan = dist.state.pipeline
+    assert [m.ranks for m in plan.meshes] == [(0, 1), (2, 3)]
+    on_sub_meshes = {i: m for i, m in dist.state.propagation.op_meshes.items() if m.size == 1}
+    assert {m.ranks[0] for m in on_sub_meshes.values()} == {0, 1, 2, 3}
+    assert all(on_sub_meshes[i].ranks[0] in plan.meshes[plan.stage_of[i]].ranks for i in on_sub_meshes if i in plan.stage_of)
+    assert sum(i in plan.stage_of for i in on_sub_meshes) > len(on_sub_meshes) // 2
