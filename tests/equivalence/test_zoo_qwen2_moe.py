@@ -136,3 +136,19 @@ def test_the_references_whole_batch_gate_on_the_mesh_equals_serial_and_keeps_its
     gpu = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=autopar.Strategy(cluster="h100-node"))
     readers = {_reader(c.reason) for c in gpu.comm_ops(0) if ": pd_op." in c.reason}
     assert not readers & {"pd_op.argmax", "pd_op.masked_fill"}, readers
+
+
+def test_under_a_pipeline_one_micro_batch_equals_serial_and_more_are_refused_by_name():
+    """pp x ep, a decoder layer a stage: the port's per-rank gate is a ``local_map`` without
+    ``groups``, so one micro-batch (its serial meaning) equals serial and two are refused,
+    naming the opt-in."""
+    config, mesh = qwen2_moe.Config(num_hidden_layers=2), M([[0, 1], [2, 3]], ["pp", "ep"])
+    seed = qwen2_moe.build(config, batch=4, seq=8, mesh=mesh)
+    for micro_batches in (1, 2):
+        strategy = autopar.Strategy(pipeline=autopar.PipelineConfig(micro_batches=micro_batches, stages=2))
+        if micro_batches == 1:
+            dist = autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
+            assert_simulation_equals_serial(seed, dist, feeds=qwen2_moe.feeds(config, 4, 8, 2))
+        else:
+            with pytest.raises(autopar.AutoparError, match=r"autopar.local_map region.*groups="):
+                autopar.compile(seed.main, mesh, startup_program=seed.startup, strategy=strategy)
