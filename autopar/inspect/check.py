@@ -523,6 +523,15 @@ def _allowance(graph: Any, key: ValueKey, maker: int, want: Mapping[ValueKey, np
     return max(16 * eps * root * scale, 16 * root * inherited)
 
 
+def _gap(got: np.ndarray, serial: np.ndarray) -> np.ndarray:
+    """``|got - serial|`` elementwise, 0 where they are the same value: the same infinity (a
+    mask's -inf) or both NaN, which subtracting would turn into NaN."""
+    wide = got.astype("float64")
+    same = (wide == serial) | (np.isnan(wide) & np.isnan(serial))
+    with np.errstate(invalid="ignore"):
+        return np.where(same, 0.0, np.abs(wide - serial))
+
+
 def _difference(
     dist: Any, step: int, key: ValueKey, maker: int, want: np.ndarray, rebuilt: _Rebuilt, allowed: float, scale: float,
     errors: dict, gaps: dict,
@@ -531,12 +540,12 @@ def _difference(
     if got.shape != want.shape:
         raise AutoparError(f"check: {dist.decisions.serial().values[key].label} is {list(got.shape)} distributed, {list(want.shape)} serial")
     wide, serial = got.astype("float64"), want.astype("float64")
-    gap = np.abs(wide - serial)
-    max_abs = float(np.nanmax(gap)) if gap.size else 0.0
+    gap = _gap(wide, serial)
+    max_abs = float(np.nanmax(gap)) if gap.size and not np.isnan(gap).all() else 0.0
     micro_batch = None
     if rebuilt.micro_batch is not None and len(rebuilt.per_micro_batch) > 1:  # each micro-batch holds it whole
         for mb, array in enumerate(rebuilt.per_micro_batch):
-            mb_gap = np.abs(array.astype("float64") - serial)
+            mb_gap = _gap(array, serial)
             if mb_gap.size and float(np.max(mb_gap)) > max_abs:
                 micro_batch, gap, max_abs = mb, mb_gap, float(np.max(mb_gap))
     if np.isnan(gap).any() and not np.isnan(serial).all():
@@ -547,10 +556,12 @@ def _difference(
     differs = max_abs > allowed
     if not differs and not rebuilt.replicas:
         return None
-    where = tuple(int(i) for i in np.unravel_index(int(np.nanargmax(gap)), gap.shape)) if gap.size else ()
+    worst = np.nan_to_num(gap, nan=math.inf)  # a NaN on one side only is the largest difference
+    where = tuple(int(i) for i in np.unravel_index(int(np.argmax(worst)), gap.shape)) if gap.size else ()
     if rebuilt.split_dim is not None and where:  # the micro-batch holding that row
         micro_batch = where[rebuilt.split_dim] // rebuilt.per_micro_batch[0].shape[rebuilt.split_dim]
-    rel = gap / np.maximum(np.abs(serial), scale * 1e-3 if scale else 1e-30)
+    with np.errstate(invalid="ignore"):
+        rel = gap / np.maximum(np.abs(serial), scale * 1e-3 if scale else 1e-30)
     graph = dist.decisions.serial()
     return Difference(
         step=step, key=key, value=dist.decisions.label(key), op=str(graph.ops[maker]), layer=graph.ops[maker].layer,
