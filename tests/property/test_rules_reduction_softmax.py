@@ -140,7 +140,7 @@ def test_softmax_and_grad(mesh, case, name, data):
 def cross_entropy_cases(draw, shape_strategy=None):
     """Logits shape, a hard (int64, size 1 on the class axis, maybe an ignored row) or soft
     label, and the op's attrs."""
-    shape = draw(shape_strategy or shapes(1, 3, max_side=6))
+    shape = draw(shape_strategy if shape_strategy is not None else shapes(1, 3, max_side=6))
     axis = draw(st.integers(-len(shape), len(shape) - 1))
     soft = draw(st.booleans())
     attrs = {"soft_label": soft, "use_softmax": True, "numeric_stable_mode": True, "ignore_index": -100, "axis": axis}
