@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey
 from autopar.rank_plan import SequenceOrder
+from autopar.recompute_clones import remade as clones_remake
 from autopar.spmd import get_rule, trait_values
 from autopar.spmd.base import TensorSpec
 
@@ -81,14 +82,18 @@ def zigzag_values(graph: ProgramGraph, order: Sequence[int]) -> dict[ValueKey, S
     """Each value carrying the sequence (``order``: the zig-zag positions) in zig-zag order ->
     its :class:`SequenceOrder` (module docstring); values in serial order are absent."""
     length = len(order)
+    remade = clones_remake(graph)
     found: dict[ValueKey, SequenceOrder] = {}
     for op in graph.ops:
         if not any(k is not None for k in op.outputs):
             continue
-        if op.recomputes is not None:  # a recompute clone re-makes its op's results
-            for mine, theirs in zip(op.outputs, graph.ops[op.recomputes].outputs):
-                if mine is not None and theirs in found:
-                    found[mine] = found[theirs]
+        if op.recomputes is not None and all(k is None or k in remade for k in op.outputs):
+            # a recompute clone re-makes its op's results, paired as the rewrite pairs them (a
+            # dropout's clone x * cast(mask) / (1 - p) by its last op; its cast and product
+            # follow their inputs like any op)
+            for mine in op.outputs:
+                if mine is not None and remade[mine] in found:
+                    found[mine] = found[remade[mine]]
             continue
         inputs = [k for k in op.inputs if k is not None]
         reordering = _reordering_axis(graph, op, order)

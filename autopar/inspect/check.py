@@ -36,6 +36,7 @@ from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
 from autopar.feed_names import WHOLE_BATCH, with_whole_batch_copies
 from autopar.rank_plan import ValueKey
+from autopar.recompute_clones import remade
 from autopar.spmd import ops_where
 
 EPS = {"float64": 2.3e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.9e-3}
@@ -415,18 +416,6 @@ def _moved_scale(graph: Any, maker: int, scales: Mapping[ValueKey, float]) -> fl
     if not any(word in graph.ops[maker].short_name for word in MOVES):
         return 0.0
     return max((scales.get(k, 0.0) for k in graph.ops[maker].inputs if k is not None), default=0.0)
-
-
-def remade(graph: Any) -> dict[ValueKey, ValueKey]:
-    """A recompute clone's result -> the forward value it re-makes, compared with it (a clone
-    reading the wrong inputs is found, though the serial program runs the same clone). As the
-    recompute rewrite pairs them: a dropout's clone ``x * cast(mask) / (1 - p)`` re-makes its
-    output by its last op only; its cast mask and product are compared as themselves (paired by
-    output slot, the mask's cast was compared with the dropout's output: 5 false differences on
-    GPT-2 with dropout)."""
-    from autopar.rewrites.recompute import clone_outputs
-
-    return {clone: forward for forward, clones in clone_outputs(graph).items() for clone in clones}
 
 
 def _micro_batches(dist: Any) -> int:

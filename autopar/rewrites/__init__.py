@@ -29,6 +29,7 @@ from autopar.errors import AnnotationError, AutoparError
 from autopar.graph import ProgramGraph, Role, ValueKey, copied_keys
 from autopar.mesh import ProcessMesh
 from autopar.propagation import PropagationResult, propagate, transplant
+from autopar.recompute_clones import clone_outputs
 from autopar.rewrites.context_parallel import (
     ULYSSES,
     ZIGZAG,
@@ -46,7 +47,7 @@ from autopar.rewrites.masked_mean import deferred_means
 from autopar.rewrites.micro_batching import MicroBatching, recounted
 from autopar.rewrites.micro_batching import micro_batching as micro_batch_view
 from autopar.rewrites.pipeline_cut import layer_stages
-from autopar.rewrites.recompute import Recomputation, clone_outputs
+from autopar.rewrites.recompute import Recomputation
 from autopar.rewrites.recompute import recompute as recompute_program
 from autopar.rewrites.sequence_parallel import SequenceRegions, sequence_regions
 from autopar.rewrites.stage_constants import stage_constants as copy_constants

@@ -61,6 +61,7 @@ from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, Role, ValueKey
 from autopar.layer_paths import call_class, match_end, path_of, repeated_depth
 from autopar.op_kinds import SOURCE_OPS
+from autopar.recompute_clones import is_training_dropout
 from autopar.spmd import ops_where
 from autopar.units import format_bytes
 
@@ -165,26 +166,6 @@ def regathered(rewrite: Recomputation | None, graph: ProgramGraph, pipelined: bo
             if key is not None and graph.values[key].kind != "constant" and graph.ops[key[0]].role is Role.FORWARD:
                 reads.add(key)
     return frozenset(reads)
-
-
-def clone_outputs(graph: ProgramGraph) -> dict[ValueKey, list[ValueKey]]:
-    """Each recomputed forward value -> the values its clones make again (for a pass that places
-    a forward value and wants its recomputation placed alike, e.g. split activations)."""
-    groups: dict[int, list[OpNode]] = {}
-    for op in graph.ops:
-        if op.recomputes is not None:
-            groups.setdefault(op.recomputes, []).append(op)
-    out: dict[ValueKey, list[ValueKey]] = {}
-    for origin, clones in groups.items():
-        original = graph.ops[origin]
-        same = [c for c in clones if c.name == original.name]
-        pairs = [(o, c) for clone in same for o, c in zip(original.outputs, clone.outputs)]
-        if not same and _is_training_dropout(original):  # x * cast(mask) / (1 - p): its last op
-            pairs = [(original.outputs[0], clones[-1].outputs[0])]
-        for o, c in pairs:
-            if o is not None and c is not None:
-                out.setdefault(o, []).append(c)
-    return out
 
 
 def recompute(
@@ -304,10 +285,6 @@ def _types(ops: list[OpNode]) -> str:
 # ---- planning ---------------------------------------------------------------------------------
 
 
-def _is_training_dropout(op: OpNode) -> bool:
-    return op.name == "pd_op.dropout" and not op.attrs.get("is_test", False)
-
-
 class _Plan:
     """Which selected ops are cloned, where, and which backward reads move to the clones."""
 
@@ -338,7 +315,7 @@ class _Plan:
             elif any(k in overwritten for k in op.inputs + op.outputs if k is not None):
                 k = next(k for k in op.inputs + op.outputs if k in overwritten)
                 why = f"{'reads' if k in op.inputs else 'makes'} {graph.values[k].label}, which {overwritten[k]} overwrites in place"
-            elif _is_training_dropout(op) and not isinstance(op.attrs.get("p"), (int, float)):
+            elif is_training_dropout(op) and not isinstance(op.attrs.get("p"), (int, float)):
                 why = "its drop probability p is not a constant"
             if why is not None:
                 kept.append(f"{op}: {why}")
@@ -395,7 +372,7 @@ class _Plan:
             op = graph.ops[index]
             before = []
             for slot, key in enumerate(op.outputs):
-                if key is None or (slot == 1 and _is_training_dropout(op)):  # the mask is kept, never redrawn
+                if key is None or (slot == 1 and is_training_dropout(op)):  # the mask is kept, never redrawn
                     continue
                 readers = [x for x in self.position if key in graph.ops[x].inputs]
                 if any(self._cut(index, x) for x in readers) or self._sent(index, key):
@@ -457,7 +434,7 @@ def _rewrite(work: Any, graph: ProgramGraph, raw: list[Any], plan: _Plan) -> tup
         for index in sorted(plan.position, key=lambda i: (plan.position[i], i)):
             paddle.pir.set_insertion_point(raw[plan.position[index]])
             op = graph.ops[index]
-            if _is_training_dropout(op):
+            if is_training_dropout(op):
                 x = _source(plan, ids, made, index, raw[index].operand_source(0))
                 ops = _dropout_clone(op, raw[index], x)
                 made[op.outputs[0]] = ops[-1].result(0)

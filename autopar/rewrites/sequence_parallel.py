@@ -69,7 +69,7 @@ class SequenceRegions:
         """Strategy annotations: split values get the axis on their sequence dim (after the dims
         already splitting it, e.g. a data-parallel batch); edge values keep their placement; the
         recomputation of a value (autopar.rewrites.recompute) is placed like it."""
-        from autopar.rewrites.recompute import clone_outputs
+        from autopar.recompute_clones import clone_outputs
 
         made = {}
         for v in self.values:
