@@ -40,7 +40,7 @@ import numpy as np
 from autopar.collective import Collective
 from autopar.collective_kinds import kind_of
 from autopar.errors import AutoparError
-from autopar.feed_names import MICRO_BATCH_FEED, WHOLE_BATCH
+from autopar.feed_names import MICRO_BATCH_FEED, with_whole_batch_copies
 from autopar.index_feeds import check_index_feed
 from autopar.low_precision import STORAGE, is_low, narrow, widen
 from autopar.pipeline_lowering import ACCUMULATE, PIECE_KINDS, RankAction, verify_rank
@@ -118,11 +118,9 @@ class PipelineRunner(RankRunner):
                 raise AutoparError(f"feed {name!r} has shape {list(array.shape)}, the program declares {declared}")
             for k, piece in enumerate(np.split(array, count, axis=dim)):
                 micro[k][name] = piece
-        for name in self.plan.program_feeds:  # a whole-batch copy of a feed (rewrites/whole_feeds.py): every micro-batch
-            base = name.removesuffix(WHOLE_BATCH)
-            if base != name and base in feed:
-                for k in range(count):
-                    micro[k][name] = np.asarray(feed[base])
+        copies = with_whole_batch_copies(feed, self.plan.program_feeds)  # a feed's whole-batch copy (rewrites/whole_feeds.py)
+        for k in range(count):  # every micro-batch reads the whole batch's array
+            micro[k].update({name: np.asarray(array) for name, array in copies.items() if feed.get(name) is not array})
         self.micro_feeds = [self.plan.local_feeds(m) for m in micro]
         if MICRO_BATCH_FEED in self.plan.program_feeds:  # its number (a training dropout picks its rows of the mask)
             for k, feeds in enumerate(self.micro_feeds):
