@@ -35,7 +35,7 @@ from autopar.dist_attr import DistAttr
 from autopar.errors import AnnotationError, AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.graph import ProgramGraph, ValueKey
-from autopar.mesh import ProcessMesh
+from autopar.mesh import ProcessMesh, not_a_mesh
 from autopar.passes.base import AnalysedProgram, CompileState
 from autopar.propagation import PropagationResult, transplant
 from autopar.rewrites import Analysed, Rewrite, applied, apply_all, derived
@@ -140,7 +140,7 @@ def analysis_start(
     annotations and op placements (``placements``: a plan's annotations by value key, used
     instead of the program's — strategy search tries plans without annotating the program)."""
     if not isinstance(mesh, ProcessMesh):
-        raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        raise AutoparError(not_a_mesh("compile", mesh))
     _check_program(program, "program")
     if startup_program is not None:
         _check_program(startup_program, "startup_program")

@@ -15,7 +15,7 @@ from typing import Any
 
 from autopar.dist_attr import DistAttr
 from autopar.errors import AnnotationError, AnnotationWarning, AutoparError, PlacementError
-from autopar.mesh import ProcessMesh
+from autopar.mesh import ProcessMesh, not_a_mesh
 from autopar.placement import Placement
 
 
@@ -119,7 +119,7 @@ def shard_tensor(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
     (a tuple for several), or None / -1; or a Paddle placement list, one per mesh dim.
     """
     if not isinstance(mesh, ProcessMesh):
-        raise AnnotationError(f"shard_tensor needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        raise AnnotationError(not_a_mesh("shard_tensor", mesh))
     program = program_of(value)
     label = value_label(value)
     _check_not_startup(program, value, label, "shard_tensor")
@@ -251,7 +251,7 @@ def _check_current_program(program: Any, label: str) -> None:
 def shard_op(layer_or_fn: Callable[..., Any], mesh: ProcessMesh) -> Callable[..., Any]:
     """Wrap a layer or function so the ops its calls create are placed on ``mesh``."""
     if not isinstance(mesh, ProcessMesh):
-        raise AnnotationError(f"shard_op needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        raise AnnotationError(not_a_mesh("shard_op", mesh))
     if not callable(layer_or_fn):
         raise AnnotationError(f"shard_op needs a layer or function, got {type(layer_or_fn).__name__}")
 
@@ -296,7 +296,7 @@ def reshard(value: Any, mesh: ProcessMesh, dims_mapping: Any) -> Any:
     import paddle
 
     if not isinstance(mesh, ProcessMesh):
-        raise AnnotationError(f"reshard needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        raise AnnotationError(not_a_mesh("reshard", mesh))
     if not hasattr(value, "is_dense_tensor_type") or not value.is_dense_tensor_type():
         raise AnnotationError(f"reshard moves a tensor of a static program, got {type(value).__name__}")
     label = value_label(value)

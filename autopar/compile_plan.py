@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.annotate import annotations_of
 from autopar.errors import AutoparError
-from autopar.mesh import ProcessMesh
+from autopar.mesh import ProcessMesh, not_a_mesh
 from autopar.passes.allreduce_fusion import AllreduceFusion
 from autopar.passes.backend_lowering import BackendLowering
 from autopar.passes.base import Pass
@@ -170,7 +170,7 @@ def effective_strategy(program: Program | None, mesh: ProcessMesh, strategy: Str
     """``strategy`` checked, with a pipeline of one micro-batch when the annotations place stages:
     a new value recorded beside the user's (which stays as given)."""
     if not isinstance(mesh, ProcessMesh):
-        raise AutoparError(f"compile needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        raise AutoparError(not_a_mesh("compile", mesh))
     checked = checked_strategy(strategy)
     _check_context_parallel(checked.context_parallel, mesh)
     if checked.pipeline is None and program is not None and _has_stages(program, mesh):  # (stages placed by shard_op)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.errors import MeshError, PlacementError
-from autopar.mesh import ProcessMesh
+from autopar.mesh import ProcessMesh, not_a_mesh
 from autopar.placement import (
     REDUCE_KINDS,
     Partial,
@@ -128,7 +128,7 @@ class DistAttr:
         partial: Any = None,
     ) -> None:
         if not isinstance(mesh, ProcessMesh):
-            raise PlacementError(f"DistAttr needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+            raise PlacementError(not_a_mesh("DistAttr", mesh))
         if mapping is not None:
             if dims_mapping is not None:
                 raise PlacementError(f"DistAttr takes dims_mapping or mapping= (its field name), not both: {mapping!r}")
@@ -248,7 +248,7 @@ class DistAttr:
         if not isinstance(text, str):
             raise PlacementError(f"DistAttr.parse takes the text form, e.g. '[S(0),R]', got {text!r}")
         if not isinstance(mesh, ProcessMesh):
-            raise PlacementError(f"DistAttr.parse needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+            raise PlacementError(not_a_mesh("DistAttr.parse", mesh))
         items = [t for t in text.strip().strip("[]").split(",") if t.strip()]
         if len(items) != mesh.ndim:
             raise PlacementError(f"{text!r} has {len(items)} placements, {mesh} has {mesh.ndim} dims")
@@ -308,7 +308,7 @@ class DistAttr:
         dim (Paddle's rule), so all-zero orders mean ascending mesh-dim order.
         """
         if not isinstance(mesh, ProcessMesh):
-            raise PlacementError(f"from_placements needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+            raise PlacementError(not_a_mesh("from_placements", mesh))
         if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
             raise PlacementError(f"placements must be a list with one placement per mesh dim, got {placements!r}")
         if not _is_index(ndim) or ndim < 0:

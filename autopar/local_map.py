@@ -35,7 +35,7 @@ from typing import Any
 from autopar.annotate import program_of, record, shard_tensor, to_dist_attr, value_label
 from autopar.dist_attr import DistAttr
 from autopar.errors import AnnotationError
-from autopar.mesh import ProcessMesh
+from autopar.mesh import ProcessMesh, not_a_mesh
 from autopar.sub_meshes import piece, split_mesh, sub_mesh_at
 
 __all__ = ["global_mesh_tensor", "local_map", "split_mesh", "sub_mesh_tensors"]
@@ -156,7 +156,7 @@ def local_map(
     and the ranks run exactly what the serial program does. ``Shard(0)`` outputs come back in the
     inputs' row order (``fn``'s results ``[groups, rows, ...]``), ``Partial()`` ones summed."""
     if not isinstance(mesh, ProcessMesh):
-        raise AnnotationError(f"local_map needs an autopar.ProcessMesh, got {type(mesh).__name__}")
+        raise AnnotationError(not_a_mesh("local_map", mesh))
     if not callable(fn):
         raise AnnotationError(f"local_map needs a function, got {type(fn).__name__}")
     if not isinstance(groups, int) or groups < 1:

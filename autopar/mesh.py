@@ -290,5 +290,14 @@ class ProcessMesh:
     __repr__ = __str__
 
 
+def not_a_mesh(who: str, mesh: Any) -> str:
+    """The error text for ``who`` given something that is no autopar.ProcessMesh; a Paddle mesh
+    (the spelling of Paddle's own examples) is told how to convert."""
+    text = f"{who} needs an autopar.ProcessMesh, got {type(mesh).__name__}"
+    if type(mesh).__name__ == "ProcessMesh" and type(mesh).__module__.startswith("paddle"):
+        text += " (paddle.distributed's): convert it with autopar.ProcessMesh.from_paddle(mesh)"
+    return text
+
+
 def _restore(shape: tuple[int, ...], ranks: tuple[int, ...], dim_names: tuple[str, ...]) -> ProcessMesh:
     return ProcessMesh(shape=shape, ranks=ranks, dim_names=dim_names)

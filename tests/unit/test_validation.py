@@ -468,3 +468,14 @@ def test_a_garbage_rank_in_the_environment_is_named(monkeypatch):
     monkeypatch.setenv("PADDLE_TRAINER_ID", "one")
     with pytest.raises(autopar.AutoparError, match="PADDLE_TRAINER_ID \\(or RANK\\) must be this process's rank, got 'one'"):
         rank_from_env()
+
+
+def test_a_paddle_mesh_is_told_how_to_convert():
+    import paddle.distributed as pdist
+
+    from autopar.local_map import local_map
+
+    paddle_mesh = pdist.ProcessMesh([0, 1], dim_names=["ep"])
+    with pytest.raises(AnnotationError, match=r"got ProcessMesh \(paddle.distributed's\): convert it with autopar.ProcessMesh.from_paddle\(mesh\)"):
+        local_map(lambda x: x, [[autopar.Shard(0)]], [[autopar.Shard(0)]], paddle_mesh)
+    assert autopar.ProcessMesh.from_paddle(paddle_mesh) == autopar.ProcessMesh([0, 1], ["ep"])
