@@ -22,6 +22,10 @@ dim at emission, counts found at run time: :class:`autopar.collective_kinds.AllT
 routed bytes a uniform gate sends the other members (:func:`autopar.cost_model.moe.uneven_bytes`
 of the padded pieces for them). Only where an all_to_all is planned: the CPU profiles plan these
 moves as all_gathers and slices (no all_to_all kernel), which stay as they are.
+
+A dispatch buffer of any capacity summed over ranks (a reduce_scatter or all_reduce of its
+pending sum) belongs to a router whose groups span several ranks (the whole batch at once): its
+reason says so and names the per-group routing that moves it as all_to_alls instead.
 """
 
 from __future__ import annotations
@@ -133,6 +137,35 @@ def _dispatch(graph: ProgramGraph, op: OpNode) -> DroplessBuffer | None:
     return None
 
 
+@once_per_graph
+def routed_buffer_shapes(graph: ProgramGraph) -> frozenset[tuple[int, ...]]:
+    """The output shapes of the program's dispatch einsums, whatever their capacity: a forward
+    einsum whose routing operand sums the token letter away and keeps two letters of its own
+    (experts and capacity) that the other operand lacks (module docstring)."""
+    found = set()
+    for op in graph.ops:
+        if op.role is not Role.FORWARD or op.name != "pd_op.einsum" or op.outputs[0] is None:
+            continue
+        operands, _, out = str(op.attrs.get("equation", "")).replace(" ", "").partition("->")
+        letters = operands.split(",")
+        if not out or len(letters) != 2:
+            continue
+        for mask, other in (letters, letters[::-1]):
+            own = [c for c in mask if c not in other and c in out]
+            tokens = [c for c in mask if c in other and c not in out]
+            if len(own) == 2 and len(tokens) == 1:
+                found.add(tuple(graph.values[op.outputs[0]].shape))
+    return frozenset(found)
+
+
+WHOLE_BATCH_ROUTER = (
+    "a dispatch buffer of a router whose groups of tokens span several ranks (the whole batch at once: one "
+    "capacity for every rank's tokens, which fill slots anywhere in it), so it is summed over the ranks (and "
+    "gathered back for the combine); routing per group of each rank's tokens (GShard's groups lined up with the ranks splitting "
+    "the batch, or autopar.local_map) moves it as all_to_alls, 1/ep of these bytes (docs/moe.md)"
+)
+
+
 def _top_k(graph: ProgramGraph, layer: str, experts: int) -> int | None:
     """The router's top-k in ``layer``: the ``k`` of its ``topk`` ops over the experts (an
     ``argmax`` over them picks one: PaddleNLP's top2gating), per call (calls told apart by their
@@ -180,10 +213,14 @@ def dropless_plan(graph: ProgramGraph, plan: ReshardPlan, cluster: Cluster) -> R
 
 def dropless_collective(graph: ProgramGraph, collective: Collective) -> Collective:
     """``collective`` as emitted: an all_to_all of a dropless buffer says its padding in its
-    reason; one planned uneven (:func:`dropless_plan`) is trimmed along the capacity dim."""
+    reason; one planned uneven (:func:`dropless_plan`) is trimmed along the capacity dim; a
+    sum of a dispatch buffer's shape (a per-group router's is never pending one: each rank's
+    slots are its own) says it is a whole-batch router's (:data:`WHOLE_BATCH_ROUTER`)."""
     entry = KINDS[collective.kind]
     uneven = uneven_form(collective.kind) and not collective.splits
     if entry.sent_uneven_as is None and not uneven:
+        if collective.src.partial and collective.shape in routed_buffer_shapes(graph):  # summed over the ranks: say why
+            return dataclasses.replace(collective, reason=f"{collective.reason}; {WHOLE_BATCH_ROUTER}")
         return collective
     buffer = _buffer(graph, collective.shape)
     if buffer is None:

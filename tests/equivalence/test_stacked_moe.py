@@ -11,6 +11,7 @@ import paddle
 import pytest
 
 import autopar
+from autopar.dropless import WHOLE_BATCH_ROUTER
 from autopar.testing.processes import reordered_floor
 from autopar.testing.serial import assert_simulation_equals_serial, run_serial
 from autopar.testing.zoo import moe
@@ -132,7 +133,7 @@ def test_suggests_expert_parallel_plans_price_the_routing_the_program_writes(sha
     assert prices[4] < prices[1]
 
 
-def test_whole_batch_routing_keeps_the_token_split_through_the_router():
+def test_whole_batch_routing_keeps_the_token_split_through_the_router(on_the_gpu_profile):
     """router_groups=1 on ep2 (h100-node): topk, one_hot and the cumsum over token slots keep the
     tokens' split; rank 0 moves only the router's sums over the tokens (the aux loss's means, the
     first choices' counts: all_reduces of a few values), one all_gather of each shard's totals per
@@ -155,3 +156,8 @@ def test_whole_batch_routing_keeps_the_token_split_through_the_router():
     rest = [c for c in moved if c not in carries and c.bytes <= 64]
     assert rest and all(c.kind.value == "all_reduce" for c in rest), [(c.kind.value, c.reason[:80]) for c in rest]
     assert len(moved) == len(carries) + len(big) + len(rest)
+    # each sum of the buffer says why it is there and how routing per group avoids it
+    said = sorted(c.kind.value for c in moved if WHOLE_BATCH_ROUTER in c.reason)
+    assert said == ["reduce_scatter"] * 2, said
+    _, _, lined_up = on_the_gpu_profile("ep2")
+    assert not [c for c in lined_up.comm_ops(0) if WHOLE_BATCH_ROUTER in c.reason]

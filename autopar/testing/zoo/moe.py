@@ -18,7 +18,8 @@ Two ways of writing the experts (``build(..., experts=...)``):
   tokens' batch; ``ep`` splits the stacked experts' weights by expert (dim 0) and, like ``dp``,
   the batch; ``mp`` splits the attention as Megatron does (q, k, v by columns, the projection
   by rows). The router sees ``Config.router_groups`` groups of the batch's tokens (1: the whole
-  batch; its statistics are gathered). Under a pipeline, a multiple of the micro-batches routes
+  batch: its buffer is then summed over the ranks; as many groups as ranks splitting the batch:
+  two all_to_alls each way, docs/moe.md). Under a pipeline, a multiple of the micro-batches routes
   per micro-batch (docs/moe.md, "Pipelines: routing per micro-batch").
 - ``"local"`` (Paddle's way: an auto-parallel MoE with the gate in a ``LocalLayer`` and the experts
   on ``split_mesh(mesh, "ep")``): the router runs per rank in :func:`autopar.local_map.local_map`
