@@ -37,7 +37,7 @@ def train_equals_serial(dist: Any, main: Any, startup: Any, loss: Any, feeds: Se
     import numpy as np
 
     import autopar
-    from autopar.testing.serial import run_serial
+    from autopar.testing.serial import assert_within_floor, run_serial
 
     serial = run_serial(main, startup, feeds, [loss])
     exe = autopar.Executor(dist, backend=backend)
@@ -46,12 +46,11 @@ def train_equals_serial(dist: Any, main: Any, startup: Any, loss: Any, feeds: Se
     params = exe.parameters()
     for step, ((want,), got) in enumerate(zip(serial.fetches, losses)):
         np.testing.assert_allclose(got, want, rtol=rtol, err_msg=f"loss at step {step}")
+    if floor is not None:
+        assert_within_floor({name: params[name] for name in serial.parameters}, serial.parameters, floor, atol)
+        return exe
     for name, want in serial.parameters.items():
-        if floor is None:
-            np.testing.assert_allclose(params[name], want, rtol=rtol, atol=atol, err_msg=name)
-        else:
-            error, allowed = float(np.max(np.abs(params[name] - want))), max(2 * floor[name], atol)
-            assert error <= allowed, f"{name}: max |dist - serial| = {error:.3g} > twice its floor {floor[name]:.3g}"
+        np.testing.assert_allclose(params[name], want, rtol=rtol, atol=atol, err_msg=name)
     return exe
 
 

@@ -69,3 +69,14 @@ def assert_simulation_equals_serial(
         np.testing.assert_allclose(got[0], want[0], rtol=rtol, err_msg=f"loss at step {step}")
     for name, want in serial.parameters.items():
         np.testing.assert_allclose(result.parameters[name], want, rtol=rtol, atol=atol, err_msg=name)
+
+
+def assert_within_floor(parameters: Mapping[str, Any], serial: Mapping[str, Any], floor: Mapping[str, float], atol: float = 1e-5) -> None:
+    """Every parameter of ``serial`` within twice its ``floor`` of it in ``parameters`` (at least
+    ``atol``): the floor is how far serial training itself moves it under rounding alone
+    (:func:`autopar.testing.processes.reordered_floor`; AdamW normalises a gradient that is zero
+    up to rounding into full-size steps, so a relative tolerance cannot hold there)."""
+    assert parameters.keys() == serial.keys(), sorted(set(parameters) ^ set(serial))
+    for name, want in serial.items():
+        error, allowed = float(np.max(np.abs(np.asarray(parameters[name]) - want))), max(2 * floor[name], atol)
+        assert error <= allowed, f"{name}: max |dist - serial| = {error:.3g} > twice its floor {floor[name]:.3g}"
