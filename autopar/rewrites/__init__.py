@@ -305,6 +305,8 @@ class Recompute(Rewrite):
     def apply(self, work: Analysed) -> Analysed:
         rewrite = recompute_program(work.program, self.selection, work.op_meshes, work.graph)
         moved = work.moved(rewrite.program, rewrite.positions, recomputes=rewrite.clones, copies=rewrite.copies)
+        placed = moved["op_meshes"]  # a clone runs where the op it recomputes does (a view on a stage's sub-meshes too)
+        moved["op_meshes"] = {**{c: placed[o] for c, o in rewrite.clones.items() if o in placed}, **placed}
         micro = work.micro
         if micro is not None:  # the clones run on the micro-batch the ops they copy run on (and are seen so)
             micro, moved["graph"] = micro.moved(rewrite.positions, rewrite.copies, moved["graph"])

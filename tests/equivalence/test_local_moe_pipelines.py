@@ -78,3 +78,16 @@ def test_each_micro_batch_moves_two_all_to_alls_each_way_per_layer_on_the_gpu_pr
         rest = [c for c in moved if c.kind.value != "all_to_all"]
         assert all(c.kind.value in ("send", "recv") and "pipeline stage boundary" in c.reason or "gradient sync" in c.reason for c in rest)
         assert any(c.kind.value == "send" for c in rest) and any("gradient sync" in c.reason for c in rest)
+
+
+def test_recomputed_local_moe_under_ep_x_pp_equals_serial():
+    """Recompute after the stage cut: the clone of the join that gives the experts' outputs back
+    (a view: each rank's piece is its value) runs where that join runs. Without its op mesh it was
+    no view, and its pieces were sent and broadcast from the experts' sub-meshes ("pd_op.broadcast
+    reads a result of pd_op.concat, which runs on a sub-mesh without this rank")."""
+    config = moe.Config(router_groups=4)
+    seed = moe.build(config, batch=4, seq=8, mesh=PP_EP, experts="local")
+    strategy = autopar.Strategy(recompute=True, pipeline=autopar.PipelineConfig(micro_batches=2, stages=2))
+    dist = autopar.compile(seed.main, PP_EP, startup_program=seed.startup, strategy=strategy)
+    assert not [c for c in dist.comm_ops(1) if c.kind.value == "broadcast"]
+    assert_simulation_equals_serial(seed, dist, feeds=moe.feeds(config, 4, 8, 2))
