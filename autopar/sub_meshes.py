@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from autopar.annotate import local_op_ids
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS, OpNode, ProgramGraph, ValueKey
@@ -46,6 +47,17 @@ _SUMS = {name for name, how in trait_values("joins_pieces").items() if how == "s
 
 
 # ---- meshes -----------------------------------------------------------------------------------
+def local_region_ops(graph: ProgramGraph) -> set[int]:
+    """The ops ``autopar.local_map`` placed in its copies, with their grad ops, by index (found
+    by the user's op ids: ``graph.op_aliases`` after a serial rewrite)."""
+    ids = local_op_ids()
+    if not ids:
+        return set()
+    by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases
+    found = {by_id[i] for i in ids if i in by_id}
+    return found | {op.index for op in graph.ops if op.forward_op in found}
+
+
 def split_mesh(mesh: ProcessMesh, dim: str | int) -> list[ProcessMesh]:
     """The sub-meshes of ``mesh`` along ``dim``, one per coordinate (Paddle's ``split_mesh``)."""
     mesh_dim = mesh.mesh_dim(dim)

@@ -17,13 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from autopar.annotate import local_op_ids
 from autopar.errors import AutoparError
 from autopar.graph import VECTOR_OPS
 from autopar.mesh import ProcessMesh
 from autopar.op_kinds import CONSTANT_OPS, SOURCE_OPS
 from autopar.passes.base import CompileState, Pass, RankProgram
-from autopar.sub_meshes import View, find_views, stage_container
+from autopar.sub_meshes import View, find_views, local_region_ops, stage_container
 
 
 @dataclass(frozen=True)
@@ -36,11 +35,9 @@ class SubMeshes(Pass):
     def plan(self, state: CompileState) -> None:
         """Refuse a collective inside an ``autopar.local_map`` copy (its ops and their grad ops)."""
         graph = state.graph
-        by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases
-        local = {by_id[i] for i in local_op_ids() if i in by_id}
+        local = local_region_ops(graph)
         if not local:
             return
-        local |= {op.index for op in graph.ops if op.forward_op in local}
         for planned in state.reshards:
             moving = [step for step in planned.plan.steps if not step.kind.is_local]
             if planned.need.op in local and moving:

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from autopar.annotate import local_op_ids
 from autopar.dist_attr import DistAttr
 from autopar.errors import AutoparError
 from autopar.graph import OpNode, ProgramGraph, Role, ValueKey, copied_keys
@@ -39,6 +38,7 @@ from autopar.spmd import RuleContext, TensorSpec, get_rule, ops_where
 from autopar.spmd.base import SpmdRule
 from autopar.spmd.batch_norm import split_statistics
 from autopar.spmd.vocab_parallel import split_row
+from autopar.sub_meshes import local_region_ops
 
 SHAPE_ATTR_OPS = ops_where("shape_attr")  # (reshape, full, expand)
 
@@ -131,7 +131,7 @@ def micro_batching(graph: ProgramGraph, count: int) -> tuple[MicroBatching, Prog
     )  # fmt: skip
     if whole_reads:  # made from the whole feeds first (.whole_feeds); then the rest is decided again
         return MicroBatching(count, {}, {}, feeds, whole_reads), graph
-    local = _local_region_ops(graph)
+    local = local_region_ops(graph)
     for need in reshards:
         op = graph.ops[need.op]
         value = graph.values[need.value]
@@ -274,16 +274,6 @@ def _accumulated(graph: ProgramGraph, need: ReshardNeed) -> bool:
         return True
     made_in_update = graph.ops[need.value[0]].role is Role.OPTIMIZER
     return made_in_update and bool(need.have.partial_dims) and not need.have.sharded_mesh_dims()
-
-
-def _local_region_ops(graph: ProgramGraph) -> set[int]:
-    """The ops ``autopar.local_map`` placed in its copies (with their grad ops), by index."""
-    ids = local_op_ids()
-    if not ids:
-        return set()
-    by_id = {op.op_id: op.index for op in graph.ops} | graph.op_aliases
-    found = {by_id[i] for i in ids if i in by_id}
-    return found | {op.index for op in graph.ops if op.forward_op in found}
 
 
 def _feeds_region(graph: ProgramGraph, op: OpNode, local: set[int], hops: int = 3) -> bool:
