@@ -92,8 +92,6 @@ def dropless_buffers(graph: ProgramGraph) -> tuple[DroplessBuffer, ...]:
     group of tokens), joined along the capacity dim: the buffer's shape is the joined one."""
     found: dict[tuple, tuple[DroplessBuffer, int]] = {}
     for op in graph.ops:
-        if op.role is not Role.FORWARD or op.name != "pd_op.einsum" or "->" not in str(op.attrs.get("equation", "")):
-            continue
         buffer = _dispatch(graph, op)
         if buffer is not None:
             key = (buffer.layer, buffer.shape, buffer.capacity_dim)
@@ -109,20 +107,28 @@ def _joined(buffer: DroplessBuffer, copies: int) -> DroplessBuffer:
     return dataclasses.replace(buffer, shape=tuple(shape), tokens=buffer.tokens * copies, copy_shape=buffer.shape)
 
 
-def _dispatch(graph: ProgramGraph, op: OpNode) -> DroplessBuffer | None:
-    operands, out = str(op.attrs["equation"]).replace(" ", "").split("->")
+def _routings(graph: ProgramGraph, op: OpNode) -> list[tuple[str, str, str, list[str], str, dict[str, int]]]:
+    """A forward einsum's readings as a dispatch (module docstring): ``(mask, other, out, own,
+    token, sizes)`` for each operand that can be the routing one: of its full rank, summing one
+    ``token`` letter away that the other operand shares, keeping two letters of its ``own``
+    (experts and capacity); ``sizes``: each letter's."""
+    operands, _, out = str(op.attrs.get("equation", "")).replace(" ", "").partition("->")
     letters = operands.split(",")
-    if len(letters) != 2 or op.outputs[0] is None:
-        return None
+    if op.name != "pd_op.einsum" or op.role is not Role.FORWARD or not out or len(letters) != 2 or op.outputs[0] is None:
+        return []
     shapes = [graph.values[k].shape if k is not None else () for k in op.inputs[:2]]
+    found = []
     for m in (0, 1):
         mask, other = letters[m], letters[1 - m]
-        sizes = dict(zip(mask, shapes[m])) | dict(zip(other, shapes[1 - m]))
         own = [c for c in mask if c not in other and c in out]
         tokens = [c for c in mask if c in other and c not in out]
-        if len(own) != 2 or len(tokens) != 1 or len(shapes[m]) != len(mask):
-            continue
-        token = tokens[0]
+        if len(own) == 2 and len(tokens) == 1 and len(shapes[m]) == len(mask):
+            found.append((mask, other, out, own, tokens[0], dict(zip(mask, shapes[m])) | dict(zip(other, shapes[1 - m]))))
+    return found
+
+
+def _dispatch(graph: ProgramGraph, op: OpNode) -> DroplessBuffer | None:
+    for mask, other, out, own, token, sizes in _routings(graph, op):
         capacity = [c for c in own if sizes[c] == sizes[token]]
         if not capacity:
             continue  # a static capacity below the worst case
@@ -139,23 +145,8 @@ def _dispatch(graph: ProgramGraph, op: OpNode) -> DroplessBuffer | None:
 
 @once_per_graph
 def routed_buffer_shapes(graph: ProgramGraph) -> frozenset[tuple[int, ...]]:
-    """The output shapes of the program's dispatch einsums, whatever their capacity: a forward
-    einsum whose routing operand sums the token letter away and keeps two letters of its own
-    (experts and capacity) that the other operand lacks (module docstring)."""
-    found = set()
-    for op in graph.ops:
-        if op.role is not Role.FORWARD or op.name != "pd_op.einsum" or op.outputs[0] is None:
-            continue
-        operands, _, out = str(op.attrs.get("equation", "")).replace(" ", "").partition("->")
-        letters = operands.split(",")
-        if not out or len(letters) != 2:
-            continue
-        for mask, other in (letters, letters[::-1]):
-            own = [c for c in mask if c not in other and c in out]
-            tokens = [c for c in mask if c in other and c not in out]
-            if len(own) == 2 and len(tokens) == 1:
-                found.add(tuple(graph.values[op.outputs[0]].shape))
-    return frozenset(found)
+    """The output shapes of the program's dispatch einsums, whatever their capacity."""
+    return frozenset(tuple(graph.values[op.outputs[0]].shape) for op in graph.ops if _routings(graph, op))
 
 
 WHOLE_BATCH_ROUTER = (
