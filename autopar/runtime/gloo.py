@@ -102,10 +102,11 @@ class GlooCommunicator:
         with waiting(what, timeout=self.timeout), dygraph():
             world = sorted(job.group) == list(range(self.world))
             x = np.require(x, requirements="C")
+            message = posted(job, x, self.rank) if self.rank in job.group else x  # (packed once: the kind's wire form)
             if self.rank in job.group:
-                record(job, posted(job, x, self.rank), self.rank)  # (counted only inside autopar.runtime.wire.counting)
+                record(job, message, self.rank)  # (counted only inside autopar.runtime.wire.counting)
             if self.group_exchange and not world:
-                return self._in_group(job, x)
+                return self._in_group(job, x, message)
             if world and KINDS[job.kind].emulated_by is not None:  # as gloo runs it natively (and the cost model prices it)
                 return emulated(job, self.rank, lambda emulation: KINDS[emulation.kind].eager(emulation, x, self))
             if world:
@@ -113,17 +114,17 @@ class GlooCommunicator:
             everyone: list[Any] = []
             import paddle.distributed as pdist
 
-            pdist.all_gather_object(everyone, posted(job, x, self.rank) if self.rank in job.group else x)
+            pdist.all_gather_object(everyone, message)
             if self.rank not in job.group:
                 return None
             return received(job, {r: everyone[r] for r in job.group}, x, self.rank)
 
-    def _in_group(self, job: Collective, x: np.ndarray) -> np.ndarray | None:
+    def _in_group(self, job: Collective, x: np.ndarray, message: np.ndarray) -> np.ndarray | None:
         """A sub-group collective among its members only, over the p2p links: each member sends
-        its input to the others and computes its output (pipelines: the ranks of other stages run
-        other jobs meanwhile, so the world exchange cannot serve them)."""
+        its ``message`` (its input in the kind's wire form) to the others and computes its output
+        (pipelines: the ranks of other stages run other jobs meanwhile, so the world exchange
+        cannot serve them)."""
         links = self._links()
-        message = posted(job, x, self.rank)
         for member in job.group:
             if member != self.rank:
                 links.send(member, message, job.key)
